@@ -1,0 +1,59 @@
+"""Float8 matmul backends: emulation (any device) and `torch._scaled_mm` (CUDA, sm >= 8.9).
+
+Both compute `(a_fp8 @ b_fp8) * (inv_scale_a * inv_scale_b)` with float32 accumulation.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _scaled_mm_supported(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """The backend `"auto"` stands for on `device`: `"scaled_mm"` or `"emulated"`."""
+    if backend != "auto":
+        return backend
+    return "scaled_mm" if _scaled_mm_supported(device) else "emulated"
+
+
+def _pad16(t: torch.Tensor, dim: int) -> torch.Tensor:
+    extra = -t.shape[dim] % 16
+    if extra == 0:
+        return t
+    pad = [0, 0] * (t.dim() - 1 - dim) + [0, extra]
+    return F.pad(t.view(torch.uint8), pad).view(t.dtype)
+
+
+def fp8_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    inv_scale_a: torch.Tensor,
+    inv_scale_b: torch.Tensor,
+    out_dtype: torch.dtype,
+    backend: str,
+) -> torch.Tensor:
+    """`(a @ b) * inv_scale_a * inv_scale_b` for float8 operands.
+
+    Args:
+      a: float8 `(m, k)`.
+      b: float8 `(k, n)`, any layout.
+      inv_scale_a, inv_scale_b: float32 `()` dequantization scales (`1 / scale`).
+      out_dtype: dtype of the result.
+      backend: `"emulated"` or `"scaled_mm"` (as resolved by `resolve_backend`).
+
+    Returns:
+      `(m, n)` tensor in `out_dtype`.
+    """
+    if backend == "emulated":
+        out = torch.mm(a.float(), b.float()) * (inv_scale_a * inv_scale_b)
+        return out.to(out_dtype)
+    # torch._scaled_mm: `a` row-major, `b` column-major, every dimension a multiple of 16.
+    m, n = a.shape[0], b.shape[1]
+    a = _pad16(_pad16(a, 0), 1).contiguous()
+    b = _pad16(_pad16(b, 0), 1).t().contiguous().t()
+    out = torch._scaled_mm(a, b, scale_a=inv_scale_a, scale_b=inv_scale_b, out_dtype=out_dtype)
+    return out[:m, :n]

@@ -1,0 +1,163 @@
+"""Scaling numerics: scales from amaxes, and the batched `update` / `merge` of scaling state.
+
+One convention throughout: `fp8 = saturate(hp * scale)` and `scale = fp8_max / (amax * 2**margin)`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._state import ROLES, ScaleState, SiteState
+
+E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
+FP8_MAX = {E4M3: torch.finfo(E4M3).max, E5M2: torch.finfo(E5M2).max}  # 448.0, 57344.0
+ROLE_DTYPE = {"input": E4M3, "weight": E4M3, "grad_output": E5M2}
+_F32_MAX = torch.finfo(torch.float32).max
+
+
+def compute_scale(amax: torch.Tensor, fp8_max: float | torch.Tensor, margin=0.0) -> torch.Tensor:
+    """`fp8_max / (amax * 2**margin)`, computed in float64, returned as float32.
+
+    Always finite and > 0: an amax that is 0, inf or NaN gives scale 1, a tiny amax whose scale
+    would overflow float32 gives float32's max.
+
+    Args:
+      amax: float tensor of any shape (e.g. `()` or `(n_states,)`).
+      fp8_max: the float8 format's largest value, a float or a tensor broadcastable to `amax`.
+      margin: a float or a tensor broadcastable to `amax`.
+
+    Returns:
+      float32 tensor of `amax`'s shape.
+
+    Example:
+      >>> import torch, fp8fn
+      >>> fp8fn.compute_scale(torch.tensor(2.0), 448.0, margin=1)
+      tensor(112.)
+    """
+    amax64 = amax.double()
+    margin64 = torch.as_tensor(margin, dtype=torch.float64, device=amax.device)
+    scale = torch.as_tensor(fp8_max, dtype=torch.float64, device=amax.device) / (
+        amax64 * torch.exp2(margin64)
+    )
+    valid = (amax64 > 0) & torch.isfinite(amax64)
+    return torch.where(valid, scale.clamp(max=_F32_MAX), 1.0).float()
+
+
+def _observed(obs_scale_state) -> torch.Tensor | None:
+    """The amax an observation holds, or None when nothing was observed."""
+    if obs_scale_state is None or obs_scale_state.amax_history is None:
+        return None
+    return obs_scale_state.amax_history[0]
+
+
+def _check_trees(api: str, a, b, a_name: str, b_name: str) -> None:
+    if not isinstance(a, dict) or not isinstance(b, dict):
+        raise TypeError(
+            f"fp8fn.{api}: expected `{a_name}` and `{b_name}` to be dicts of fp8fn.SiteState, "
+            f"got {type(a).__name__} and {type(b).__name__}."
+        )
+    if a.keys() != b.keys():
+        diff = sorted(set(a) ^ set(b))
+        raise ValueError(
+            f"fp8fn.{api}: `{a_name}` and `{b_name}` must have the same sites; "
+            f"these are in only one of them: {diff}."
+        )
+    for site, s in a.items():
+        if s is not None and not isinstance(s, SiteState):
+            raise TypeError(
+                f"fp8fn.{api}: expected `{a_name}[{site!r}]` to be an fp8fn.SiteState, "
+                f"got {type(s).__name__}."
+            )
+
+
+def update(state: dict, obs: dict) -> dict:
+    """Push each observed amax into its history and recompute the scale, for all sites at once.
+
+    An observed amax that is > 0 and finite goes to the front of the history (the oldest entry
+    drops) and the scale becomes `fp8_max / (amax * 2**margin)`, with `amax` the max of the
+    history ("max") or its newest entry ("most_recent"). An observation that is 0, None, inf or
+    NaN leaves that `ScaleState` unchanged. Pure: nothing passed in is modified.
+
+    The work is batched: all states of one history length are stacked, so the number of
+    kernels does not grow with the number of sites.
+
+    Args:
+      state: `{site: SiteState}`, as made by `fn.init`.
+      obs: observations of the same structure (the gradient with respect to `state`; None or
+        zero leaves mean "not observed").
+
+    Returns:
+      The new state, of the same structure as `state`.
+
+    Example:
+      >>> import torch, fp8fn
+      >>> state = {"fc": fp8fn.init_site_state(fp8fn.DelayedScaling(history_len=2))}
+      >>> obs = {"fc": state["fc"]._replace(input=state["fc"].input._replace(
+      ...     amax_history=torch.tensor([4.0, 0.0])))}
+      >>> new = fp8fn.update(state, obs)
+      >>> new["fc"].input.amax_history, new["fc"].input.scale
+      (tensor([4., 0.]), tensor(112.))
+    """
+    _check_trees("update", state, obs, "state", "obs")
+    groups: dict[tuple, list] = {}  # (history_len, device) -> [(site, role, state, amax)]
+    for site, site_state in state.items():
+        if site_state is None:
+            continue
+        site_obs = obs[site]
+        for i, role in enumerate(ROLES):
+            s = site_state[i]
+            amax = _observed(None if site_obs is None else site_obs[i])
+            key = (s.amax_history.shape[0], s.amax_history.device)
+            groups.setdefault(key, []).append((site, role, s, amax))
+
+    new = {site: (None if s is None else list(s)) for site, s in state.items()}
+    for (_, device), items in groups.items():
+        zero = torch.zeros((), dtype=torch.float32, device=device)
+        stacked = [torch.stack(t) for t in zip(*(s for _, _, s, _ in items))]
+        amax = torch.stack([zero if a is None else a.float() for *_, a in items])
+        fp8_max = torch.tensor(
+            [FP8_MAX[ROLE_DTYPE[role]] for _, role, _, _ in items], device=device
+        )
+        histories, scales = _update_stacked(*stacked, amax, fp8_max)
+        for (site, role, s, _), h, sc in zip(items, histories.unbind(), scales.unbind()):
+            new[site][ROLES.index(role)] = s._replace(amax_history=h, scale=sc)
+    return {site: (None if s is None else SiteState(*s)) for site, s in new.items()}
+
+
+def _update_stacked(history, scale, margin, window, amax, fp8_max):
+    """The update of n stacked states. history (n, h), the rest (n,); returns (history, scale)."""
+    push = (amax > 0) & torch.isfinite(amax)
+    rolled = torch.cat([amax[:, None], history[:, :-1]], dim=1)
+    history = torch.where(push[:, None], rolled, history)
+    positions = torch.arange(history.shape[1], device=history.device)
+    in_window = positions[None, :] < window[:, None]
+    amax_used = torch.where(in_window, history, 0.0).amax(dim=1)
+    scale = torch.where(push, compute_scale(amax_used, fp8_max, margin), scale)
+    return history, scale
+
+
+def merge(obs_a: dict, obs_b: dict) -> dict:
+    """Combine two observation trees by elementwise max (for microbatches, or repeated calls).
+
+    None leaves count as "not observed". Never sums: the amax of a union is the max of amaxes.
+
+    Example:
+      >>> import torch, fp8fn
+      >>> a = {"fc": fp8fn.init_site_state(fp8fn.DelayedScaling(history_len=1))}
+      >>> b = {"fc": a["fc"]._replace(input=a["fc"].input._replace(
+      ...     amax_history=torch.tensor([3.0])))}
+      >>> fp8fn.merge(a, b)["fc"].input.amax_history
+      tensor([3.])
+    """
+    _check_trees("merge", obs_a, obs_b, "obs_a", "obs_b")
+    return {site: _max_node(obs_a[site], obs_b[site]) for site in obs_a}
+
+
+def _max_node(x, y):
+    """Elementwise max of two observation nodes; None is "not observed", NaN is ignored."""
+    if x is None or y is None:
+        return y if x is None else x
+    if isinstance(x, torch.Tensor):
+        return torch.fmax(x, y)
+    return type(x)(*map(_max_node, x, y))
