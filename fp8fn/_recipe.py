@@ -54,15 +54,13 @@ class DelayedScaling:
                 f"fp8fn.DelayedScaling: expected `amax_compute` in {_AMAX_COMPUTE}, "
                 f"got {self.amax_compute!r}."
             )
-        if (
-            isinstance(self.margin, bool)
-            or not isinstance(self.margin, int)
-            or self.margin < 0
-        ):
-            raise ValueError(
-                f"fp8fn.DelayedScaling: expected `margin` to be a non-negative int, "
-                f"got {self.margin!r}."
+        if isinstance(self.margin, bool) or not isinstance(self.margin, int):
+            raise TypeError(
+                f"fp8fn.DelayedScaling: expected `margin` to be an int, "
+                f"got {type(self.margin).__name__} {self.margin!r}."
             )
+        if self.margin < 0:
+            raise ValueError(f"fp8fn.DelayedScaling: expected `margin` >= 0, got {self.margin}.")
         _check_backend("DelayedScaling", self.backend)
 
 

@@ -91,3 +91,7 @@ def check_site_state(api: str, site_state, recipe, where: str = "`site_state`") 
                     f"fp8fn.{api}: expected {where}.{role}.{field} of shape {shape}, "
                     f"got {tuple(leaf.shape)}."
                 )
+
+
+# So that state saved with torch.save loads with torch.load(..., weights_only=True).
+torch.serialization.add_safe_globals([ScaleState, SiteState])
