@@ -14,6 +14,7 @@ E5M2 = torch.float8_e5m2
 FP8_MAX = {E4M3: torch.finfo(E4M3).max, E5M2: torch.finfo(E5M2).max}  # 448.0, 57344.0
 ROLE_DTYPE = {"input": E4M3, "weight": E4M3, "grad_output": E5M2}
 _F32_MAX = torch.finfo(torch.float32).max
+_ROLE_FP8_MAX = tuple(FP8_MAX[ROLE_DTYPE[role]] for role in ROLES)  # in SiteState order
 
 
 def compute_scale(amax: torch.Tensor, fp8_max: float | torch.Tensor, margin=0.0) -> torch.Tensor:
@@ -44,13 +45,6 @@ def compute_scale(amax: torch.Tensor, fp8_max: float | torch.Tensor, margin=0.0)
     return torch.where(valid, scale.clamp(max=_F32_MAX), 1.0).float()
 
 
-def _observed(obs_scale_state) -> torch.Tensor | None:
-    """The amax an observation holds, or None when nothing was observed."""
-    if obs_scale_state is None or obs_scale_state.amax_history is None:
-        return None
-    return obs_scale_state.amax_history[0]
-
-
 def _check_trees(api: str, a, b, a_name: str, b_name: str) -> None:
     if not isinstance(a, dict) or not isinstance(b, dict):
         raise TypeError(
@@ -63,12 +57,19 @@ def _check_trees(api: str, a, b, a_name: str, b_name: str) -> None:
             f"fp8fn.{api}: `{a_name}` and `{b_name}` must have the same sites; "
             f"these are in only one of them: {diff}."
         )
-    for site, s in a.items():
-        if s is not None and not isinstance(s, SiteState):
-            raise TypeError(
-                f"fp8fn.{api}: expected `{a_name}[{site!r}]` to be an fp8fn.SiteState, "
-                f"got {type(s).__name__}."
-            )
+    for name, tree in ((a_name, a), (b_name, b)):
+        for site, s in tree.items():
+            if s is not None and not isinstance(s, SiteState):
+                raise TypeError(
+                    f"fp8fn.{api}: expected `{name}[{site!r}]` to be an fp8fn.SiteState or "
+                    f"None, got {type(s).__name__}."
+                )
+            for role, r in zip(ROLES, () if s is None else s):
+                if r is not None and not isinstance(r, ScaleState):
+                    raise TypeError(
+                        f"fp8fn.{api}: expected `{name}[{site!r}].{role}` to be an "
+                        f"fp8fn.ScaleState or None, got {type(r).__name__}."
+                    )
 
 
 def update(state: dict, obs: dict) -> dict:
@@ -100,29 +101,49 @@ def update(state: dict, obs: dict) -> dict:
       (tensor([4., 0.]), tensor(112.))
     """
     _check_trees("update", state, obs, "state", "obs")
-    groups: dict[tuple, list] = {}  # (history_len, device) -> [(site, role, state, amax)]
+    # Per-state Python work is kept to a minimum (this loop is the cost for many sites): group
+    # the states by (history_len, device), stack each field once, update, unbind once.
+    groups: dict[tuple, tuple[list, list, list, list]] = {}
+    n_states = 0
     for site, site_state in state.items():
         if site_state is None:
             continue
         site_obs = obs[site]
-        for i, role in enumerate(ROLES):
-            s = site_state[i]
-            amax = _observed(None if site_obs is None else site_obs[i])
-            key = (s.amax_history.shape[0], s.amax_history.device)
-            groups.setdefault(key, []).append((site, role, s, amax))
+        for i, s in enumerate(site_state):
+            history = s.amax_history
+            key = (history.shape, history.device)
+            group = groups.get(key)
+            if group is None:
+                group = groups[key] = ([], [], [], [])
+            o = None if site_obs is None else site_obs[i]
+            o = None if o is None else o.amax_history
+            if o is not None and o.shape != history.shape:
+                raise ValueError(
+                    f"fp8fn.update: expected `obs[{site!r}].{ROLES[i]}.amax_history` of shape "
+                    f"{tuple(history.shape)} like the state's, got {tuple(o.shape)}."
+                )
+            positions, states, observed, fp8_max = group
+            positions.append(n_states)
+            states.append(s)
+            observed.append(o)
+            fp8_max.append(_ROLE_FP8_MAX[i])
+            n_states += 1
 
-    new = {site: (None if s is None else list(s)) for site, s in state.items()}
-    for (_, device), items in groups.items():
-        zero = torch.zeros((), dtype=torch.float32, device=device)
-        stacked = [torch.stack(t) for t in zip(*(s for _, _, s, _ in items))]
-        amax = torch.stack([zero if a is None else a.float() for *_, a in items])
-        fp8_max = torch.tensor(
-            [FP8_MAX[ROLE_DTYPE[role]] for _, role, _, _ in items], device=device
-        )
-        histories, scales = _update_stacked(*stacked, amax, fp8_max)
-        for (site, role, s, _), h, sc in zip(items, histories.unbind(), scales.unbind()):
-            new[site][ROLES.index(role)] = s._replace(amax_history=h, scale=sc)
-    return {site: (None if s is None else SiteState(*s)) for site, s in new.items()}
+    new: list = [None] * n_states
+    for (shape, device), (positions, states, observed, fp8_max) in groups.items():
+        zero = torch.zeros(shape, dtype=torch.float32, device=device)
+        observed = [zero if o is None else o for o in observed]
+        amax = torch.stack(observed)[:, 0].float()
+        fields = [torch.stack(field) for field in zip(*(s[:4] for s in states))]
+        fp8_max = torch.tensor(fp8_max, dtype=torch.float32, device=device)
+        histories, scales = _update_stacked(*fields, amax, fp8_max)
+        for p, s, h, sc in zip(positions, states, histories.unbind(), scales.unbind()):
+            new[p] = ScaleState(h, sc, *s[2:])
+    roles = iter(new)
+    return {
+        site: None if s is None else SiteState(next(roles), next(roles), next(roles))
+        for site, s in state.items()
+    }
 
 
 def _update_stacked(history, scale, margin, window, amax, fp8_max):
