@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ._cast import amax, cast_to_fp8, choose_scale
 from ._matmul import fp8_mm, resolve_backend
@@ -34,21 +33,20 @@ def _as_observation(hp_amax, history, like):
 class _Fp8Linear(torch.autograd.Function):
     """y = x @ weight.T + bias with float8 operands. x (m, k), weight (n, k), bias (n,) or None.
 
-    State inputs (`*_history`, `*_scale`, `*_margin`) are None for current scaling. Their
-    gradient is the observation: `[amax, 0, ...]` for each history, nothing for the rest.
+    `state` is `(history, scale, margin)` for input, weight and grad_output in turn (nine
+    tensors), all None for current scaling. The gradient of each history is the observation
+    `[amax, 0, ...]`; the other state tensors get none.
     """
 
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x, weight, bias, backend, in_history, in_scale, in_margin,
-                w_history, w_scale, w_margin, go_history, go_scale, go_margin):
+    def forward(x, weight, bias, backend, *state):
         x_amax, w_amax = amax(x), amax(weight)
-        x_scale = _scale(in_history, in_scale, in_margin, x_amax, FP8_MAX[E4M3])
-        w_scale_used = _scale(w_history, w_scale, w_margin, w_amax, FP8_MAX[E4M3])
-        x_fp8 = cast_to_fp8(x, x_scale, E4M3)
-        w_fp8 = cast_to_fp8(weight, w_scale_used, E4M3)
-        x_inv, w_inv = x_scale.reciprocal(), w_scale_used.reciprocal()
+        x_scale = _scale(*state[0:3], x_amax, FP8_MAX[E4M3])
+        w_scale = _scale(*state[3:6], w_amax, FP8_MAX[E4M3])
+        x_fp8, w_fp8 = cast_to_fp8(x, x_scale, E4M3), cast_to_fp8(weight, w_scale, E4M3)
+        x_inv, w_inv = x_scale.reciprocal(), w_scale.reciprocal()
         out = fp8_mm(x_fp8, w_fp8.t(), x_inv, w_inv, x.dtype, backend)
         if bias is not None:
             out = out + bias.to(out.dtype)
@@ -56,25 +54,22 @@ class _Fp8Linear(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, weight, bias, backend, in_history, _, _, w_history, _, _, go_history, go_scale, \
-            go_margin = inputs
-        _, x_fp8, w_fp8, x_inv, w_inv, x_amax, w_amax = output
+        x, weight, bias, backend, *state = inputs
         ctx.mark_non_differentiable(*output[1:])
-        ctx.save_for_backward(x_fp8, w_fp8, x_inv, w_inv, x_amax, w_amax,
-                              in_history, w_history, go_history, go_scale, go_margin)
+        ctx.save_for_backward(*output[1:], state[0], state[3], *state[6:9])
         ctx.backend = backend
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
 
     @staticmethod
     def backward(ctx, grad_out, *_):
-        (x_fp8, w_fp8, x_inv, w_inv, x_amax, w_amax,
-         in_history, w_history, go_history, go_scale, go_margin) = ctx.saved_tensors
+        x_fp8, w_fp8, x_inv, w_inv, x_amax, w_amax, in_history, w_history, *go_state = (
+            ctx.saved_tensors
+        )
         x_dtype, w_dtype, b_dtype = ctx.dtypes
         needs = ctx.needs_input_grad
         g_amax = amax(grad_out)
-        g_scale = _scale(go_history, go_scale, go_margin, g_amax, FP8_MAX[E5M2])
-        g_fp8 = cast_to_fp8(grad_out, g_scale, E5M2)
-        g_inv = g_scale.reciprocal()
+        g_scale = _scale(*go_state, g_amax, FP8_MAX[E5M2])
+        g_fp8, g_inv = cast_to_fp8(grad_out, g_scale, E5M2), g_scale.reciprocal()
         grad_x = grad_w = grad_b = None
         if needs[0]:
             grad_x = fp8_mm(g_fp8, w_fp8, g_inv, w_inv, x_dtype, ctx.backend)
@@ -82,14 +77,15 @@ class _Fp8Linear(torch.autograd.Function):
             grad_w = fp8_mm(g_fp8.t(), x_fp8, g_inv, x_inv, w_dtype, ctx.backend)
         if needs[2]:
             grad_b = grad_out.float().sum(0).to(b_dtype)
-        obs = [None] * 3
-        for i, (hp_amax, history) in enumerate(
-            [(x_amax, in_history), (w_amax, w_history), (g_amax, go_history)]
+        grad_state = [None] * 9
+        for i, hp_amax, history in (
+            (0, x_amax, in_history),
+            (3, w_amax, w_history),
+            (6, g_amax, go_state[0]),
         ):
-            if needs[4 + 3 * i]:
-                obs[i] = _as_observation(hp_amax, history, grad_out)
-        return (grad_x, grad_w, grad_b, None,
-                obs[0], None, None, obs[1], None, None, obs[2], None, None)
+            if needs[4 + i]:
+                grad_state[i] = _as_observation(hp_amax, history, grad_out)
+        return grad_x, grad_w, grad_b, None, *grad_state
 
 
 def linear(x, weight, bias, site_state, recipe):
@@ -134,7 +130,9 @@ def linear(x, weight, bias, site_state, recipe):
         if t is None and name == "bias":
             continue
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"fp8fn.linear: expected `{name}` to be a tensor, got {type(t).__name__}.")
+            raise TypeError(
+                f"fp8fn.linear: expected `{name}` to be a tensor, got {type(t).__name__}."
+            )
         if t.dtype not in _HP_DTYPES:
             raise TypeError(
                 f"fp8fn.linear: expected `{name}` in float32, bfloat16 or float16, got {t.dtype}."
@@ -147,10 +145,18 @@ def linear(x, weight, bias, site_state, recipe):
         )
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
         raise ValueError(
-            f"fp8fn.linear: expected `bias` of shape ({weight.shape[0]},), "
-            f"got {tuple(bias.shape)}."
+            f"fp8fn.linear: expected `bias` of shape ({weight.shape[0]},), got {tuple(bias.shape)}."
         )
     check_site_state("linear", site_state, recipe)
+    if torch.compiler.is_compiling() and torch._C._functorch.maybe_current_level() is not None:
+        # Raised while dynamo traces: without fullgraph this frame then runs eagerly (correct).
+        raise RuntimeError(
+            "fp8fn.linear: torch.compile cannot trace fp8fn.linear inside a torch.func "
+            "transform (grad, vjp, vmap): it would drop fp8fn's backward and return wrong "
+            "gradients and observations (pytorch#193279). Compile with plain autograd "
+            "(loss.backward() or torch.autograd.grad) instead, or leave fullgraph off so that "
+            "this part runs eagerly."
+        )
     leaves = [None] * 9
     if site_state is not None:
         leaves = [t for s in site_state for t in (s.amax_history, s.scale, s.margin)]

@@ -95,3 +95,49 @@ def check_site_state(api: str, site_state, recipe, where: str = "`site_state`") 
 
 # So that state saved with torch.save loads with torch.load(..., weights_only=True).
 torch.serialization.add_safe_globals([ScaleState, SiteState])
+
+
+def flatten_state(state: dict) -> dict[str, torch.Tensor]:
+    """A state as a flat `{"site.role.field": tensor}` dict (for safetensors, distributed
+    checkpoints, or `torch.save`). Sites without state (`None`) have no entries.
+
+    Example:
+      >>> import fp8fn
+      >>> flat = fp8fn.flatten_state({"fc": fp8fn.init_site_state(fp8fn.DelayedScaling())})
+      >>> list(flat)[:2]
+      ['fc.input.amax_history', 'fc.input.scale']
+    """
+    return {
+        f"{site}.{role}.{field}": leaf
+        for site, site_state in state.items()
+        if site_state is not None
+        for role, scale_state in zip(ROLES, site_state)
+        for field, leaf in zip(ScaleState._fields, scale_state)
+    }
+
+
+def unflatten_state(flat: dict[str, torch.Tensor]) -> dict:
+    """The inverse of `flatten_state`: `{"site.role.field": tensor}` back to `{site: SiteState}`.
+
+    Raises ValueError naming the key when a key is not of that form or a site lacks a field.
+    """
+    fields: dict[str, dict] = {}
+    for key, leaf in flat.items():
+        parts = key.rsplit(".", 2)
+        if len(parts) != 3 or parts[1] not in ROLES or parts[2] not in ScaleState._fields:
+            raise ValueError(
+                f"fp8fn.unflatten_state: expected keys 'site.role.field' with role in {ROLES} "
+                f"and field in {ScaleState._fields}, got {key!r}."
+            )
+        fields.setdefault(parts[0], {})[(parts[1], parts[2])] = leaf
+    state = {}
+    for site, leaves in fields.items():
+        missing = [
+            f"{site}.{r}.{f}" for r in ROLES for f in ScaleState._fields if (r, f) not in leaves
+        ]
+        if missing:
+            raise ValueError(f"fp8fn.unflatten_state: missing keys {missing}.")
+        state[site] = SiteState(
+            *(ScaleState(*(leaves[r, f] for f in ScaleState._fields)) for r in ROLES)
+        )
+    return state

@@ -1,0 +1,113 @@
+"""`checkpoint`: recompute a pure function in the backward, under torch.func and autograd alike."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.utils import _pytree as pytree
+
+
+class _Checkpoint(torch.autograd.Function):
+    """Runs `run(*tensors)` without saving activations; the backward re-runs it under vjp.
+
+    `run` maps a flat tuple of input tensors to a flat tuple of output tensors; `run.rng_state`
+    is the RNG state to recompute with. Only the inputs are saved.
+    """
+
+    @staticmethod
+    def forward(run, *tensors):
+        return tuple(run(*tensors))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        run, *tensors = inputs
+        ctx.run = run
+        ctx.mark_non_differentiable(*(t for t in output if not t.is_floating_point()))
+        ctx.save_for_backward(*tensors)
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        tensors = ctx.saved_tensors
+        diff = [i for i, t in enumerate(tensors) if t.is_floating_point()]
+
+        def run_diff(*diff_tensors):
+            args = list(tensors)
+            for i, t in zip(diff, diff_tensors):
+                args[i] = t
+            return tuple(ctx.run(*args))
+
+        with _restored_rng(ctx.run.rng_state), torch.enable_grad():
+            outputs, vjp_fn = torch.func.vjp(run_diff, *(tensors[i] for i in diff))
+        cotangents = tuple(
+            torch.zeros_like(o) if g is None or not o.is_floating_point() else g
+            for o, g in zip(outputs, grad_outputs)
+        )
+        grads = [None] * len(tensors)
+        for i, g in zip(diff, vjp_fn(cotangents)):
+            grads[i] = g
+        return (None, *grads)
+
+
+def _rng_state():
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda
+
+
+@contextlib.contextmanager
+def _restored_rng(state):
+    cpu, cuda = state
+    devices = range(len(cuda)) if cuda is not None else []
+    with torch.random.fork_rng(devices=devices):
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+        yield
+
+
+def checkpoint(f, *args):
+    """`f(*args)`, recomputed in the backward instead of saving its activations.
+
+    Works under `torch.func.grad` / `vjp` / `grad_and_value` (where `torch.utils.checkpoint`
+    raises) and under plain autograd. `f` must be a pure function of its arguments: everything
+    it differentiates through — parameters and fp8fn scaling state included — must be passed in
+    `args`, not read from a module or a closure, since the recompute runs after the forward
+    has returned. The recompute sees the forward's RNG state, so dropout masks agree. Under
+    fp8fn scaling, a recompute casts bit-identically to the forward and observes nothing twice.
+
+    Args:
+      f: a function of pytrees of tensors (dicts, lists, tuples, NamedTuples; non-tensor
+        leaves are passed through unchanged) returning a pytree of tensors.
+      *args: its arguments.
+
+    Returns:
+      `f(*args)`.
+
+    Example:
+      >>> import torch, fp8fn
+      >>> params, x = {"w": torch.randn(4, 4)}, torch.randn(2, 4)
+      >>> f = lambda p, x: torch.tanh(x @ p["w"]).sum()
+      >>> g = torch.func.grad(lambda p, x: fp8fn.checkpoint(f, p, x))(params, x)
+      >>> torch.equal(g["w"], torch.func.grad(f)(params, x)["w"])
+      True
+    """
+    leaves, in_spec = pytree.tree_flatten(args)
+    is_tensor = [isinstance(x, torch.Tensor) for x in leaves]
+    out_spec = []
+
+    def run(*tensors):
+        it = iter(tensors)
+        filled = [next(it) if t else x for x, t in zip(leaves, is_tensor)]
+        out_leaves, spec = pytree.tree_flatten(f(*pytree.tree_unflatten(filled, in_spec)))
+        if not all(isinstance(o, torch.Tensor) for o in out_leaves):
+            raise TypeError(
+                "fp8fn.checkpoint: expected `f` to return a pytree of tensors, got leaves of "
+                f"types {sorted({type(o).__name__ for o in out_leaves})}."
+            )
+        out_spec[:] = [spec]
+        return out_leaves
+
+    tensors = [x for x, t in zip(leaves, is_tensor) if t]
+    run.rng_state = _rng_state()
+    outputs = _Checkpoint.apply(run, *tensors)
+    return pytree.tree_unflatten(list(outputs), out_spec[0])
