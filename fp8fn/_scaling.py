@@ -136,7 +136,8 @@ def update(state: dict, obs: dict) -> dict:
         amax = torch.stack(observed)[:, 0].float()
         fields = [torch.stack(field) for field in zip(*(s[:4] for s in states))]
         fp8_max = torch.tensor(fp8_max, dtype=torch.float32, device=device)
-        histories, scales = _update_stacked(*fields, amax, fp8_max)
+        with torch.no_grad():  # state is data: no autograd history carried across steps
+            histories, scales = _update_stacked(*fields, amax, fp8_max)
         for p, s, h, sc in zip(positions, states, histories.unbind(), scales.unbind()):
             new[p] = ScaleState(h, sc, *s[2:])
     roles = iter(new)
