@@ -93,6 +93,8 @@ def _checkpointed_forward(self, *args, **kwargs):
     """Forward of a module chosen by `checkpoint_fn`: recomputed in the backward."""
     trace = _active_trace(self)
     holder, original = self._fp8fn_holder, super(type(self), self).forward.__func__
+    if trace.discover:
+        return original(self, *args, **kwargs)
     named = {
         **dict(self.named_parameters(remove_duplicate=False)),
         **dict(self.named_buffers(remove_duplicate=False)),
@@ -155,7 +157,8 @@ class Transformed:
         self._holder = _Holder()
         memo = {}
         self._copy = _copy_module(module, memo)
-        self._param_names = [n for n, _ in module.named_parameters(remove_duplicate=False)]
+        self._param_names = [n for n, _ in module.named_parameters()]  # tied: first name only
+        self._aliases = {n for n, _ in module.named_parameters(remove_duplicate=False)}
         self._buffers = dict(module.named_buffers(remove_duplicate=False))
         self.layers = []  # module paths of the converted nn.Linear layers
         checkpointed = []
@@ -191,9 +194,11 @@ class Transformed:
 
         Returns:
           `{site: fp8fn.SiteState}` for `DelayedScaling` (on the device of each layer's
-          weight), `{site: None}` for `CurrentScaling`.
+          weight); `{}` for the stateless `CurrentScaling`.
         """
         trace = self._discover(args, kwargs)
+        if not isinstance(self.recipe, DelayedScaling):
+            return {}
         names = list(dict.fromkeys(trace.sites + self.layers))
         weights = {layer: self.module.get_submodule(layer).weight for layer in self.layers}
         return {
@@ -255,7 +260,7 @@ class Transformed:
                 f"module.named_parameters(), got {type(params).__name__}."
             )
         missing = [n for n in self._param_names if n not in params]
-        extra = [n for n in params if n not in self._buffers and n not in self._param_names]
+        extra = [n for n in params if n not in self._buffers and n not in self._aliases]
         if missing or extra:
             raise ValueError(
                 "fp8fn.apply: `params` must be keyed like module.named_parameters(); "
