@@ -10,8 +10,10 @@ from ._scaling import FP8_MAX, compute_scale
 def amax(hp: torch.Tensor) -> torch.Tensor:
     """The largest magnitude of `hp` (any shape, floating), as a float32 `()` tensor.
 
-    NaN in `hp` gives NaN (which `update` then ignores).
+    NaN in `hp` gives NaN, an empty `hp` gives 0 (both of which `update` then ignores).
     """
+    if hp.numel() == 0:
+        return hp.new_zeros((), dtype=torch.float32)
     return hp.abs().amax().float()
 
 

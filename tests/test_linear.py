@@ -195,6 +195,17 @@ def test_linear_observation_vmap_over_grad_is_per_example():
     assert obs.weight.amax_history[:, 0].tolist() == [w.abs().max().item()] * 3
 
 
+def test_linear_empty_batch_observes_nothing():
+    _, w, b, _ = _data()
+    x = torch.zeros(0, 32)
+    state = fp8fn.init_site_state(DELAYED)
+    y = fp8fn.linear(x, w, b, state, DELAYED)
+    assert y.shape == (0, 16)
+    gw, obs = torch.func.grad(_loss, argnums=(1, 3))(x, w, b, state, torch.zeros(0, 16))
+    assert torch.equal(gw, torch.zeros_like(w)) and obs.input.amax_history[0] == 0
+    assert_bit_identical(fp8fn.update({"fc": state}, {"fc": obs})["fc"].input, state.input)
+
+
 # what is saved for the backward ----------------------------------------------------------------
 
 
