@@ -127,7 +127,7 @@ def _copy_module(module: nn.Module, memo: dict) -> nn.Module:
     memo[id(module)] = new
     for name, child in module._modules.items():
         if child is not None:
-            new._modules[name] = memo.get(id(child)) or _copy_module(child, memo)
+            new._modules[name] = memo[id(child)] if id(child) in memo else _copy_module(child, memo)
     return new
 
 
@@ -157,6 +157,7 @@ class Transformed:
         self._holder = _Holder()
         memo = {}
         self._copy = _copy_module(module, memo)
+        self._pairs = [(m, memo[id(m)]) for m in module.modules()]  # (original, copy)
         self._param_names = [n for n, _ in module.named_parameters()]  # tied: first name only
         self._aliases = {n for n, _ in module.named_parameters(remove_duplicate=False)}
         self._buffers = dict(module.named_buffers(remove_duplicate=False))
@@ -221,6 +222,7 @@ class Transformed:
 
     def _run_discovery(self, named, args_kwargs) -> _Trace:
         args, kwargs = args_kwargs
+        self._sync_training_flags()
         trace = _Trace(self.recipe, None, discover=True)
         with torch.no_grad(), self._holder.bind(trace):
             torch.func.functional_call(self._copy, named, args, kwargs, strict=False)
@@ -240,6 +242,7 @@ class Transformed:
           for `fp8fn.update`.
         """
         self._check(params, state)
+        self._sync_training_flags()
         named = {**self._buffers, **params}
         try:
             with self._holder.bind(_Trace(self.recipe, state)):
@@ -252,6 +255,12 @@ class Transformed:
                     "pass `checkpoint_fn=lambda name, module: ...` to fp8fn.transform."
                 ) from e
             raise
+
+    def _sync_training_flags(self):
+        """Follow `module.train()` / `.eval()` made after the transform (dropout, batch norm)."""
+        for original, copied in self._pairs:
+            if copied.training != original.training:
+                copied.training = original.training
 
     def _check(self, params, state):
         if not isinstance(params, dict):

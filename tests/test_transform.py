@@ -434,3 +434,21 @@ def test_transformer_matches_float32_and_routes_agree(recipe):
     assert _sqnr(ref_out, out) >= 25
     for name in ("blocks.0.qkv.weight", "blocks.1.fc2.weight", "head.weight"):
         assert _sqnr(ref_grads[name], grads[name]) >= 20, name
+
+
+def test_apply_follows_train_and_eval_of_the_module():
+    model = nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.5))
+    fn = fp8fn.transform(model, fp8fn.CurrentScaling())
+    x = torch.randn(64, 16)
+    params, state = _params(model), fn.init(x)
+    model.eval()
+    assert torch.equal(fn.apply(params, state, x), fn.apply(params, state, x))
+    model.train()
+    assert not torch.equal(fn.apply(params, state, x), fn.apply(params, state, x))
+
+
+def test_empty_submodules_are_copied_once():
+    model = nn.Sequential(nn.Linear(16, 16), nn.Sequential(), nn.Linear(16, 8))
+    model.alias = model[1]
+    fn = fp8fn.transform(model, DELAYED)
+    assert fn._copy.alias is fn._copy[1] and fn._copy[1] is not model[1]
