@@ -37,14 +37,27 @@ class _Checkpoint(torch.autograd.Function):
                 args[i] = t
             return tuple(ctx.run(*args))
 
-        with _restored_rng(ctx.run.rng_state), torch.enable_grad():
-            outputs, vjp_fn = torch.func.vjp(run_diff, *(tensors[i] for i in diff))
-        cotangents = tuple(
-            torch.zeros_like(o) if g is None or not o.is_floating_point() else g
-            for o, g in zip(outputs, grad_outputs)
-        )
+        def contracted(*diff_tensors):
+            # sum(<output, cotangent>): its gradient is the vjp, bit for bit (the backward of
+            # the sum and the product hands each output exactly its cotangent).
+            total = torch.zeros((), dtype=torch.float32, device=tensors[diff[0]].device)
+            for o, g in zip(run_diff(*diff_tensors), grad_outputs):
+                if g is not None and o.is_floating_point():
+                    total = total + (o * g).sum()
+            return total
+
         grads = [None] * len(tensors)
-        for i, g in zip(diff, vjp_fn(cotangents)):
+        if not diff:
+            return (None, *grads)
+        # torch.func.grad, not vjp: the backward pass runs while the recompute's functorch
+        # level is still active, so a checkpoint nested inside `f` can open its own level in
+        # its backward (with vjp, whose vjp_fn runs after the level is gone, a nested
+        # checkpoint under torch.func trips `level <= current_level INTERNAL ASSERT`).
+        with _restored_rng(ctx.run.rng_state), torch.enable_grad():
+            diff_grads = torch.func.grad(contracted, argnums=tuple(range(len(diff))))(
+                *(tensors[i] for i in diff)
+            )
+        for i, g in zip(diff, diff_grads):
             grads[i] = g
         return (None, *grads)
 

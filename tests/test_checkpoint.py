@@ -1,0 +1,371 @@
+"""Activation checkpointing: recompute is bit-identical and observes nothing twice.
+
+`fp8fn.checkpoint` directly, and `fp8fn.transform(..., checkpoint_fn=...)` on a multi-block
+transformer, under torch.func and plain autograd, from a fresh (empty-history) state on.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _models import MLP, Block, ReusedLayer, Transformer
+from torch import nn
+from torch.utils import _pytree as pytree
+
+import fp8fn
+
+VOCAB, D, HEADS, BLOCKS, SEQ, BATCH = 32, 16, 2, 2, 8, 2
+STEPS = 3
+RECIPES = {
+    "delayed": lambda: fp8fn.DelayedScaling(history_len=4),
+    "current": fp8fn.CurrentScaling,
+}
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def assert_bits_equal(a, b) -> None:
+    """Two pytrees have the same structure and bit-identical tensor leaves (any float dtype)."""
+    la, spec_a = pytree.tree_flatten(a)
+    lb, spec_b = pytree.tree_flatten(b)
+    assert spec_a == spec_b
+    for x, y in zip(la, lb):
+        assert type(x) is type(y)
+        if not isinstance(x, torch.Tensor):
+            assert x == y
+            continue
+        assert x.shape == y.shape and x.dtype == y.dtype
+        as_int = _INT_OF_SIZE[x.element_size()]
+        assert torch.equal(x.contiguous().view(as_int), y.contiguous().view(as_int)), (x, y)
+
+
+def is_block(name, module):
+    return isinstance(module, Block)
+
+
+def observed(state, obs):
+    """`obs` with every leaf of `state` present: a missing (None) gradient is a zero observation."""
+    return pytree.tree_map(
+        lambda s, o: o if s is None or o is not None else torch.zeros_like(s), state, obs
+    )
+
+
+def func_route(fn, params, state, x, y):
+    """Gradients and observations with torch.func.grad."""
+
+    def loss(p, s):
+        return F.cross_entropy(fn.apply(p, s, x).flatten(0, 1), y.flatten())
+
+    return torch.func.grad(loss, argnums=(0, 1))(params, state)
+
+
+def autograd_route(fn, params, state, x, y):
+    """Gradients and observations with loss.backward() on leaves that require grad."""
+    params = {k: v.detach().clone().requires_grad_() for k, v in params.items()}
+    state = pytree.tree_map(
+        lambda t: t if t is None else t.detach().clone().requires_grad_(), state
+    )
+    F.cross_entropy(fn.apply(params, state, x).flatten(0, 1), y.flatten()).backward()
+    grads = {k: v.grad for k, v in params.items()}
+    return grads, pytree.tree_map(lambda t: None if t.grad is None else t.grad, state)
+
+
+ROUTES = {"func": func_route, "autograd": autograd_route}
+
+
+def train(recipe, dtype, checkpoint, route, steps=STEPS):
+    """`steps` SGD steps from a fresh state; per step (grads, obs, updated state)."""
+    model = Transformer(VOCAB, D, HEADS, BLOCKS, SEQ).to(dtype)
+    fn = fp8fn.transform(model, recipe, checkpoint_fn=is_block if checkpoint else None)
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen),) * 2 for _ in range(steps)]
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    state = fn.init(batches[0][0])
+    out = []
+    for x, _ in batches:
+        y = x.roll(-1, dims=1)
+        grads, obs = ROUTES[route](fn, params, state, x, y)
+        obs = observed(state, obs)
+        state = fp8fn.update(state, obs)
+        out.append((grads, obs, state))
+        params = {k: p - 0.5 * grads[k] for k, p in params.items()}
+    return fn, out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("recipe_name", list(RECIPES))
+def test_transform_checkpoint_is_bit_identical_from_fresh_state(recipe_name, dtype):
+    recipe = RECIPES[recipe_name]()
+    fn, reference = train(recipe, dtype, checkpoint=False, route="func")
+    assert fn.checkpointed == []
+    for checkpoint, route in ((True, "func"), (False, "autograd"), (True, "autograd")):
+        fn, run = train(recipe, dtype, checkpoint, route)
+        assert fn.checkpointed == ([f"blocks.{i}" for i in range(BLOCKS)] if checkpoint else [])
+        for step, (got, want) in enumerate(zip(run, reference)):
+            assert_bits_equal(got, want)
+    if isinstance(recipe, fp8fn.DelayedScaling):
+        # The run really exercised delayed scaling: every history filled, scales moved.
+        final = reference[-1][2]
+        for site in final.values():
+            for role in site:
+                assert bool((role.amax_history[:STEPS] > 0).all())
+                assert bool(role.scale != 1)
+    # Later steps differ from the first (the SGD step changed the params).
+    assert not torch.equal(reference[0][0]["head.weight"], reference[-1][0]["head.weight"])
+
+
+class _SharedAcross(nn.Module):
+    """`fc` runs once before, twice inside `inner` (checkpointed), and once after it."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.fc = ReusedLayer(d, seed=3).fc
+        self.inner = ReusedLayer(d, seed=4)
+        self.inner.fc = self.fc
+
+    def forward(self, x):
+        return self.fc(self.inner(F.relu(self.fc(x))))
+
+
+@pytest.mark.parametrize("route", list(ROUTES))
+def test_transform_checkpoint_observes_reused_layer_once(route):
+    recipe = fp8fn.DelayedScaling(history_len=4)
+    model = _SharedAcross(D)
+    x = torch.randn(BATCH, SEQ, D, generator=torch.Generator().manual_seed(0))
+    y = torch.randint(0, D, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    results = []
+    for checkpoint_fn in (None, lambda name, m: name == "inner"):
+        fn = fp8fn.transform(model, recipe, checkpoint_fn=checkpoint_fn)
+        state = fn.init(x)
+        assert list(state) == ["fc", "fc#1", "fc#2", "inner.out", "fc#3"]
+        grads, obs = ROUTES[route](fn, params, state, x, y)
+        results.append((grads, observed(state, obs)))
+    assert fn.checkpointed == ["inner"]
+    (grads, obs), (want_grads, want_obs) = results[1], results[0]
+    assert_bits_equal(obs, want_obs)
+    assert_bits_equal(grads["inner.out.weight"], want_grads["inner.out.weight"])
+    # `fc`'s gradient sums four calls, two of them inside the recompute: the checkpoint adds
+    # those two first, so the sum is associated differently (float rounding, not a bug).
+    torch.testing.assert_close(grads, want_grads, rtol=1e-6, atol=1e-8)
+    w_amax = model.fc.weight.abs().max()
+    for site in ("fc", "fc#1", "fc#2", "fc#3", "inner.out"):
+        for role in obs[site]:
+            history = role.amax_history
+            assert history[0] > 0 and not history[1:].any(), (site, history)
+        if site != "inner.out":  # one observation of the shared weight, not two summed
+            assert torch.equal(obs[site].weight.amax_history[0], w_amax)
+    assert torch.equal(obs["fc"].input.amax_history[0], x.abs().max())
+
+
+def _two_layers(p, s, x, cfg):
+    """Two fp8 linears; `p` a dict of tensors, `s` a dict of SiteStates, `cfg` non-tensors."""
+    h = F.gelu(fp8fn.linear(x, p["w1"], p["b1"], s["l1"], cfg["recipe"]))
+    h = F.dropout(h, cfg["p"], training=cfg["p"] > 0)
+    return fp8fn.linear(h, p["w2"], None, s["l2"], cfg["recipe"]) * cfg["scale"]
+
+
+def _problem(updated=False, p=0.0, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    recipe = fp8fn.DelayedScaling(history_len=4)
+    params = {
+        "w1": torch.randn(24, 16, generator=gen),
+        "b1": torch.randn(24, generator=gen),
+        "w2": torch.randn(8, 24, generator=gen) * 0.1,
+    }
+    state = {"l1": fp8fn.init_site_state(recipe), "l2": fp8fn.init_site_state(recipe)}
+    x = torch.randn(6, 16, generator=gen)
+    cfg = {"recipe": recipe, "p": p, "scale": 2, "name": "two", "unused": None}
+    if updated:  # a state with history, so the forward casts with delayed (stored) scales
+        _, obs = torch.func.grad(_loss(False), argnums=(0, 1))(params, state, x, cfg)
+        state = fp8fn.update(state, obs)
+    return params, state, x, cfg
+
+
+def _loss(checkpointed):
+    def loss(p, s, x, cfg):
+        out = (
+            fp8fn.checkpoint(_two_layers, p, s, x, cfg)
+            if checkpointed
+            else _two_layers(p, s, x, cfg)
+        )
+        return out.square().mean()
+
+    return loss
+
+
+@pytest.mark.parametrize("updated", [False, True])
+def test_checkpoint_matches_under_func_grad(updated):
+    args = _problem(updated)
+    want = torch.func.grad(_loss(False), argnums=(0, 1, 2))(*args)
+    got = torch.func.grad(_loss(True), argnums=(0, 1, 2))(*args)
+    assert_bits_equal(got, want)
+    assert got[1]["l2"].grad_output.amax_history[0] > 0
+
+
+def test_checkpoint_matches_under_func_vjp():
+    params, state, x, cfg = _problem(updated=True)
+    ct = torch.randn(6, 8, generator=torch.Generator().manual_seed(5))
+
+    def vjp(f):
+        out, vjp_fn = torch.func.vjp(lambda p, s, x: f(p, s, x, cfg), params, state, x)
+        return out, vjp_fn(ct)
+
+    want = vjp(_two_layers)
+    got = vjp(lambda *a: fp8fn.checkpoint(_two_layers, *a))
+    assert_bits_equal(got, want)
+
+
+def test_checkpoint_nested_under_func_grad():
+    args = _problem(updated=True)
+
+    def outer(p, s, x, cfg):
+        h = fp8fn.checkpoint(_two_layers, p, s, x, cfg)  # a checkpoint inside a checkpoint
+        return torch.tanh(h).sum(-1)
+
+    def loss(nested):
+        def f(p, s, x, cfg):
+            out = fp8fn.checkpoint(outer, p, s, x, cfg) if nested else outer(p, s, x, cfg)
+            return out.square().mean()
+
+        return f
+
+    want = torch.func.grad_and_value(loss(False), argnums=(0, 1))(*args)
+    got = torch.func.grad_and_value(loss(True), argnums=(0, 1))(*args)
+    assert_bits_equal(got, want)
+
+
+def _autograd_grads(loss, params, state, x, cfg):
+    leaves = (params, state, x)
+    leaves = pytree.tree_map(lambda t: t.detach().clone().requires_grad_(), leaves)
+    loss(*leaves, cfg).backward()
+    # A leaf the loss does not depend on gets None plainly, zeros through the checkpoint.
+    return pytree.tree_map(lambda t: torch.zeros_like(t) if t.grad is None else t.grad, leaves)
+
+
+@pytest.mark.parametrize("updated", [False, True])
+def test_checkpoint_matches_under_autograd(updated):
+    args = _problem(updated)
+    got = _autograd_grads(_loss(True), *args)
+    want = _autograd_grads(_loss(False), *args)
+    assert_bits_equal(got, want)
+    assert_bits_equal(got, torch.func.grad(_loss(True), argnums=(0, 1, 2))(*args))
+
+
+@pytest.mark.parametrize("route", ["func", "autograd"])
+def test_checkpoint_restores_rng_for_dropout(route):
+    args = _problem(updated=True, p=0.5)
+    results = []
+    for checkpointed in (False, True):
+        torch.manual_seed(123)
+        if route == "func":
+            grads = torch.func.grad(_loss(checkpointed), argnums=(0, 1, 2))(*args)
+        else:
+            grads = _autograd_grads(_loss(checkpointed), *args)
+        results.append((grads, torch.rand(4)))  # the global RNG advanced by the same draws
+    assert_bits_equal(results[1], results[0])
+    torch.manual_seed(124)
+    other = torch.func.grad(_loss(False), argnums=0)(*args)
+    assert not torch.equal(other["w1"], results[0][0][0]["w1"])  # dropout is really random
+
+
+def test_checkpoint_passes_non_tensor_leaves_through():
+    params, state, x, cfg = _problem()
+    seen = []
+
+    def f(p, s, x, cfg):
+        seen.append(cfg)
+        out = _two_layers(p, s, x, cfg)
+        return {"out": out, "argmax": out.argmax(-1), "n": torch.tensor(cfg["scale"])}
+
+    def loss(p, s, x):
+        out = fp8fn.checkpoint(f, p, s, x, cfg)
+        assert out["argmax"].dtype == torch.int64
+        return out["out"].square().mean()
+
+    def plain(p, s, x):
+        return _two_layers(p, s, x, cfg).square().mean()
+
+    got = torch.func.grad(loss, argnums=(0, 1, 2))(params, state, x)
+    assert len(seen) == 2  # the forward, then the recompute
+    for c in seen:
+        assert c == cfg and c["recipe"] is cfg["recipe"] and c["unused"] is None
+    assert_bits_equal(got, torch.func.grad(plain, argnums=(0, 1, 2))(params, state, x))
+
+
+@pytest.mark.parametrize("bad", [lambda x: (x, "label"), lambda x: None, lambda x: [x, 3]])
+def test_checkpoint_rejects_non_tensor_output(bad):
+    x = torch.randn(3, requires_grad=True)
+    with pytest.raises(TypeError, match="fp8fn.checkpoint: expected `f` to return a pytree"):
+        fp8fn.checkpoint(bad, x)
+    with pytest.raises(TypeError, match="fp8fn.checkpoint"):
+        torch.func.grad(lambda x: fp8fn.checkpoint(bad, x)[0].sum())(x.detach())
+
+
+def _saved_bytes(fn, params, state, x):
+    """The tensors fn.apply saves for the backward, split into activations and the rest."""
+    exclude = {t.untyped_storage().data_ptr() for t in pytree.tree_leaves((params, state))}
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        fn.apply(params, state, x)
+    activations = {}
+    for t in saved:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in exclude:
+            activations[ptr] = t  # deduplicated by storage
+    return activations, saved
+
+
+def test_transform_checkpoint_saves_only_block_inputs():
+    recipe = fp8fn.DelayedScaling(history_len=4)
+    model = nn.Sequential(*(Block(D, HEADS) for _ in range(BLOCKS)))
+    x = torch.randn(BATCH, SEQ, D, requires_grad=True)
+    params = {k: v.detach().requires_grad_() for k, v in model.named_parameters()}
+    plain = fp8fn.transform(model, recipe)
+    state = pytree.tree_map(lambda t: t.requires_grad_(), plain.init(x))
+    ckpt = fp8fn.transform(model, recipe, checkpoint_fn=is_block)
+    want, _ = _saved_bytes(plain, params, state, x)
+    got, saved = _saved_bytes(ckpt, params, state, x)
+    # Saved: each block's input (x, then the previous block's output), its parameters and
+    # the scaling state; nothing else.
+    assert len(got) == BLOCKS and x.untyped_storage().data_ptr() in got
+    assert all(t.shape == x.shape and t.dtype == x.dtype for t in got.values())
+    block_params = sum(len(list(b.parameters())) for b in model)
+    n_state = len(pytree.tree_leaves(state))
+    assert len(saved) == BLOCKS * (1 + n_state) + block_params
+    got_bytes = sum(t.nbytes for t in got.values())
+    want_bytes = sum(t.nbytes for t in want.values())
+    assert got_bytes == BLOCKS * x.nbytes
+    assert want_bytes > 10 * got_bytes, (want_bytes, got_bytes)
+
+
+def test_transform_checkpoint_saved_state_under_func():
+    """Under torch.func.grad the same checkpointed forward gives the same result as plain."""
+    model = MLP([D, 2 * D, D])
+    recipe = fp8fn.DelayedScaling(history_len=4)
+    x = torch.randn(BATCH, D)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    outs = []
+    for checkpoint_fn in (None, lambda name, m: name == ""):
+        fn = fp8fn.transform(model, recipe, checkpoint_fn=checkpoint_fn)
+        state = fn.init(x)
+        outs.append(
+            torch.func.grad(lambda p, s: fn.apply(p, s, x).square().sum(), argnums=(0, 1))(
+                params, state
+            )
+        )
+    assert fn.checkpointed == [""]
+    assert_bits_equal(outs[1], outs[0])
+
+
+@pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad")
+@pytest.mark.parametrize("mode", ["reentrant", "non_reentrant"])
+def test_apply_refuses_model_own_torch_checkpoint(mode):
+    model = Transformer(VOCAB, D, HEADS, BLOCKS, SEQ, torch_checkpoint=mode)
+    x = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    y = x.roll(-1, dims=1)
+    fn = fp8fn.transform(model, fp8fn.DelayedScaling(history_len=4))
+    state = fn.init(x)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    with pytest.raises(RuntimeError, match="fp8fn.apply: .*torch.utils.checkpoint"):
+        func_route(fn, params, state, x, y)
+    with pytest.raises(RuntimeError, match="fp8fn.apply: .*torch.utils.checkpoint"):
+        autograd_route(fn, params, state, x, y)
