@@ -41,10 +41,27 @@ class _Fp8Linear(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x, weight, bias, backend, *state):
+    def forward(
+        x,
+        weight,
+        bias,
+        backend,
+        x_history,
+        x_stored,
+        x_margin,
+        w_history,
+        w_stored,
+        w_margin,
+        g_history,
+        g_stored,
+        g_margin,
+    ):
+        # One named parameter per argument (not `*state`): when no input requires grad, dynamo
+        # inlines `forward` and passes it a ctx unless the parameter count equals the argument
+        # count (torch 2.13), so a `*state` signature would not compile for inference.
         x_amax, w_amax = amax(x), amax(weight)
-        x_scale = _scale(*state[0:3], x_amax, FP8_MAX[E4M3])
-        w_scale = _scale(*state[3:6], w_amax, FP8_MAX[E4M3])
+        x_scale = _scale(x_history, x_stored, x_margin, x_amax, FP8_MAX[E4M3])
+        w_scale = _scale(w_history, w_stored, w_margin, w_amax, FP8_MAX[E4M3])
         x_fp8, w_fp8 = cast_to_fp8(x, x_scale, E4M3), cast_to_fp8(weight, w_scale, E4M3)
         x_inv, w_inv = x_scale.reciprocal(), w_scale.reciprocal()
         out = fp8_mm(x_fp8, w_fp8.t(), x_inv, w_inv, x.dtype, backend)
@@ -86,6 +103,24 @@ class _Fp8Linear(torch.autograd.Function):
             if needs[4 + i]:
                 grad_state[i] = _as_observation(hp_amax, history, grad_out)
         return grad_x, grad_w, grad_b, None, *grad_state
+
+
+def _refuse_compile_under_func():
+    """Refuse to let dynamo trace `fp8fn.linear` inside a torch.func transform.
+
+    There it would drop the custom backward (pytorch#193279). Outside transforms dynamo folds
+    `maybe_current_level()` to None, so this check leaves nothing in the graph; inside one it
+    returns the level (an int), on which dynamo breaks the graph: `fullgraph=True` then fails,
+    and otherwise the frame runs eagerly, which is correct.
+    """
+    if torch.compiler.is_compiling() and torch._C._functorch.maybe_current_level() is not None:
+        raise RuntimeError(
+            "fp8fn.linear: torch.compile cannot trace fp8fn.linear inside a torch.func "
+            "transform (grad, vjp, vmap): it would drop fp8fn's backward and return wrong "
+            "gradients and observations (pytorch#193279). Compile with plain autograd "
+            "(loss.backward() or torch.autograd.grad) instead, or leave fullgraph off so that "
+            "this part runs eagerly."
+        )
 
 
 def linear(x, weight, bias, site_state, recipe):
@@ -148,15 +183,7 @@ def linear(x, weight, bias, site_state, recipe):
             f"fp8fn.linear: expected `bias` of shape ({weight.shape[0]},), got {tuple(bias.shape)}."
         )
     check_site_state("linear", site_state, recipe)
-    if torch.compiler.is_compiling() and torch._C._functorch.maybe_current_level() is not None:
-        # Raised while dynamo traces: without fullgraph this frame then runs eagerly (correct).
-        raise RuntimeError(
-            "fp8fn.linear: torch.compile cannot trace fp8fn.linear inside a torch.func "
-            "transform (grad, vjp, vmap): it would drop fp8fn's backward and return wrong "
-            "gradients and observations (pytorch#193279). Compile with plain autograd "
-            "(loss.backward() or torch.autograd.grad) instead, or leave fullgraph off so that "
-            "this part runs eagerly."
-        )
+    _refuse_compile_under_func()
     leaves = [None] * 9
     if site_state is not None:
         leaves = [t for s in site_state for t in (s.amax_history, s.scale, s.margin)]
