@@ -1,0 +1,163 @@
+"""One training step (forward + backward + scaling update) of an MLP and a small transformer.
+
+Standalone: `python benchmarks/step.py [--repeats N] [--threads T] [--quick]`. The package
+never imports it. Variants, run alternately in one process (warmup, then the median of N
+repeats of each): plain float32 and bfloat16; fp8fn DelayedScaling and CurrentScaling, eager
+and `torch.compile(fn.apply)` with plain autograd; torchao `Float8Linear` (emulate=True,
+tensorwise dynamic scaling), eager and compiled. Goals (issue 5): fp8fn eager <= 0.8x
+torchao eager; compiled fp8fn <= 1.3x compiled float32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import logging
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import fp8fn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from _models import MLP, Transformer  # noqa: E402
+
+tree_map = torch.utils._pytree.tree_map
+
+
+def _mlp_case(quick):
+    width, batch = (128, 32) if quick else (512, 256)
+    model = MLP((width,) * 5)  # 4 layers
+    x, y = torch.randn(batch, width), torch.randint(0, width, (batch,))
+    return model, (x, y), F.cross_entropy
+
+
+def _gpt_case(quick):
+    d, seq, batch = (64, 32, 2) if quick else (256, 128, 8)
+    vocab = 256
+    model = Transformer(vocab=vocab, d_model=d, n_heads=4, n_blocks=2, seq=seq)
+    x, y = (torch.randint(0, vocab, (batch, seq)) for _ in range(2))
+    return model, (x, y), lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten())
+
+
+def _plain_step(model, compile_):
+    run = torch.compile(model) if compile_ else model
+
+    def step(x, y, loss_fn):
+        model.zero_grad(set_to_none=True)
+        loss_fn(run(x), y).backward()
+
+    return step
+
+
+def _fp8fn_step(model, recipe, compile_, x):
+    fn = fp8fn.transform(model, recipe)
+    apply = torch.compile(fn.apply, fullgraph=True) if compile_ else fn.apply
+    params = {k: v.detach().requires_grad_() for k, v in model.named_parameters()}
+    holder = {"state": fn.init(x)}
+
+    def step(x, y, loss_fn):
+        for p in params.values():
+            p.grad = None
+        state = tree_map(lambda t: t.requires_grad_(), holder["state"])
+        loss_fn(apply(params, state, x), y).backward()
+        if isinstance(recipe, fp8fn.DelayedScaling):
+            holder["state"] = fp8fn.update(state, tree_map(lambda t: t.grad, state))
+
+    return step
+
+
+def _torchao_step(model, compile_):
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    model = convert_to_float8_training(
+        copy.deepcopy(model), config=Float8LinearConfig(emulate=True)
+    )
+    return _plain_step(model, compile_)
+
+
+def variants(model, x):
+    bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    delayed, current = fp8fn.DelayedScaling(history_len=16), fp8fn.CurrentScaling()
+    return {
+        "float32 eager": (_plain_step(model, False), False),
+        "float32 compiled": (_plain_step(copy.deepcopy(model), True), False),
+        "bfloat16 eager": (_plain_step(bf16, False), True),
+        "fp8fn delayed eager": (_fp8fn_step(model, delayed, False, x), False),
+        "fp8fn current eager": (_fp8fn_step(model, current, False, x), False),
+        "fp8fn delayed compiled": (_fp8fn_step(model, delayed, True, x), False),
+        "fp8fn current compiled": (_fp8fn_step(model, current, True, x), False),
+        "torchao eager": (_torchao_step(model, False), False),
+        "torchao compiled": (_torchao_step(model, True), False),
+    }
+
+
+def measure(case, repeats, warmup):
+    model, (x, y), loss_fn = case
+    steps = variants(model, x)
+    times = {name: [] for name in steps}
+    for i in range(warmup + repeats):
+        for name, (step, bf16) in steps.items():
+            args = (x.to(torch.bfloat16) if bf16 and x.is_floating_point() else x, y, loss_fn)
+            t0 = time.perf_counter()
+            step(*args)
+            if i >= warmup:
+                times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="small shapes (a smoke run)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    logging.getLogger("torch").setLevel(logging.ERROR)
+    torch.manual_seed(0)
+    cases = {"MLP": _mlp_case(args.quick), "transformer": _gpt_case(args.quick)}
+    results = {name: measure(case, args.repeats, args.warmup) for name, case in cases.items()}
+    names = list(next(iter(results.values())))
+    print(f"median step time (ms) of {args.repeats} repeats, {args.threads} threads")
+    print(f"{'variant':<24}" + "".join(f"{c:>14}" for c in results))
+    for name in names:
+        print(f"{name:<24}" + "".join(f"{r[name] * 1e3:>14.2f}" for r in results.values()))
+    ratios = [
+        (
+            "fp8fn delayed eager / torchao eager (goal <= 0.8)",
+            "fp8fn delayed eager",
+            "torchao eager",
+        ),
+        (
+            "fp8fn current eager / torchao eager (goal <= 0.8)",
+            "fp8fn current eager",
+            "torchao eager",
+        ),
+        (
+            "fp8fn delayed compiled / float32 compiled (<= 1.3)",
+            "fp8fn delayed compiled",
+            "float32 compiled",
+        ),
+        (
+            "fp8fn current compiled / float32 compiled (<= 1.3)",
+            "fp8fn current compiled",
+            "float32 compiled",
+        ),
+        ("fp8fn delayed compiled / torchao compiled", "fp8fn delayed compiled", "torchao compiled"),
+        ("fp8fn delayed eager / float32 eager", "fp8fn delayed eager", "float32 eager"),
+        ("torchao eager / float32 eager", "torchao eager", "float32 eager"),
+        ("bfloat16 eager / float32 eager", "bfloat16 eager", "float32 eager"),
+    ]
+    print()
+    print(f"{'ratio':<52}" + "".join(f"{c:>14}" for c in results))
+    for label, a, b in ratios:
+        print(f"{label:<52}" + "".join(f"{r[a] / r[b]:>14.2f}" for r in results.values()))
+
+
+if __name__ == "__main__":
+    main()
