@@ -72,10 +72,20 @@ class _Holder:
 
 
 def _active_trace(module) -> _Trace:
-    trace = module._fp8fn_holder.trace
+    return _require_trace(module._fp8fn_holder, module._fp8fn_path)
+
+
+def _refuse_outside_apply(holder: _Holder, path: str, module, args) -> None:
+    """Forward pre-hook on the private copy's modules that own parameters or buffers."""
+    _require_trace(holder, path)
+
+
+def _require_trace(holder: _Holder, path: str) -> _Trace:
+    """The trace under way; raises if a module of the private copy runs outside `apply`."""
+    trace = holder.trace
     if trace is None:
         raise RuntimeError(
-            f"fp8fn.apply: layer {module._fp8fn_path!r} ran outside `fn.apply`. This happens "
+            f"fp8fn.apply: module {path!r} ran outside `fn.apply`. This happens "
             "when the model recomputes it with torch.utils.checkpoint in the backward, which "
             "would use the module's original parameters and lose the scaling state. Turn the "
             "model's own checkpointing off and pass `checkpoint_fn=lambda name, module: ...` "
@@ -179,6 +189,17 @@ class Transformed:
             if checkpoint_fn is not None and checkpoint_fn(name, original):
                 if not any(name.startswith(p + ".") or p == "" for p in checkpointed):
                     checkpointed.append(name)
+        for name, original in module.named_modules():
+            target = memo[id(original)]
+            owns_tensors = target._parameters or target._buffers
+            if owns_tensors and not hasattr(target, "_fp8fn_path"):
+                # A recompute by the model's own torch.utils.checkpoint runs after `apply` has
+                # returned, with the module's original tensors: refuse it. (The hook dict is the
+                # copy's own, so the user's module is untouched.)
+                target._forward_pre_hooks = copy.copy(target._forward_pre_hooks)
+                target.register_forward_pre_hook(
+                    functools.partial(_refuse_outside_apply, self._holder, name)
+                )
         for name in checkpointed:
             target = self._copy.get_submodule(name)
             target.__class__ = _subclass(type(target), _checkpointed_forward, "Checkpointed")
