@@ -1,0 +1,498 @@
+"""Train a small character-level GPT in fp8 with delayed scaling, next to a float32 baseline.
+
+Run it with `python -m fp8fn.demo` (`--help` lists the flags). The text is Python's own help
+pages (`pydoc_data.topics`), so nothing is downloaded. Both runs start from the same weights and
+see the same batches in the same order; they differ only in whether the linear layers of the
+transformer blocks run in float8:
+
+* **fp8**: `fp8fn.transform(model, fp8fn.DelayedScaling(), checkpoint_fn=<every Block>)`, trained
+  with `torch.func.grad_and_value` over `(params, state)` and `fp8fn.update` after each step.
+  The output layer (`head`) stays in float32, as is usual for fp8 training.
+* **float32**: the same transform and training loop with no fp8 layers (`filter_fn` rejects
+  all), so the comparison isolates the cost and the effect of the fp8 casts.
+
+The optimizer is AdamW written as a pure function of `(params, grads, opt_state)`.
+
+With `--compile` the step is `torch.compile(fn.apply)` trained with plain autograd
+(`loss.backward()`, observations read from `.grad` of the state leaves): fp8fn refuses to be
+compiled inside a `torch.func` transform, where compilation would drop its backward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils import _pytree as pytree
+from tqdm import tqdm
+
+import fp8fn
+
+# ----------------------------------------------------------------------------- the model
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention: one `qkv` projection, SDPA, one output `proj`."""
+
+    def __init__(self, d_model: int, n_heads: int):
+        super().__init__()
+        if d_model % n_heads:
+            raise ValueError(
+                f"fp8fn.demo: expected `d_model` divisible by `n_heads`, got {d_model} and "
+                f"{n_heads}."
+            )
+        self.n_heads = n_heads
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: `(batch, seq, d_model)` float32 -> `(batch, seq, d_model)` float32."""
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.n_heads, d // self.n_heads).unbind(2)
+        y = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
+        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+class MLP(nn.Module):
+    """`fc2(gelu(fc1(x)))`, 4x wide."""
+
+    def __init__(self, d_model: int):
+        super().__init__()
+        self.fc1 = nn.Linear(d_model, 4 * d_model)
+        self.fc2 = nn.Linear(4 * d_model, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class Block(nn.Module):
+    """A pre-norm transformer block: `x + attn(ln1(x))`, then `x + mlp(ln2(x))`."""
+
+    def __init__(self, d_model: int, n_heads: int):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d_model)
+        self.attn = CausalSelfAttention(d_model, n_heads)
+        self.ln2 = nn.LayerNorm(d_model)
+        self.mlp = MLP(d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """A character-level GPT: token and position embeddings, `Block`s, a linear `head`."""
+
+    def __init__(self, vocab_size: int, seq_len: int, d_model: int, n_layers: int, n_heads: int):
+        super().__init__()
+        self.tok_emb = nn.Embedding(vocab_size, d_model)
+        self.pos_emb = nn.Embedding(seq_len, d_model)
+        self.blocks = nn.ModuleList(Block(d_model, n_heads) for _ in range(n_layers))
+        self.ln_f = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab_size)
+        for name, p in self.named_parameters():
+            if name.endswith("weight") and p.dim() == 2:
+                nn.init.normal_(p, std=0.02)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """idx: `(batch, seq)` int64 -> logits `(batch, seq, vocab_size)` float32."""
+        positions = torch.arange(idx.shape[1], device=idx.device)
+        x = self.tok_emb(idx) + self.pos_emb(positions)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+# ----------------------------------------------------------------------------- the data
+
+
+@dataclasses.dataclass
+class Corpus:
+    """Python's help texts as character ids, split 90/10 into train and validation."""
+
+    chars: list[str]
+    train: torch.Tensor  # (n_train,), int64
+    val: torch.Tensor  # (n_val,), int64
+
+    @classmethod
+    def load(cls) -> Corpus:
+        from pydoc_data.topics import topics
+
+        text = "\n\n".join(topics[key] for key in sorted(topics))
+        chars = sorted(set(text))
+        index = {c: i for i, c in enumerate(chars)}
+        ids = torch.tensor([index[c] for c in text], dtype=torch.int64)
+        n_train = int(0.9 * len(ids))
+        return cls(chars, ids[:n_train], ids[n_train:])
+
+    def encode(self, text: str) -> torch.Tensor:
+        index = {c: i for i, c in enumerate(self.chars)}
+        return torch.tensor([index[c] for c in text if c in index], dtype=torch.int64)
+
+    def decode(self, ids) -> str:
+        return "".join(self.chars[i] for i in ids)
+
+
+def batches(data: torch.Tensor, n: int, batch_size: int, seq_len: int, seed: int):
+    """`n` batches `(x, y)` of random windows, `(batch_size, seq_len)` int64; `y` is `x` + 1."""
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        starts = torch.randint(len(data) - seq_len - 1, (batch_size,), generator=gen)
+        window = torch.stack([data[s : s + seq_len + 1] for s in starts.tolist()])
+        yield window[:, :-1], window[:, 1:]
+
+
+# ----------------------------------------------------------------------------- the optimizer
+
+
+def adamw_init(params: dict) -> dict:
+    """Zero first and second moments, step 0."""
+    zeros = {k: torch.zeros_like(v) for k, v in params.items()}
+    return {"step": 0, "m": zeros, "v": {k: z.clone() for k, z in zeros.items()}}
+
+
+def adamw_update(params, grads, opt, lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1):
+    """One AdamW step as a pure function: returns `(new_params, new_opt)`.
+
+    Weight decay applies to matrices only (not biases, norms or... 1-d tensors).
+    """
+    b1, b2 = betas
+    step = opt["step"] + 1
+    with torch.no_grad():
+        m = {k: b1 * opt["m"][k] + (1 - b1) * g for k, g in grads.items()}
+        v = {k: b2 * opt["v"][k] + (1 - b2) * g * g for k, g in grads.items()}
+        c1, c2 = 1 - b1**step, 1 - b2**step
+        new = {}
+        for k, p in params.items():
+            decay = weight_decay if p.dim() >= 2 else 0.0
+            update = (m[k] / c1) / ((v[k] / c2).sqrt() + eps) + decay * p
+            new[k] = p - lr * update
+    return new, {"step": step, "m": m, "v": v}
+
+
+def clip_by_global_norm(grads: dict, max_norm: float) -> dict:
+    norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads.values()]))
+    factor = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    return {k: g * factor for k, g in grads.items()}
+
+
+def learning_rate(step: int, steps: int, peak: float, warmup: int) -> float:
+    """Linear warmup to `peak`, then cosine decay to `peak / 10`."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def functional_grad(loss_fn):
+    """`(params, state, x, y) -> ((param_grads, obs), loss)` with `torch.func.grad_and_value`."""
+    return torch.func.grad_and_value(loss_fn, argnums=(0, 1))
+
+
+def autograd_grad(loss_fn):
+    """The same with plain autograd: the route that `torch.compile` can compile."""
+
+    def grad_and_value(params, state, x, y):
+        params = {k: v.detach().requires_grad_() for k, v in params.items()}
+        state = pytree.tree_map(lambda t: t.detach().requires_grad_(), state)
+        loss = loss_fn(params, state, x, y)
+        loss.backward()
+        grads = {k: v.grad for k, v in params.items()}
+        obs = pytree.tree_map(lambda t: t.grad, state)
+        return (grads, obs), loss.detach()
+
+    return grad_and_value
+
+
+@torch.no_grad()
+def evaluate(apply, params, state, data_batches) -> float:
+    """Mean cross-entropy of `apply(params, state, x)` over `data_batches`."""
+    losses = [
+        F.cross_entropy(apply(params, state, x).flatten(0, 1), y.flatten()).item()
+        for x, y in data_batches
+    ]
+    return sum(losses) / len(losses)
+
+
+class Run:
+    """One training run: an `fp8fn.Transformed` model, its params, scaling and AdamW state.
+
+    `step(x, y)` is the whole training step: gradients with respect to `(params, state)`,
+    AdamW on the params, `fp8fn.update` on the scaling state.
+    """
+
+    def __init__(self, name, fn, params, example, cfg):
+        self.name, self.fn, self.cfg = name, fn, cfg
+        self.params, self.state = params, fn.init(example)
+        self.opt = adamw_init(params)
+        apply = torch.compile(fn.apply) if cfg.compile else fn.apply
+
+        def loss_fn(params, state, x, y):
+            return F.cross_entropy(apply(params, state, x).flatten(0, 1), y.flatten())
+
+        self.grad_and_value = autograd_grad(loss_fn) if cfg.compile else functional_grad(loss_fn)
+        self.train_curve, self.val_curve, self.step_times = [], [], []
+
+    def step(self, step: int, x: torch.Tensor, y: torch.Tensor) -> float:
+        start = time.perf_counter()
+        (grads, obs), loss = self.grad_and_value(self.params, self.state, x, y)
+        grads = clip_by_global_norm(grads, 1.0)
+        lr = learning_rate(step, self.cfg.steps, self.cfg.lr, self.cfg.warmup)
+        self.params, self.opt = adamw_update(self.params, grads, self.opt, lr)
+        self.state = fp8fn.update(self.state, obs)
+        loss = loss.item()  # waits for the step (on CUDA)
+        self.step_times.append(time.perf_counter() - start)
+        self.train_curve.append(loss)
+        return loss
+
+    def evaluate(self, data_batches) -> float:
+        return evaluate(self.fn.apply, self.params, self.state, data_batches)
+
+    def summary(self, train_fixed, val_fixed) -> dict:
+        """Final params, state, curves, losses on fixed batches, median step time (ms)."""
+        measured = self.step_times[min(5, len(self.step_times) - 1) :]  # skip warm-up
+        return {
+            "params": self.params,
+            "state": self.state,
+            "train_curve": self.train_curve,
+            "val_curve": self.val_curve,
+            "train_loss": self.evaluate(train_fixed),
+            "val_loss": self.evaluate(val_fixed),
+            "step_ms": 1000 * statistics.median(measured),
+        }
+
+
+def train(runs: list[Run], corpus: Corpus, cfg, device) -> dict:
+    """Train `runs` in lockstep: every run takes step `i` on the same batch, one after the other.
+
+    Interleaving makes the data order identical by construction and exposes both runs to the
+    same machine load, so their step times compare fairly.
+
+    Returns:
+      `{run.name: run.summary(...)}`.
+    """
+
+    def fixed(data, seed):
+        return [
+            (x.to(device), y.to(device))
+            for x, y in batches(data, cfg.eval_batches, cfg.batch_size, cfg.seq_len, seed)
+        ]
+
+    val_fixed, train_fixed = fixed(corpus.val, cfg.seed + 1), fixed(corpus.train, cfg.seed + 2)
+    eval_every = max(1, cfg.steps // 10)
+    data = batches(corpus.train, cfg.steps, cfg.batch_size, cfg.seq_len, cfg.seed)
+    bar = tqdm(data, total=cfg.steps, desc="training", disable=cfg.quiet)
+    for step, (x, y) in enumerate(bar):
+        x, y = x.to(device), y.to(device)
+        losses = {run.name: f"{run.step(step, x, y):.3f}" for run in runs}
+        if (step + 1) % eval_every == 0 or step + 1 == cfg.steps:
+            for run in runs:
+                run.val_curve.append((step + 1, run.evaluate(val_fixed[:2])))
+        bar.set_postfix(losses)
+    bar.close()
+    return {run.name: run.summary(train_fixed, val_fixed) for run in runs}
+
+
+@torch.no_grad()
+def sample(fn, params, state, corpus, prompt, n_chars, seq_len, seed, device) -> str:
+    """`n_chars` characters sampled after `prompt` (temperature 0.8), with `fn`'s forward."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    ids = corpus.encode(prompt).to(device)[None]
+    for _ in range(n_chars):
+        logits = fn.apply(params, state, ids[:, -seq_len:])[0, -1] / 0.8
+        nxt = torch.multinomial(logits.softmax(-1), 1, generator=gen)
+        ids = torch.cat([ids, nxt[None]], dim=1)
+    return corpus.decode(ids[0].tolist())
+
+
+# ----------------------------------------------------------------------------- the report
+
+
+def report(cfg, results) -> str:
+    """The final table as plain text."""
+    base, fp8 = results["float32"], results["fp8"]
+    label = f"fp8 ({cfg.recipe})"
+    rows = [
+        ("run", "train loss", "val loss", "step (ms)"),
+        (
+            "float32",
+            f"{base['train_loss']:.4f}",
+            f"{base['val_loss']:.4f}",
+            f"{base['step_ms']:.1f}",
+        ),
+        (label, f"{fp8['train_loss']:.4f}", f"{fp8['val_loss']:.4f}", f"{fp8['step_ms']:.1f}"),
+        (
+            "gap (%)",
+            f"{results['train_gap_pct']:+.2f}",
+            f"{results['val_gap_pct']:+.2f}",
+            f"x{fp8['step_ms'] / base['step_ms']:.2f}",
+        ),
+    ]
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    lines = [
+        "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+        for r in rows
+    ]
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)
+
+
+def plot(path, cfg, results) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, color in (("float32", "tab:blue"), ("fp8", "tab:orange")):
+        run = results[name]
+        label = name if name == "float32" else f"fp8 ({cfg.recipe})"
+        ax.plot(
+            range(1, len(run["train_curve"]) + 1),
+            run["train_curve"],
+            color=color,
+            alpha=0.35,
+            lw=0.8,
+        )
+        steps, losses = zip(*run["val_curve"])
+        ax.plot(steps, losses, "o-", color=color, label=f"{label} (val)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats/char)")
+    ax.set_title("char-level GPT on Python's help texts: train (faint) and val")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m fp8fn.demo",
+        description="Train a char-level GPT in fp8 (fp8fn) next to a float32 baseline.",
+    )
+
+    def positive(value):
+        n = int(value)
+        if n < 1:
+            raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+        return n
+
+    p.add_argument("--steps", type=positive, default=400, help="training steps (default 400)")
+    p.add_argument("--recipe", choices=("delayed", "current"), default="delayed")
+    p.add_argument(
+        "--checkpoint",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="recompute every Block in the backward (fp8fn checkpoint_fn; default on)",
+    )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile(fn.apply), trained with plain autograd instead of torch.func.grad",
+    )
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--plot", metavar="PATH", help="save both loss curves as a PNG")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--d-model", type=positive, default=128)
+    p.add_argument("--layers", type=positive, default=2)
+    p.add_argument("--heads", type=positive, default=4)
+    p.add_argument("--seq-len", type=positive, default=64)
+    p.add_argument("--batch-size", type=positive, default=32)
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    p.add_argument("--eval-batches", type=positive, default=8)
+    p.add_argument("--sample-chars", type=int, default=200)
+    p.add_argument("--quiet", action="store_true", help="no progress bars and no table")
+    args = p.parse_args(argv)
+    if args.d_model % args.heads:
+        p.error(f"--d-model ({args.d_model}) must be divisible by --heads ({args.heads})")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device is available")
+    args.warmup = max(1, args.steps // 20)
+    return args
+
+
+def main(argv=None) -> dict:
+    """Run the demo; returns the results (also printed as a table unless `--quiet`).
+
+    Returns:
+      `{"config": vars(args), "float32": run, "fp8": run, "train_gap_pct": float,
+      "val_gap_pct": float, "sample": str, "fp8_layers": [...], "checkpointed": [...]}` with
+      each `run` as returned by `train`. Gaps are `100 * (fp8 - float32) / float32`.
+    """
+    cfg = parse_args(argv)
+    device = torch.device(cfg.device)
+    corpus = Corpus.load()
+    torch.manual_seed(cfg.seed)
+    model = GPT(len(corpus.chars), cfg.seq_len, cfg.d_model, cfg.layers, cfg.heads).to(device)
+    init = {k: v.detach().clone() for k, v in model.named_parameters()}
+
+    recipe = fp8fn.DelayedScaling() if cfg.recipe == "delayed" else fp8fn.CurrentScaling()
+    checkpoint_fn = (lambda name, m: isinstance(m, Block)) if cfg.checkpoint else None
+    fp8_fn = fp8fn.transform(
+        model, recipe, filter_fn=lambda name, m: name != "head", checkpoint_fn=checkpoint_fn
+    )
+    hp_fn = fp8fn.transform(
+        model, recipe, filter_fn=lambda name, m: False, checkpoint_fn=checkpoint_fn
+    )
+    if not cfg.quiet:
+        n_params = sum(p.numel() for p in init.values())
+        print(
+            f"char-level GPT: {n_params / 1e6:.2f}M parameters, vocab {len(corpus.chars)}, "
+            f"{len(corpus.train):,} train / {len(corpus.val):,} val chars; "
+            f"{len(fp8_fn.layers)} fp8 layers, checkpointed: {fp8_fn.checkpointed or 'none'}"
+        )
+
+    results = {
+        "config": vars(cfg),
+        "fp8_layers": list(fp8_fn.layers),
+        "checkpointed": list(fp8_fn.checkpointed),
+    }
+    x0, _ = next(batches(corpus.train, 1, cfg.batch_size, cfg.seq_len, cfg.seed))
+    x0 = x0.to(device)
+    runs = [Run("float32", hp_fn, dict(init), x0, cfg), Run("fp8", fp8_fn, dict(init), x0, cfg)]
+    results.update(train(runs, corpus, cfg, device))
+    for split in ("train", "val"):
+        hp, lp = results["float32"][f"{split}_loss"], results["fp8"][f"{split}_loss"]
+        results[f"{split}_gap_pct"] = 100 * (lp - hp) / hp
+    fp8 = results["fp8"]
+    results["sample"] = sample(
+        fp8_fn,
+        fp8["params"],
+        fp8["state"],
+        corpus,
+        "The ",
+        cfg.sample_chars,
+        cfg.seq_len,
+        cfg.seed,
+        device,
+    )
+    if cfg.plot:
+        plot(cfg.plot, cfg, results)
+    if not cfg.quiet:
+        print()
+        print(report(cfg, results))
+        print()
+        print(f"sample from the fp8 model:\n{results['sample']}")
+        if cfg.plot:
+            print(f"\nloss curves saved to {cfg.plot}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
