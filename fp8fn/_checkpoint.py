@@ -104,6 +104,13 @@ def checkpoint(f, *args):
       >>> torch.equal(g["w"], torch.func.grad(f)(params, x)["w"])
       True
     """
+    if torch.compiler.is_compiling():
+        # Raised while dynamo traces: without fullgraph this frame then runs eagerly (correct).
+        raise RuntimeError(
+            "fp8fn.checkpoint: torch.compile cannot trace a recompute in the backward. Leave "
+            "fullgraph off (the checkpointed part then runs eagerly), or compile the model "
+            "without checkpoint_fn."
+        )
     leaves, in_spec = pytree.tree_flatten(args)
     is_tensor = [isinstance(x, torch.Tensor) for x in leaves]
     out_spec = []

@@ -269,7 +269,8 @@ class Transformed:
             with self._holder.bind(_Trace(self.recipe, state)):
                 return torch.func.functional_call(self._copy, named, args, kwargs, strict=False)
         except RuntimeError as e:
-            if any(m in str(e) for m in _TORCH_CHECKPOINT_UNDER_FUNC):
+            message = str(e)
+            if any(m in message for m in _TORCH_CHECKPOINT_UNDER_FUNC):
                 raise RuntimeError(
                     "fp8fn.apply: the model calls torch.utils.checkpoint, which does not work "
                     "under torch.func transforms. Turn the model's own checkpointing off and "

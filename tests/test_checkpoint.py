@@ -4,6 +4,8 @@
 transformer, under torch.func and plain autograd, from a fresh (empty-history) state on.
 """
 
+import types
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -388,3 +390,24 @@ def test_apply_model_own_torch_checkpoint_without_fp8_layers_is_never_silently_w
     autograd_route(*runs[0], x, y)  # without the model's own checkpointing: fine
     with pytest.raises(RuntimeError, match=r"fp8fn.apply: module 'blocks.1.ln1' ran outside"):
         autograd_route(*runs[1], x, y)
+
+
+def test_transform_checkpoint_under_compile_is_eager_or_refused():
+    model = Transformer(VOCAB, D, HEADS, BLOCKS, SEQ)
+    fn = fp8fn.transform(model, fp8fn.DelayedScaling(history_len=4), checkpoint_fn=is_block)
+    x = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    y = x.roll(-1, dims=1)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    state = fn.init(x)
+    eager_grads, eager_obs = autograd_route(fn, params, state, x, y)
+    torch._dynamo.reset()
+    compiled = types.SimpleNamespace(apply=torch.compile(fn.apply, fullgraph=True))
+    with pytest.raises(Exception, match="fp8fn.checkpoint: torch.compile cannot trace"):
+        autograd_route(compiled, params, state, x, y)
+    torch._dynamo.reset()
+    compiled = types.SimpleNamespace(apply=torch.compile(fn.apply))  # blocks then run eagerly
+    grads, obs = autograd_route(compiled, params, state, x, y)
+    torch._dynamo.reset()
+    for k in eager_grads:
+        torch.testing.assert_close(grads[k], eager_grads[k], rtol=1e-4, atol=1e-6)
+    assert_bits_equal(observed(state, obs)["blocks.0.fc1"].input, eager_obs["blocks.0.fc1"].input)
