@@ -104,3 +104,10 @@ def test_main_bad_flags_exit_with_argparse_errors(argv, message, capsys):
     with pytest.raises(SystemExit, match="2"):
         demo.main(argv)
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_main_cuda_without_a_gpu_is_an_argparse_error(capsys):
+    with pytest.raises(SystemExit, match="2"):
+        demo.main(["--device", "cuda"])
+    assert "no CUDA device is available" in capsys.readouterr().err
