@@ -429,9 +429,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=positive, default=32)
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     p.add_argument("--eval-batches", type=positive, default=8)
-    p.add_argument("--sample-chars", type=int, default=200)
+    p.add_argument(
+        "--sample-chars", type=int, default=200, help="characters sampled from the fp8 model"
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bars and no table")
     args = p.parse_args(argv)
+    if args.sample_chars < 0:
+        p.error(f"--sample-chars: expected an integer >= 0, got {args.sample_chars}")
     if args.d_model % args.heads:
         p.error(f"--d-model ({args.d_model}) must be divisible by --heads ({args.heads})")
     if args.device == "cuda" and not torch.cuda.is_available():

@@ -97,6 +97,7 @@ def test_main_prints_the_table(capsys):
         (["--steps", "ten"], "invalid positive value: 'ten'"),
         (["--d-model", "30", "--heads", "4"], "must be divisible by --heads"),
         (["--device", "tpu"], "invalid choice: 'tpu'"),
+        (["--sample-chars", "-1"], "expected an integer >= 0, got -1"),
         (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     ],
 )
