@@ -16,6 +16,8 @@ The optimizer is AdamW written as a pure function of `(params, grads, opt_state)
 With `--compile` the step is `torch.compile(fn.apply)` trained with plain autograd
 (`loss.backward()`, observations read from `.grad` of the state leaves): fp8fn refuses to be
 compiled inside a `torch.func` transform, where compilation would drop its backward. The
+checkpointed blocks are not traced (dynamo falls back to eager for `fp8fn.checkpoint`), so
+`--compile --no-checkpoint` is the combination that compiles the whole model. The
 compiled fp8 run is not bit-identical to the eager one: inductor fuses LayerNorm and GELU, which
 changes float32 rounding of the fp8 layers' inputs, and the casts amplify that. With
 `--device cuda` the fp8 matmuls use `torch._scaled_mm` on GPUs that have it (sm >= 8.9).
