@@ -63,11 +63,12 @@ class _Fp8Linear(torch.autograd.Function):
         x_scale = _scale(x_history, x_stored, x_margin, x_amax, FP8_MAX[E4M3])
         w_scale = _scale(w_history, w_stored, w_margin, w_amax, FP8_MAX[E4M3])
         x_fp8, w_fp8 = cast_to_fp8(x, x_scale, E4M3), cast_to_fp8(weight, w_scale, E4M3)
-        x_inv, w_inv = x_scale.reciprocal(), w_scale.reciprocal()
-        out = fp8_mm(x_fp8, w_fp8.t(), x_inv, w_inv, x.dtype, backend)
+        out = fp8_mm(x_fp8, w_fp8.t(), x_scale.reciprocal(), w_scale.reciprocal(), x.dtype, backend)
         if bias is not None:
             out = out + bias.to(out.dtype)
-        return out, x_fp8, w_fp8, x_inv, w_inv, x_amax, w_amax
+        # The scales (not their reciprocals) are residuals: as outputs of a compiled graph they
+        # are computed once, not again inside every element's cast.
+        return out, x_fp8, w_fp8, x_scale, w_scale, x_amax, w_amax
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -79,9 +80,10 @@ class _Fp8Linear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, *_):
-        x_fp8, w_fp8, x_inv, w_inv, x_amax, w_amax, in_history, w_history, *go_state = (
+        x_fp8, w_fp8, x_scale, w_scale, x_amax, w_amax, in_history, w_history, *go_state = (
             ctx.saved_tensors
         )
+        x_inv, w_inv = x_scale.reciprocal(), w_scale.reciprocal()
         x_dtype, w_dtype, b_dtype = ctx.dtypes
         needs = ctx.needs_input_grad
         g_amax = amax(grad_out)

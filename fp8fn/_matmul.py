@@ -20,6 +20,24 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return "scaled_mm" if _scaled_mm_supported(device) else "emulated"
 
 
+def _widen(fp8: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """`(hp, factor)` with `fp8.float() == hp * factor` exactly; `hp` float32, fp8's shape.
+
+    On CPU, `float8_e4m3fn.to(float32)` is slow (785 us for 512 x 512 on one core, against
+    193 us for these integer ops), so e4m3 goes through float16 bits instead. Its seven
+    magnitude bits placed at float16's bit 7 give the value times 2**-8 (float16's exponent bias
+    is 15, e4m3's 7; subnormals land on float16 subnormals), and magnitude 0x7F (NaN) gets
+    float16's all-ones exponent. Scaling by a power of two leaves the matmul's rounding as is.
+    """
+    if fp8.dtype != torch.float8_e4m3fn or torch.compiler.is_compiling():
+        return fp8.float(), 1.0  # inductor vectorizes the plain conversion itself
+    bits = fp8.view(torch.uint8).to(torch.int16)
+    magnitude, sign = bits & 0x7F, (bits >> 7) * -32768
+    nan = (magnitude + 1) >> 7  # 1 for magnitude 0x7F only
+    half = (magnitude << 7) | (nan * 0x7C00) | sign
+    return half.view(torch.float16).float(), 256.0
+
+
 def _pad16(t: torch.Tensor, dim: int) -> torch.Tensor:
     extra = -t.shape[dim] % 16
     if extra == 0:
@@ -49,7 +67,8 @@ def fp8_mm(
       `(m, n)` tensor in `out_dtype`.
     """
     if backend == "emulated":
-        out = torch.mm(a.float(), b.float()) * (inv_scale_a * inv_scale_b)
+        (a_hp, a_factor), (b_hp, b_factor) = _widen(a), _widen(b)
+        out = torch.mm(a_hp, b_hp) * ((inv_scale_a * a_factor) * (inv_scale_b * b_factor))
         return out.to(out_dtype)
     # torch._scaled_mm: `a` row-major, `b` column-major, every dimension a multiple of 16.
     m, n = a.shape[0], b.shape[1]

@@ -429,3 +429,18 @@ def test_linear_nan_input_observed_as_nan_and_ignored(row, col, grad_amax):
     assert_bit_identical(new.input, state.input)
     assert new.weight.amax_history[0] == w.abs().max()
     assert new.grad_output.amax_history[0] == (c * grad_amax).abs().max()
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_widen_is_exact_for_every_float8_value(dtype):
+    from fp8fn._matmul import _widen
+
+    every = torch.arange(256, dtype=torch.uint8).view(dtype).reshape(16, 16)
+    hp, factor = _widen(every)
+    expected = every.float()
+    got = hp * factor
+    assert hp.dtype == torch.float32 and hp.shape == every.shape
+    assert torch.equal(got.isnan(), expected.isnan())
+    finite = ~expected.isnan()
+    assert torch.equal(got[finite], expected[finite])
+    assert torch.equal(got.signbit()[finite], expected.signbit()[finite])  # -0.0 stays -0.0
