@@ -67,7 +67,11 @@ def fp8_mm(
       `(m, n)` tensor in `out_dtype`.
     """
     if backend == "emulated":
-        (a_hp, a_factor), (b_hp, b_factor) = _widen(a), _widen(b)
+        # `b` is widened as its transpose: then no widening in the forward is the same graph
+        # node as one in the backward, so when compiled the backward widens the saved float8
+        # copy itself instead of AOTAutograd saving the forward's float32 one (4x the bytes).
+        (a_hp, a_factor), (b_hp_t, b_factor) = _widen(a), _widen(b.t())
+        b_hp = b_hp_t.t()
         out = torch.mm(a_hp, b_hp) * ((inv_scale_a * a_factor) * (inv_scale_b * b_factor))
         return out.to(out_dtype)
     # torch._scaled_mm: `a` row-major, `b` column-major, every dimension a multiple of 16.

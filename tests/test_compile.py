@@ -265,3 +265,17 @@ def test_compiled_forward_casts_in_one_fused_kernel(recipe):
     assert reading_x == reading_w == kernels[:1]
     assert all(op in kernels[0] for op in ("abs", "amax", "mul", "clamp", "_to_copy"))
     assert code.count("extern_kernels.mm(") == 1
+
+
+@RECIPES
+def test_compiled_linear_saves_only_float8_copies_and_scalars(recipe):
+    # AOTAutograd picks what the compiled backward keeps; it must still be the float8 copies
+    # (1 byte per element of x and weight), not a float32 widening of them.
+    x = torch.randn(64, 128, requires_grad=True)
+    w = torch.randn(32, 128, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        _compiled_linear(recipe)(x, w, fp8fn.init_site_state(recipe))
+    big = sorted((str(t.dtype), t.numel()) for t in saved if t.dim() > 0)
+    assert big == [("torch.float8_e4m3fn", 32 * 128), ("torch.float8_e4m3fn", 64 * 128)]
+    assert all(t.numel() == 1 for t in saved if t.dim() == 0)
