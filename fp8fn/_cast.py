@@ -29,7 +29,7 @@ def cast_to_fp8(hp: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> to
       Tensor of `hp`'s shape in `dtype`; values beyond the format's max become +-max.
     """
     fp8_max = FP8_MAX[dtype]
-    return (hp.float() * scale).clamp_(-fp8_max, fp8_max).to(dtype)
+    return (hp.float() * scale).clamp(-fp8_max, fp8_max).to(dtype)
 
 
 def choose_scale(

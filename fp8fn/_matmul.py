@@ -29,8 +29,9 @@ def _widen(fp8: torch.Tensor) -> tuple[torch.Tensor, float]:
     is 15, e4m3's 7; subnormals land on float16 subnormals), and magnitude 0x7F (NaN) gets
     float16's all-ones exponent. Scaling by a power of two leaves the matmul's rounding as is.
     """
-    if fp8.dtype != torch.float8_e4m3fn or torch.compiler.is_compiling():
-        return fp8.float(), 1.0  # inductor vectorizes the plain conversion itself
+    small = fp8.numel() < 2**16  # below this the seven integer ops cost more than they save
+    if fp8.dtype != torch.float8_e4m3fn or small or torch.compiler.is_compiling():
+        return fp8.float(), 1.0  # (inductor vectorizes the plain conversion itself)
     bits = fp8.view(torch.uint8).to(torch.int16)
     magnitude, sign = bits & 0x7F, (bits >> 7) * -32768
     nan = (magnitude + 1) >> 7  # 1 for magnitude 0x7F only

@@ -36,13 +36,15 @@ def compute_scale(amax: torch.Tensor, fp8_max: float | torch.Tensor, margin=0.0)
       >>> fp8fn.compute_scale(torch.tensor(2.0), 448.0, margin=1)
       tensor(112.)
     """
+    # Few ops on purpose: in eager mode each is a kernel launch on a scalar.
     amax64 = amax.double()
-    margin64 = torch.as_tensor(margin, dtype=torch.float64, device=amax.device)
-    scale = torch.as_tensor(fp8_max, dtype=torch.float64, device=amax.device) / (
-        amax64 * torch.exp2(margin64)
-    )
-    valid = (amax64 > 0) & torch.isfinite(amax64)
-    return torch.where(valid, scale.clamp(max=_F32_MAX), 1.0).float()
+    if isinstance(margin, torch.Tensor):
+        amax64 = amax64 * torch.exp2(margin.double())
+    elif margin:
+        amax64 = amax64 * 2.0**margin
+    scale = fp8_max / amax64  # amax 0 -> inf, inf -> 0, NaN -> NaN: all become 1 below
+    scale = torch.nan_to_num(scale, nan=1.0, posinf=1.0)
+    return torch.where(scale > 0, scale.clamp(max=_F32_MAX), 1.0).float()
 
 
 def _check_trees(api: str, a, b, a_name: str, b_name: str) -> None:

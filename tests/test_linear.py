@@ -435,7 +435,7 @@ def test_linear_nan_input_observed_as_nan_and_ignored(row, col, grad_amax):
 def test_widen_is_exact_for_every_float8_value(dtype):
     from fp8fn._matmul import _widen
 
-    every = torch.arange(256, dtype=torch.uint8).view(dtype).reshape(16, 16)
+    every = torch.arange(256, dtype=torch.uint8).view(dtype).repeat(2**8).reshape(-1, 256)
     hp, factor = _widen(every)
     expected = every.float()
     got = hp * factor
@@ -444,3 +444,13 @@ def test_widen_is_exact_for_every_float8_value(dtype):
     finite = ~expected.isnan()
     assert torch.equal(got[finite], expected[finite])
     assert torch.equal(got.signbit()[finite], expected.signbit()[finite])  # -0.0 stays -0.0
+
+
+def test_linear_forward_mode_is_refused():
+    # Only the backward is defined (a custom `jvp` would stop dynamo from tracing the op).
+    site = fp8fn.init_site_state(DELAYED)
+    x, w = torch.randn(4, 8), torch.randn(4, 8)
+    with pytest.raises(NotImplementedError, match="implement the jvp function"):
+        torch.func.jvp(
+            lambda w: fp8fn.linear(x, w, None, site, DELAYED), (w,), (torch.ones_like(w),)
+        )
