@@ -47,8 +47,3 @@ def choose_scale(
       float32 `()` scale, finite and > 0.
     """
     return torch.where(history[0] > 0, stored, compute_scale(hp_amax, fp8_max, margin))
-
-
-def dequantize(fp8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`fp8 / scale` in `dtype` (for inspection and tests; the matmuls fold the scales in)."""
-    return (fp8.float() / scale).to(dtype)

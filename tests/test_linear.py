@@ -8,10 +8,17 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import fp8fn
-from fp8fn._cast import cast_to_fp8, dequantize
+from fp8fn._cast import cast_to_fp8
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 HISTORY_LEN = 4
+
+
+def dequantize(fp8, scale, dtype):
+    """`fp8 / scale` in `dtype`: the value a float8 operand stands for."""
+    return (fp8.float() / scale).to(dtype)
+
+
 DELAYED = fp8fn.DelayedScaling(history_len=HISTORY_LEN, backend="emulated")
 CURRENT = fp8fn.CurrentScaling(backend="emulated")
 SETTINGS = settings(max_examples=40, deadline=None)
