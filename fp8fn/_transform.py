@@ -163,7 +163,6 @@ class Transformed:
                 f"fp8fn.CurrentScaling, got {type(recipe).__name__}."
             )
         self.module, self.recipe = module, recipe
-        filter_fn = filter_fn or _all_sites_filter
         self._holder = _Holder()
         memo = {}
         self._copy = _copy_module(module, memo)
@@ -171,40 +170,57 @@ class Transformed:
         self._param_names = [n for n, _ in module.named_parameters()]  # tied: first name only
         self._aliases = {n for n, _ in module.named_parameters(remove_duplicate=False)}
         self._buffers = dict(module.named_buffers(remove_duplicate=False))
-        self.layers = []  # module paths of the converted nn.Linear layers
-        checkpointed = []
-        for name, original in module.named_modules():
+        self.layers = self._convert_layers(memo, filter_fn or _all_sites_filter)
+        self._refuse_outside_recompute(memo)
+        self.checkpointed = self._checkpoint_modules(checkpoint_fn)
+
+    def _convert_layers(self, memo, filter_fn) -> list[str]:
+        """Give the copies of the chosen nn.Linear layers the fp8 forward; their paths."""
+        layers = []
+        for name, original in self.module.named_modules():
+            if not (isinstance(original, nn.Linear) and filter_fn(name, original)):
+                continue
+            if type(original).forward is not nn.Linear.forward:
+                raise TypeError(
+                    f"fp8fn.transform: layer {name!r} is a {type(original).__name__}, an "
+                    "nn.Linear subclass with its own forward, which fp8fn cannot convert "
+                    "faithfully. Leave it in high precision with `filter_fn=lambda name, "
+                    f"module: name != {name!r}`."
+                )
             target = memo[id(original)]
-            if isinstance(original, nn.Linear) and filter_fn(name, original):
-                if type(original).forward is not nn.Linear.forward:
-                    raise TypeError(
-                        f"fp8fn.transform: layer {name!r} is a {type(original).__name__}, an "
-                        "nn.Linear subclass with its own forward, which fp8fn cannot convert "
-                        "faithfully. Leave it in high precision with `filter_fn=lambda name, "
-                        f"module: name != {name!r}`."
-                    )
-                target.__class__ = _subclass(type(original), _site_forward, "Fp8")
-                target._fp8fn_path, target._fp8fn_holder = name, self._holder
-                self.layers.append(name)
-            if checkpoint_fn is not None and checkpoint_fn(name, original):
-                if not any(name.startswith(p + ".") or p == "" for p in checkpointed):
-                    checkpointed.append(name)
-        for name, original in module.named_modules():
+            target.__class__ = _subclass(type(original), _site_forward, "Fp8")
+            target._fp8fn_path, target._fp8fn_holder = name, self._holder
+            layers.append(name)
+        return layers
+
+    def _refuse_outside_recompute(self, memo) -> None:
+        """Make the copy's other tensor-owning modules refuse to run outside `apply`.
+
+        A recompute by the model's own torch.utils.checkpoint runs after `apply` has returned,
+        with the module's original tensors. (The hook dict is the copy's own, so the user's
+        module is untouched.)
+        """
+        for name, original in self.module.named_modules():
             target = memo[id(original)]
-            owns_tensors = target._parameters or target._buffers
-            if owns_tensors and not hasattr(target, "_fp8fn_path"):
-                # A recompute by the model's own torch.utils.checkpoint runs after `apply` has
-                # returned, with the module's original tensors: refuse it. (The hook dict is the
-                # copy's own, so the user's module is untouched.)
+            if (target._parameters or target._buffers) and not hasattr(target, "_fp8fn_path"):
                 target._forward_pre_hooks = copy.copy(target._forward_pre_hooks)
                 target.register_forward_pre_hook(
                     functools.partial(_refuse_outside_apply, self._holder, name)
                 )
-        for name in checkpointed:
+
+    def _checkpoint_modules(self, checkpoint_fn) -> list[str]:
+        """Give the copies of the chosen submodules (outermost wins) a recomputed forward."""
+        chosen = []
+        for name, original in self.module.named_modules():
+            if checkpoint_fn is None or not checkpoint_fn(name, original):
+                continue
+            if not any(p == "" or name.startswith(p + ".") for p in chosen):
+                chosen.append(name)
+        for name in chosen:
             target = self._copy.get_submodule(name)
             target.__class__ = _subclass(type(target), _checkpointed_forward, "Checkpointed")
             target._fp8fn_path, target._fp8fn_holder = name, self._holder
-        self.checkpointed = checkpointed  # module paths recomputed in the backward
+        return chosen
 
     def init(self, *args, **kwargs) -> dict:
         """Find every fp8 call site and return the initial scaling state.
