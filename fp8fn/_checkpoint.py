@@ -9,7 +9,7 @@ from torch.utils import _pytree as pytree
 
 
 class _Checkpoint(torch.autograd.Function):
-    """Runs `run(*tensors)` without saving activations; the backward re-runs it under vjp.
+    """Runs `run(*tensors)` without saving activations; the backward re-runs it to differentiate.
 
     `run` maps a flat tuple of input tensors to a flat tuple of output tensors; `run.rng_state`
     is the RNG state to recompute with. Only the inputs are saved.
