@@ -158,9 +158,14 @@ def linear(x, weight, bias, site_state, recipe):
       >>> y.shape, y.dtype
       (torch.Size([8, 16]), torch.float32)
     """
+    return checked_linear(x, weight, bias, site_state, recipe, "linear", "`site_state`")
+
+
+def checked_linear(x, weight, bias, site_state, recipe, api, where):
+    """`linear` with its errors named for `api` (e.g. "apply") and the state at `where`."""
     if not isinstance(recipe, (DelayedScaling, CurrentScaling)):
         raise TypeError(
-            "fp8fn.linear: expected `recipe` to be fp8fn.DelayedScaling or fp8fn.CurrentScaling, "
+            f"fp8fn.{api}: expected `recipe` to be fp8fn.DelayedScaling or fp8fn.CurrentScaling, "
             f"got {type(recipe).__name__}."
         )
     for name, t in (("x", x), ("weight", weight), ("bias", bias)):
@@ -168,23 +173,23 @@ def linear(x, weight, bias, site_state, recipe):
             continue
         if not isinstance(t, torch.Tensor):
             raise TypeError(
-                f"fp8fn.linear: expected `{name}` to be a tensor, got {type(t).__name__}."
+                f"fp8fn.{api}: expected `{name}` to be a tensor, got {type(t).__name__}."
             )
         if t.dtype not in _HP_DTYPES:
             raise TypeError(
-                f"fp8fn.linear: expected `{name}` in float32, bfloat16 or float16, got {t.dtype}."
+                f"fp8fn.{api}: expected `{name}` in float32, bfloat16 or float16, got {t.dtype}."
             )
     if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
         raise ValueError(
-            "fp8fn.linear: expected `x` of shape (..., in_features) and `weight` of shape "
+            f"fp8fn.{api}: expected `x` of shape (..., in_features) and `weight` of shape "
             f"(out_features, in_features), got x {tuple(x.shape)} and weight "
             f"{tuple(weight.shape)}."
         )
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
         raise ValueError(
-            f"fp8fn.linear: expected `bias` of shape ({weight.shape[0]},), got {tuple(bias.shape)}."
+            f"fp8fn.{api}: expected `bias` of shape ({weight.shape[0]},), got {tuple(bias.shape)}."
         )
-    check_site_state("linear", site_state, recipe)
+    check_site_state(api, site_state, recipe, where)
     _refuse_compile_under_func()
     leaves = [None] * 9
     if site_state is not None:

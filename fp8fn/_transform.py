@@ -20,9 +20,9 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils import _pytree as pytree
 
 from ._checkpoint import checkpoint
-from ._linear import linear
+from ._linear import checked_linear
 from ._recipe import CurrentScaling, DelayedScaling
-from ._state import check_site_state, init_site_state
+from ._state import init_site_state
 
 # What torch raises when the model's own torch.utils.checkpoint runs under torch.func.
 _TORCH_CHECKPOINT_UNDER_FUNC = ("saved tensor hooks", "must override the setup_context")
@@ -52,8 +52,7 @@ class _Trace:
                 f"{name!r} is not in `state`. Call `fn.init` with inputs that call it as often."
             )
         site_state = self.state.get(name)
-        check_site_state("apply", site_state, self.recipe, f"state[{name!r}]")
-        return linear(x, weight, bias, site_state, self.recipe)
+        return checked_linear(x, weight, bias, site_state, self.recipe, "apply", f"state[{name!r}]")
 
 
 class _Holder:
