@@ -2,10 +2,11 @@
 
 Standalone: `python benchmarks/step.py [--repeats N] [--threads T] [--quick]`, after
 `pip install -e ".[bench]"` (torchao). The package never imports it. Variants, run
-alternately in one process (warmup, then the median of N repeats of each): plain float32 and bfloat16; fp8fn DelayedScaling and CurrentScaling, eager
-and `torch.compile(fn.apply)` with plain autograd; torchao `Float8Linear` (emulate=True,
-tensorwise dynamic scaling), eager and compiled. Goals (issue 5): fp8fn eager <= 0.8x
-torchao eager; compiled fp8fn <= 1.3x compiled float32.
+alternately in one process (warmup, then the median of N repeats of each): plain float32 and
+bfloat16; fp8fn DelayedScaling and CurrentScaling, eager and `torch.compile(fn.apply)` with
+plain autograd; torchao `Float8Linear` (emulate=True, tensorwise dynamic scaling), eager and
+compiled. Goals (issue 5): fp8fn eager <= 0.8x torchao eager; compiled fp8fn <= 1.3x compiled
+float32.
 """
 
 from __future__ import annotations
