@@ -8,6 +8,7 @@ import optree
 import pytest
 import torch
 import torch.nn.functional as F
+from _models import Branchy, ReusedLayer, Tied, Transformer
 from torch import nn
 from torch.utils import _pytree as pytree
 
@@ -21,40 +22,6 @@ def _mlp():
     return nn.Sequential(
         nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 8)
     )
-
-
-class Reused(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.inp = nn.Linear(16, 32)
-        self.shared = nn.Linear(32, 32)
-        self.out = nn.Linear(32, 8)
-
-    def forward(self, x):
-        return self.out(self.shared(F.relu(self.shared(self.inp(x)))))
-
-
-class Branchy(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.inp = nn.Linear(16, 32)
-        self.left = nn.Linear(32, 8)
-        self.right = nn.Linear(32, 8)
-
-    def forward(self, x, go_left=True):
-        h = self.inp(x)
-        return self.left(h) if go_left else self.right(h)
-
-
-class Tied(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.enc = nn.Linear(16, 16, bias=False)
-        self.dec = nn.Linear(16, 16, bias=False)
-        self.dec.weight = self.enc.weight
-
-    def forward(self, x):
-        return self.dec(torch.tanh(self.enc(x)))
 
 
 class WithBuffer(nn.Module):
@@ -116,15 +83,12 @@ def test_transform_leaves_module_untouched():
 
 def test_init_sites_in_call_order_with_reuse_and_branches():
     x = torch.randn(4, 16)
-    assert list(fp8fn.transform(Reused(), DELAYED).init(x)) == ["inp", "shared", "shared#1", "out"]
+    assert list(fp8fn.transform(ReusedLayer(16), DELAYED).init(x)) == ["fc", "fc#1", "out"]
     # The branch not taken at init still gets a site (after the called ones).
-    assert list(fp8fn.transform(Branchy(), DELAYED).init(x, go_left=False)) == [
-        "inp",
-        "right",
-        "left",
-    ]
-    # Two modules sharing one weight are two sites.
-    assert list(fp8fn.transform(Tied(), DELAYED).init(x)) == ["enc", "dec"]
+    assert list(fp8fn.transform(Branchy(16), DELAYED).init(x)) == ["fc1", "fc2", "extra"]
+    # Two modules sharing one weight are two sites (and the head tied to the embedding is one).
+    ids = torch.randint(0, 16, (4,))
+    assert list(fp8fn.transform(Tied(16, 16), DELAYED).init(ids)) == ["a", "b", "head"]
 
 
 def test_init_does_not_compute_real_activations():
@@ -179,17 +143,24 @@ def test_apply_is_pure():
 
 
 @pytest.mark.parametrize("recipe", [DELAYED, fp8fn.CurrentScaling()])
-@pytest.mark.parametrize("make", [_mlp, Reused, Tied])
-def test_func_and_autograd_routes_are_bit_identical(make, recipe):
+@pytest.mark.parametrize(
+    "make, x",
+    [
+        (_mlp, torch.randn(8, 16)),
+        (lambda: ReusedLayer(16), torch.randn(8, 16)),
+        (lambda: Tied(16, 16), torch.randint(0, 16, (8,))),
+    ],
+    ids=["mlp", "reused", "tied"],
+)
+def test_func_and_autograd_routes_are_bit_identical(make, x, recipe):
     model = make()
     fn = fp8fn.transform(model, recipe)
-    x = torch.randn(8, 16)
     params, state = _params(model), fn.init(x)
     for _ in range(3):
         g_func, obs_func = torch.func.grad(_loss(fn), argnums=(0, 1))(params, state, x)
         (_, obs_gv), _ = torch.func.grad_and_value(_loss(fn), argnums=(0, 1))(params, state, x)
-        _, vjp_fn = torch.func.vjp(_loss(fn), params, state, x)
-        g_vjp, obs_vjp, _ = vjp_fn(torch.tensor(1.0))
+        _, vjp_fn = torch.func.vjp(lambda p, s: _loss(fn)(p, s, x), params, state)
+        g_vjp, obs_vjp = vjp_fn(torch.tensor(1.0))
         g_auto, obs_auto = _autograd_step(fn, params, state, x)
         _assert_trees_equal(g_func, g_auto)
         _assert_trees_equal(g_func, g_vjp)
@@ -202,35 +173,36 @@ def test_func_and_autograd_routes_are_bit_identical(make, recipe):
 
 
 def test_observations_are_amaxes_of_each_call():
-    model = Reused()
+    model = ReusedLayer(16)
     fn = fp8fn.transform(model, DELAYED)
     x = torch.randn(8, 16)
     state = fn.init(x)
     obs = torch.func.grad(_loss(fn), argnums=1)(_params(model), state, x)
     with torch.no_grad():
-        h1 = fp8fn.linear(x, model.inp.weight, model.inp.bias, state["inp"], DELAYED)
-        shared = (model.shared.weight, model.shared.bias)
-        h2 = F.relu(fp8fn.linear(h1, *shared, state["shared"], DELAYED))
-    assert obs["inp"].input.amax_history[0] == x.abs().max()
-    assert obs["shared"].input.amax_history[0] == h1.abs().max()
-    assert obs["shared#1"].input.amax_history[0] == h2.abs().max()
-    assert obs["shared"].weight.amax_history[0] == model.shared.weight.abs().max()
-    assert torch.count_nonzero(obs["shared"].input.amax_history[1:]) == 0
+        fc = (model.fc.weight, model.fc.bias)
+        h1 = F.relu(fp8fn.linear(x, *fc, state["fc"], DELAYED))
+        h2 = F.relu(fp8fn.linear(h1, *fc, state["fc#1"], DELAYED))
+    assert obs["fc"].input.amax_history[0] == x.abs().max()
+    assert obs["fc#1"].input.amax_history[0] == h1.abs().max()
+    assert obs["out"].input.amax_history[0] == h2.abs().max()
+    assert obs["fc"].weight.amax_history[0] == model.fc.weight.abs().max()
+    assert obs["fc#1"].weight.amax_history[0] == model.fc.weight.abs().max()
+    assert torch.count_nonzero(obs["fc"].input.amax_history[1:]) == 0
 
 
 def test_site_that_did_not_run_keeps_its_state():
-    model = Branchy()
+    model = Branchy(16)
     fn = fp8fn.transform(model, DELAYED)
     x = torch.randn(8, 16)
     params, state = _params(model), fn.init(x)
     for _ in range(2):
         obs = torch.func.grad(_loss(fn), argnums=1)(params, state, x)
         state = fp8fn.update(state, obs)
-    assert torch.count_nonzero(state["right"].input.amax_history) == 0
-    assert torch.count_nonzero(state["left"].input.amax_history) == 2
+    assert torch.count_nonzero(state["extra"].input.amax_history) == 0
+    assert torch.count_nonzero(state["fc2"].input.amax_history) == 2
     _, auto_obs = _autograd_step(fn, params, state, x)
-    assert auto_obs["right"].input.amax_history is None
-    _assert_trees_equal(fp8fn.update(state, auto_obs)["right"], state["right"])
+    assert auto_obs["extra"].input.amax_history is None
+    _assert_trees_equal(fp8fn.update(state, auto_obs)["extra"], state["extra"])
 
 
 def test_gradient_accumulation_merges_by_max():
@@ -298,9 +270,9 @@ def test_state_round_trips_through_torch_save_and_flat_dicts():
     assert "2.grad_output.amax_history" in flat
     _assert_trees_equal(fp8fn.unflatten_state(flat), state)
     assert torch.equal(fn.apply(params, fp8fn.unflatten_state(flat), x), fn.apply(params, state, x))
-    other = fp8fn.transform(Reused(), DELAYED)
-    with pytest.raises(ValueError, match=r"fp8fn.apply: `state` does not belong.*'shared'"):
-        other.apply(_params(Reused()), fp8fn.unflatten_state(flat), x)
+    other = ReusedLayer(16)
+    with pytest.raises(ValueError, match=r"fp8fn.apply: `state` does not belong.*'fc'"):
+        fp8fn.transform(other, DELAYED).apply(_params(other), fp8fn.unflatten_state(flat), x)
     with pytest.raises(ValueError, match="fp8fn.unflatten_state: expected keys"):
         fp8fn.unflatten_state({"0.inputs.scale": torch.ones(())})
     with pytest.raises(ValueError, match=r"fp8fn.unflatten_state: missing keys \['0.input.margin"):
@@ -371,10 +343,11 @@ def test_apply_errors_name_the_problem():
     bad["2"] = bad["2"]._replace(weight=bad["2"].weight._replace(amax_history=torch.zeros(5)))
     with pytest.raises(ValueError, match=r"state\['2'\].weight.amax_history of shape \(4,\)"):
         fn.apply(params, bad, x)
-    reused = fp8fn.transform(Reused(), DELAYED)
-    short = {k: v for k, v in reused.init(x).items() if k != "shared#1"}
-    with pytest.raises(ValueError, match=r"site 'shared#1' is not in `state`"):
-        reused.apply(_params(Reused()), short, x)
+    model = ReusedLayer(16)
+    reused = fp8fn.transform(model, DELAYED)
+    short = {k: v for k, v in reused.init(x).items() if k != "fc#1"}
+    with pytest.raises(ValueError, match=r"site 'fc#1' is not in `state`"):
+        reused.apply(_params(model), short, x)
 
 
 def test_transform_errors_name_the_problem():
