@@ -375,8 +375,6 @@ def _sqnr(ref, x):
 
 @pytest.mark.parametrize("recipe", [DELAYED, fp8fn.CurrentScaling()])
 def test_transformer_matches_float32_and_routes_agree(recipe):
-    from _models import Transformer
-
     model = Transformer(vocab=64, d_model=32, n_heads=4, n_blocks=2, seq=16)
     fn = fp8fn.transform(model, recipe)
     idx = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(0))
