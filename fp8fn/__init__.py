@@ -1,10 +1,11 @@
 """fp8fn: float8 training with delayed scaling as a pure, functional transform for PyTorch."""
 
+from ._autograd import observations, observe, value_and_grad
 from ._checkpoint import checkpoint
 from ._linear import linear
 from ._recipe import CurrentScaling, DelayedScaling
 from ._scaling import compute_scale, merge, update
-from ._state import ScaleState, SiteState, flatten_state, init_site_state, unflatten_state
+from ._state import ScaleState, SiteState, State, flatten_state, init_state, unflatten_state
 from ._transform import Transformed, transform
 
 __all__ = [
@@ -12,14 +13,18 @@ __all__ = [
     "DelayedScaling",
     "ScaleState",
     "SiteState",
+    "State",
     "Transformed",
     "checkpoint",
     "compute_scale",
     "flatten_state",
-    "init_site_state",
+    "init_state",
     "linear",
     "merge",
+    "observations",
+    "observe",
     "transform",
     "unflatten_state",
     "update",
+    "value_and_grad",
 ]

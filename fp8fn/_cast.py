@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import torch
 
-from ._scaling import FP8_MAX, compute_scale
+from ._scaling import FP8_MAX
 
 
 def amax(hp: torch.Tensor) -> torch.Tensor:
     """The largest magnitude of `hp` (any shape, floating), as a float32 `()` tensor.
 
-    NaN in `hp` gives NaN, an empty `hp` gives 0 (both of which `update` then ignores).
+    One kernel. NaN in `hp` gives NaN, an empty `hp` gives 0 (both of which `update` ignores).
     """
     if hp.numel() == 0:
         return hp.new_zeros((), dtype=torch.float32)
-    return hp.abs().amax().float()
+    return torch.linalg.vector_norm(hp, float("inf")).float()
 
 
 def cast_to_fp8(hp: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -30,20 +30,3 @@ def cast_to_fp8(hp: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> to
     """
     fp8_max = FP8_MAX[dtype]
     return (hp.float() * scale).clamp(-fp8_max, fp8_max).to(dtype)
-
-
-def choose_scale(
-    history: torch.Tensor, stored: torch.Tensor, hp_amax: torch.Tensor, margin, fp8_max: float
-) -> torch.Tensor:
-    """The scale a cast uses: the stored one, or current scaling while `history` is empty.
-
-    Args:
-      history: float32 `(history_len,)`, newest first; `history[0] == 0` means never observed.
-      stored: float32 `()` scale from the state.
-      hp_amax: float32 `()` amax of the tensor being cast.
-      margin: float32 `()` or a float.
-
-    Returns:
-      float32 `()` scale, finite and > 0.
-    """
-    return torch.where(history[0] > 0, stored, compute_scale(hp_amax, fp8_max, margin))

@@ -4,111 +4,174 @@ from __future__ import annotations
 
 import torch
 
-from ._cast import amax, cast_to_fp8, choose_scale
+from ._cast import amax, cast_to_fp8
 from ._matmul import fp8_mm, resolve_backend
 from ._recipe import CurrentScaling, DelayedScaling
-from ._scaling import E4M3, E5M2, FP8_MAX, compute_scale
+from ._scaling import E4M3, E5M2, FP8_MAX, constant, scale_from_amax
 from ._state import check_site_state
 
 _HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _scale(history, stored, margin, hp_amax, fp8_max):
-    """Delayed scale (or current while `history` is empty); current scaling when stateless."""
-    if history is None:
-        return compute_scale(hp_amax, fp8_max)
-    return choose_scale(history, stored, hp_amax, margin, fp8_max)
+def _grad_output_role(device) -> torch.Tensor:
+    """bool `(3,)`: True for the grad_output role."""
+    return constant((False, False, True), torch.bool, device)
 
 
-def _as_observation(hp_amax, history, like):
-    """`(history_len,)` observation `[amax, 0, ...]`, made at the level of `like`.
-
-    Built from a zero derived from `like` (the incoming gradient), so that an amax saved in the
-    forward becomes a tensor of the backward's functorch level (needed once transforms nest).
-    """
-    zero = like.new_zeros(history.shape[0] - 1)
-    return torch.cat([(hp_amax + like.new_zeros(())).reshape(1), zero])
+_HIGHER_ORDER = (
+    "fp8fn.linear: higher-order derivatives through float8 casts are not defined (the backward's "
+    "casts have no scales of their own). Differentiate fp8fn once; for a Hessian or "
+    "gradient penalty, run that part in high precision (filter_fn, or a recipe of None)."
+)
 
 
-class _Fp8Linear(torch.autograd.Function):
-    """y = x @ weight.T + bias with float8 operands. x (m, k), weight (n, k), bias (n,) or None.
+def _scales(amaxes, newest, stored, margin: int, fp8_max: float):
+    """The scales the casts use, float32 of `amaxes`'s shape: `stored` where the history is
+    non-empty (`newest > 0`), else current scaling from `amaxes`; current scaling when
+    stateless (`newest` None)."""
+    current = scale_from_amax(amaxes, fp8_max, margin)
+    return current if newest is None else torch.where(newest > 0, stored, current)
 
-    `state` is `(history, scale, margin)` for input, weight and grad_output in turn (nine
-    tensors), all None for current scaling. The gradient of each history is the observation
-    `[amax, 0, ...]`; the other state tensors get none.
+
+class _FirstOrderOnly(torch.autograd.Function):
+    """Identity on the backward's results; differentiating through them raises.
+
+    `anchor` (the forward's amaxes, differentiable in x and weight) ties the results to every
+    outer differentiation that tracks the op's inputs, so grad-of-grad reaches this node.
     """
 
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(
-        x,
-        weight,
-        bias,
-        backend,
-        x_history,
-        x_stored,
-        x_margin,
-        w_history,
-        w_stored,
-        w_margin,
-        g_history,
-        g_stored,
-        g_margin,
-    ):
-        # One named parameter per argument (not `*state`): when no input requires grad, dynamo
-        # inlines `forward` and passes it a ctx unless the parameter count equals the argument
-        # count (torch 2.13), so a `*state` signature would not compile for inference.
-        x_amax, w_amax = amax(x), amax(weight)
-        x_scale = _scale(x_history, x_stored, x_margin, x_amax, FP8_MAX[E4M3])
-        w_scale = _scale(w_history, w_stored, w_margin, w_amax, FP8_MAX[E4M3])
-        x_fp8, w_fp8 = cast_to_fp8(x, x_scale, E4M3), cast_to_fp8(weight, w_scale, E4M3)
-        out = fp8_mm(x_fp8, w_fp8.t(), x_scale.reciprocal(), w_scale.reciprocal(), x.dtype, backend)
-        if bias is not None:
-            out = out + bias.to(out.dtype)
-        # The scales (not their reciprocals) are residuals: as outputs of a compiled graph they
-        # are computed once, not again inside every element's cast.
-        return out, x_fp8, w_fp8, x_scale, w_scale, x_amax, w_amax
+    def forward(anchor, *grads):
+        return grads
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, weight, bias, backend, *state = inputs
-        ctx.mark_non_differentiable(*output[1:])
-        ctx.save_for_backward(*output[1:], state[0], state[3], *state[6:9])
-        ctx.backend = backend
+        pass
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise RuntimeError(_HIGHER_ORDER)
+
+
+def _tracked_outside(t: torch.Tensor) -> bool:
+    """Whether a differentiation other than the one running this backward tracks `t`: plain
+    autograd (`requires_grad` with no functorch level running), or a functorch level below
+    the current one (grad of grad, or a plain-autograd graph under torch.func)."""
+    functorch = torch._C._functorch
+    if functorch.maybe_current_level() is None:
+        return t.requires_grad
+    while functorch.is_functorch_wrapped_tensor(t):
+        t = functorch.get_unwrapped(t)
+        if functorch.is_gradtrackingtensor(t) or (
+            not functorch.is_functorch_wrapped_tensor(t) and t.requires_grad
+        ):
+            return True
+    return False
+
+
+class _Fp8Linear(torch.autograd.Function):
+    """y = x @ weight.T + bias with float8 operands. x (m, k), weight (n, k), bias (n,) or None.
+
+    `newest` and `stored` are the site's newest history entries and stored scales, float32
+    `(3,)` (roles input, weight, grad_output), or None for current scaling; `margin` an int.
+    The gradient with respect to `newest` is the observation `[x_amax, w_amax, g_amax]`.
+    """
+
+    @staticmethod
+    def forward(x, weight, bias, newest, stored, margin, backend):
+        # Three roles at once (the last entry stands in for grad_output): no slicing of rows.
+        x_amax, w_amax = amax(x), amax(weight)
+        amaxes = torch.stack([x_amax, w_amax, w_amax])
+        scales = _scales(amaxes, newest, stored, margin, FP8_MAX[E4M3])
+        x_scale, w_scale, _ = scales.unbind()
+        x_fp8, w_fp8 = cast_to_fp8(x, x_scale, E4M3), cast_to_fp8(weight, w_scale, E4M3)
+        x_inv, w_inv, _ = scales.reciprocal().unbind()
+        out = fp8_mm(x_fp8, w_fp8, x_inv, w_inv, x.dtype, backend)
+        if bias is not None:
+            out = out + bias.to(out.dtype)
+        return out, x_fp8, w_fp8, x_inv, w_inv, amaxes
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, weight, bias, newest, stored, margin, backend = inputs
+        ctx.mark_non_differentiable(*output[1:5])  # amaxes stays differentiable: see backward
+        ctx.set_materialize_grads(False)  # the residual outputs get no gradient: no zeros made
+        ctx.save_for_backward(*output[1:], newest, stored)
+        ctx.margin, ctx.backend = margin, backend
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
 
     @staticmethod
     def backward(ctx, grad_out, *_):
-        x_fp8, w_fp8, x_scale, w_scale, x_amax, w_amax, in_history, w_history, *go_state = (
-            ctx.saved_tensors
+        x_fp8, w_fp8, x_inv, w_inv, amaxes, newest, stored = ctx.saved_tensors
+        with _no_autocast(grad_out):
+            g_amax = amax(grad_out)
+            g_scale = _scales(g_amax, newest, stored, ctx.margin, FP8_MAX[E5M2])[..., 2]
+            g_fp8, g_inv = cast_to_fp8(grad_out, g_scale, E5M2), g_scale.reciprocal()
+            x_dtype, w_dtype, b_dtype = ctx.dtypes
+            needs = ctx.needs_input_grad
+            grads = [None] * 7
+            if needs[0]:
+                grads[0] = fp8_mm(g_fp8, w_fp8.t(), g_inv, w_inv, x_dtype, ctx.backend)
+            if needs[1]:
+                grads[1] = fp8_mm(g_fp8.t(), x_fp8.t(), g_inv, x_inv, w_dtype, ctx.backend)
+            if needs[2]:
+                grads[2] = grad_out.float().sum(0).to(b_dtype)
+            if needs[3]:  # [x_amax, w_amax, g_amax], made here: at the backward's level
+                grads[3] = torch.where(_grad_output_role(amaxes.device), g_amax, amaxes)
+        if torch.is_grad_enabled() and _tracked_outside(amaxes):
+            # An outer differentiation records this backward: make its use raise.
+            grads[:4] = _FirstOrderOnly.apply(amaxes, *grads[:4])
+        return tuple(grads)
+
+    @staticmethod
+    def vmap(info, in_dims, x, weight, bias, newest, stored, margin, backend):
+        """vmap over the batch (only `x` batched) is the unbatched call on the whole batch: one
+        amax, as without vmap. Any other batching (model ensembles) runs member by member, and
+        needs a batched state: one state shared by members would sum their observations."""
+        args = (x, weight, bias, newest, stored)
+        if all(d is None for d in in_dims[1:5]):
+            xb = x.movedim(in_dims[0], 0)
+            outs = _Fp8Linear.apply(xb.flatten(0, 1), weight, bias, newest, stored, margin, backend)
+            out, x_fp8, *rest = outs
+            folded = (out.unflatten(0, xb.shape[:2]), x_fp8.unflatten(0, xb.shape[:2]))
+            return (*folded, *rest), (0, 0, None, None, None, None)
+        if newest is not None and in_dims[3] is None:
+            raise ValueError(
+                "fp8fn.linear: vmap over the weights with an unbatched scaling state: members "
+                "would share one state and their observations would be summed. Give each member "
+                "its own state (stack the states and vmap over them too)."
+            )
+        members = []
+        for i in range(info.batch_size):
+            member = [a if d is None else a.select(d, i) for a, d in zip(args, in_dims)]
+            members.append(_Fp8Linear.apply(*member, margin, backend))
+        return tuple(torch.stack(o) for o in zip(*members)), (0,) * 6
+
+
+class _no_autocast:
+    """Disable autocast on the device of `t` while inside (a no-op when it is off)."""
+
+    def __init__(self, t: torch.Tensor):
+        self.device = t.device.type
+        self.ctx = (
+            torch.autocast(self.device, enabled=False)
+            if torch.is_autocast_enabled(self.device)
+            else None
         )
-        x_inv, w_inv = x_scale.reciprocal(), w_scale.reciprocal()
-        x_dtype, w_dtype, b_dtype = ctx.dtypes
-        needs = ctx.needs_input_grad
-        g_amax = amax(grad_out)
-        g_scale = _scale(*go_state, g_amax, FP8_MAX[E5M2])
-        g_fp8, g_inv = cast_to_fp8(grad_out, g_scale, E5M2), g_scale.reciprocal()
-        grad_x = grad_w = grad_b = None
-        if needs[0]:
-            grad_x = fp8_mm(g_fp8, w_fp8, g_inv, w_inv, x_dtype, ctx.backend)
-        if needs[1]:
-            grad_w = fp8_mm(g_fp8.t(), x_fp8, g_inv, x_inv, w_dtype, ctx.backend)
-        if needs[2]:
-            grad_b = grad_out.float().sum(0).to(b_dtype)
-        grad_state = [None] * 9
-        for i, hp_amax, history in (
-            (0, x_amax, in_history),
-            (3, w_amax, w_history),
-            (6, g_amax, go_state[0]),
-        ):
-            if needs[4 + i]:
-                grad_state[i] = _as_observation(hp_amax, history, grad_out)
-        return grad_x, grad_w, grad_b, None, *grad_state
+
+    def __enter__(self):
+        if self.ctx is not None:
+            self.ctx.__enter__()
+
+    def __exit__(self, *exc):
+        if self.ctx is not None:
+            self.ctx.__exit__(*exc)
 
 
-def _refuse_compile_under_func():
-    """Refuse to let dynamo trace `fp8fn.linear` inside a torch.func transform.
+def refuse_compile_under_func(api: str) -> None:
+    """Refuse to let dynamo trace an fp8fn op inside a torch.func transform.
 
     There it would drop the custom backward (pytorch#193279). Outside transforms dynamo folds
     `maybe_current_level()` to None, so this check leaves nothing in the graph; inside one it
@@ -117,57 +180,16 @@ def _refuse_compile_under_func():
     """
     if torch.compiler.is_compiling() and torch._C._functorch.maybe_current_level() is not None:
         raise RuntimeError(
-            "fp8fn.linear: torch.compile cannot trace fp8fn.linear inside a torch.func "
+            f"fp8fn.{api}: torch.compile cannot trace fp8fn.linear inside a torch.func "
             "transform (grad, vjp, vmap): it would drop fp8fn's backward and return wrong "
-            "gradients and observations (pytorch#193279). Compile with plain autograd "
-            "(loss.backward() or torch.autograd.grad) instead, or leave fullgraph off so that "
-            "this part runs eagerly."
+            "gradients and observations (pytorch#193279). Use fp8fn.value_and_grad, or compile "
+            "with plain autograd (loss.backward() or torch.autograd.grad), or leave fullgraph "
+            "off so that this part runs eagerly."
         )
 
 
-def linear(x, weight, bias, site_state, recipe):
-    """`x @ weight.T + bias` with both operands in float8, and float8 gradients.
-
-    The forward casts `x` and `weight` to `float8_e4m3fn`, the backward casts the output
-    gradient to `float8_e5m2`, each with saturation; `grad_input` and `grad_weight` come from the
-    float8 operands, the bias gradient is taken in high precision. Only the float8 copies of `x`
-    and `weight` (1 byte per element) and scalars are saved for the backward.
-
-    Under `DelayedScaling`, each cast uses the scale stored in `site_state` (or the tensor's own
-    amax while that role's history is empty). The gradient with respect to `site_state` is the
-    observation: `amax_history[0]` of each role holds the amax seen in this call. So
-    `torch.func.grad` over the state, or `.grad` of state leaves that require grad, gives the
-    tree `fp8fn.update` consumes.
-
-    Args:
-      x: `(..., in_features)` in float32, bfloat16 or float16.
-      weight: `(out_features, in_features)`, floating.
-      bias: `(out_features,)` or None.
-      site_state: an `fp8fn.SiteState` for `DelayedScaling`, None for `CurrentScaling`.
-      recipe: `fp8fn.DelayedScaling` or `fp8fn.CurrentScaling`.
-
-    Returns:
-      `(..., out_features)` in `x.dtype`.
-
-    Example:
-      >>> import torch, fp8fn
-      >>> recipe = fp8fn.DelayedScaling()
-      >>> state = fp8fn.init_site_state(recipe)
-      >>> x, w = torch.randn(8, 32), torch.randn(16, 32)
-      >>> y = fp8fn.linear(x, w, None, state, recipe)
-      >>> y.shape, y.dtype
-      (torch.Size([8, 16]), torch.float32)
-    """
-    return checked_linear(x, weight, bias, site_state, recipe, "linear", "`site_state`")
-
-
-def checked_linear(x, weight, bias, site_state, recipe, api, where):
-    """`linear` with its errors named for `api` (e.g. "apply") and the state at `where`."""
-    if not isinstance(recipe, (DelayedScaling, CurrentScaling)):
-        raise TypeError(
-            f"fp8fn.{api}: expected `recipe` to be fp8fn.DelayedScaling or fp8fn.CurrentScaling, "
-            f"got {type(recipe).__name__}."
-        )
+def check_operands(api: str, x, weight, bias) -> None:
+    """Raise a clear error unless x `(..., k)`, weight `(n, k)`, bias `(n,)` or None fit."""
     for name, t in (("x", x), ("weight", weight), ("bias", bias)):
         if t is None and name == "bias":
             continue
@@ -189,11 +211,77 @@ def checked_linear(x, weight, bias, site_state, recipe, api, where):
         raise ValueError(
             f"fp8fn.{api}: expected `bias` of shape ({weight.shape[0]},), got {tuple(bias.shape)}."
         )
-    check_site_state(api, site_state, recipe, where)
-    _refuse_compile_under_func()
-    leaves = [None] * 9
-    if site_state is not None:
-        leaves = [t for s in site_state for t in (s.amax_history, s.scale, s.margin)]
+
+
+def linear(x, weight, bias, site_state, recipe):
+    """`x @ weight.T + bias` with both operands in float8, and float8 gradients.
+
+    The forward casts `x` and `weight` to `float8_e4m3fn`, the backward casts the output
+    gradient to `float8_e5m2`, each with saturation; `grad_input` and `grad_weight` come from the
+    float8 operands, the bias gradient is taken in high precision. Only the float8 copies of `x`
+    and `weight` (1 byte per element) and scalars are saved for the backward. Under autocast,
+    `x` is first cast to the autocast dtype (as torchao does) and the op itself is not
+    re-autocast, so every route gives the same bits.
+
+    Under `DelayedScaling`, each cast uses the scale stored in `site_state` (or the tensor's own
+    amax while that role's history is empty). The gradient with respect to `site_state` is the
+    observation: `amax_history[:, 0]` holds the amaxes of input, weight and output gradient seen
+    in this call. Higher-order derivatives are refused.
+
+    Args:
+      x: `(..., in_features)` in float32, bfloat16 or float16.
+      weight: `(out_features, in_features)`, floating.
+      bias: `(out_features,)` or None.
+      site_state: `state[site]` of an `fp8fn.State` for `DelayedScaling`; None otherwise.
+      recipe: `fp8fn.DelayedScaling` or `fp8fn.CurrentScaling`.
+
+    Returns:
+      `(..., out_features)` in `x.dtype` (the autocast dtype under autocast).
+
+    Example:
+      >>> import torch, fp8fn
+      >>> recipe = fp8fn.DelayedScaling()
+      >>> state = fp8fn.init_state(recipe, ["fc"])
+      >>> x, w = torch.randn(8, 32), torch.randn(16, 32)
+      >>> y = fp8fn.linear(x, w, None, state["fc"], recipe)
+      >>> y.shape, y.dtype
+      (torch.Size([8, 16]), torch.float32)
+    """
+    if not isinstance(recipe, (DelayedScaling, CurrentScaling)):
+        raise TypeError(
+            f"fp8fn.linear: expected `recipe` to be an fp8fn recipe (e.g. fp8fn.DelayedScaling), "
+            f"got {type(recipe).__name__}."
+        )
+    check_operands("linear", x, weight, bias)
+    if isinstance(recipe, DelayedScaling):
+        check_site_state("linear", site_state)
+        h = recipe.history_len
+        if site_state.amax_history.shape[-1] != h:
+            raise ValueError(
+                f"fp8fn.linear: expected `site_state` of history length {h} like the recipe's, "
+                f"got {site_state.amax_history.shape[-1]}."
+            )
+        newest, stored = site_state.amax_history[:, 0], site_state.scale
+    elif site_state is not None:
+        raise TypeError(
+            f"fp8fn.linear: {type(recipe).__name__} is stateless: expected `site_state` None, "
+            f"got {type(site_state).__name__}."
+        )
+    else:
+        newest = stored = None
+    return fp8_linear(x, weight, bias, newest, stored, recipe)
+
+
+def fp8_linear(x, weight, bias, newest, stored, recipe):
+    """`linear` on checked arguments: `newest`, `stored` float32 `(3,)` or None."""
+    refuse_compile_under_func("linear")
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        x = x.to(torch.get_autocast_dtype(device))
     backend = resolve_backend(recipe.backend, x.device)
-    out = _Fp8Linear.apply(x.reshape(-1, x.shape[-1]), weight, bias, backend, *leaves)[0]
+    margin = getattr(recipe, "margin", 0)
+    with _no_autocast(x):
+        out = _Fp8Linear.apply(
+            x.reshape(-1, x.shape[-1]), weight, bias, newest, stored, margin, backend
+        )[0]
     return out.reshape(*x.shape[:-1], weight.shape[0])

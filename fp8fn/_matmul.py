@@ -55,11 +55,11 @@ def fp8_mm(
     out_dtype: torch.dtype,
     backend: str,
 ) -> torch.Tensor:
-    """`(a @ b) * inv_scale_a * inv_scale_b` for float8 operands.
+    """`(a @ b.T) * inv_scale_a * inv_scale_b` for float8 operands, accumulated in float32.
 
     Args:
-      a: float8 `(m, k)`.
-      b: float8 `(k, n)`, any layout.
+      a: float8 `(m, k)`, any layout.
+      b: float8 `(n, k)`, any layout (a linear layer's weight layout).
       inv_scale_a, inv_scale_b: float32 `()` dequantization scales (`1 / scale`).
       out_dtype: dtype of the result.
       backend: `"emulated"` or `"scaled_mm"` (as resolved by `resolve_backend`).
@@ -68,16 +68,17 @@ def fp8_mm(
       `(m, n)` tensor in `out_dtype`.
     """
     if backend == "emulated":
-        # `b` is widened as its transpose: then no widening in the forward is the same graph
-        # node as one in the backward, so when compiled the backward widens the saved float8
-        # copy itself instead of AOTAutograd saving the forward's float32 one (4x the bytes).
-        (a_hp, a_factor), (b_hp_t, b_factor) = _widen(a), _widen(b.t())
-        b_hp = b_hp_t.t()
-        out = torch.mm(a_hp, b_hp) * ((inv_scale_a * a_factor) * (inv_scale_b * b_factor))
-        return out.to(out_dtype)
+        # Each operand is widened in the layout it comes in: the backward widens transposed
+        # views of the saved float8 copies, which are not the forward's graph nodes, so when
+        # compiled AOTAutograd cannot save the forward's float32 widening (4x the bytes).
+        (a_hp, a_factor), (b_hp, b_factor) = _widen(a), _widen(b)
+        inv = inv_scale_a * inv_scale_b
+        if a_factor * b_factor != 1.0:  # powers of two: exact
+            inv = inv * (a_factor * b_factor)
+        return (torch.mm(a_hp, b_hp.t()) * inv).to(out_dtype)
     # torch._scaled_mm: `a` row-major, `b` column-major, every dimension a multiple of 16.
-    m, n = a.shape[0], b.shape[1]
+    m, n = a.shape[0], b.shape[0]
     a = _pad16(_pad16(a, 0), 1).contiguous()
-    b = _pad16(_pad16(b, 0), 1).t().contiguous().t()
-    out = torch._scaled_mm(a, b, scale_a=inv_scale_a, scale_b=inv_scale_b, out_dtype=out_dtype)
+    b = _pad16(_pad16(b, 0), 1).contiguous()
+    out = torch._scaled_mm(a, b.t(), scale_a=inv_scale_a, scale_b=inv_scale_b, out_dtype=out_dtype)
     return out[:m, :n]

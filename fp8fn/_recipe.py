@@ -86,3 +86,4 @@ class CurrentScaling:
 
 
 Recipe = DelayedScaling | CurrentScaling
+RECIPES = (DelayedScaling, CurrentScaling)  # for isinstance checks

@@ -1,32 +1,37 @@
-"""Scaling numerics: scales from amaxes, and the batched `update` / `merge` of scaling state.
+"""Scaling numerics: scales from amaxes, and `update` / `merge` of packed scaling states.
 
 One convention throughout: `fp8 = saturate(hp * scale)` and `scale = fp8_max / (amax * 2**margin)`.
 """
 
 from __future__ import annotations
 
+import functools
+import warnings
+
 import torch
 
-from ._state import ROLES, ScaleState, SiteState
+from ._state import State, check_state
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
 FP8_MAX = {E4M3: torch.finfo(E4M3).max, E5M2: torch.finfo(E5M2).max}  # 448.0, 57344.0
-ROLE_DTYPE = {"input": E4M3, "weight": E4M3, "grad_output": E5M2}
+ROLE_DTYPE = (E4M3, E4M3, E5M2)  # input, weight, grad_output
+ROLE_FP8_MAX = tuple(FP8_MAX[d] for d in ROLE_DTYPE)
 _F32_MAX = torch.finfo(torch.float32).max
-_ROLE_FP8_MAX = tuple(FP8_MAX[ROLE_DTYPE[role]] for role in ROLES)  # in SiteState order
+_F32_MIN = 2.0**-149  # the smallest positive float32
 
 
-def compute_scale(amax: torch.Tensor, fp8_max: float | torch.Tensor, margin=0.0) -> torch.Tensor:
+def compute_scale(amax: torch.Tensor, fp8_max: float, margin: int = 0) -> torch.Tensor:
     """`fp8_max / (amax * 2**margin)`, computed in float64, returned as float32.
 
-    Always finite and > 0: an amax that is 0, inf or NaN gives scale 1, a tiny amax whose scale
-    would overflow float32 gives float32's max.
+    Always finite and > 0: an amax that is 0, inf or NaN gives scale 1; a scale beyond float32's
+    range is clamped to it (float32's max for a tiny amax, its smallest positive value for a
+    huge one).
 
     Args:
-      amax: float tensor of any shape (e.g. `()` or `(n_states,)`).
-      fp8_max: the float8 format's largest value, a float or a tensor broadcastable to `amax`.
-      margin: a float or a tensor broadcastable to `amax`.
+      amax: float tensor of any shape (e.g. `()` or `(n_sites, 3)`).
+      fp8_max: the float8 format's largest value (448.0 for e4m3, 57344.0 for e5m2).
+      margin: an int >= 0.
 
     Returns:
       float32 tensor of `amax`'s shape.
@@ -36,152 +41,128 @@ def compute_scale(amax: torch.Tensor, fp8_max: float | torch.Tensor, margin=0.0)
       >>> fp8fn.compute_scale(torch.tensor(2.0), 448.0, margin=1)
       tensor(112.)
     """
-    # Few ops on purpose: in eager mode each is a kernel launch on a scalar.
-    amax64 = amax.double()
-    if isinstance(margin, torch.Tensor):
-        amax64 = amax64 * torch.exp2(margin.double())
-    elif margin:
-        amax64 = amax64 * 2.0**margin
-    scale = fp8_max / amax64  # amax 0 -> inf, inf -> 0, NaN -> NaN: all become 1 below
-    scale = torch.nan_to_num(scale, nan=1.0, posinf=1.0)
-    return torch.where(scale > 0, scale.clamp(max=_F32_MAX), 1.0).float()
-
-
-def _check_trees(api: str, a, b, a_name: str, b_name: str) -> None:
-    if not isinstance(a, dict) or not isinstance(b, dict):
+    if not isinstance(amax, torch.Tensor) or not amax.is_floating_point():
         raise TypeError(
-            f"fp8fn.{api}: expected `{a_name}` and `{b_name}` to be dicts of fp8fn.SiteState, "
-            f"got {type(a).__name__} and {type(b).__name__}."
+            f"fp8fn.compute_scale: expected `amax` to be a floating tensor, "
+            f"got {getattr(amax, 'dtype', type(amax).__name__)}."
         )
-    if a.keys() != b.keys():
-        diff = sorted(set(a) ^ set(b))
+    if isinstance(fp8_max, bool) or not isinstance(fp8_max, (int, float)) or not fp8_max > 0:
+        raise ValueError(f"fp8fn.compute_scale: expected `fp8_max` a float > 0, got {fp8_max!r}.")
+    if isinstance(margin, bool) or not isinstance(margin, int) or margin < 0:
+        raise ValueError(f"fp8fn.compute_scale: expected `margin` an int >= 0, got {margin!r}.")
+    return scale_from_amax(amax, float(fp8_max), margin)
+
+
+@functools.cache
+def constant(values: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A cached constant tensor (so the hot path does not make it again each call)."""
+    return torch.tensor(values if len(values) > 1 else values[0], dtype=dtype, device=device)
+
+
+def scale_from_amax(amax: torch.Tensor, fp8_max, margin: int) -> torch.Tensor:
+    """`compute_scale` without argument checks: the hot path of the op and of `update`.
+
+    Five kernels. The division is in float64 (`amax` is promoted inside it), so that eager,
+    compiled and Triton code agree bit for bit. `fp8_max`: a float, or a tuple broadcastable to
+    `amax`. Returns float32 of `amax`'s shape.
+    """
+    values = fp8_max if isinstance(fp8_max, tuple) else (fp8_max,)
+    numerator = constant(tuple(v * 2.0**-margin for v in values), torch.float64, amax.device)
+    finite = torch.nan_to_num(amax, posinf=0.0)  # inf -> 0; 0 and NaN are handled below
+    scale = torch.div(numerator, finite).nan_to_num(nan=1.0, posinf=1.0)  # 0, NaN -> 1
+    return scale.float().clamp(_F32_MIN, _F32_MAX)  # beyond float32's range: its max or min
+
+
+def _check_pair(api: str, a, b, a_name: str, b_name: str) -> None:
+    """Both are `State`s of the same structure (sites, static config, shapes, device)."""
+    check_state(api, a, a_name, batch_dims=None)
+    check_state(api, b, b_name, batch_dims=None)
+    if a.static != b.static:
         raise ValueError(
-            f"fp8fn.{api}: `{a_name}` and `{b_name}` must have the same sites; "
-            f"these are in only one of them: {diff}."
+            f"fp8fn.{api}: `{a_name}` and `{b_name}` must have the same sites and static config; "
+            f"got {a!r} and {b!r}."
         )
-    for name, tree in ((a_name, a), (b_name, b)):
-        for site, s in tree.items():
-            if s is not None and not isinstance(s, SiteState):
-                raise TypeError(
-                    f"fp8fn.{api}: expected `{name}[{site!r}]` to be an fp8fn.SiteState or "
-                    f"None, got {type(s).__name__}."
-                )
-            for role, r in zip(ROLES, () if s is None else s):
-                if r is not None and not isinstance(r, ScaleState):
-                    raise TypeError(
-                        f"fp8fn.{api}: expected `{name}[{site!r}].{role}` to be an "
-                        f"fp8fn.ScaleState or None, got {type(r).__name__}."
-                    )
+    if a.amax_history.shape != b.amax_history.shape or a.scale.device != b.scale.device:
+        raise ValueError(
+            f"fp8fn.{api}: `{a_name}` and `{b_name}` must have the same shapes and device; got "
+            f"amax_history {tuple(a.amax_history.shape)} on {a.scale.device} and "
+            f"{tuple(b.amax_history.shape)} on {b.scale.device}."
+        )
 
 
-def update(state: dict, obs: dict) -> dict:
+def update(state: State, obs: State) -> State:
     """Push each observed amax into its history and recompute the scale, for all sites at once.
 
-    An observed amax that is > 0 and finite goes to the front of the history (the oldest entry
-    drops) and the scale becomes `fp8_max / (amax * 2**margin)`, with `amax` the max of the
-    history ("max") or its newest entry ("most_recent"). An observation that is 0, None, inf or
-    NaN leaves that `ScaleState` unchanged. Pure: nothing passed in is modified.
+    An observed amax (`obs.amax_history[..., 0]`) that is > 0 and finite goes to the front of
+    its history (the oldest entry drops) and the scale becomes `fp8_max / (amax * 2**margin)`,
+    with `amax` the max of the history ("max") or its newest entry ("most_recent"). An
+    observation that is 0, inf or NaN leaves that role unchanged. Pure, and a constant number of
+    kernels whatever the number of sites.
 
-    The work is batched: all states of one history length are stacked, so the number of
-    kernels does not grow with the number of sites.
+    Warns (`fp8fn.update: ...`) and returns `state` when `obs` holds no tensor at all (its
+    `amax_history` is None): the classic slip of a plain autograd loop whose state never
+    required grad, so that `.grad` stayed None. `fp8fn.observe` / `fp8fn.observations` avoid it.
 
     Args:
-      state: `{site: SiteState}`, as made by `fn.init`.
-      obs: observations of the same structure (the gradient with respect to `state`; None or
-        zero leaves mean "not observed").
+      state: an `fp8fn.State`, from `fn.init` or a previous `update`.
+      obs: the observations, a `State` of the same structure (the gradient with respect to
+        `state`).
 
     Returns:
-      The new state, of the same structure as `state`.
+      The new `State`.
 
     Example:
       >>> import torch, fp8fn
-      >>> state = {"fc": fp8fn.init_site_state(fp8fn.DelayedScaling(history_len=2))}
-      >>> obs = {"fc": state["fc"]._replace(input=state["fc"].input._replace(
-      ...     amax_history=torch.tensor([4.0, 0.0])))}
-      >>> new = fp8fn.update(state, obs)
+      >>> state = fp8fn.init_state(fp8fn.DelayedScaling(history_len=2), ["fc"])
+      >>> history = torch.zeros(1, 3, 2)
+      >>> history[0, 0, 0] = 4.0  # the input amax seen at site "fc"
+      >>> new = fp8fn.update(state, state._replace(amax_history=history))
       >>> new["fc"].input.amax_history, new["fc"].input.scale
       (tensor([4., 0.]), tensor(112.))
     """
-    _check_trees("update", state, obs, "state", "obs")
-    # Per-state Python work is kept to a minimum (this loop is the cost for many sites): group
-    # the states by (history_len, device), stack each field once, update, unbind once.
-    groups: dict[tuple, tuple[list, list, list, list]] = {}
-    n_states = 0
-    for site, site_state in state.items():
-        if site_state is None:
-            continue
-        site_obs = obs[site]
-        for i, s in enumerate(site_state):
-            history = s.amax_history
-            key = (history.shape, history.device)
-            group = groups.get(key)
-            if group is None:
-                group = groups[key] = ([], [], [], [])
-            o = None if site_obs is None else site_obs[i]
-            o = None if o is None else o.amax_history
-            if o is not None and o.shape != history.shape:
-                raise ValueError(
-                    f"fp8fn.update: expected `obs[{site!r}].{ROLES[i]}.amax_history` of shape "
-                    f"{tuple(history.shape)} like the state's, got {tuple(o.shape)}."
-                )
-            positions, states, observed, fp8_max = group
-            positions.append(n_states)
-            states.append(s)
-            observed.append(o)
-            fp8_max.append(_ROLE_FP8_MAX[i])
-            n_states += 1
-
-    new: list = [None] * n_states
-    for (shape, device), (positions, states, observed, fp8_max) in groups.items():
-        zero = torch.zeros(shape, dtype=torch.float32, device=device)
-        observed = [zero if o is None else o for o in observed]
-        amax = torch.stack(observed)[:, 0].float()
-        fields = [torch.stack(field) for field in zip(*(s[:4] for s in states))]
-        fp8_max = torch.tensor(fp8_max, dtype=torch.float32, device=device)
-        with torch.no_grad():  # state is data: no autograd history carried across steps
-            histories, scales = _update_stacked(*fields, amax, fp8_max)
-        for p, s, h, sc in zip(positions, states, histories.unbind(), scales.unbind()):
-            new[p] = ScaleState(h, sc, *s[2:])
-    roles = iter(new)
-    return {
-        site: None if s is None else SiteState(next(roles), next(roles), next(roles))
-        for site, s in state.items()
-    }
+    if isinstance(obs, State) and obs.amax_history is None:
+        warnings.warn(
+            "fp8fn.update: `obs.amax_history` is None, so nothing was observed and the state "
+            "does not change. With plain autograd, make the state observable before the forward "
+            "(`state = fp8fn.observe(state)`) and read `obs = fp8fn.observations(state)` after "
+            "backward().",
+            stacklevel=2,
+        )
+        return state
+    _check_pair("update", state, obs, "state", "obs")
+    history, scale = state.amax_history, state.scale
+    with torch.no_grad():  # state is data: no autograd history carried across steps
+        amax = obs.amax_history[..., 0]
+        push = (amax > 0) & torch.isfinite(amax)
+        rolled = torch.cat([amax.unsqueeze(-1), history[..., :-1]], dim=-1)
+        history = torch.where(push.unsqueeze(-1), rolled, history)
+        window = history if state.amax_compute == "max" else history[..., :1]
+        new_scale = scale_from_amax(window.amax(dim=-1), ROLE_FP8_MAX, state.margin)
+        scale = torch.where(push, new_scale, scale)
+    return state._replace(amax_history=history, scale=scale)
 
 
-def _update_stacked(history, scale, margin, window, amax, fp8_max):
-    """The update of n stacked states. history (n, h), the rest (n,); returns (history, scale)."""
-    push = (amax > 0) & torch.isfinite(amax)
-    rolled = torch.cat([amax[:, None], history[:, :-1]], dim=1)
-    history = torch.where(push[:, None], rolled, history)
-    positions = torch.arange(history.shape[1], device=history.device)
-    in_window = positions[None, :] < window[:, None]
-    amax_used = torch.where(in_window, history, 0.0).amax(dim=1)
-    scale = torch.where(push, compute_scale(amax_used, fp8_max, margin), scale)
-    return history, scale
+def merge(obs_a: State, obs_b: State) -> State:
+    """Combine two observations by elementwise max (microbatches; repeated forward passes).
 
-
-def merge(obs_a: dict, obs_b: dict) -> dict:
-    """Combine two observation trees by elementwise max (for microbatches, or repeated calls).
-
-    None leaves count as "not observed". Never sums: the amax of a union is the max of amaxes.
+    Never sums: the amax of a union is the max of the amaxes. An amax that is inf or NaN counts
+    as "not observed" (like 0), so a finite observation of the other side survives.
 
     Example:
       >>> import torch, fp8fn
-      >>> a = {"fc": fp8fn.init_site_state(fp8fn.DelayedScaling(history_len=1))}
-      >>> b = {"fc": a["fc"]._replace(input=a["fc"].input._replace(
-      ...     amax_history=torch.tensor([3.0])))}
+      >>> a = fp8fn.init_state(fp8fn.DelayedScaling(history_len=1), ["fc"])
+      >>> a = a._replace(amax_history=torch.zeros(1, 3, 1), scale=torch.zeros(1, 3))
+      >>> b = a._replace(amax_history=torch.full((1, 3, 1), 3.0))
       >>> fp8fn.merge(a, b)["fc"].input.amax_history
       tensor([3.])
     """
-    _check_trees("merge", obs_a, obs_b, "obs_a", "obs_b")
-    return {site: _max_node(obs_a[site], obs_b[site]) for site in obs_a}
+    _check_pair("merge", obs_a, obs_b, "obs_a", "obs_b")
+    return obs_a._replace(
+        amax_history=torch.maximum(_observed(obs_a.amax_history), _observed(obs_b.amax_history)),
+        scale=torch.maximum(obs_a.scale, obs_b.scale),
+    )
 
 
-def _max_node(x, y):
-    """Elementwise max of two observation nodes; None is "not observed", NaN is ignored."""
-    if x is None or y is None:
-        return y if x is None else x
-    if isinstance(x, torch.Tensor):
-        return torch.fmax(x, y)
-    return type(x)(*map(_max_node, x, y))
+def _observed(amax: torch.Tensor) -> torch.Tensor:
+    """`amax` with inf and NaN (not observations) replaced by 0 (not observed)."""
+    return torch.where(torch.isfinite(amax), amax, 0.0)

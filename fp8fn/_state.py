@@ -1,10 +1,18 @@
-"""Scaling state: NamedTuples of float tensors, understood by optree and torch.utils._pytree."""
+"""The packed scaling state: every site of a model in two tensors, names in the tree structure.
+
+`State` is a pytree node (registered with `torch.utils._pytree` and optree, namespace "fp8fn")
+whose only leaves are `amax_history` and `scale`; the site names and the recipe's static config
+are aux data. So torch.func differentiates two leaves, `update` and `merge` are a constant number
+of kernels, and an observation (the gradient with respect to a `State`) is a `State` too.
+"""
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
+import optree
 import torch
+from torch.utils import _pytree as pytree
 
 from ._recipe import DelayedScaling
 
@@ -12,132 +20,312 @@ ROLES = ("input", "weight", "grad_output")
 
 
 class ScaleState(NamedTuple):
-    """The delayed-scaling state of one tensor role at one site.
+    """One role of one site: views into a `State`."""
 
-    The same type holds observations (the gradient of a loss with respect to a `ScaleState`):
-    then `amax_history[0]` is the amax observed in that step, the other entries and the other
-    fields are zero.
-    """
-
-    amax_history: torch.Tensor  # (history_len,), float32, newest first; 0 = never observed
-    scale: torch.Tensor  # (), float32; fp8 = saturate(hp * scale), finite and > 0
-    margin: torch.Tensor  # (), float32; recipe's margin, carried so `update` needs no recipe
-    amax_window: torch.Tensor  # (), float32; newest entries the amax is taken over (1 or all)
+    amax_history: torch.Tensor  # (..., history_len), float32, newest first; 0 = not observed
+    scale: torch.Tensor  # (...,), float32; fp8 = saturate(hp * scale), finite and > 0
 
 
 class SiteState(NamedTuple):
-    """The scaling state of one fp8 call site: one `ScaleState` per role."""
+    """One site's rows of a `State` (views); `.input`, `.weight`, `.grad_output` give its roles.
 
-    input: ScaleState  # cast to float8_e4m3fn in the forward
-    weight: ScaleState  # cast to float8_e4m3fn in the forward
-    grad_output: ScaleState  # cast to float8_e5m2 in the backward
+    It is what `fp8fn.linear` takes as `site_state`: the gradient with respect to it is the
+    site's observation, of the same type.
+    """
+
+    amax_history: torch.Tensor  # (..., 3, history_len), float32; roles input, weight, grad_output
+    scale: torch.Tensor  # (..., 3), float32
+
+    @property
+    def input(self) -> ScaleState:
+        return ScaleState(self.amax_history[..., 0, :], self.scale[..., 0])
+
+    @property
+    def weight(self) -> ScaleState:
+        return ScaleState(self.amax_history[..., 1, :], self.scale[..., 1])
+
+    @property
+    def grad_output(self) -> ScaleState:
+        return ScaleState(self.amax_history[..., 2, :], self.scale[..., 2])
 
 
-def init_scale_state(recipe: DelayedScaling, device=None) -> ScaleState:
-    """An empty `ScaleState`: zero history (cast with current scaling until observed), scale 1."""
-    window = recipe.history_len if recipe.amax_compute == "max" else 1
-    return ScaleState(
-        amax_history=torch.zeros(recipe.history_len, dtype=torch.float32, device=device),
-        scale=torch.ones((), dtype=torch.float32, device=device),
-        margin=torch.tensor(float(recipe.margin), dtype=torch.float32, device=device),
-        amax_window=torch.tensor(float(window), dtype=torch.float32, device=device),
+class State:
+    """The delayed-scaling state of all sites of a model, packed.
+
+    A read-only mapping from site names (call order) to `SiteState` views, and a pytree of two
+    leaves. Observations (the gradient of a loss with respect to a `State`) have the same type:
+    `obs.amax_history[..., 0]` holds the amaxes seen in the step, zeros elsewhere.
+
+    Attributes:
+      amax_history: float32 `(..., n_sites, 3, history_len)`, roles input, weight, grad_output,
+        newest first; a history of zeros means "never observed". Leading dims: e.g. a stacked
+        ensemble of E members is `(E, n_sites, 3, history_len)`.
+      scale: float32 `(..., n_sites, 3)`; a cast is `saturate(hp * scale)`.
+      sites: the site names, a tuple of str (static).
+      amax_compute: `"max"` or `"most_recent"` (static).
+      margin: int >= 0 (static).
+
+    Example:
+      >>> import fp8fn
+      >>> state = fp8fn.init_state(fp8fn.DelayedScaling(history_len=4), ["fc1", "fc2"])
+      >>> len(state), list(state), tuple(state.amax_history.shape)
+      (2, ['fc1', 'fc2'], (2, 3, 4))
+      >>> state["fc2"].input.amax_history
+      tensor([0., 0., 0., 0.])
+    """
+
+    __slots__ = ("amax_history", "scale", "sites", "amax_compute", "margin", "_index")
+
+    def __init__(self, amax_history, scale, sites, amax_compute="max", margin=0):
+        self.amax_history, self.scale = amax_history, scale
+        self.sites, self.amax_compute, self.margin = tuple(sites), amax_compute, margin
+        self._index = None
+
+    @property
+    def history_len(self) -> int:
+        return self.amax_history.shape[-1]
+
+    @property
+    def static(self) -> tuple:
+        """`(sites, amax_compute, margin)`: what the tree structure holds besides the leaves."""
+        return (self.sites, self.amax_compute, self.margin)
+
+    def _replace(self, **leaves) -> State:
+        """A new `State` with `amax_history` and/or `scale` replaced (like NamedTuple's)."""
+        new = State(self.amax_history, self.scale, *self.static)
+        for name, value in leaves.items():
+            if name not in ("amax_history", "scale"):
+                raise TypeError(f"fp8fn.State._replace: unknown field {name!r}.")
+            setattr(new, name, value)
+        return new
+
+    def __len__(self) -> int:
+        return len(self.sites)
+
+    def __iter__(self):
+        return iter(self.sites)
+
+    def __contains__(self, site) -> bool:
+        return site in self._positions()
+
+    def __getitem__(self, site: str) -> SiteState:
+        i = self._positions().get(site)
+        if i is None:
+            raise KeyError(f"fp8fn.State: no site {site!r}; sites are {list(self.sites)}.")
+        return SiteState(self.amax_history[..., i, :, :], self.scale[..., i, :])
+
+    def keys(self):
+        return list(self.sites)
+
+    def values(self):
+        return [self[s] for s in self.sites]
+
+    def items(self):
+        return [(s, self[s]) for s in self.sites]
+
+    def _positions(self) -> dict:
+        if self._index is None:
+            self._index = {s: i for i, s in enumerate(self.sites)}
+        return self._index
+
+    def __repr__(self) -> str:
+        shape = tuple(self.amax_history.shape)
+        return (
+            f"fp8fn.State(sites={list(self.sites)}, amax_history={shape}, "
+            f"amax_compute={self.amax_compute!r}, margin={self.margin})"
+        )
+
+    def __reduce__(self):
+        return (State, (self.amax_history, self.scale, *self.static))
+
+
+def _flatten(state: State):
+    return [state.amax_history, state.scale], state.static
+
+
+def _unflatten(leaves, static) -> State:
+    return State(*leaves, *static)
+
+
+pytree.register_pytree_node(
+    State,
+    _flatten,
+    _unflatten,
+    serialized_type_name="fp8fn.State",
+    flatten_with_keys_fn=lambda s: (
+        [
+            (pytree.GetAttrKey("amax_history"), s.amax_history),
+            (pytree.GetAttrKey("scale"), s.scale),
+        ],
+        s.static,
+    ),
+)
+optree.register_pytree_node(
+    State,
+    lambda s: ([s.amax_history, s.scale], s.static, ("amax_history", "scale")),
+    _unflatten,
+    namespace="fp8fn",
+)
+# So that a state saved with torch.save loads with torch.load(..., weights_only=True).
+torch.serialization.add_safe_globals([State])
+
+
+def init_state(recipe: DelayedScaling, sites, device=None) -> State:
+    """The initial state of `sites` under `recipe`: zero histories (never observed), scales 1.
+
+    Args:
+      recipe: an `fp8fn.DelayedScaling`.
+      sites: site names (e.g. `["fc"]`), distinct.
+      device: where the tensors live.
+
+    Returns:
+      A `State` with `amax_history` float32 `(len(sites), 3, history_len)` of zeros and `scale`
+      float32 `(len(sites), 3)` of ones.
+
+    Example:
+      >>> import torch, fp8fn
+      >>> recipe = fp8fn.DelayedScaling()
+      >>> state = fp8fn.init_state(recipe, ["fc"])
+      >>> y = fp8fn.linear(torch.randn(8, 32), torch.randn(16, 32), None, state["fc"], recipe)
+    """
+    if not isinstance(recipe, DelayedScaling):
+        raise TypeError(
+            f"fp8fn.init_state: expected `recipe` to be an fp8fn.DelayedScaling (the stateful "
+            f"recipe), got {type(recipe).__name__}."
+        )
+    sites = tuple(sites)
+    if not all(isinstance(s, str) for s in sites) or len(set(sites)) != len(sites):
+        raise ValueError(f"fp8fn.init_state: expected distinct str site names, got {sites!r}.")
+    n, h = len(sites), recipe.history_len
+    return State(
+        torch.zeros(n, 3, h, dtype=torch.float32, device=device),
+        torch.ones(n, 3, dtype=torch.float32, device=device),
+        sites,
+        recipe.amax_compute,
+        recipe.margin,
     )
 
 
-def init_site_state(recipe, device=None) -> SiteState | None:
-    """The initial state of one site: a `SiteState` for `DelayedScaling`, None otherwise.
+def check_state(api: str, state, name: str = "state", batch_dims: int | None = 0) -> None:
+    """Raise a clear error unless `state` is a well-formed `State` (metadata only, no sync).
 
-    Example:
-      >>> import fp8fn
-      >>> s = fp8fn.init_site_state(fp8fn.DelayedScaling(history_len=4))
-      >>> s.input.amax_history
-      tensor([0., 0., 0., 0.])
+    `batch_dims`: the number of leading dims allowed, or None for any.
     """
-    if not isinstance(recipe, DelayedScaling):
-        return None
-    return SiteState(*(init_scale_state(recipe, device) for _ in ROLES))
-
-
-def check_site_state(api: str, site_state, recipe, where: str = "`site_state`") -> None:
-    """Raise a clear error unless `site_state` has the structure `recipe` needs."""
-    if not isinstance(recipe, DelayedScaling):
-        if site_state is not None:
+    if not isinstance(state, State):
+        raise TypeError(
+            f"fp8fn.{api}: expected `{name}` to be an fp8fn.State (made by fn.init or "
+            f"fp8fn.init_state), got {type(state).__name__}."
+        )
+    h, s = state.amax_history, state.scale
+    for field, t in (("amax_history", h), ("scale", s)):
+        if not isinstance(t, torch.Tensor):
             raise TypeError(
-                f"fp8fn.{api}: {type(recipe).__name__} is stateless: expected {where} None, "
-                f"got {type(site_state).__name__}."
+                f"fp8fn.{api}: expected `{name}.{field}` to be a tensor, got {type(t).__name__}."
             )
-        return
+        if t.dtype != torch.float32:
+            raise TypeError(f"fp8fn.{api}: expected `{name}.{field}` to be float32, got {t.dtype}.")
+        if t.device.type == "meta":
+            raise ValueError(
+                f"fp8fn.{api}: `{name}.{field}` is on the meta device, which holds no values."
+            )
+    n = len(state.sites)
+    lead = h.dim() - 3
+    if (
+        lead < 0
+        or (batch_dims is not None and lead != batch_dims)
+        or h.shape[-3:-1] != (n, 3)
+        or h.shape[-1] < 1
+        or s.shape != h.shape[:-1]
+        or s.device != h.device
+    ):
+        want = "(n_sites, 3, history_len)" if batch_dims == 0 else "(..., n_sites, 3, history_len)"
+        raise ValueError(
+            f"fp8fn.{api}: expected `{name}.amax_history` of shape {want} and `{name}.scale` of "
+            f"its shape without the last dim, on one device, with n_sites = {n}; got "
+            f"{tuple(h.shape)} and {tuple(s.shape)} on {h.device} and {s.device}."
+        )
+
+
+def check_site_state(api: str, site_state, where: str = "`site_state`") -> None:
+    """Raise a clear error unless `site_state` is a `SiteState` of float32 tensors."""
     if not isinstance(site_state, SiteState):
         raise TypeError(
-            f"fp8fn.{api}: expected {where} to be an fp8fn.SiteState, "
-            f"got {type(site_state).__name__}. Make one with fp8fn.init_site_state(recipe)."
+            f"fp8fn.{api}: expected {where} to be an fp8fn.SiteState (e.g. state[site] of an "
+            f"fp8fn.State), got {type(site_state).__name__}."
         )
-    for role, s in zip(ROLES, site_state):
-        if not isinstance(s, ScaleState):
-            raise TypeError(
-                f"fp8fn.{api}: expected {where}.{role} to be an fp8fn.ScaleState, "
-                f"got {type(s).__name__}."
-            )
-        shapes = ((recipe.history_len,), (), (), ())
-        for field, leaf, shape in zip(ScaleState._fields, s, shapes):
-            if not isinstance(leaf, torch.Tensor) or leaf.dtype != torch.float32:
-                got = getattr(leaf, "dtype", type(leaf).__name__)
-                raise TypeError(
-                    f"fp8fn.{api}: expected {where}.{role}.{field} to be a float32 tensor, "
-                    f"got {got}."
-                )
-            if tuple(leaf.shape) != shape:
-                raise ValueError(
-                    f"fp8fn.{api}: expected {where}.{role}.{field} of shape {shape}, "
-                    f"got {tuple(leaf.shape)}."
-                )
+    h, s = site_state
+    if not (isinstance(h, torch.Tensor) and isinstance(s, torch.Tensor)):
+        raise TypeError(f"fp8fn.{api}: expected {where} to hold tensors.")
+    if h.dtype != torch.float32 or s.dtype != torch.float32:
+        raise TypeError(
+            f"fp8fn.{api}: expected {where} to be float32, got {h.dtype} and {s.dtype}."
+        )
+    if h.dim() != 2 or h.shape[0] != 3 or h.shape[1] < 1 or tuple(s.shape) != (3,):
+        raise ValueError(
+            f"fp8fn.{api}: expected {where} of shapes (3, history_len) and (3,), got "
+            f"{tuple(h.shape)} and {tuple(s.shape)}."
+        )
 
 
-# So that state saved with torch.save loads with torch.load(..., weights_only=True).
-torch.serialization.add_safe_globals([ScaleState, SiteState])
+def flatten_state(state: State) -> dict[str, torch.Tensor]:
+    """A state as a flat `{"site.role.field": tensor}` dict of independent tensors.
 
-
-def flatten_state(state: dict) -> dict[str, torch.Tensor]:
-    """A state as a flat `{"site.role.field": tensor}` dict (for safetensors, distributed
-    checkpoints, or `torch.save`). Sites without state (`None`) have no entries.
+    For safetensors and distributed checkpoints; `unflatten_state` is the inverse. Fields are
+    `amax_history` `(history_len,)` and `scale` `()`, float32.
 
     Example:
       >>> import fp8fn
-      >>> flat = fp8fn.flatten_state({"fc": fp8fn.init_site_state(fp8fn.DelayedScaling())})
-      >>> list(flat)[:2]
+      >>> state = fp8fn.init_state(fp8fn.DelayedScaling(), ["fc"])
+      >>> list(fp8fn.flatten_state(state))[:2]
       ['fc.input.amax_history', 'fc.input.scale']
     """
+    check_state("flatten_state", state)
     return {
-        f"{site}.{role}.{field}": leaf
+        f"{site}.{role}.{field}": leaf.clone()
         for site, site_state in state.items()
-        if site_state is not None
-        for role, scale_state in zip(ROLES, site_state)
-        for field, leaf in zip(ScaleState._fields, scale_state)
+        for role in ROLES
+        for field, leaf in getattr(site_state, role)._asdict().items()
     }
 
 
-def unflatten_state(flat: dict[str, torch.Tensor]) -> dict:
-    """The inverse of `flatten_state`: `{"site.role.field": tensor}` back to `{site: SiteState}`.
+def unflatten_state(flat: dict[str, torch.Tensor], recipe: DelayedScaling) -> State:
+    """The inverse of `flatten_state`, with the static config (`amax_compute`, `margin`) of
+    `recipe`. Sites keep the order of `flat`.
 
-    Raises ValueError naming the key when a key is not of that form or a site lacks a field.
+    Raises:
+      ValueError: naming the key, when a key is not 'site.role.field' or a field is missing.
     """
-    fields: dict[str, dict] = {}
+    if not isinstance(recipe, DelayedScaling):
+        raise TypeError(
+            f"fp8fn.unflatten_state: expected `recipe` to be an fp8fn.DelayedScaling, "
+            f"got {type(recipe).__name__}."
+        )
+    fields = ScaleState._fields
+    leaves: dict[str, dict] = {}
     for key, leaf in flat.items():
         parts = key.rsplit(".", 2)
-        if len(parts) != 3 or parts[1] not in ROLES or parts[2] not in ScaleState._fields:
+        if len(parts) != 3 or parts[1] not in ROLES or parts[2] not in fields:
             raise ValueError(
                 f"fp8fn.unflatten_state: expected keys 'site.role.field' with role in {ROLES} "
-                f"and field in {ScaleState._fields}, got {key!r}."
+                f"and field in {fields}, got {key!r}."
             )
-        fields.setdefault(parts[0], {})[(parts[1], parts[2])] = leaf
-    state = {}
-    for site, leaves in fields.items():
-        missing = [
-            f"{site}.{r}.{f}" for r in ROLES for f in ScaleState._fields if (r, f) not in leaves
-        ]
-        if missing:
-            raise ValueError(f"fp8fn.unflatten_state: missing keys {missing}.")
-        state[site] = SiteState(
-            *(ScaleState(*(leaves[r, f] for f in ScaleState._fields)) for r in ROLES)
-        )
+        leaves.setdefault(parts[0], {})[parts[1], parts[2]] = leaf
+    missing = [
+        f"{s}.{r}.{f}"
+        for s, got in leaves.items()
+        for r in ROLES
+        for f in fields
+        if (r, f) not in got
+    ]
+    if missing:
+        raise ValueError(f"fp8fn.unflatten_state: missing keys {missing}.")
+    sites = list(leaves)
+    if not sites:
+        return init_state(recipe, [])
+    history = torch.stack(
+        [torch.stack([leaves[s][r, "amax_history"] for r in ROLES]) for s in sites]
+    )
+    scale = torch.stack([torch.stack([leaves[s][r, "scale"] for r in ROLES]) for s in sites])
+    state = State(history, scale, sites, recipe.amax_compute, recipe.margin)
+    check_state("unflatten_state", state)
     return state

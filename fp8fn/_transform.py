@@ -20,39 +20,65 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils import _pytree as pytree
 
 from ._checkpoint import checkpoint
-from ._linear import checked_linear
-from ._recipe import CurrentScaling, DelayedScaling
-from ._state import init_site_state
+from ._linear import check_operands, fp8_linear
+from ._recipe import RECIPES, DelayedScaling
+from ._state import State, check_state, init_state
 
 # What torch raises when the model's own torch.utils.checkpoint runs under torch.func.
 _TORCH_CHECKPOINT_UNDER_FUNC = ("saved tensor hooks", "must override the setup_context")
 
 
-class _Trace:
-    """One forward pass: the state it reads and how often each layer has been called."""
+def site_name(path: str, k: int) -> str:
+    """The site of a layer's k-th call (from 0) in one forward: `path`, `path#1`, `path#2`, ...
 
-    def __init__(self, recipe, state, counts=None, discover=False):
-        self.recipe, self.state, self.discover = recipe, state, discover
+    A `#` in the path itself is doubled, so that no layer's name can alias another's call.
+    """
+    base = path.replace("#", "##")
+    return base if k == 0 else f"{base}#{k}"
+
+
+def parse_site(name: str) -> tuple[str, int]:
+    """`(path, k)` of a site name: the inverse of `site_name`."""
+    head, sep, digits = name.rpartition("#")
+    if sep and digits.isdigit() and (len(head) - len(head.rstrip("#"))) % 2 == 0:
+        return head.replace("##", "#"), int(digits)
+    return name.replace("##", "#"), 0
+
+
+class _Trace:
+    """One forward pass: the state it reads and how often each layer has been called.
+
+    `state` is split into per-site rows once, when the first site asks, so the backward
+    gathers the observations of all sites in one stack.
+    """
+
+    def __init__(self, recipes, state, counts=None, discover=False):
+        self.recipes, self.state, self.discover = recipes, state, discover
         self.counts = {} if counts is None else counts
         self.sites = []  # names in call order (discovery only)
-
-    def site_name(self, path: str) -> str:
-        k = self.counts.get(path, 0)
-        self.counts[path] = k + 1
-        return path if k == 0 else f"{path}#{k}"
+        self._rows = None
 
     def linear(self, path, x, weight, bias):
-        name = self.site_name(path)
+        k = self.counts.get(path, 0)
+        self.counts[path] = k + 1
+        name = site_name(path, k)
         if self.discover:
             self.sites.append(name)
             return F.linear(x, weight, bias)
-        if name not in self.state and isinstance(self.recipe, DelayedScaling):
-            raise ValueError(
-                f"fp8fn.apply: layer {path!r} was called more often than in `fn.init`: site "
-                f"{name!r} is not in `state`. Call `fn.init` with inputs that call it as often."
-            )
-        site_state = self.state.get(name)
-        return checked_linear(x, weight, bias, site_state, self.recipe, "apply", f"state[{name!r}]")
+        recipe = self.recipes[path]
+        newest = stored = None
+        if isinstance(recipe, DelayedScaling):
+            i = self.state._positions().get(name)
+            if i is None:
+                raise ValueError(
+                    f"fp8fn.apply: layer {path!r} was called more often than in `fn.init`: site "
+                    f"{name!r} is not in `state`. Call `fn.init` with inputs that call it as often."
+                )
+            if self._rows is None:
+                self._rows = (self.state.amax_history[..., 0].unbind(0), self.state.scale.unbind(0))
+            newest, stored = self._rows[0][i], self._rows[1][i]
+        check_operands("apply", x, weight, bias)
+        return fp8_linear(x, weight, bias, newest, stored, recipe)
 
 
 class _Holder:
@@ -111,7 +137,7 @@ def _checkpointed_forward(self, *args, **kwargs):
     start, end = dict(trace.counts), {}
 
     def run(tensors, state, args, kwargs):
-        inner = _Trace(trace.recipe, state, dict(start))
+        inner = _Trace(trace.recipes, state, dict(start))
         with holder.bind(inner), _reparametrize_module(self, tensors):
             out = original(self, *args, **kwargs)
         end.update(inner.counts)
@@ -144,10 +170,22 @@ def _all_sites_filter(name, module):
     return True
 
 
+def _recipe_for(recipe, name, module):
+    """The recipe of one layer: `recipe` itself, or `recipe(name, module)` when a function."""
+    chosen = recipe if isinstance(recipe, RECIPES) else recipe(name, module)
+    if chosen is not None and not isinstance(chosen, RECIPES):
+        raise TypeError(
+            f"fp8fn.transform: expected the recipe of layer {name!r} to be an fp8fn recipe "
+            f"(e.g. fp8fn.DelayedScaling()) or None, got {type(chosen).__name__}."
+        )
+    return chosen
+
+
 class Transformed:
     """A module as a pair of pure functions: `init(*args)` -> state, `apply(params, state, *args)`.
 
-    Made by `fp8fn.transform`; see there.
+    Made by `fp8fn.transform`; see there. `layers` lists the layers that run in fp8 and
+    `recipes` their recipes; `checkpointed` the submodules recomputed in the backward.
     """
 
     def __init__(self, module, recipe, filter_fn=None, checkpoint_fn=None):
@@ -156,12 +194,13 @@ class Transformed:
                 "fp8fn.transform: expected `module` to be an nn.Module, "
                 f"got {type(module).__name__}."
             )
-        if not isinstance(recipe, (DelayedScaling, CurrentScaling)):
+        if not (isinstance(recipe, RECIPES) or callable(recipe)):
             raise TypeError(
-                "fp8fn.transform: expected `recipe` to be fp8fn.DelayedScaling or "
-                f"fp8fn.CurrentScaling, got {type(recipe).__name__}."
+                "fp8fn.transform: expected `recipe` to be an fp8fn recipe (e.g. "
+                "fp8fn.DelayedScaling()) or a function (name, module) -> recipe or None, "
+                f"got {type(recipe).__name__}."
             )
-        self.module, self.recipe = module, recipe
+        self.module = module
         self._holder = _Holder()
         memo = {}
         self._copy = _copy_module(module, memo)
@@ -169,15 +208,21 @@ class Transformed:
         self._param_names = [n for n, _ in module.named_parameters()]  # tied: first name only
         self._aliases = {n for n, _ in module.named_parameters(remove_duplicate=False)}
         self._buffers = dict(module.named_buffers(remove_duplicate=False))
-        self.layers = self._convert_layers(memo, filter_fn or _all_sites_filter)
+        self.recipes = self._convert_layers(memo, recipe, filter_fn or _all_sites_filter)
+        self.layers = list(self.recipes)
+        self._delayed = self._delayed_recipe()
         self._refuse_outside_recompute(memo)
         self.checkpointed = self._checkpoint_modules(checkpoint_fn)
+        self._known_sites = None  # the `state.sites` last checked by `apply`
 
-    def _convert_layers(self, memo, filter_fn) -> list[str]:
-        """Give the copies of the chosen nn.Linear layers the fp8 forward; their paths."""
-        layers = []
+    def _convert_layers(self, memo, recipe, filter_fn) -> dict:
+        """Give the copies of the chosen nn.Linear layers the fp8 forward; {path: recipe}."""
+        recipes = {}
         for name, original in self.module.named_modules():
             if not (isinstance(original, nn.Linear) and filter_fn(name, original)):
+                continue
+            chosen = _recipe_for(recipe, name, original)
+            if chosen is None:
                 continue
             if type(original).forward is not nn.Linear.forward:
                 raise TypeError(
@@ -189,8 +234,20 @@ class Transformed:
             target = memo[id(original)]
             target.__class__ = _subclass(type(original), _site_forward, "Fp8")
             target._fp8fn_path, target._fp8fn_holder = name, self._holder
-            layers.append(name)
-        return layers
+            recipes[name] = chosen
+        return recipes
+
+    def _delayed_recipe(self) -> DelayedScaling | None:
+        """The one DelayedScaling config of the stateful layers (they share one packed state)."""
+        delayed = {r for r in self.recipes.values() if isinstance(r, DelayedScaling)}
+        configs = {(r.history_len, r.amax_compute, r.margin) for r in delayed}
+        if len(configs) > 1:
+            raise ValueError(
+                "fp8fn.transform: all DelayedScaling layers of one model share one packed state, "
+                "so they need the same history_len, amax_compute and margin; got "
+                f"{sorted(configs)}."
+            )
+        return min(delayed, key=repr) if delayed else None
 
     def _refuse_outside_recompute(self, memo) -> None:
         """Make the copy's other tensor-owning modules refuse to run outside `apply`.
@@ -221,26 +278,26 @@ class Transformed:
             target._fp8fn_path, target._fp8fn_holder = name, self._holder
         return chosen
 
-    def init(self, *args, **kwargs) -> dict:
+    def init(self, *args, **kwargs) -> State:
         """Find every fp8 call site and return the initial scaling state.
 
         The model runs once, on the meta device when it can (no real activations are
-        computed), else for real without autograd. Sites are the converted layers in call
-        order (`path`, and `path#k` for a layer's k-th further call), then the converted
-        layers the example did not call (a branch not taken).
+        computed), else for real without autograd and with the global RNG left as it was.
+        Sites are the stateful (DelayedScaling) layers' calls in call order (`path`, and
+        `path#k` for a layer's k-th further call), then those layers the example did not call
+        (a branch not taken).
 
         Returns:
-          `{site: fp8fn.SiteState}` for `DelayedScaling` (on the device of each layer's
-          weight); `{}` for the stateless `CurrentScaling`.
+          An `fp8fn.State` on the device of the first stateful layer's weight; it has no
+          sites when no layer uses DelayedScaling.
         """
         trace = self._discover(args, kwargs)
-        if not isinstance(self.recipe, DelayedScaling):
-            return {}
-        names = list(dict.fromkeys(trace.sites + self.layers))
-        weights = {layer: self.module.get_submodule(layer).weight for layer in self.layers}
-        return {
-            name: init_site_state(self.recipe, weights[name.split("#")[0]].device) for name in names
-        }
+        recipe = self._delayed or DelayedScaling(history_len=1)
+        stateful = self._stateful_layers()
+        names = [n for n in trace.sites if parse_site(n)[0] in stateful]
+        names = list(dict.fromkeys(names + [site_name(p, 0) for p in stateful]))
+        device = self.module.get_submodule(stateful[0]).weight.device if stateful else None
+        return init_state(recipe, names, device)
 
     def _discover(self, args, kwargs) -> _Trace:
         named = {**dict(self.module.named_parameters(remove_duplicate=False)), **self._buffers}
@@ -254,34 +311,47 @@ class Transformed:
                 pytree.tree_map(to_meta, (args, kwargs)),
             )
         except Exception:  # data-dependent control flow, or an op without a meta kernel
-            return self._run_discovery(named, (args, kwargs))
+            pass
+        try:
+            with torch.random.fork_rng(devices=[]):  # a real run must not consume the RNG
+                return self._run_discovery(named, (args, kwargs))
+        except Exception as e:
+            raise type(e)(
+                f"fp8fn.init: the model raised on the example inputs ({type(e).__name__}: {e}). "
+                "Call fn.init with inputs the model accepts."
+            ) from e
 
     def _run_discovery(self, named, args_kwargs) -> _Trace:
         args, kwargs = args_kwargs
         self._sync_training_flags()
-        trace = _Trace(self.recipe, None, discover=True)
+        trace = _Trace(self.recipes, None, discover=True)
         with torch.no_grad(), self._holder.bind(trace):
             torch.func.functional_call(self._copy, named, args, kwargs, strict=False)
         return trace
 
-    def apply(self, params: dict, state: dict, *args, **kwargs):
+    def apply(self, params: dict, state: State, *args, **kwargs):
         """Run the module with `params`, in fp8 with the scales in `state`. Pure.
 
         Args:
           params: `{name: tensor}` keyed like `module.named_parameters()`; it may also give
             buffers (keyed like `module.named_buffers()`), which otherwise come from the module.
-          state: the scaling state from `init` (or `update`).
+          state: the `fp8fn.State` from `init` (or `update`).
           *args, **kwargs: the module's inputs.
 
         Returns:
-          The module's output. The gradient with respect to `state` is the observation tree
-          for `fp8fn.update`.
+          The module's output. The gradient with respect to `state` is the observation for
+          `fp8fn.update`.
+
+        Raises:
+          RuntimeError: when `state` already took part in another `apply` of the gradient being
+            recorded: autograd would sum the two calls' observations, fp8fn combines by max.
         """
         self._check(params, state)
+        self._claim(state)
         self._sync_training_flags()
         named = {**self._buffers, **params}
         try:
-            with self._holder.bind(_Trace(self.recipe, state)):
+            with self._holder.bind(_Trace(self.recipes, state)):
                 return torch.func.functional_call(self._copy, named, args, kwargs, strict=False)
         except RuntimeError as e:
             message = str(e)
@@ -293,11 +363,33 @@ class Transformed:
                 ) from e
             raise
 
+    @staticmethod
+    def _claim(state: State) -> None:
+        """Refuse a second `apply` of one state while gradients are recorded for it."""
+        history = state.amax_history
+        if not (torch.is_grad_enabled() and history.requires_grad) or not len(state):
+            return
+        if getattr(history, "_fp8fn_applied", False):
+            raise RuntimeError(
+                "fp8fn.apply: this state was already passed to an `apply` whose observations "
+                "are being recorded; autograd would sum the two calls' observations, and fp8fn "
+                "combines them by max. Give each forward pass its own copy and merge:\n"
+                "    # torch.func: grad(loss, argnums=(1, 2))(params, state, state, x1, x2)\n"
+                "    # autograd:   s1, s2 = fp8fn.observe(state), fp8fn.observe(state)\n"
+                "    obs = fp8fn.merge(obs1, obs2)\n"
+                "or run the inputs as one batch."
+            )
+        if not torch.compiler.is_compiling():
+            history._fp8fn_applied = True
+
     def _sync_training_flags(self):
         """Follow `module.train()` / `.eval()` made after the transform (dropout, batch norm)."""
         for original, copied in self._pairs:
             if copied.training != original.training:
                 copied.training = original.training
+
+    def _stateful_layers(self) -> list[str]:
+        return [p for p, r in self.recipes.items() if isinstance(r, DelayedScaling)]
 
     def _check(self, params, state):
         if not isinstance(params, dict):
@@ -312,19 +404,29 @@ class Transformed:
                 "fp8fn.apply: `params` must be keyed like module.named_parameters(); "
                 f"missing {missing}, unexpected {extra}."
             )
-        if not isinstance(state, dict):
-            raise TypeError(
-                f"fp8fn.apply: expected `state` to be the dict made by fn.init, "
-                f"got {type(state).__name__}."
-            )
-        stateful = isinstance(self.recipe, DelayedScaling)
-        missing = [n for n in self.layers if stateful and n not in state]
-        extra = [n for n in state if n.split("#")[0] not in self.layers]
-        if missing or extra:
+        bad = {n: type(v).__name__ for n, v in params.items() if not isinstance(v, torch.Tensor)}
+        if bad:
+            raise TypeError(f"fp8fn.apply: expected `params` to hold tensors, got {bad}.")
+        check_state("apply", state)
+        recipe = self._delayed
+        if recipe is not None and (
+            state.history_len != recipe.history_len
+            or (state.amax_compute, state.margin) != (recipe.amax_compute, recipe.margin)
+        ):
             raise ValueError(
-                "fp8fn.apply: `state` does not belong to this model: "
-                f"missing sites {missing}, unknown sites {extra}. Make it with fn.init."
+                f"fp8fn.apply: `state` was made for another recipe: {state!r} with history_len "
+                f"{state.history_len}, but the model's layers use {recipe}. Make it with fn.init."
             )
+        if state.sites != self._known_sites:
+            stateful = self._stateful_layers()
+            missing = [p for p in stateful if site_name(p, 0) not in state]
+            extra = [n for n in state.sites if parse_site(n)[0] not in stateful]
+            if missing or extra:
+                raise ValueError(
+                    "fp8fn.apply: `state` does not belong to this model: "
+                    f"missing sites {missing}, unknown sites {extra}. Make it with fn.init."
+                )
+            self._known_sites = state.sites
 
 
 def transform(module, recipe, filter_fn=None, checkpoint_fn=None) -> Transformed:
@@ -334,7 +436,9 @@ def transform(module, recipe, filter_fn=None, checkpoint_fn=None) -> Transformed
 
     Args:
       module: any nn.Module.
-      recipe: `fp8fn.DelayedScaling()` or `fp8fn.CurrentScaling()`.
+      recipe: an fp8fn recipe for every layer (e.g. `fp8fn.DelayedScaling()`), or a function
+        `(name, layer) -> recipe | None` choosing one per layer (None: high precision). The
+        DelayedScaling layers share one packed state, so they need one static config.
       filter_fn: `(name, submodule) -> bool`, choosing the nn.Linear layers (subclasses
         included) that run in fp8; default: all.
       checkpoint_fn: `(name, submodule) -> bool`, choosing submodules whose forward is

@@ -1,0 +1,120 @@
+"""Plain-autograd routes: observations through `.backward()`, and a compilable `value_and_grad`."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils import _pytree as pytree
+
+from ._state import State, check_state
+
+
+def observe(state: State) -> State:
+    """`state` made observable by plain autograd: its `amax_history` a fresh leaf requiring grad.
+
+    After `loss.backward()`, `fp8fn.observations(state)` gives the observation for
+    `fp8fn.update`. Make a fresh one for every backward (a microbatch each, then `fp8fn.merge`):
+    `.grad` accumulation would sum observations, and `fn.apply` refuses a state it has seen.
+
+    Example:
+      >>> import torch, fp8fn
+      >>> recipe = fp8fn.DelayedScaling()
+      >>> state = fp8fn.observe(fp8fn.init_state(recipe, ["fc"]))
+      >>> x, w = torch.randn(8, 32), torch.randn(16, 32, requires_grad=True)
+      >>> fp8fn.linear(x, w, None, state["fc"], recipe).sum().backward()
+      >>> obs = fp8fn.observations(state)
+      >>> bool(obs["fc"].input.amax_history[0] == x.abs().max())
+      True
+    """
+    check_state("observe", state, batch_dims=None)
+    return state._replace(amax_history=state.amax_history.detach().requires_grad_())
+
+
+def observations(state: State) -> State:
+    """The observation recorded in an `observe`d state by `backward()`: a `State` for `update`.
+
+    Raises:
+      RuntimeError: when nothing was observed (its `amax_history` has no `.grad`: the state was
+        not made with `fp8fn.observe`, not passed to the forward, or `backward()` not called).
+    """
+    check_state("observations", state, batch_dims=None)
+    grad = state.amax_history.grad
+    if grad is None:
+        raise RuntimeError(
+            "fp8fn.observations: nothing was observed: `state.amax_history.grad` is None. Make "
+            "the state with `state = fp8fn.observe(state)`, pass that state to the forward, call "
+            "`loss.backward()`, then `fp8fn.observations(state)`."
+        )
+    return state._replace(amax_history=grad, scale=torch.zeros_like(state.scale))
+
+
+def value_and_grad(f, argnums=0, has_aux=False):
+    """`f`'s value and its gradient with respect to the arguments `argnums`, JAX style.
+
+    Like `torch.func.grad_and_value` (value first, as in `jax.value_and_grad`), but built on
+    `torch.autograd.grad`, so `torch.compile(fp8fn.value_and_grad(f, ...))` compiles the forward
+    and the backward with fp8fn's backward intact (pytorch#193279 drops it when torch.func
+    transforms are compiled). Differentiating an `fp8fn.State` gives its observation.
+
+    Args:
+      f: a function returning a scalar tensor (or `(scalar, aux)` with `has_aux=True`).
+      argnums: an int or a tuple of ints: the arguments (pytrees of floating tensors) to
+        differentiate.
+      has_aux: whether `f` returns `(value, aux)`.
+
+    Returns:
+      A function of `f`'s arguments returning `(value, grads)` (`((value, aux), grads)` with
+      `has_aux`); `grads` has the structure of the argument (a tuple of them for a tuple of
+      `argnums`). Leaves that did not take part get zeros.
+
+    Example:
+      >>> import torch, fp8fn
+      >>> model = torch.nn.Linear(32, 8)
+      >>> fn = fp8fn.transform(model, fp8fn.DelayedScaling())
+      >>> x = torch.randn(16, 32)
+      >>> params, state = dict(model.named_parameters()), fn.init(x)
+      >>> loss = lambda p, s, x: fn.apply(p, s, x).square().mean()
+      >>> value, (grads, obs) = fp8fn.value_and_grad(loss, argnums=(0, 1))(params, state, x)
+      >>> state = fp8fn.update(state, obs)
+    """
+    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    if not nums or not all(isinstance(i, int) and not isinstance(i, bool) for i in nums):
+        raise TypeError(
+            f"fp8fn.value_and_grad: expected `argnums` an int or a tuple of ints, got {argnums!r}."
+        )
+
+    def wrapped(*args, **kwargs):
+        args = list(args)
+        specs = []
+        for i in nums:
+            if not -len(args) <= i < len(args):
+                raise ValueError(
+                    f"fp8fn.value_and_grad: argnums {i} is out of range for {len(args)} "
+                    "positional arguments."
+                )
+            leaves, spec = pytree.tree_flatten(args[i])
+            for leaf in leaves:
+                if not (isinstance(leaf, torch.Tensor) and leaf.is_floating_point()):
+                    raise TypeError(
+                        f"fp8fn.value_and_grad: expected argument {i} to be a pytree of floating "
+                        f"tensors, got a leaf {getattr(leaf, 'dtype', type(leaf).__name__)}."
+                    )
+            leaves = [t.detach().requires_grad_() for t in leaves]
+            args[i] = pytree.tree_unflatten(leaves, spec)
+            specs.append((leaves, spec))
+        with torch.enable_grad():
+            out = f(*args, **kwargs)
+        value, aux = out if has_aux else (out, None)
+        if not (isinstance(value, torch.Tensor) and value.dim() == 0):
+            raise ValueError(
+                "fp8fn.value_and_grad: expected `f` to return a scalar tensor"
+                f"{' (first of (value, aux))' if has_aux else ''}, got "
+                f"{getattr(value, 'shape', type(value).__name__)}."
+            )
+        flat = [t for leaves, _ in specs for t in leaves]
+        grads = iter(torch.autograd.grad(value, flat, allow_unused=True, materialize_grads=True))
+        trees = tuple(pytree.tree_unflatten([next(grads) for _ in ls], sp) for ls, sp in specs)
+        result = trees[0] if isinstance(argnums, int) else trees
+        value = value.detach()
+        return ((value, aux) if has_aux else value), result
+
+    return wrapped
