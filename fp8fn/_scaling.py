@@ -50,7 +50,7 @@ def compute_scale(amax: torch.Tensor, fp8_max: float, margin: int = 0) -> torch.
         raise ValueError(f"fp8fn.compute_scale: expected `fp8_max` a float > 0, got {fp8_max!r}.")
     if isinstance(margin, bool) or not isinstance(margin, int) or margin < 0:
         raise ValueError(f"fp8fn.compute_scale: expected `margin` an int >= 0, got {margin!r}.")
-    return scale_from_amax(amax, float(fp8_max), margin)
+    return torch.where(amax > 0, scale_from_amax(amax, float(fp8_max), margin), 1.0)
 
 
 @functools.cache
@@ -60,15 +60,15 @@ def constant(values: tuple, dtype: torch.dtype, device: torch.device) -> torch.T
 
 
 def scale_from_amax(amax: torch.Tensor, fp8_max, margin: int) -> torch.Tensor:
-    """`compute_scale` without argument checks: the hot path of the op and of `update`.
+    """`compute_scale` for amaxes >= 0 (or NaN), without checks: the op's and `update`'s path.
 
-    Five kernels. The division is in float64 (`amax` is promoted inside it), so that eager,
-    compiled and Triton code agree bit for bit. `fp8_max`: a float, or a tuple broadcastable to
+    Six kernels. The division is in float64, so that eager, compiled and Triton code agree bit
+    for bit. `fp8_max`: a float, or a tuple broadcastable to
     `amax`. Returns float32 of `amax`'s shape.
     """
     values = fp8_max if isinstance(fp8_max, tuple) else (fp8_max,)
     numerator = constant(tuple(v * 2.0**-margin for v in values), torch.float64, amax.device)
-    finite = torch.nan_to_num(amax, posinf=0.0)  # inf -> 0; 0 and NaN are handled below
+    finite = torch.nan_to_num(amax.double(), posinf=0.0)  # inf -> 0; 0, NaN are handled below
     scale = torch.div(numerator, finite).nan_to_num(nan=1.0, posinf=1.0)  # 0, NaN -> 1
     return scale.float().clamp(_F32_MIN, _F32_MAX)  # beyond float32's range: its max or min
 

@@ -163,7 +163,7 @@ pytree.register_pytree_node(
 optree.register_pytree_node(
     State,
     lambda s: ([s.amax_history, s.scale], s.static, ("amax_history", "scale")),
-    _unflatten,
+    lambda static, leaves: State(*leaves, *static),
     namespace="fp8fn",
 )
 # So that a state saved with torch.save loads with torch.load(..., weights_only=True).
@@ -226,7 +226,8 @@ def check_state(api: str, state, name: str = "state", batch_dims: int | None = 0
             raise TypeError(f"fp8fn.{api}: expected `{name}.{field}` to be float32, got {t.dtype}.")
         if t.device.type == "meta":
             raise ValueError(
-                f"fp8fn.{api}: `{name}.{field}` is on the meta device, which holds no values."
+                f"fp8fn.{api}: expected `{name}.{field}` on a device that holds values, got "
+                "meta."
             )
     n = len(state.sites)
     lead = h.dim() - 3

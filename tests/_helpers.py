@@ -6,6 +6,7 @@ import torch
 
 import fp8fn
 
+ROLES = ("input", "weight", "grad_output")
 FP8_MAX = {"input": 448.0, "weight": 448.0, "grad_output": 57344.0}
 F32_MAX = torch.finfo(torch.float32).max
 
@@ -14,22 +15,20 @@ def expected_scale(amax: float, fp8_max: float, margin: int = 0) -> torch.Tensor
     """The scale `compute_scale` must give, modelled with Python floats (float64)."""
     if not (amax > 0 and amax != float("inf")):  # 0, negative, inf or NaN
         return torch.tensor(1.0)
-    return torch.tensor(min(fp8_max / (amax * 2.0**margin), F32_MAX), dtype=torch.float32)
+    scale = fp8_max / (amax * 2.0**margin)
+    return torch.tensor(min(max(scale, 2.0**-149), F32_MAX), dtype=torch.float32)
 
 
-def observation(history_len: int, amax: float | None) -> fp8fn.ScaleState | None:
-    """The observation of one role: `[amax, 0, ...]`, all else zero (None stays None)."""
-    if amax is None:
-        return None
-    zero = torch.zeros(())
-    history = torch.zeros(history_len)
-    history[0] = amax
-    return fp8fn.ScaleState(history, zero, zero, zero)
-
-
-def site_obs(history_len: int, input=None, weight=None, grad_output=None) -> fp8fn.SiteState:
-    """A `SiteState` of observations, one amax (or None) per role."""
-    return fp8fn.SiteState(*(observation(history_len, a) for a in (input, weight, grad_output)))
+def observation(state: fp8fn.State, **amaxes) -> fp8fn.State:
+    """An observation of `state`'s structure: `site=(input, weight, grad_output)` amaxes (None
+    for a role not observed) at history position 0, zeros elsewhere."""
+    history = torch.zeros_like(state.amax_history)
+    for site, values in amaxes.items():
+        i = state.sites.index(site)
+        for r, a in enumerate(values):
+            if a is not None:
+                history[i, r, 0] = a
+    return state._replace(amax_history=history, scale=torch.zeros_like(state.scale))
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

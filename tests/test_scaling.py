@@ -1,5 +1,6 @@
 import io
 import math
+import sys
 
 import optree
 import pytest
@@ -7,14 +8,15 @@ import torch
 from _helpers import (
     F32_MAX,
     FP8_MAX,
+    ROLES,
     assert_bit_identical,
     bits,
     expected_scale,
     observation,
-    site_obs,
 )
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import fp8fn
 
@@ -22,17 +24,17 @@ SETTINGS = settings(max_examples=60, deadline=None)
 FLOAT32S = st.floats(width=32, allow_nan=True, allow_infinity=True)
 
 
-def _state(**recipe_kwargs) -> dict:
-    return {"fc": fp8fn.init_site_state(fp8fn.DelayedScaling(**recipe_kwargs))}
+def _state(sites=("fc",), **recipe_kwargs) -> fp8fn.State:
+    return fp8fn.init_state(fp8fn.DelayedScaling(**recipe_kwargs), sites)
 
 
-def _step(state: dict, **amaxes) -> dict:
-    """One `update` of the single site "fc" with the given amax per role."""
-    history_len = state["fc"].input.amax_history.shape[0]
-    return fp8fn.update(state, {"fc": site_obs(history_len, **amaxes)})
+def _step(state: fp8fn.State, **amaxes) -> fp8fn.State:
+    """One `update` of the single site "fc" with the given amax per role (None: not observed)."""
+    values = tuple(amaxes.get(role) for role in ROLES)
+    return fp8fn.update(state, observation(state, fc=values))
 
 
-def _role(state: dict, role: str) -> tuple[list, torch.Tensor]:
+def _role(state: fp8fn.State, role: str) -> tuple[list, torch.Tensor]:
     s = getattr(state["fc"], role)
     return s.amax_history.tolist(), s.scale
 
@@ -54,6 +56,7 @@ def _role(state: dict, role: str) -> tuple[list, torch.Tensor]:
         (math.inf, 448.0, 0, 1.0),
         (math.nan, 57344.0, 2, 1.0),
         (1e-45, 448.0, 0, F32_MAX),  # would overflow float32: clamped to its max
+        (3e38, 448.0, 100, 2.0**-149),  # would underflow to 0: clamped to the smallest > 0
     ],
 )
 def test_compute_scale_exact(amax, fp8_max, margin, want):
@@ -69,12 +72,26 @@ def test_compute_scale_float64_not_float32():
     assert torch.equal(bits(fp8fn.compute_scale(amax, 448.0, 5)), bits(want))
 
 
-def test_compute_scale_batched_tensors():
-    amax = torch.tensor([2.0, 0.0, 8.0])
-    fp8_max = torch.tensor([448.0, 448.0, 57344.0])
-    margin = torch.tensor([1.0, 0.0, 0.0])
-    got = fp8fn.compute_scale(amax, fp8_max, margin)
-    assert got.tolist() == [112.0, 1.0, 7168.0] and got.dtype == torch.float32
+def test_compute_scale_batched_and_bfloat16():
+    amax = torch.tensor([2.0, 0.0, 8.0, math.nan])
+    assert fp8fn.compute_scale(amax, 448.0, 1).tolist() == [112.0, 1.0, 28.0, 1.0]
+    got = fp8fn.compute_scale(torch.tensor(3.0, dtype=torch.bfloat16), 448.0)
+    assert got.dtype == torch.float32 and torch.equal(bits(got), bits(expected_scale(3.0, 448.0)))
+
+
+@pytest.mark.parametrize(
+    "args, error, match",
+    [
+        ((2.0, 448.0), TypeError, r"`amax` to be a floating tensor, got float"),
+        ((torch.tensor(2), 448.0), TypeError, r"`amax` to be a floating tensor, got torch\.int64"),
+        ((torch.tensor(2.0), 0.0), ValueError, r"`fp8_max` a float > 0, got 0\.0"),
+        ((torch.tensor(2.0), 448.0, -1), ValueError, r"`margin` an int >= 0, got -1"),
+        ((torch.tensor(2.0), 448.0, 1.5), ValueError, r"`margin` an int >= 0, got 1\.5"),
+    ],
+)
+def test_compute_scale_bad_arguments_raise(args, error, match):
+    with pytest.raises(error, match=rf"^fp8fn\.compute_scale: expected {match}"):
+        fp8fn.compute_scale(*args)
 
 
 @SETTINGS
@@ -146,7 +163,7 @@ def test_update_roll_drops_oldest():
     history_len=st.integers(1, 5),
     amax_compute=st.sampled_from(["max", "most_recent"]),
     margin=st.integers(0, 3),
-    role=st.sampled_from(["input", "weight", "grad_output"]),
+    role=st.sampled_from(ROLES),
 )
 def test_update_matches_list_model(amaxes, history_len, amax_compute, margin, role):
     state = _state(history_len=history_len, amax_compute=amax_compute, margin=margin)
@@ -162,37 +179,43 @@ def test_update_matches_list_model(amaxes, history_len, amax_compute, margin, ro
         assert torch.equal(bits(scale), bits(model_scale))
 
 
+def test_update_stacked_ensemble_state():
+    """Leading dims (a stacked ensemble) update member by member."""
+    one = _state(("a", "b"), history_len=3)
+    obs = [observation(one, a=(2.0, 4.0, 8.0)), observation(one, b=(1.0, None, 3.0))]
+    stack = torch.utils._pytree.tree_map(lambda *t: torch.stack(t), one, one)
+    stacked_obs = torch.utils._pytree.tree_map(lambda *t: torch.stack(t), *obs)
+    new = fp8fn.update(stack, stacked_obs)
+    for e in range(2):
+        want = fp8fn.update(one, obs[e])
+        assert torch.equal(new.amax_history[e], want.amax_history)
+        assert torch.equal(new.scale[e], want.scale)
+
+
 # update: what is not observed is unchanged -----------------------------------------------------
 
 
 @pytest.fixture
 def stepped():
     """A two-site state after two updates (non-trivial histories and scales)."""
-    recipe = fp8fn.DelayedScaling(history_len=4, margin=1)
-    state = {"a": fp8fn.init_site_state(recipe), "b": fp8fn.init_site_state(recipe)}
+    state = _state(("a", "b"), history_len=4, margin=1)
     for amaxes in ((3.0, 5.0, 7.0), (6.0, 2.0, 9.0)):
-        obs = {site: site_obs(4, *amaxes) for site in state}
-        state = fp8fn.update(state, obs)
+        state = fp8fn.update(state, observation(state, a=amaxes, b=amaxes))
     return state
 
 
-@pytest.mark.parametrize("amax", [0.0, None, math.inf, -math.inf, math.nan, -1.0])
+@pytest.mark.parametrize("amax", [0.0, math.inf, -math.inf, math.nan, -1.0])
 def test_update_unobserved_role_unchanged(stepped, amax):
-    obs = {"a": site_obs(4, input=amax, weight=amax, grad_output=amax), "b": site_obs(4, 1.0)}
+    obs = observation(stepped, a=(amax, amax, amax), b=(1.0, None, None))
     new = fp8fn.update(stepped, obs)
     assert_bit_identical(new["a"], stepped["a"])
+    assert new["a"].input.amax_history.tolist() == [6, 3, 0, 0]  # not rolled
     assert new["b"].input.amax_history.tolist() == [1, 6, 3, 0]
     assert_bit_identical(new["b"].weight, stepped["b"].weight)
 
 
-def test_update_unobserved_site_or_leaf_unchanged(stepped):
-    none_leaf = observation(4, 2.0)._replace(amax_history=None)
-    obs = {"a": None, "b": fp8fn.SiteState(none_leaf, None, observation(4, 0.0))}
-    assert_bit_identical(fp8fn.update(stepped, obs), stepped)
-
-
 def test_update_is_pure(stepped):
-    obs = {site: site_obs(4, 1.0, 2.0, 3.0) for site in stepped}
+    obs = observation(stepped, a=(1.0, 2.0, 3.0), b=(1.0, 2.0, 3.0))
     before = [t.clone() for t in torch.utils._pytree.tree_leaves((stepped, obs))]
     new = fp8fn.update(stepped, obs)
     after = torch.utils._pytree.tree_leaves((stepped, obs))
@@ -200,102 +223,215 @@ def test_update_is_pure(stepped):
     assert new["a"].input.amax_history.tolist() == [1, 6, 3, 0]
 
 
-def test_update_stateless_and_mixed_history_lengths():
-    state = {
-        "short": fp8fn.init_site_state(fp8fn.DelayedScaling(history_len=2)),
-        "stateless": None,
-        "long": fp8fn.init_site_state(fp8fn.DelayedScaling(history_len=5, margin=1)),
-    }
-    obs = {"short": site_obs(2, 4.0), "stateless": None, "long": site_obs(5, 4.0)}
-    new = fp8fn.update(fp8fn.update(state, obs), obs)
-    assert list(new) == ["short", "stateless", "long"] and new["stateless"] is None
-    assert new["short"].input.amax_history.tolist() == [4, 4]
-    assert new["long"].input.amax_history.tolist() == [4, 4, 0, 0, 0]
-    assert new["short"].input.scale == 112.0 and new["long"].input.scale == 56.0
+def test_update_warns_on_an_observation_of_nothing(stepped):
+    obs = stepped._replace(amax_history=None)  # `.grad` of a leaf that never required grad
+    with pytest.warns(UserWarning, match=r"^fp8fn\.update: `obs\.amax_history` is None"):
+        new = fp8fn.update(stepped, obs)
+    assert new is stepped
+
+
+def test_update_without_sites():
+    state = _state((), history_len=2)
+    new = fp8fn.update(state, observation(state))
+    assert new.amax_history.shape == (0, 3, 2) and new.sites == ()
 
 
 # merge -----------------------------------------------------------------------------------------
 
 
 def test_merge_elementwise_max_never_sums():
-    a = {"fc": site_obs(3, 2.0, 5.0, 1.0)}
-    b = {"fc": site_obs(3, 2.0, 3.0, 4.0)}
-    merged = fp8fn.merge(a, b)
-    got = [r.amax_history.tolist() for r in merged["fc"]]
-    assert got == [[2, 0, 0], [5, 0, 0], [4, 0, 0]]
+    state = _state(history_len=3)
+    merged = fp8fn.merge(observation(state, fc=(2.0, 5.0, 1.0)), observation(state, fc=(2, 3, 4)))
+    assert merged["fc"].amax_history.tolist() == [[2, 0, 0], [5, 0, 0], [4, 0, 0]]
 
 
-def test_merge_none_and_nan():
-    a = {"x": None, "y": site_obs(2, None, math.nan, math.nan), "z": site_obs(2, 1.0)}
-    b = {"x": site_obs(2, 3.0), "y": site_obs(2, 7.0, 2.0, math.nan), "z": None}
+def test_merge_inf_and_nan_are_not_observed():
+    state = _state(history_len=2)
+    a = observation(state, fc=(math.inf, math.nan, math.nan))
+    b = observation(state, fc=(7.0, 2.0, None))
     merged = fp8fn.merge(a, b)
-    assert merged["x"] is b["x"] and merged["z"] is a["z"]
-    assert merged["y"].input.amax_history.tolist() == [7, 0]
-    assert merged["y"].weight.amax_history.tolist() == [2, 0]  # NaN ignored (fmax)
-    assert math.isnan(merged["y"].grad_output.amax_history[0])
+    assert merged["fc"].amax_history.tolist() == [[7, 0], [2, 0], [0, 0]]
+    assert torch.equal(merged.amax_history, fp8fn.merge(b, a).amax_history)
 
 
 def test_merge_then_update_is_max_of_microbatches():
     state = _state(history_len=2)
-    micro = [{"fc": site_obs(2, a, a, a)} for a in (3.0, 8.0, math.nan, 5.0)]
+    micro = [observation(state, fc=(a, a, a)) for a in (3.0, 8.0, math.nan, math.inf, 5.0)]
     merged = micro[0]
     for m in micro[1:]:
         merged = fp8fn.merge(merged, m)
     assert _role(fp8fn.update(state, merged), "input") == ([8, 0], 56.0)
 
 
-# structural errors -----------------------------------------------------------------------------
+# constant cost ---------------------------------------------------------------------------------
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _python_calls(f) -> int:
+    """The number of Python function calls `f()` makes."""
+    calls = 0
+
+    def profile(frame, event, arg):
+        nonlocal calls
+        calls += event == "call"
+
+    sys.setprofile(profile)
+    try:
+        f()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+@pytest.mark.parametrize("api", ["update", "merge"])
+def test_state_functions_cost_does_not_grow_with_sites(api):
+    costs = []
+    for n in (8, 512):
+        state = _state([f"blocks.{i}.fc" for i in range(n)], history_len=16)
+        obs = observation(state, **{s: (1.0, 2.0, 3.0) for s in state.sites[::3]})
+        f = getattr(fp8fn, api)
+        f(state, obs)  # warm caches
+        with _CountOps() as ops:
+            f(state, obs)
+        costs.append((ops.count, _python_calls(lambda: f(state, obs))))
+    assert costs[0] == costs[1], costs
+
+
+# structural errors: every bad input names the API, what was expected and what came ---------------
 
 
 @pytest.mark.parametrize("api", ["update", "merge"])
 def test_trees_different_sites_raise(api):
-    a = {"fc1": site_obs(2, 1.0), "fc2": None}
-    b = {"fc1": site_obs(2, 1.0), "fc3": None}
-    with pytest.raises(ValueError, match=rf"fp8fn\.{api}: .* same sites.*\['fc2', 'fc3'\]"):
+    a, b = _state(("fc1", "fc2")), _state(("fc1", "fc3"))
+    with pytest.raises(ValueError, match=rf"^fp8fn\.{api}: .* same sites and static config"):
         getattr(fp8fn, api)(a, b)
 
 
 @pytest.mark.parametrize("api", ["update", "merge"])
-@pytest.mark.parametrize(
-    "bad, match",
-    [
-        ([("fc", None)], r"to be dicts of fp8fn\.SiteState, got dict and list"),
-        ({"fc": (1, 2, 3)}, r"\['fc'\]` to be an fp8fn\.SiteState or None, got tuple"),
-        ({"fc": {"input": None}}, r"\['fc'\]` to be an fp8fn\.SiteState or None, got dict"),
+def test_trees_different_history_lengths_raise(api):
+    with pytest.raises(
+        ValueError, match=rf"^fp8fn\.{api}: .* same shapes.*\(1, 3, 4\).*\(1, 3, 2\)"
+    ):
+        getattr(fp8fn, api)(_state(history_len=4), _state(history_len=2))
+
+
+def _bad_states():
+    good = _state(("fc",), history_len=4)
+    return [
+        ([("fc", None)], TypeError, r"fp8fn\.State .*got list"),
+        ({"fc": good["fc"]}, TypeError, r"fp8fn\.State .*got dict"),
+        (3.0, TypeError, r"fp8fn\.State .*got float"),
         (
-            {"fc": fp8fn.SiteState(torch.zeros(2), None, None)},
-            r"\['fc'\]\.input` to be an fp8fn\.ScaleState or None, got Tensor",
+            good._replace(amax_history=[0.0] * 12),
+            TypeError,
+            r"amax_history` to be a tensor, got list",
         ),
-    ],
+        (
+            good._replace(scale=good.scale.double()),
+            TypeError,
+            r"scale` to be float32, got torch\.float64",
+        ),
+        (
+            good._replace(amax_history=good.amax_history.int()),
+            TypeError,
+            r"float32, got torch\.int32",
+        ),
+        (
+            good._replace(amax_history=good.amax_history.bool()),
+            TypeError,
+            r"float32, got torch\.bool",
+        ),
+        (good._replace(amax_history=good.amax_history.to("meta")), ValueError, r"on a device that holds values, got meta"),
+        (
+            good._replace(scale=torch.ones(2, 3)),
+            ValueError,
+            r"n_sites = 1; got \(1, 3, 4\) and \(2, 3\)",
+        ),
+        (good._replace(amax_history=torch.zeros(1, 2, 4)), ValueError, r"got \(1, 2, 4\)"),
+        (good._replace(amax_history=torch.zeros(12)), ValueError, r"got \(12,\)"),
+    ]
+
+
+@pytest.mark.parametrize("api", ["update", "merge"])
+@pytest.mark.parametrize("bad, error, match", _bad_states())
+def test_bad_state_or_obs_raises_and_changes_nothing(api, bad, error, match):
+    good = _state(("fc",), history_len=4)
+    before = good.amax_history.clone()
+    for args in ((good, bad), (bad, good)):
+        with pytest.raises(error, match=rf"^fp8fn\.{api}: expected .*{match}"):
+            getattr(fp8fn, api)(*args)
+    assert torch.equal(good.amax_history, before)
+
+
+@SETTINGS
+@given(
+    dtype=st.sampled_from([torch.float64, torch.float16, torch.int64, torch.bool]),
+    shape=st.lists(st.integers(0, 4), max_size=4).map(tuple),
+    field=st.sampled_from(["amax_history", "scale"]),
 )
-def test_trees_wrong_types_raise(api, bad, match):
-    good = {"fc": site_obs(2, 1.0)}
-    with pytest.raises(TypeError, match=rf"^fp8fn\.{api}: expected .*{match}"):
-        getattr(fp8fn, api)(good, bad)
-
-
-def test_update_observation_wrong_shape_raises():
-    with pytest.raises(ValueError, match=r"fp8fn\.update: .*\['fc'\]\.input\.amax_history.*\(4,\)"):
-        fp8fn.update(_state(history_len=4), {"fc": site_obs(2, 1.0)})
+def test_bad_leaves_always_raise_a_named_error(dtype, shape, field):
+    good = _state(("a", "b"), history_len=3)
+    right = tuple(getattr(good, field).shape)
+    bad = good._replace(**{field: torch.zeros(shape if shape != right else (1,), dtype=dtype)})
+    for api in ("update", "merge"):
+        with pytest.raises((TypeError, ValueError), match=rf"^fp8fn\.{api}: expected"):
+            getattr(fp8fn, api)(good, bad)
 
 
 # pytrees and serialization ---------------------------------------------------------------------
 
 
-def test_state_pytree_optree_and_torch_agree(stepped):
-    tree = stepped  # (a None site is a leaf for torch.utils._pytree, not for optree)
-    leaves_o = optree.tree_leaves(tree)
-    leaves_t = torch.utils._pytree.tree_leaves(tree)
-    assert len(leaves_t) == 2 * 3 * len(fp8fn.ScaleState._fields)
-    assert all(a is b for a, b in zip(leaves_o, leaves_t, strict=True))
-    assert all(t.dtype == torch.float32 for t in leaves_t)
-    _, spec = torch.utils._pytree.tree_flatten(tree)
-    assert_bit_identical(torch.utils._pytree.tree_unflatten(leaves_o, spec), tree)
+@pytest.mark.parametrize("n_sites", [1, 64])
+def test_state_is_two_leaves_under_torch_pytree_and_optree(stepped, n_sites):
+    state = _state([f"s{i}" for i in range(n_sites)])
+    leaves_t, spec = torch.utils._pytree.tree_flatten(state)
+    leaves_o, treedef = optree.tree_flatten(state, namespace="fp8fn")
+    assert len(leaves_t) == len(leaves_o) == 2
+    assert leaves_t[0] is leaves_o[0] is state.amax_history and leaves_t[1] is state.scale
+    back = torch.utils._pytree.tree_unflatten(leaves_t, spec)
+    assert type(back) is fp8fn.State and back.static == state.static
+    assert optree.tree_unflatten(treedef, leaves_o).static == state.static
 
 
-def test_state_safe_globals_registered():
-    registered = torch.serialization.get_safe_globals()
-    assert fp8fn.ScaleState in registered and fp8fn.SiteState in registered
+def test_state_reads_as_a_mapping_of_views(stepped):
+    assert len(stepped) == 2 and list(stepped) == ["a", "b"] and "a" in stepped
+    assert [k for k, _ in stepped.items()] == ["a", "b"]
+    a = stepped["a"]
+    assert isinstance(a, fp8fn.SiteState) and isinstance(a.weight, fp8fn.ScaleState)
+    assert a.weight.amax_history.tolist() == [2, 5, 0, 0]
+    assert a.weight.scale.shape == () and a.weight.scale == 448.0 / (5 * 2)
+    assert a.grad_output.amax_history._base is stepped.amax_history  # a view, not a copy
+    with pytest.raises(KeyError, match=r"fp8fn\.State: no site 'c'"):
+        stepped["c"]
+
+
+def test_state_flat_dict_round_trip(stepped):
+    flat = fp8fn.flatten_state(stepped)
+    assert list(flat)[:2] == ["a.input.amax_history", "a.input.scale"] and len(flat) == 12
+    flat["a.input.scale"].fill_(0.0)  # independent tensors: the state is untouched
+    assert stepped["a"].input.scale == 448.0 / 12
+    flat = fp8fn.flatten_state(stepped)
+    back = fp8fn.unflatten_state(flat, fp8fn.DelayedScaling(history_len=4, margin=1))
+    assert_bit_identical(back, stepped)
+    with pytest.raises(
+        ValueError, match=r"fp8fn\.unflatten_state: missing keys \['a\.weight\.scale'\]"
+    ):
+        fp8fn.unflatten_state(
+            {k: v for k, v in flat.items() if k != "a.weight.scale"}, fp8fn.DelayedScaling()
+        )
+    with pytest.raises(
+        ValueError, match=r"fp8fn\.unflatten_state: expected keys .* got 'a\.scale'"
+    ):
+        fp8fn.unflatten_state({"a.scale": torch.ones(())}, fp8fn.DelayedScaling())
 
 
 def test_state_torch_save_load_weights_only(stepped):
@@ -303,5 +439,5 @@ def test_state_torch_save_load_weights_only(stepped):
     torch.save(stepped, buffer)
     buffer.seek(0)
     loaded = torch.load(buffer, weights_only=True)
-    assert type(loaded["a"]) is fp8fn.SiteState and type(loaded["a"].input) is fp8fn.ScaleState
+    assert type(loaded) is fp8fn.State and loaded.static == stepped.static
     assert_bit_identical(loaded, stepped)
