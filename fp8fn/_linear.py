@@ -71,13 +71,15 @@ def _tracked_outside(t: torch.Tensor) -> bool:
     return False
 
 
-class _Fp8Linear(torch.autograd.Function):
+class _Fp8LinearOp(torch.autograd.Function):
     """y = x @ weight.T + bias with float8 operands. x (m, k), weight (n, k), bias (n,) or None.
 
     `newest` and `stored` are the site's newest history entries and stored scales, float32
     `(3,)` (roles input, weight, grad_output), or None for current scaling; `margin` an int.
     The gradient with respect to `newest` is the observation `[x_amax, w_amax, g_amax]`.
     """
+
+    generate_vmap_rule = True
 
     @staticmethod
     def forward(x, weight, bias, newest, stored, margin, backend):
@@ -107,7 +109,8 @@ class _Fp8Linear(torch.autograd.Function):
         x_fp8, w_fp8, x_inv, w_inv, amaxes, newest, stored = ctx.saved_tensors
         with _no_autocast(grad_out):
             g_amax = amax(grad_out)
-            g_scale = _scales(g_amax, newest, stored, ctx.margin, FP8_MAX[E5M2])[..., 2]
+            g_scale = _scales(g_amax, newest, stored, ctx.margin, FP8_MAX[E5M2])
+            g_scale = g_scale if newest is None else g_scale[..., 2]
             g_fp8, g_inv = cast_to_fp8(grad_out, g_scale, E5M2), g_scale.reciprocal()
             x_dtype, w_dtype, b_dtype = ctx.dtypes
             needs = ctx.needs_input_grad
@@ -125,29 +128,43 @@ class _Fp8Linear(torch.autograd.Function):
             grads[:4] = _FirstOrderOnly.apply(amaxes, *grads[:4])
         return tuple(grads)
 
+
+class _Fp8Linear(_Fp8LinearOp):
+    """`_Fp8LinearOp` with fp8fn's vmap semantics.
+
+    Where the vmapped computation is differentiated as a whole (grad of vmap, or plain
+    autograd around vmap), a vmap over the batch only (`x` batched) is the unbatched call on the
+    whole batch: one amax, as without vmap. Elsewhere (vmap of grad: per-example gradients;
+    inference; model ensembles) every member is its own call, batched by the generated rule.
+    """
+
+    generate_vmap_rule = False
+
     @staticmethod
     def vmap(info, in_dims, x, weight, bias, newest, stored, margin, backend):
-        """vmap over the batch (only `x` batched) is the unbatched call on the whole batch: one
-        amax, as without vmap. Any other batching (model ensembles) runs member by member, and
-        needs a batched state: one state shared by members would sum their observations."""
         args = (x, weight, bias, newest, stored)
-        if all(d is None for d in in_dims[1:5]):
+        tracked = any(_tracked(t) for t in args if t is not None)
+        if tracked and all(d is None for d in in_dims[1:5]):
             xb = x.movedim(in_dims[0], 0)
             outs = _Fp8Linear.apply(xb.flatten(0, 1), weight, bias, newest, stored, margin, backend)
             out, x_fp8, *rest = outs
             folded = (out.unflatten(0, xb.shape[:2]), x_fp8.unflatten(0, xb.shape[:2]))
             return (*folded, *rest), (0, 0, None, None, None, None)
-        if newest is not None and in_dims[3] is None:
+        if tracked and newest is not None and in_dims[3] is None:
             raise ValueError(
                 "fp8fn.linear: vmap over the weights with an unbatched scaling state: members "
-                "would share one state and their observations would be summed. Give each member "
-                "its own state (stack the states and vmap over them too)."
+                "would share one state and autograd would sum their observations. Give each "
+                "member its own state (stack the states and vmap over them too)."
             )
-        members = []
-        for i in range(info.batch_size):
-            member = [a if d is None else a.select(d, i) for a, d in zip(args, in_dims)]
-            members.append(_Fp8Linear.apply(*member, margin, backend))
-        return tuple(torch.stack(o) for o in zip(*members)), (0,) * 6
+        outs = torch.vmap(_Fp8LinearOp.apply, in_dims=(*in_dims[:5], None, None))(
+            *args, margin, backend
+        )
+        return outs, (0,) * len(outs)
+
+
+def _tracked(t: torch.Tensor) -> bool:
+    """Whether a differentiation below the current transform level tracks `t`."""
+    return torch._C._functorch.is_gradtrackingtensor(t) or t.requires_grad
 
 
 class _no_autocast:

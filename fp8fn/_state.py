@@ -226,8 +226,7 @@ def check_state(api: str, state, name: str = "state", batch_dims: int | None = 0
             raise TypeError(f"fp8fn.{api}: expected `{name}.{field}` to be float32, got {t.dtype}.")
         if t.device.type == "meta":
             raise ValueError(
-                f"fp8fn.{api}: expected `{name}.{field}` on a device that holds values, got "
-                "meta."
+                f"fp8fn.{api}: expected `{name}.{field}` on a device that holds values, got meta."
             )
     n = len(state.sites)
     lead = h.dim() - 3

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from _helpers import assert_bit_identical, bits, expected_scale
+from _helpers import ROLES, assert_bit_identical, bits, expected_scale
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
@@ -41,16 +41,28 @@ def _current_scale(t, dtype=E4M3):
     return expected_scale(t.abs().max().item(), torch.finfo(dtype).max)
 
 
+def _fresh(recipe=DELAYED):
+    """A never-observed site state for `recipe` (None for a stateless recipe)."""
+    if not isinstance(recipe, fp8fn.DelayedScaling):
+        return None
+    return fp8fn.init_state(recipe, ["fc"])["fc"]
+
+
 def _state_with(scales: dict) -> fp8fn.SiteState:
     """A site state whose roles in `scales` have a non-empty history and that stored scale."""
-    s = fp8fn.init_site_state(DELAYED)
-    history = torch.tensor([1.0] + [0.0] * (HISTORY_LEN - 1))
-    return s._replace(
-        **{
-            role: getattr(s, role)._replace(amax_history=history, scale=torch.tensor(v))
-            for role, v in scales.items()
-        }
+    history, scale = _fresh().amax_history.clone(), _fresh().scale.clone()
+    for role, v in scales.items():
+        i = ROLES.index(role)
+        history[i, 0], scale[i] = 1.0, v
+    return fp8fn.SiteState(history, scale)
+
+
+def _update(site_state, obs):
+    """`fp8fn.update` of a one-site state."""
+    state = fp8fn.init_state(DELAYED, ["fc"])._replace(
+        amax_history=site_state.amax_history[None], scale=site_state.scale[None]
     )
+    return fp8fn.update(state, state._replace(amax_history=obs.amax_history[None]))["fc"]
 
 
 def _loss(x, w, b, state, c, recipe=DELAYED):
@@ -70,7 +82,7 @@ def _sqnr(ref, x):
 def test_linear_shape_dtype(dtype, lead, recipe):
     x = torch.randn(*lead, 32, dtype=dtype)
     w, b = torch.randn(16, 32, dtype=dtype), torch.randn(16, dtype=dtype)
-    y = fp8fn.linear(x, w, b, fp8fn.init_site_state(recipe), recipe)
+    y = fp8fn.linear(x, w, b, _fresh(recipe), recipe)
     assert y.shape == (*lead, 16) and y.dtype == dtype
 
 
@@ -85,7 +97,7 @@ def test_linear_forward_current_scaling_matches_reference(dtype, recipe):
     xq, wq = _cast_ref(x, sx), _cast_ref(w, sw)
     want = (torch.mm(xq.float(), wq.t().float()) * (sx.reciprocal() * sw.reciprocal())).to(dtype)
     want = want + b
-    got = fp8fn.linear(x, w, b, fp8fn.init_site_state(recipe), recipe)
+    got = fp8fn.linear(x, w, b, _fresh(recipe), recipe)
     assert torch.equal(got.view(-1).view(torch.int8), want.view(-1).view(torch.int8))
 
 
@@ -99,7 +111,7 @@ def test_linear_forward_stored_scale_saturates():
     want = (xq.float() / 2.0**8) @ (wq.float() / 2.0**5).t()
     got = fp8fn.linear(x, w, None, state, DELAYED)
     assert torch.equal(bits(got), bits(want))
-    current = fp8fn.linear(x, w, None, fp8fn.init_site_state(DELAYED), DELAYED)
+    current = fp8fn.linear(x, w, None, _fresh(), DELAYED)
     assert not torch.equal(got, current)
 
 
@@ -141,7 +153,7 @@ def test_linear_observations_and_grads_all_routes(dtype, stored):
     (grads, obs) = routes.pop("grad")
     for other_grads, other_obs in routes.values():
         assert all(torch.equal(a, o) for a, o in zip(grads, other_grads))
-        # plain autograd has no gradient for scale/margin/amax_window: zero there, as in grad
+        # plain autograd has no gradient for the scales: zero there, as in grad
         assert_bit_identical(other_obs, obs)
     for role, t in (("input", x), ("weight", w), ("grad_output", c)):
         want = [t.abs().max().float().item()] + [0.0] * (HISTORY_LEN - 1)
@@ -166,7 +178,7 @@ def test_linear_grads_match_reference(dtype):
 
 def test_linear_observation_nested_under_outer_grad():
     x, w, b, c = _data()
-    state = fp8fn.init_site_state(DELAYED)
+    state = _fresh()
 
     def outer(w):
         obs = torch.func.grad(_loss, argnums=3)(x, w, b, state, c)
@@ -180,7 +192,7 @@ def test_linear_observation_nested_under_outer_grad():
 
 def test_linear_observation_grad_of_vjp():
     x, w, b, c = _data()
-    state = fp8fn.init_site_state(DELAYED)
+    state = _fresh()
 
     def f(x):
         y, vjp_fn = torch.func.vjp(lambda s: fp8fn.linear(x, w, b, s, DELAYED), state)
@@ -196,7 +208,7 @@ def test_linear_observation_vmap_over_grad_is_per_example():
     x, w, b, _ = _data(m=6)
     xs, c = x.reshape(3, 2, 32), torch.ones(2, 16)
     obs = torch.func.vmap(torch.func.grad(_loss, argnums=3), in_dims=(0, None, None, None, None))(
-        xs, w, b, fp8fn.init_site_state(DELAYED), c
+        xs, w, b, _fresh(), c
     )
     assert obs.input.amax_history[:, 0].tolist() == xs.abs().amax(dim=(1, 2)).tolist()
     assert obs.weight.amax_history[:, 0].tolist() == [w.abs().max().item()] * 3
@@ -205,12 +217,12 @@ def test_linear_observation_vmap_over_grad_is_per_example():
 def test_linear_empty_batch_observes_nothing():
     _, w, b, _ = _data()
     x = torch.zeros(0, 32)
-    state = fp8fn.init_site_state(DELAYED)
+    state = _fresh()
     y = fp8fn.linear(x, w, b, state, DELAYED)
     assert y.shape == (0, 16)
     gw, obs = torch.func.grad(_loss, argnums=(1, 3))(x, w, b, state, torch.zeros(0, 16))
     assert torch.equal(gw, torch.zeros_like(w)) and obs.input.amax_history[0] == 0
-    assert_bit_identical(fp8fn.update({"fc": state}, {"fc": obs})["fc"].input, state.input)
+    assert_bit_identical(_update(state, obs).input, state.input)
 
 
 # what is saved for the backward ----------------------------------------------------------------
@@ -223,7 +235,7 @@ def test_linear_saves_only_fp8_operands_and_scalars(dtype, recipe):
     x.requires_grad_()
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        fp8fn.linear(x, w.requires_grad_(), b, fp8fn.init_site_state(recipe), recipe)
+        fp8fn.linear(x, w.requires_grad_(), b, _fresh(recipe), recipe)
     fp8 = [t for t in saved if t.dtype in (E4M3, E5M2)]
     assert sorted(t.shape for t in fp8) == sorted([x.shape, w.shape])
     assert sum(t.numel() * t.element_size() for t in fp8) == x.numel() + w.numel()
@@ -237,7 +249,7 @@ def test_linear_saves_only_fp8_operands_and_scalars(dtype, recipe):
 @pytest.mark.parametrize("m, k, n", [(16, 32, 16), (5, 20, 7)])
 def test_linear_scaled_mm_matches_emulated(m, k, n):
     x, w, b, c = _data(m, k, n)
-    state = fp8fn.init_site_state(DELAYED)
+    state = _fresh()
     scaled = fp8fn.DelayedScaling(history_len=HISTORY_LEN, backend="scaled_mm")
     results = [
         (
@@ -256,27 +268,32 @@ def test_linear_scaled_mm_matches_emulated(m, k, n):
 
 def _error_cases():
     x, w, b, _ = _data()
-    s = fp8fn.init_site_state(DELAYED)
-    long = fp8fn.init_site_state(fp8fn.DelayedScaling(history_len=HISTORY_LEN + 1))
-    f64 = s._replace(weight=s.weight._replace(scale=torch.tensor(1.0, dtype=torch.float64)))
+    s = _fresh()
+    long = fp8fn.init_state(fp8fn.DelayedScaling(history_len=HISTORY_LEN + 1), ["fc"])["fc"]
+    f64 = s._replace(scale=s.scale.double())
     return [
         (TypeError, r"`x` in float32, bfloat16 or float16, got torch\.int64", (x.long(), w, b, s)),
         (TypeError, r"`weight` to be a tensor, got list", (x, [[1.0]], b, s)),
         (ValueError, r"x \(8, 32\) and weight \(16, 31\)", (x, w[:, :31], b, s)),
         (ValueError, r"`bias` of shape \(16,\), got \(15,\)", (x, w, b[:15], s)),
-        (TypeError, r"`site_state` to be an fp8fn\.SiteState, got tuple", (x, w, b, tuple(s))),
-        (TypeError, r"`site_state` to be an fp8fn\.SiteState, got NoneType", (x, w, b, None)),
-        (
-            ValueError,
-            r"`site_state`\.input\.amax_history of shape \(4,\), got \(5,\)",
-            (x, w, b, long),
-        ),
+        (TypeError, r"`site_state` to be an fp8fn\.SiteState .*got tuple", (x, w, b, tuple(s))),
+        (TypeError, r"`site_state` to be an fp8fn\.SiteState .*got NoneType", (x, w, b, None)),
+        (TypeError, r"`site_state` to be an fp8fn\.SiteState .*got State", (x, w, b, _STATE)),
+        (ValueError, r"history length 4 like the recipe's, got 5", (x, w, b, long)),
         (
             TypeError,
-            r"`site_state`\.weight\.scale to be a float32 tensor, got torch\.float64",
+            r"`site_state` to be float32, got torch\.float32 and torch\.float64",
             (x, w, b, f64),
         ),
+        (
+            ValueError,
+            r"shapes \(3, history_len\) and \(3,\), got \(3, 4\) and \(2,\)",
+            (x, w, b, s._replace(scale=s.scale[:2])),
+        ),
     ]
+
+
+_STATE = fp8fn.init_state(DELAYED, ["fc"])
 
 
 @pytest.mark.parametrize("error, match, args", _error_cases())
@@ -288,7 +305,7 @@ def test_linear_invalid_arguments(error, match, args):
 def test_linear_state_with_current_scaling_raises():
     x, w, b, _ = _data()
     with pytest.raises(TypeError, match=r"^fp8fn\.linear: CurrentScaling is stateless"):
-        fp8fn.linear(x, w, b, fp8fn.init_site_state(DELAYED), CURRENT)
+        fp8fn.linear(x, w, b, _fresh(), CURRENT)
 
 
 def test_linear_bad_recipe_raises():
@@ -308,9 +325,10 @@ def test_linear_bad_recipe_raises():
 # 25.6-25.7 dB, weight grads 21.0-23.2 dB), the 3-layer MLP to its derived floor.
 
 
-def _mlp(params, states, x, recipe):
+def _mlp(params, state, x, recipe):
     for i, (w, b) in enumerate(params):
-        x = fp8fn.linear(x, w, b, states[i], recipe) if recipe else F.linear(x, w, b)
+        site = state[str(i)] if isinstance(recipe, fp8fn.DelayedScaling) else None
+        x = fp8fn.linear(x, w, b, site, recipe) if recipe else F.linear(x, w, b)
         x = torch.tanh(x) if i < len(params) - 1 else x
     return x
 
@@ -331,11 +349,11 @@ def mlp_sqnr(recipe, dtype, steps, sizes):
     def loss(params, states, x, recipe):
         return (_mlp(params, states, x, recipe) * c.to(x.dtype)).sum()
 
-    states = [fp8fn.init_site_state(recipe) for _ in params]
+    states = fp8fn.init_state(DELAYED, [str(i) for i in range(len(params))])
     low = tree_map(lambda t: t.to(dtype), params)
     for x in batches[:-1]:
         obs = torch.func.grad(loss, argnums=1)(low, states, x.to(dtype), recipe)
-        states = list(fp8fn.update(dict(enumerate(states)), dict(enumerate(obs))).values())
+        states = fp8fn.update(states, obs)
     x = batches[-1]
     out = _mlp(low, states, x.to(dtype), recipe)
     grads = torch.func.grad(loss)(low, states, x.to(dtype), recipe)
@@ -429,10 +447,10 @@ def test_cast_round_trip_bound_is_tight():
 def test_linear_nan_input_observed_as_nan_and_ignored(row, col, grad_amax):
     x, w, b, c = _data()
     x[row, col] = math.nan
-    state = fp8fn.init_site_state(DELAYED)
+    state = _fresh()
     obs = torch.func.grad(_loss, argnums=3)(x, w, b, state, c * grad_amax)
     assert math.isnan(obs.input.amax_history[0])
-    new = fp8fn.update({"fc": state}, {"fc": obs})["fc"]
+    new = _update(state, obs)
     assert_bit_identical(new.input, state.input)
     assert new.weight.amax_history[0] == w.abs().max()
     assert new.grad_output.amax_history[0] == (c * grad_amax).abs().max()
@@ -455,7 +473,7 @@ def test_widen_is_exact_for_every_float8_value(dtype):
 
 def test_linear_forward_mode_is_refused():
     # Only the backward is defined (a custom `jvp` would stop dynamo from tracing the op).
-    site = fp8fn.init_site_state(DELAYED)
+    site = _fresh()
     x, w = torch.randn(4, 8), torch.randn(4, 8)
     with pytest.raises(NotImplementedError, match="implement the jvp function"):
         torch.func.jvp(
