@@ -1,0 +1,180 @@
+"""Compositions users write: each gives the reference numbers, or a clear `fp8fn.` refusal.
+
+The reference is the unbatched, single-use call on the same data (max, never sum).
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _helpers import assert_bit_identical
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import fp8fn
+
+DELAYED = fp8fn.DelayedScaling(history_len=4, backend="emulated")
+CURRENT = fp8fn.CurrentScaling(backend="emulated")
+
+
+def _data(seed=0, batch=(4, 6)):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(*batch, 16, generator=gen)
+    w, b = torch.randn(8, 16, generator=gen), torch.randn(8, generator=gen)
+    c = torch.randn(*batch, 8, generator=gen)
+    return x, w, b, c
+
+
+def _loss(x, w, b, state, c, recipe=DELAYED):
+    site = state["fc"] if isinstance(recipe, fp8fn.DelayedScaling) else None
+    return (fp8fn.linear(x, w, b, site, recipe) * c).sum()
+
+
+def _state():
+    return fp8fn.init_state(DELAYED, ["fc"])
+
+
+# vmap over the batch with an unbatched state ----------------------------------------------------
+
+
+@pytest.mark.parametrize("recipe", [DELAYED, CURRENT], ids=["delayed", "current"])
+def test_vmap_over_batch_inside_grad_is_the_whole_batch_call(recipe):
+    x, w, b, c = _data()
+    state = _state()
+
+    def vmapped(x, w, b, state, c):
+        per_example = torch.func.vmap(
+            lambda x, w, b, s, c: _loss(x, w, b, s, c, recipe), in_dims=(0, None, None, None, 0)
+        )
+        return per_example(x, w, b, state, c).sum()
+
+    got = torch.func.grad(vmapped, argnums=(0, 1, 2, 3))(x, w, b, state, c)
+    want = torch.func.grad(_loss, argnums=(0, 1, 2, 3))(x, w, b, state, c, recipe)
+    assert_bit_identical(got, want)  # grads and the observation: one amax, not a sum
+    if recipe is DELAYED:
+        assert got[3]["fc"].weight.amax_history[0] == w.abs().max()
+        assert got[3]["fc"].input.amax_history[0] == x.abs().max()
+
+
+def test_vmap_over_batch_under_plain_autograd_is_the_whole_batch_call():
+    x, w, b, c = _data()
+    obs = []
+    for vmapped in (True, False):
+        state = fp8fn.observe(_state())
+        wg = w.clone().requires_grad_()
+        if vmapped:
+            f = torch.func.vmap(_loss, in_dims=(0, None, None, None, 0))
+            f(x, wg, b, state, c).sum().backward()
+        else:
+            _loss(x, wg, b, state, c).backward()
+        obs.append((wg.grad, fp8fn.observations(state)))
+    assert_bit_identical(obs[0], obs[1])
+
+
+def test_vmap_of_grad_gives_per_example_observations():
+    x, w, b, c = _data()
+    state = _state()
+    obs = torch.func.vmap(torch.func.grad(_loss, argnums=3), in_dims=(0, None, None, None, 0))(
+        x, w, b, state, c
+    )
+    for i in range(x.shape[0]):  # each example observed alone, as the unbatched call on it
+        alone = torch.func.grad(_loss, argnums=3)(x[i], w, b, state, c[i])
+        assert_bit_identical(torch.utils._pytree.tree_map(lambda t: t[i], obs), alone)
+
+
+def test_vmap_over_weights_with_a_shared_state_is_refused_inside_grad():
+    x, w, b, c = _data()
+    ws = torch.stack([w, 2 * w])
+
+    def loss(ws, state):
+        f = torch.func.vmap(_loss, in_dims=(None, 0, None, None, None))
+        return f(x, ws, b, state, c).sum()
+
+    with pytest.raises(
+        ValueError, match=r"^fp8fn\.linear: vmap over the weights with an unbatched"
+    ):
+        torch.func.grad(loss, argnums=1)(ws, _state())
+
+
+# higher-order derivatives ------------------------------------------------------------------------
+
+
+def test_grad_of_grad_is_refused_on_both_routes():
+    x, w, b, c = _data()
+    state = _state()
+    with pytest.raises(RuntimeError, match=r"^fp8fn\.linear: higher-order derivatives"):
+        torch.func.grad(lambda w: torch.func.grad(_loss, argnums=1)(x, w, b, state, c).sum())(w)
+    with pytest.raises(RuntimeError, match=r"^fp8fn\.linear: higher-order derivatives"):
+        torch.func.jacrev(torch.func.jacrev(lambda w: _loss(x, w, b, state, c)))(w)
+    xg = x.clone().requires_grad_()
+    (gx,) = torch.autograd.grad(_loss(xg, w, b, state, c), xg, create_graph=True)
+    with pytest.raises(RuntimeError, match=r"^fp8fn\.linear: higher-order derivatives"):
+        gx.square().sum().backward()  # a gradient penalty
+
+
+def test_first_order_with_create_graph_is_unchanged():
+    x, w, b, c = _data()
+    xg = x.clone().requires_grad_()
+    (plain,) = torch.autograd.grad(_loss(xg, w, b, _state(), c), xg)
+    (graph,) = torch.autograd.grad(_loss(xg, w, b, _state(), c), xg, create_graph=True)
+    assert torch.equal(plain, graph.detach())
+
+
+# autocast --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("recipe", [DELAYED, CURRENT], ids=["delayed", "current"])
+def test_autocast_casts_the_input_first_and_routes_agree(recipe):
+    x, w, b, c = _data()
+    state = _state()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        func = torch.func.grad_and_value(_loss, argnums=(1, 2, 3))(x, w, b, state, c, recipe)
+        observed = fp8fn.observe(state)
+        wg, bg = w.clone().requires_grad_(), b.clone().requires_grad_()
+        value = _loss(x, wg, bg, observed, c, recipe)
+        y = fp8fn.linear(x, w, b, state["fc"] if recipe is DELAYED else None, recipe)
+    value.backward()
+    if recipe is DELAYED:
+        assert_bit_identical(func[0][2], fp8fn.observations(observed))
+    autograd = ((wg.grad, bg.grad), value.detach())
+    assert all(torch.equal(f, a) for f, a in zip(func[0][:2], autograd[0][:2]))
+    assert y.dtype == torch.bfloat16  # the autocast dtype, as torchao
+    outside = fp8fn.linear(x.bfloat16(), w, b, state["fc"] if recipe is DELAYED else None, recipe)
+    assert torch.equal(y, outside)  # the same op as on a bfloat16 input: not re-autocast
+
+
+# op count: the lean op ------------------------------------------------------------------------
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("backend, bound", [("emulated", 70), ("scaled_mm", 64)])
+def test_ops_per_linear_fwd_bwd_stay_bounded(backend, bound):
+    """A middle layer (x, weight, bias differentiated) at step 2, torch.func route, counted with
+    the loss' own 3 ops and the state's split (0.1 dispatched 137)."""
+    recipe = fp8fn.DelayedScaling(backend=backend)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 48))
+    fn = fp8fn.transform(model, recipe)
+    x = torch.randn(32, 64)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    state = fn.init(x)
+
+    def loss(x, params, state):
+        return fn.apply(params, state, x).sum()
+
+    grad = torch.func.grad(loss, argnums=(0, 1, 2))
+    state = fp8fn.update(state, grad(x, params, state)[2])
+    with _CountOps() as ops:
+        grad(x, params, state)
+    with _CountOps() as fp32:
+        torch.func.grad(lambda x, p: F.linear(x, p["0.weight"], p["0.bias"]).sum(), (0, 1))(
+            x, params
+        )
+    assert ops.count <= bound, ops.count
+    assert fp32.count == 13  # what the bound is compared with
