@@ -12,24 +12,30 @@ class _Checkpoint(torch.autograd.Function):
     """Runs `run(*tensors)` without saving activations; the backward re-runs it to differentiate.
 
     `run` maps a flat tuple of input tensors to a flat tuple of output tensors; `run.rng_state`
-    is the RNG state to recompute with. Only the inputs are saved.
+    is the RNG state to recompute with; `diff` the positions of the inputs to differentiate
+    (the others, e.g. buffers, are constants). Only the inputs are saved.
     """
 
+    generate_vmap_rule = True
+
     @staticmethod
-    def forward(run, *tensors):
-        return tuple(run(*tensors))
+    def forward(run, diff, *tensors):
+        # An input returned as-is becomes a view: autograd cannot save an input it returns.
+        return tuple(o.view_as(o) if any(o is t for t in tensors) else o for o in run(*tensors))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        run, *tensors = inputs
-        ctx.run = run
+        run, diff, *tensors = inputs
+        ctx.run, ctx.diff = run, diff
         ctx.mark_non_differentiable(*(t for t in output if not t.is_floating_point()))
         ctx.save_for_backward(*tensors)
 
     @staticmethod
     def backward(ctx, *grad_outputs):
-        tensors = ctx.saved_tensors
-        diff = [i for i, t in enumerate(tensors) if t.is_floating_point()]
+        tensors, diff = ctx.saved_tensors, ctx.diff
+        grads = [None] * len(tensors)
+        if not diff:
+            return (None, None, *grads)
 
         def run_diff(*diff_tensors):
             args = list(tensors)
@@ -46,9 +52,6 @@ class _Checkpoint(torch.autograd.Function):
                     total = total + (o * g).sum()
             return total
 
-        grads = [None] * len(tensors)
-        if not diff:
-            return (None, *grads)
         # torch.func.grad, not vjp: the backward pass runs while the recompute's functorch
         # level is still active, so a checkpoint nested inside `f` can open its own level in
         # its backward (with vjp, whose vjp_fn runs after the level is gone, a nested
@@ -59,7 +62,7 @@ class _Checkpoint(torch.autograd.Function):
             )
         for i, g in zip(diff, diff_grads):
             grads[i] = g
-        return (None, *grads)
+        return (None, None, *grads)
 
 
 def _rng_state():
@@ -104,6 +107,14 @@ def checkpoint(f, *args):
       >>> torch.equal(g["w"], torch.func.grad(f)(params, x)["w"])
       True
     """
+    return checkpoint_with_constants(lambda _, *args: f(*args), args, ())
+
+
+def checkpoint_with_constants(f, args: tuple, constants):
+    """`checkpoint(f, *args)` where `f` also reads `constants`, a pytree of tensors that are not
+    differentiated: `f(constants, *args)`. The recompute gets fresh copies of their values at
+    the forward (so in-place updates in it, e.g. batch-norm statistics, touch only the copies
+    and happen once, in the forward)."""
     if torch.compiler.is_compiling():
         # Raised while dynamo traces: without fullgraph this frame then runs eagerly (correct).
         raise RuntimeError(
@@ -111,14 +122,24 @@ def checkpoint(f, *args):
             "fullgraph off (the checkpointed part then runs eagerly), or compile the model "
             "without checkpoint_fn."
         )
+    const_leaves, const_spec = pytree.tree_flatten(constants)
+    snapshot = [t.detach().clone() if isinstance(t, torch.Tensor) else t for t in const_leaves]
     leaves, in_spec = pytree.tree_flatten(args)
     is_tensor = [isinstance(x, torch.Tensor) for x in leaves]
     out_spec = []
+    recomputing = []
 
     def run(*tensors):
         it = iter(tensors)
         filled = [next(it) if t else x for x, t in zip(leaves, is_tensor)]
-        out_leaves, spec = pytree.tree_flatten(f(*pytree.tree_unflatten(filled, in_spec)))
+        consts = const_leaves
+        if recomputing:  # fresh copies of the forward's values, made at the recompute's level
+            consts = [t.clone() if isinstance(t, torch.Tensor) else t for t in snapshot]
+        recomputing.append(True)
+        outputs = f(
+            pytree.tree_unflatten(consts, const_spec), *pytree.tree_unflatten(filled, in_spec)
+        )
+        out_leaves, spec = pytree.tree_flatten(outputs)
         if not all(isinstance(o, torch.Tensor) for o in out_leaves):
             raise TypeError(
                 "fp8fn.checkpoint: expected `f` to return a pytree of tensors, got leaves of "
@@ -128,6 +149,7 @@ def checkpoint(f, *args):
         return out_leaves
 
     tensors = [x for x, t in zip(leaves, is_tensor) if t]
+    diff = tuple(i for i, t in enumerate(tensors) if t.is_floating_point())
     run.rng_state = _rng_state()
-    outputs = _Checkpoint.apply(run, *tensors)
+    outputs = _Checkpoint.apply(run, diff, *tensors)
     return pytree.tree_unflatten(list(outputs), out_spec[0])

@@ -7,15 +7,10 @@ import torch
 from ._cast import amax, cast_to_fp8
 from ._matmul import fp8_mm, resolve_backend
 from ._recipe import CurrentScaling, DelayedScaling
-from ._scaling import E4M3, E5M2, FP8_MAX, constant, scale_from_amax
+from ._scaling import E4M3, E5M2, FP8_MAX, scale_from_amax
 from ._state import check_site_state
 
 _HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _grad_output_role(device) -> torch.Tensor:
-    """bool `(3,)`: True for the grad_output role."""
-    return constant((False, False, True), torch.bool, device)
 
 
 _HIGHER_ORDER = (
@@ -93,12 +88,12 @@ class _Fp8LinearOp(torch.autograd.Function):
         out = fp8_mm(x_fp8, w_fp8, x_inv, w_inv, x.dtype, backend)
         if bias is not None:
             out = out + bias.to(out.dtype)
-        return out, x_fp8, w_fp8, x_inv, w_inv, amaxes
+        return out, x_fp8, w_fp8, x_inv, w_inv, x_amax, w_amax, amaxes
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         x, weight, bias, newest, stored, margin, backend = inputs
-        ctx.mark_non_differentiable(*output[1:5])  # amaxes stays differentiable: see backward
+        ctx.mark_non_differentiable(*output[1:7])  # amaxes stays differentiable: see backward
         ctx.set_materialize_grads(False)  # the residual outputs get no gradient: no zeros made
         ctx.save_for_backward(*output[1:], newest, stored)
         ctx.margin, ctx.backend = margin, backend
@@ -106,7 +101,7 @@ class _Fp8LinearOp(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, *_):
-        x_fp8, w_fp8, x_inv, w_inv, amaxes, newest, stored = ctx.saved_tensors
+        x_fp8, w_fp8, x_inv, w_inv, x_amax, w_amax, amaxes, newest, stored = ctx.saved_tensors
         with _no_autocast(grad_out):
             g_amax = amax(grad_out)
             g_scale = _scales(g_amax, newest, stored, ctx.margin, FP8_MAX[E5M2])
@@ -122,7 +117,7 @@ class _Fp8LinearOp(torch.autograd.Function):
             if needs[2]:
                 grads[2] = grad_out.float().sum(0).to(b_dtype)
             if needs[3]:  # [x_amax, w_amax, g_amax], made here: at the backward's level
-                grads[3] = torch.where(_grad_output_role(amaxes.device), g_amax, amaxes)
+                grads[3] = torch.stack([x_amax, w_amax, g_amax])
         if torch.is_grad_enabled() and _tracked_outside(amaxes):
             # An outer differentiation records this backward: make its use raise.
             grads[:4] = _FirstOrderOnly.apply(amaxes, *grads[:4])
@@ -149,7 +144,7 @@ class _Fp8Linear(_Fp8LinearOp):
             outs = _Fp8Linear.apply(xb.flatten(0, 1), weight, bias, newest, stored, margin, backend)
             out, x_fp8, *rest = outs
             folded = (out.unflatten(0, xb.shape[:2]), x_fp8.unflatten(0, xb.shape[:2]))
-            return (*folded, *rest), (0, 0, None, None, None, None)
+            return (*folded, *rest), (0, 0) + (None,) * len(rest)
         if tracked and newest is not None and in_dims[3] is None:
             raise ValueError(
                 "fp8fn.linear: vmap over the weights with an unbatched scaling state: members "

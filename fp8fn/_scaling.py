@@ -5,7 +5,6 @@ One convention throughout: `fp8 = saturate(hp * scale)` and `scale = fp8_max / (
 
 from __future__ import annotations
 
-import functools
 import warnings
 
 import torch
@@ -53,26 +52,20 @@ def compute_scale(amax: torch.Tensor, fp8_max: float, margin: int = 0) -> torch.
     return torch.where(amax > 0, scale_from_amax(amax, float(fp8_max), margin), 1.0)
 
 
-@functools.cache
-def constant(values: tuple, dtype: torch.dtype, device: torch.device, dims: int = 1):
-    """A cached constant tensor (so the hot path does not make it again each call): `values`
-    as a 1-dim tensor, or 0-dim for `dims=0` and one value."""
-    data = values[0] if dims == 0 else list(values)
-    return torch.tensor(data, dtype=dtype, device=device)
-
-
 def scale_from_amax(amax: torch.Tensor, fp8_max, margin: int) -> torch.Tensor:
     """`compute_scale` for amaxes >= 0 (or NaN), without checks: the op's and `update`'s path.
 
-    Five kernels. The division is in float64 (the numerator is a float64 tensor of as many dims
-    as `amax`, so type promotion widens `amax` inside the division), so that eager, compiled
-    and Triton code agree bit for bit. `fp8_max`: a float, or a tuple broadcastable to `amax`.
-    Returns float32 of `amax`'s shape.
+    Six kernels. The division is in float64 (the numerator is a float64 tensor, 0-dim only for
+    a 0-dim `amax`, so type promotion widens `amax` inside the division), so that eager,
+    compiled and Triton code agree bit for bit. `fp8_max`: a float, or a tuple broadcastable to
+    `amax`. Returns float32 of `amax`'s shape.
     """
-    values = tuple(
-        v * 2.0**-margin for v in (fp8_max if isinstance(fp8_max, tuple) else (fp8_max,))
-    )
-    numerator = constant(values, torch.float64, amax.device, min(amax.dim(), 1))
+    f64, device = torch.float64, amax.device
+    if isinstance(fp8_max, tuple):
+        numerator = torch.tensor([v * 2.0**-margin for v in fp8_max], dtype=f64, device=device)
+    else:
+        shape = (1,) if amax.dim() else ()
+        numerator = torch.full(shape, fp8_max * 2.0**-margin, dtype=f64, device=device)
     finite = torch.nan_to_num(amax, posinf=0.0)  # inf -> 0; 0 and NaN are handled below
     scale = torch.div(numerator, finite).nan_to_num(nan=1.0, posinf=1.0)  # 0, NaN -> 1
     return scale.float().clamp(_F32_MIN, _F32_MAX)  # beyond float32's range: its max or min

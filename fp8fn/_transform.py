@@ -19,13 +19,15 @@ from torch import nn
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils import _pytree as pytree
 
-from ._checkpoint import checkpoint
+from ._checkpoint import checkpoint_with_constants
 from ._linear import check_operands, fp8_linear
 from ._recipe import RECIPES, DelayedScaling
 from ._state import State, check_state, init_state
 
 # What torch raises when the model's own torch.utils.checkpoint runs under torch.func.
 _TORCH_CHECKPOINT_UNDER_FUNC = ("saved tensor hooks", "must override the setup_context")
+# What torch raises when a module updates a buffer in place under torch.func.grad.
+_TORCH_MUTATES_CAPTURED = "would mutate a captured Tensor"
 
 
 def site_name(path: str, k: int) -> str:
@@ -130,20 +132,18 @@ def _checkpointed_forward(self, *args, **kwargs):
     holder, original = self._fp8fn_holder, super(type(self), self).forward.__func__
     if trace.discover:
         return original(self, *args, **kwargs)
-    named = {
-        **dict(self.named_parameters(remove_duplicate=False)),
-        **dict(self.named_buffers(remove_duplicate=False)),
-    }
+    params = dict(self.named_parameters(remove_duplicate=False))
+    buffers = dict(self.named_buffers(remove_duplicate=False))
     start, end = dict(trace.counts), {}
 
-    def run(tensors, state, args, kwargs):
+    def run(buffers, params, state, args, kwargs):
         inner = _Trace(trace.recipes, state, dict(start))
-        with holder.bind(inner), _reparametrize_module(self, tensors):
+        with holder.bind(inner), _reparametrize_module(self, {**buffers, **params}):
             out = original(self, *args, **kwargs)
         end.update(inner.counts)
         return out
 
-    out = checkpoint(run, named, trace.state, args, kwargs)
+    out = checkpoint_with_constants(run, (params, trace.state, args, kwargs), buffers)
     trace.counts = end
     return out
 
@@ -154,8 +154,12 @@ def _subclass(cls, forward, prefix):
 
 
 def _copy_module(module: nn.Module, memo: dict) -> nn.Module:
-    """A shallow structural copy: own child/parameter/buffer dicts, shared tensors."""
-    new = copy.copy(module)
+    """A shallow structural copy: own child/parameter/buffer dicts, shared tensors.
+
+    (Not `copy.copy`: parametrized modules refuse to be pickled, and so to be copied by it.)
+    """
+    new = object.__new__(type(module))
+    new.__dict__ = dict(module.__dict__)
     new._parameters = copy.copy(module._parameters)
     new._buffers = copy.copy(module._buffers)
     new._modules = copy.copy(module._modules)
@@ -360,6 +364,13 @@ class Transformed:
                     "fp8fn.apply: the model calls torch.utils.checkpoint, which does not work "
                     "under torch.func transforms. Turn the model's own checkpointing off and "
                     "pass `checkpoint_fn=lambda name, module: ...` to fp8fn.transform."
+                ) from e
+            if _TORCH_MUTATES_CAPTURED in message:
+                raise RuntimeError(
+                    "fp8fn.apply: the model updates a buffer in place (e.g. batch-norm running "
+                    "statistics), which torch.func transforms refuse for tensors from outside "
+                    "them. Differentiate with plain autograd (fp8fn.value_and_grad, or "
+                    "fp8fn.observe and loss.backward()), or put the module in eval mode."
                 ) from e
             raise
 

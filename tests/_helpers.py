@@ -31,14 +31,16 @@ def observation(state: fp8fn.State, **amaxes) -> fp8fn.State:
     return state._replace(amax_history=history, scale=torch.zeros_like(state.scale))
 
 
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 def bits(t: torch.Tensor) -> torch.Tensor:
-    """`t`'s float32 bits as int32 (so NaN == NaN and -0 != 0 when comparing)."""
-    assert t.dtype == torch.float32, t.dtype
-    return t.contiguous().view(torch.int32)
+    """`t`'s bits as integers of its width (so NaN == NaN and -0 != 0 when comparing)."""
+    return t.contiguous().view(_INT_OF_SIZE[t.element_size()])
 
 
 def assert_bit_identical(a, b) -> None:
-    """Two pytrees have the same structure and bit-identical float32 leaves."""
+    """Two pytrees have the same structure and bit-identical tensor leaves."""
     la, spec_a = torch.utils._pytree.tree_flatten(a)
     lb, spec_b = torch.utils._pytree.tree_flatten(b)
     assert spec_a == spec_b

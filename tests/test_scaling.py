@@ -350,7 +350,11 @@ def _bad_states():
             TypeError,
             r"float32, got torch\.bool",
         ),
-        (good._replace(amax_history=good.amax_history.to("meta")), ValueError, r"on a device that holds values, got meta"),
+        (
+            good._replace(amax_history=good.amax_history.to("meta")),
+            ValueError,
+            r"on a device that holds values, got meta",
+        ),
         (
             good._replace(scale=torch.ones(2, 3)),
             ValueError,
