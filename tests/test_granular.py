@@ -641,10 +641,31 @@ def test_granular_linear_invalid_arguments(args, error, match):
         granular_linear(*args)
 
 
-def test_granular_linear_output_shape_and_dtype():
-    for dtype in (torch.float32, torch.bfloat16):
-        x, w = torch.randn(2, 3, 5, 64, dtype=dtype), torch.randn(16, 64, dtype=dtype)
-        for recipe in RECIPES:
-            y = granular_linear(x, w, None, recipe)
-            assert y.shape == (2, 3, 5, 16) and y.dtype == dtype
-            assert math.isfinite(y.float().sum().item())
+@pytest.mark.parametrize("recipe", RECIPES, ids=IDS)
+def test_granular_linear_output_shape_and_dtypes(recipe):
+    # float32 master weights with bfloat16 activations: output in x's dtype, grads in each's.
+    for x_dtype, w_dtype in ((torch.float32, torch.float32), (torch.bfloat16, torch.float32)):
+        x = torch.randn(2, 3, 5, 64, dtype=x_dtype, requires_grad=True)
+        w = torch.randn(16, 64, dtype=w_dtype, requires_grad=True)
+        b = torch.randn(16, dtype=w_dtype, requires_grad=True)
+        y = granular_linear(x, w, b, recipe)
+        assert y.shape == (2, 3, 5, 16) and y.dtype == x_dtype
+        y.float().sum().backward()
+        assert (x.grad.dtype, w.grad.dtype, b.grad.dtype) == (x_dtype, w_dtype, w_dtype)
+        assert all(math.isfinite(t.float().sum().item()) for t in (y, x.grad, w.grad, b.grad))
+
+
+def test_quantizers_compiled_are_bit_identical_to_eager():
+    # Inductor generates its own log2/exp2 and casts: they must round as eager does.
+    def quantize_all(x):
+        return (
+            *q.quantize_rowwise(x),
+            *q.quantize_mx(x, 32, "rceil"),
+            *q.quantize_mx(x, 32, "floor"),
+            *q.quantize_tiles(x),
+            *q.quantize_blocks(x),
+        )
+
+    x = _special(torch.float32, rows=128, cols=256)
+    for a, b in zip(torch.compile(quantize_all, fullgraph=True)(x), quantize_all(x)):
+        assert same(a, b)
