@@ -125,7 +125,9 @@ class RowwiseScaling:
     Args:
       hp_grad_weight: compute `grad_weight` from the high-precision operands.
       backend: `"auto"` (emulation until `torch._scaled_mm` is verified on a GPU),
-        `"emulated"` or `"scaled_mm"` (`torch._scaled_mm` with rowwise scales).
+        `"emulated"` (dequantize, float32 matmul) or `"scaled_mm"` (`torch._scaled_mm` with
+        a float32 result, then the power-of-two scales, which is exact; CUDA sm >= 8.9, or the
+        CPU's slow reference kernel).
 
     Example:
       >>> from fp8fn._recipe import RowwiseScaling  # fp8fn.RowwiseScaling once exported
