@@ -85,5 +85,130 @@ class CurrentScaling:
         _check_backend("CurrentScaling", self.backend)
 
 
-Recipe = DelayedScaling | CurrentScaling
-RECIPES = (DelayedScaling, CurrentScaling)  # for isinstance checks
+_STATELESS_BACKENDS = ("auto", "emulated")
+_SCALE_ROUNDING = ("rceil", "floor")
+
+
+def _check_block_size(api: str, block_size: object, allowed: tuple[int, ...]) -> None:
+    if isinstance(block_size, bool) or not isinstance(block_size, int):
+        raise TypeError(
+            f"fp8fn.{api}: expected `block_size` to be an int, "
+            f"got {type(block_size).__name__} {block_size!r}."
+        )
+    if block_size not in allowed:
+        raise ValueError(
+            f"fp8fn.{api}: expected `block_size` in {allowed}, got {block_size}. "
+            f"Other block sizes have no reference numerics to match."
+        )
+
+
+def _check_emulated_backend(api: str, backend: object) -> None:
+    if backend not in _STATELESS_BACKENDS:
+        raise ValueError(
+            f"fp8fn.{api}: expected `backend` in {_STATELESS_BACKENDS}, got {backend!r}. "
+            f"This recipe has no hardware kernel in fp8fn yet; use backend='emulated'."
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class RowwiseScaling:
+    """Stateless rowwise scaling: one power-of-two scale per row along each GEMM's contraction.
+
+    Every GEMM operand is cast to `float8_e4m3fn` from high precision, with one scale per row
+    of the operand along that GEMM's contraction dim (`x` per token, `weight` per output
+    feature for the output, per input feature for `grad_input`, ...). Scales are
+    `448 / clamp(amax, 1e-12)` in float64, rounded down to a power of two: torchao 0.18's
+    `"rowwise"` recipe. With `hp_grad_weight=True` it is torchao's `"rowwise_with_gw_hp"`:
+    `grad_weight` in high precision and the weight scaled per tensor for `grad_input`.
+
+    Args:
+      hp_grad_weight: compute `grad_weight` from the high-precision operands.
+      backend: `"auto"` (emulation until `torch._scaled_mm` is verified on a GPU),
+        `"emulated"` (dequantize, float32 matmul) or `"scaled_mm"` (`torch._scaled_mm` with
+        a float32 result, then the power-of-two scales, which is exact; CUDA sm >= 8.9, or the
+        CPU's slow reference kernel).
+
+    Example:
+      >>> import fp8fn
+      >>> fp8fn.RowwiseScaling(hp_grad_weight=True)
+      RowwiseScaling(hp_grad_weight=True, backend='auto')
+    """
+
+    hp_grad_weight: bool = False
+    backend: str = "auto"
+
+    def __post_init__(self):
+        if not isinstance(self.hp_grad_weight, bool):
+            raise TypeError(
+                f"fp8fn.RowwiseScaling: expected `hp_grad_weight` to be a bool, "
+                f"got {type(self.hp_grad_weight).__name__} {self.hp_grad_weight!r}."
+            )
+        _check_backend("RowwiseScaling", self.backend)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockwiseScaling:
+    """Stateless blockwise scaling (DeepSeek-V3): 1 x 128 activation tiles, 128 x 128 weights.
+
+    `x` and the output gradient are cast to `float8_e4m3fn` in tiles of `block_size`
+    consecutive elements along each GEMM's contraction dim, the weight in `block_size` x
+    `block_size` blocks, each with a float32 scale `448 / clamp(amax, 1e-12)` computed in
+    float64. The last tile or block along a dim that is not a multiple of `block_size` holds
+    the remaining elements.
+
+    Args:
+      block_size: tile length and weight block side; 128.
+      backend: `"auto"` or `"emulated"` (dequantize, then a float32 matmul).
+
+    Example:
+      >>> import fp8fn
+      >>> fp8fn.BlockwiseScaling()
+      BlockwiseScaling(block_size=128, backend='auto')
+    """
+
+    block_size: int = 128
+    backend: str = "auto"
+
+    def __post_init__(self):
+        _check_block_size("BlockwiseScaling", self.block_size, (128,))
+        _check_emulated_backend("BlockwiseScaling", self.backend)
+
+
+@dataclasses.dataclass(frozen=True)
+class MXScaling:
+    """Stateless OCP MXFP8: blocks of 32 elements along each GEMM's contraction dim.
+
+    Each block is cast to `float8_e4m3fn` with a shared power-of-two scale stored as E8M0.
+    `scale_rounding="rceil"` takes the exponent `ceil(log2(amax / 448))` (torchao's RCEIL,
+    cuBLAS's rule), `"floor"` takes `floor(log2(amax)) - 8` (torchao's FLOOR, the OCP
+    spec's minimal rule; the block's largest values may then saturate to 448). A block with
+    a NaN dequantizes to NaN. The last block along a contraction dim that is not a multiple
+    of `block_size` holds the remaining elements.
+
+    Args:
+      block_size: 32 (the OCP MX block).
+      scale_rounding: `"rceil"` or `"floor"`.
+      backend: `"auto"` or `"emulated"` (dequantize, then a matmul in the input dtype).
+
+    Example:
+      >>> import fp8fn
+      >>> fp8fn.MXScaling(scale_rounding="floor")
+      MXScaling(block_size=32, scale_rounding='floor', backend='auto')
+    """
+
+    block_size: int = 32
+    scale_rounding: str = "rceil"
+    backend: str = "auto"
+
+    def __post_init__(self):
+        _check_block_size("MXScaling", self.block_size, (32,))
+        if self.scale_rounding not in _SCALE_ROUNDING:
+            raise ValueError(
+                f"fp8fn.MXScaling: expected `scale_rounding` in {_SCALE_ROUNDING}, "
+                f"got {self.scale_rounding!r}."
+            )
+        _check_emulated_backend("MXScaling", self.backend)
+
+
+Recipe = DelayedScaling | CurrentScaling | RowwiseScaling | BlockwiseScaling | MXScaling
+RECIPES = (DelayedScaling, CurrentScaling, RowwiseScaling, BlockwiseScaling, MXScaling)

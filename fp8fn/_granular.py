@@ -1,0 +1,282 @@
+"""The stateless fine-grained fp8 linear: rowwise, blockwise and MXFP8 recipes.
+
+`x` is `(m, k)`, `weight` `(n, k)`, the output gradient `g` `(m, n)`. Three GEMMs, each with
+both operands quantized from high precision along that GEMM's contraction dim:
+`output = x @ weight.T` (over k), `grad_input = g @ weight` (over n), `grad_weight = g.T @ x`
+(over m, the tokens). The layouts of the emulated matmuls are torchao 0.18's, so that the
+results are bit-identical to it on CPU (a bfloat16 matmul rounds differently by shape and
+layout).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _quantize as q
+from ._recipe import BlockwiseScaling, MXScaling, RowwiseScaling
+
+_GRANULAR = (RowwiseScaling, BlockwiseScaling, MXScaling)
+_HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# -- rowwise ------------------------------------------------------------------------------------
+
+
+def _rowwise_mm(a_fp8, a_scale, b_fp8, b_scale, out_dtype, backend):
+    """`(a_fp8 / a_scale) @ (b_fp8 / b_scale)` in float32, then cast to `out_dtype`.
+
+    a_fp8 `(m, k)` e4m3 with a_scale float32 `(m, 1)`; b_fp8 `(k, n)` e4m3 (any layout) with
+    b_scale float32 `(1, n)` or `()`. The scales are powers of two.
+    """
+    if backend == "scaled_mm":
+        a_inv, b_inv = a_scale.reciprocal(), b_scale.reciprocal()
+        return _scaled_mm_rowwise(a_fp8, a_inv, b_fp8, b_inv, out_dtype)
+    a_hp, b_hp = q.dequantize_scaled(a_fp8, a_scale), q.dequantize_scaled(b_fp8, b_scale)
+    return torch.mm(a_hp, b_hp).to(out_dtype)
+
+
+def _pad16(t, dim):
+    extra = -t.shape[dim] % 16
+    if extra == 0:
+        return t
+    pad = [0, 0] * (t.dim() - 1 - dim) + [0, extra]
+    return torch.nn.functional.pad(t.view(torch.uint8), pad).view(t.dtype)
+
+
+def _scaled_mm_rowwise(a_fp8, a_inv, b_fp8, b_inv, out_dtype):
+    """`torch._scaled_mm` with unit scales and a float32 result, then the power-of-two scales.
+
+    Scaling after the matmul is exact (powers of two) and works with the tensorwise kernel,
+    which accepts a float32 output, where the rowwise one only gives bfloat16.
+    """
+    m, n = a_fp8.shape[0], b_fp8.shape[1]
+    a = _pad16(_pad16(a_fp8, 0), 1).contiguous()
+    b = _pad16(_pad16(b_fp8, 0), 1).t().contiguous().t()  # column-major
+    one = torch.ones((), dtype=torch.float32, device=a.device)
+    out = torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.float32)[:m, :n]
+    return (out * (a_inv * b_inv)).to(out_dtype)
+
+
+def _rowwise_output(x, weight, recipe, backend):
+    x_fp8, x_scale = q.quantize_rowwise(x)
+    w_fp8, w_scale = q.quantize_rowwise(weight)
+    return _rowwise_mm(x_fp8, x_scale, w_fp8.t(), w_scale.t(), x.dtype, backend)
+
+
+def _rowwise_grad_input(g, weight, recipe, backend):
+    g_fp8, g_scale = q.quantize_rowwise(g)
+    if recipe.hp_grad_weight:  # torchao "rowwise_with_gw_hp": the weight per tensor
+        w_scale = q.tensorwise_scale(weight)
+        w_fp8 = q.quantize_with_scale(weight, w_scale)
+    else:
+        w_fp8_t, w_scale_t = q.quantize_rowwise(weight.t())  # (k, n): rows along n
+        w_fp8, w_scale = w_fp8_t.t(), w_scale_t.t()
+    return _rowwise_mm(g_fp8, g_scale, w_fp8, w_scale, g.dtype, backend)
+
+
+def _rowwise_grad_weight(g, x, recipe, backend):
+    if recipe.hp_grad_weight:
+        return torch.mm(g.t(), x)
+    # Quantize g and x along m; the dequantized g.T keeps g's layout, as in torchao.
+    g_fp8_t, g_scale_t = q.quantize_rowwise(g.t())
+    x_fp8_t, x_scale_t = q.quantize_rowwise(x.t())
+    return _rowwise_mm(g_fp8_t, g_scale_t, x_fp8_t.t(), x_scale_t.t(), g.dtype, backend)
+
+
+# -- MXFP8 --------------------------------------------------------------------------------------
+
+
+def _mx(hp, recipe, dtype):
+    """`hp` `(r, c)` quantized in blocks along c, then dequantized in `dtype`: `(r, c)`."""
+    fp8, exponent = q.quantize_mx(hp.contiguous(), recipe.block_size, recipe.scale_rounding)
+    return q.dequantize_mx(fp8, exponent, dtype, recipe.block_size)
+
+
+def _mx_output(x, weight, recipe, backend):
+    return torch.mm(_mx(x, recipe, x.dtype), _mx(weight, recipe, x.dtype).t())
+
+
+def _mx_grad_input(g, weight, recipe, backend):
+    return torch.mm(_mx(g, recipe, g.dtype), _mx(weight.t(), recipe, g.dtype).t())
+
+
+def _mx_grad_weight(g, x, recipe, backend):
+    return torch.mm(_mx(g.t(), recipe, g.dtype), _mx(x.t(), recipe, g.dtype).t())
+
+
+# -- blockwise ----------------------------------------------------------------------------------
+
+
+def _tiles(hp, recipe):
+    """`hp` `(r, c)` quantized in 1 x block tiles along c, dequantized: float32 `(r, c)`."""
+    fp8, inverse = q.quantize_tiles(hp.contiguous(), recipe.block_size)
+    return q.dequantize_tiles(fp8, inverse, recipe.block_size)
+
+
+def _blocks(weight, recipe):
+    """`weight` `(n, k)` quantized in block x block blocks, dequantized: float32 `(n, k)`."""
+    fp8, inverse = q.quantize_blocks(weight.contiguous(), recipe.block_size)
+    return q.dequantize_blocks(fp8, inverse, recipe.block_size)
+
+
+def _blockwise_output(x, weight, recipe, backend):
+    return torch.mm(_tiles(x, recipe), _blocks(weight, recipe).t()).to(x.dtype)
+
+
+def _blockwise_grad_input(g, weight, recipe, backend):
+    return torch.mm(_tiles(g, recipe), _blocks(weight, recipe)).to(g.dtype)
+
+
+def _blockwise_grad_weight(g, x, recipe, backend):
+    return torch.mm(_tiles(g.t(), recipe), _tiles(x.t(), recipe).t()).to(g.dtype)
+
+
+_GEMMS = {
+    RowwiseScaling: (_rowwise_output, _rowwise_grad_input, _rowwise_grad_weight),
+    BlockwiseScaling: (_blockwise_output, _blockwise_grad_input, _blockwise_grad_weight),
+    MXScaling: (_mx_output, _mx_grad_input, _mx_grad_weight),
+}
+
+
+# -- the op -------------------------------------------------------------------------------------
+
+
+class _GranularLinear(torch.autograd.Function):
+    """y = x @ weight.T + bias. x (m, k), weight (n, k), bias (n,) or None; stateless recipes.
+
+    Saves `x` and `weight` in high precision: each GEMM quantizes its operands along its own
+    contraction dim, so no float8 copy serves two GEMMs.
+    """
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, weight, bias, recipe, backend):
+        with torch.autocast(x.device.type, enabled=False):
+            out = _GEMMS[type(recipe)][0](x, weight, recipe, backend)
+            if bias is not None:
+                out = out + bias.to(out.dtype)
+        return out
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, weight, bias, recipe, backend = inputs
+        ctx.save_for_backward(x, weight)
+        ctx.recipe, ctx.backend = recipe, backend
+        ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        _, grad_input, grad_weight = _GEMMS[type(ctx.recipe)]
+        x_dtype, w_dtype, b_dtype = ctx.dtypes
+        needs = ctx.needs_input_grad
+        grad_x = grad_w = grad_b = None
+        with torch.autocast(grad_out.device.type, enabled=False):
+            g = grad_out.contiguous()
+            if needs[0]:
+                grad_x = grad_input(g, weight, ctx.recipe, ctx.backend).to(x_dtype)
+            if needs[1]:
+                grad_w = grad_weight(g, x, ctx.recipe, ctx.backend).to(w_dtype)
+            if needs[2]:
+                grad_b = g.float().sum(0).to(b_dtype)
+        return grad_x, grad_w, grad_b, None, None
+
+
+def _refuse_compile_under_func():
+    """Refuse dynamo tracing inside a torch.func transform (it drops custom backwards)."""
+    if torch.compiler.is_compiling() and torch._C._functorch.maybe_current_level() is not None:
+        raise RuntimeError(
+            "fp8fn.linear: torch.compile cannot trace fp8fn.linear inside a torch.func "
+            "transform (grad, vjp, vmap): it would drop fp8fn's backward and return wrong "
+            "gradients (pytorch#193279). Compile with plain autograd (loss.backward() or "
+            "torch.autograd.grad) instead, or leave fullgraph off so that this part runs eagerly."
+        )
+
+
+def resolve_granular_backend(recipe) -> str:
+    """`"emulated"` or `"scaled_mm"`: `"auto"` emulates until a GPU run has verified a kernel."""
+    return "emulated" if recipe.backend == "auto" else recipe.backend
+
+
+def _check_args(x, weight, bias, recipe):
+    if not isinstance(recipe, _GRANULAR):
+        raise TypeError(
+            "fp8fn.linear: expected `recipe` to be fp8fn.RowwiseScaling, fp8fn.BlockwiseScaling "
+            f"or fp8fn.MXScaling, got {type(recipe).__name__}."
+        )
+    for name, t in (("x", x), ("weight", weight), ("bias", bias)):
+        if t is None and name == "bias":
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(
+                f"fp8fn.linear: expected `{name}` to be a tensor, got {type(t).__name__}."
+            )
+        if t.dtype not in _HP_DTYPES:
+            raise TypeError(
+                f"fp8fn.linear: expected `{name}` in float32, bfloat16 or float16, got {t.dtype}."
+            )
+    if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            "fp8fn.linear: expected `x` of shape (..., in_features) and `weight` of shape "
+            f"(out_features, in_features), got x {tuple(x.shape)} and weight "
+            f"{tuple(weight.shape)}."
+        )
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(
+            f"fp8fn.linear: expected `bias` of shape ({weight.shape[0]},), got {tuple(bias.shape)}."
+        )
+    if x.numel() == 0 or weight.numel() == 0:
+        raise ValueError(
+            f"fp8fn.linear: expected non-empty `x` and `weight` under {type(recipe).__name__}, "
+            f"got x {tuple(x.shape)} and weight {tuple(weight.shape)}."
+        )
+    if isinstance(recipe, MXScaling) and torch.float16 in (x.dtype, weight.dtype):
+        raise TypeError(
+            "fp8fn.linear: expected `x` and `weight` in float32 or bfloat16 under MXScaling, "
+            "got float16 (E8M0 scales span 2**-127..2**127, beyond float16). Cast to bfloat16."
+        )
+    if recipe.backend == "scaled_mm" and x.device.type != "cpu" and not _scaled_mm_ok(x.device):
+        raise ValueError(
+            f"fp8fn.linear: expected a CUDA device of compute capability >= 8.9 (or the CPU) "
+            f"for backend='scaled_mm', got {x.device}. Use backend='emulated'."
+        )
+
+
+def _scaled_mm_ok(device):
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def granular_linear(x, weight, bias, recipe):
+    """`x @ weight.T + bias` under a stateless fine-grained float8 recipe.
+
+    Each of the three GEMMs (output, grad_input, grad_weight) quantizes both of its operands
+    to `float8_e4m3fn` from high precision, along its contraction dim, at the recipe's
+    granularity: per row (`RowwiseScaling`), per 1 x 128 tile and 128 x 128 weight block
+    (`BlockwiseScaling`) or per 32-element MX block (`MXScaling`). The bias gradient is
+    `grad.float().sum(0)` in the bias dtype. Bit-identical on CPU to torchao 0.18's
+    emulated `Float8Linear` ("rowwise", "rowwise_with_gw_hp") and `MXFP8Linear`.
+
+    Args:
+      x: `(..., in_features)` in float32, bfloat16 or float16 (not float16 under MX).
+      weight: `(out_features, in_features)`, same dtypes.
+      bias: `(out_features,)` or None.
+      recipe: `RowwiseScaling`, `BlockwiseScaling` or `MXScaling`.
+
+    Returns:
+      `(..., out_features)` in `x.dtype`.
+
+    Example:
+      >>> import torch
+      >>> from fp8fn._granular import granular_linear
+      >>> from fp8fn._recipe import MXScaling
+      >>> x, w = torch.randn(8, 64, requires_grad=True), torch.randn(16, 64)
+      >>> y = granular_linear(x, w, None, MXScaling())
+      >>> y.sum().backward()
+      >>> y.shape, x.grad.shape
+      (torch.Size([8, 16]), torch.Size([8, 64]))
+    """
+    _check_args(x, weight, bias, recipe)
+    _refuse_compile_under_func()
+    backend = resolve_granular_backend(recipe)
+    out = _GranularLinear.apply(x.reshape(-1, x.shape[-1]), weight, bias, recipe, backend)
+    return out.reshape(*x.shape[:-1], weight.shape[0])

@@ -1,0 +1,234 @@
+"""Stateless finer-grained float8 quantizers: rowwise, MXFP8 blocks and DeepSeek-V3 tiles.
+
+Every quantizer reduces the amax along the *last* dim (callers transpose a tensor to put the
+contraction dim last), returns the float8 `float8_e4m3fn` data in the input's shape, and one
+scale per row or block. Conventions, as in the rest of fp8fn: `fp8 = saturate(hp * scale)`;
+dequantization divides by the scale (rowwise), multiplies by the E8M0 scale (MX) or by the
+returned inverse scale (blockwise). All numerics are those of torchao 0.18, bit for bit:
+
+* `448.0 / t` in torch is `t.reciprocal() * 448.0`, not a division (`Tensor.__rtruediv__`):
+  in float64 it differs from the quotient in the last bit for about a quarter of inputs, and
+  the float32 scale it rounds to can then differ too. `_fp8_scale` keeps that form.
+* Power-of-two rounding goes through `torch.log2` in float32, so a float32 value within an
+  ulp of a power of two may round to that power (rowwise: a scale just below `2**k` becomes
+  `2**k` and the row's largest value saturates to 448; MX RCEIL likewise).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+EPS = 1e-12
+_E8M0_BIAS = 127
+_E8M0_NAN = 255
+
+
+def _fp8_scale(amax: torch.Tensor) -> torch.Tensor:
+    """float32 `448 / clamp(amax, 1e-12)`, computed in float64 (any shape)."""
+    return (amax.double().clamp(min=EPS).reciprocal() * E4M3_MAX).float()
+
+
+def _saturate(hp32: torch.Tensor) -> torch.Tensor:
+    """`hp32` (float32) clamped to +-448 and cast to e4m3; NaN stays NaN."""
+    return hp32.clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+
+
+def _pad_last(hp: torch.Tensor, block: int) -> torch.Tensor:
+    """`hp` with zeros appended to its last dim up to a multiple of `block`.
+
+    Zeros do not change a block's amax, so a partial last block is scaled by its own elements.
+    """
+    extra = -hp.shape[-1] % block
+    return F.pad(hp, (0, extra)) if extra else hp
+
+
+# -- rowwise (torchao "rowwise" / "rowwise_with_gw_hp") -----------------------------------------
+
+
+def rowwise_scale(hp: torch.Tensor) -> torch.Tensor:
+    """Power-of-two scale of each row of `hp`: `2**floor(log2(448 / amax))`.
+
+    Args:
+      hp: `(..., k)` float32, bfloat16 or float16.
+
+    Returns:
+      float32 `(..., 1)`.
+    """
+    return torch.exp2(torch.floor(torch.log2(_fp8_scale(hp.abs().amax(-1, keepdim=True)))))
+
+
+def tensorwise_scale(hp: torch.Tensor) -> torch.Tensor:
+    """Power-of-two scale of the whole of `hp` (any shape), float32 `()`."""
+    return torch.exp2(torch.floor(torch.log2(_fp8_scale(hp.abs().amax()))))
+
+
+def quantize_with_scale(hp: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`saturate(hp * scale)` in e4m3; `scale` float32, broadcastable to `hp`."""
+    return _saturate(hp.float() * scale)
+
+
+def quantize_rowwise(hp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rowwise e4m3 quantization of `hp` `(..., k)`: `(fp8 (..., k), scale float32 (..., 1))`."""
+    scale = rowwise_scale(hp)
+    return quantize_with_scale(hp, scale), scale
+
+
+def dequantize_scaled(fp8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float32 `fp8 / scale` (`scale` broadcastable; exact for power-of-two scales)."""
+    return fp8.float() / scale
+
+
+# -- MXFP8 (OCP MX, E8M0 block scales) -----------------------------------------------------------
+
+
+def _mx_exponent_rceil(amax: torch.Tensor) -> torch.Tensor:
+    """Biased E8M0 exponent `ceil(log2(amax / 448)) + 127` (uint8), clamped to [0, 254].
+
+    `amax` float32. NaN gives 255, inf gives 254.
+    """
+    descale = amax / E4M3_MAX
+    exponent = torch.ceil(torch.log2(descale)).clamp(-_E8M0_BIAS, _E8M0_BIAS) + _E8M0_BIAS
+    exponent = torch.where(torch.isinf(descale), 254, exponent.to(torch.uint8))
+    return torch.where(torch.isnan(descale), _E8M0_NAN, exponent).to(torch.uint8)
+
+
+def _mx_exponent_floor(amax: torch.Tensor) -> torch.Tensor:
+    """Biased E8M0 exponent `floor(log2(amax)) - 8 + 127` (uint8), from `amax`'s float32 bits.
+
+    Clamped to [0, 255]; NaN gives 255. (8 = floor(log2(448)), e4m3's largest exponent.)
+    """
+    unbiased = ((amax.view(torch.int32) >> 23) & 0xFF) - 127 - 8
+    exponent = (unbiased.clamp(-_E8M0_BIAS, _E8M0_BIAS + 1) + _E8M0_BIAS).to(torch.uint8)
+    return torch.where(torch.isnan(amax), _E8M0_NAN, exponent).to(torch.uint8)
+
+
+def e8m0_to_float32(exponent: torch.Tensor) -> torch.Tensor:
+    """The value `2**(exponent - 127)` of biased E8M0 exponents (uint8), NaN for 255; float32.
+
+    Built from bits, so exact; exponent 0 is the float32 subnormal `2**-127`.
+    """
+    bits = torch.where(exponent == 0, 1 << 22, exponent.to(torch.int32) << 23)
+    bits = torch.where(exponent == _E8M0_NAN, 0x7FC00000, bits)
+    return bits.view(torch.float32)
+
+
+def quantize_mx(
+    hp: torch.Tensor, block_size: int = 32, rounding: str = "rceil"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP8 quantization of `hp` in blocks of `block_size` along its last dim.
+
+    As torchao 0.18 `to_mx` (`ScaleCalculationMode.RCEIL` or `FLOOR`): the data is divided by
+    the block's power-of-two scale in float32 and saturated to +-448. Quirks kept for bit
+    identity: under RCEIL a block whose exponent clamps to 0 (amax <= 448 * 2**-127) is cast
+    unscaled (so it flushes to zero), and an inf element casts its block with `2**-127`;
+    under FLOOR an exponent of 0 casts with `2**-126` (float32's smallest normal).
+
+    Args:
+      hp: `(..., k)` float32 or bfloat16; a partial last block holds the remaining elements.
+      block_size: elements per block.
+      rounding: `"rceil"` or `"floor"`.
+
+    Returns:
+      `(fp8 (..., k) e4m3, exponent (..., ceil(k / block_size)) uint8)`, biased E8M0.
+    """
+    k = hp.shape[-1]
+    blocks = _pad_last(hp, block_size).unflatten(-1, (-1, block_size))
+    amax = blocks.abs().amax(-1).float()
+    data = blocks.float()
+    if rounding == "rceil":
+        exponent = _mx_exponent_rceil(amax)
+        # The inverse scale 2**(127 - e), with torchao's special cases for e = 0, 254, 255.
+        inverse = torch.exp2(_E8M0_BIAS - exponent.float())
+        inverse = torch.where(exponent == 0, 1.0, inverse)
+        inverse = torch.where(exponent == 254, 2.0**-127, inverse)
+        inverse = torch.where(exponent == _E8M0_NAN, amax, inverse)  # NaN stays NaN
+        scaled = data * inverse.unsqueeze(-1)
+    else:
+        exponent = _mx_exponent_floor(amax)
+        divisor = e8m0_to_float32(exponent).clamp(min=torch.finfo(torch.float32).tiny)
+        divisor = torch.where(exponent == _E8M0_NAN, float("inf"), divisor)
+        scaled = data / divisor.unsqueeze(-1)
+    fp8 = _saturate(scaled).flatten(-2)[..., :k]
+    return fp8, exponent
+
+
+def dequantize_mx(
+    fp8: torch.Tensor, exponent: torch.Tensor, dtype: torch.dtype, block_size: int = 32
+) -> torch.Tensor:
+    """`fp8 * 2**(exponent - 127)` per block along the last dim, in `dtype` (NaN for 255).
+
+    Args:
+      fp8: `(..., k)` e4m3.
+      exponent: `(..., ceil(k / block_size))` uint8, as from `quantize_mx`.
+      dtype: float32 or bfloat16; the product is taken in it (exact but for underflow).
+
+    Returns:
+      `(..., k)` in `dtype`.
+    """
+    k = fp8.shape[-1]
+    scale = e8m0_to_float32(exponent).to(dtype).repeat_interleave(block_size, -1)[..., :k]
+    return fp8.to(dtype) * scale
+
+
+# -- blockwise (DeepSeek-V3: 1 x 128 tiles, 128 x 128 weight blocks) -----------------------------
+
+
+def quantize_tiles(hp: torch.Tensor, tile: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 quantization of `hp` in `1 x tile` tiles along its last dim.
+
+    As torchao 0.18 `torch_blockwise_scale_act_quant_lhs` (and its `_rhs` on `hp.T`, except
+    that `_rhs` clamps the amax to 1e-12 in `hp`'s dtype: tiles with amax < 1e-12 differ).
+
+    Args:
+      hp: `(..., k)` float32, bfloat16 or float16; a partial last tile holds the rest.
+      tile: tile length.
+
+    Returns:
+      `(fp8 (..., k) e4m3, inverse_scale (..., ceil(k / tile)) float32)`, where
+      `inverse_scale = 1 / scale` and `scale = 448 / clamp(amax, 1e-12)` (float64 -> float32).
+    """
+    k = hp.shape[-1]
+    tiles = _pad_last(hp, tile).unflatten(-1, (-1, tile))
+    scale = _fp8_scale(tiles.abs().amax(-1))
+    fp8 = quantize_with_scale(tiles, scale.unsqueeze(-1)).flatten(-2)[..., :k]
+    return fp8, scale.reciprocal()
+
+
+def quantize_blocks(hp: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 quantization of a matrix in `block x block` blocks.
+
+    As torchao 0.18 `torch_blockwise_scale_weight_quant`. Partial blocks at the ends hold
+    the remaining rows and columns.
+
+    Args:
+      hp: `(n, k)` float32, bfloat16 or float16.
+      block: block side.
+
+    Returns:
+      `(fp8 (n, k) e4m3, inverse_scale (ceil(n / block), ceil(k / block)) float32)`.
+    """
+    n, k = hp.shape
+    padded = F.pad(hp, (0, -k % block, 0, -n % block))
+    blocks = padded.unflatten(1, (-1, block)).unflatten(0, (-1, block))  # (nb, b, kb, b)
+    scale = _fp8_scale(blocks.abs().amax((1, 3)))
+    fp8 = quantize_with_scale(blocks, scale[:, None, :, None]).flatten(2).flatten(0, 1)
+    return fp8[:n, :k], scale.reciprocal()
+
+
+def dequantize_tiles(fp8: torch.Tensor, inverse_scale: torch.Tensor, tile: int = 128):
+    """float32 `fp8 * inverse_scale`, one inverse scale per `1 x tile` tile along the last dim.
+
+    `fp8` `(..., k)`, `inverse_scale` `(..., ceil(k / tile))`; returns float32 `(..., k)`.
+    """
+    k = fp8.shape[-1]
+    return fp8.float() * inverse_scale.repeat_interleave(tile, -1)[..., :k]
+
+
+def dequantize_blocks(fp8: torch.Tensor, inverse_scale: torch.Tensor, block: int = 128):
+    """float32 `fp8 * inverse_scale` per `block x block` block of the `(n, k)` matrix `fp8`."""
+    n, k = fp8.shape
+    expanded = inverse_scale.repeat_interleave(block, 0).repeat_interleave(block, 1)
+    return fp8.float() * expanded[:n, :k]
