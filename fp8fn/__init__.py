@@ -3,14 +3,23 @@
 from ._autograd import observations, observe, value_and_grad
 from ._checkpoint import checkpoint
 from ._linear import linear
-from ._recipe import CurrentScaling, DelayedScaling
+from ._recipe import (
+    BlockwiseScaling,
+    CurrentScaling,
+    DelayedScaling,
+    MXScaling,
+    RowwiseScaling,
+)
 from ._scaling import compute_scale, merge, update
 from ._state import ScaleState, SiteState, State, flatten_state, init_state, unflatten_state
 from ._transform import Transformed, transform
 
 __all__ = [
+    "BlockwiseScaling",
     "CurrentScaling",
     "DelayedScaling",
+    "MXScaling",
+    "RowwiseScaling",
     "ScaleState",
     "SiteState",
     "State",

@@ -13,10 +13,10 @@ from __future__ import annotations
 import torch
 
 from . import _quantize as q
+from ._matmul import pad16, scaled_mm_supported
 from ._recipe import BlockwiseScaling, MXScaling, RowwiseScaling
 
-_GRANULAR = (RowwiseScaling, BlockwiseScaling, MXScaling)
-_HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+GRANULAR = (RowwiseScaling, BlockwiseScaling, MXScaling)
 
 # -- rowwise ------------------------------------------------------------------------------------
 
@@ -34,14 +34,6 @@ def _rowwise_mm(a_fp8, a_scale, b_fp8, b_scale, out_dtype, backend):
     return torch.mm(a_hp, b_hp).to(out_dtype)
 
 
-def _pad16(t, dim):
-    extra = -t.shape[dim] % 16
-    if extra == 0:
-        return t
-    pad = [0, 0] * (t.dim() - 1 - dim) + [0, extra]
-    return torch.nn.functional.pad(t.view(torch.uint8), pad).view(t.dtype)
-
-
 def _scaled_mm_rowwise(a_fp8, a_inv, b_fp8, b_inv, out_dtype):
     """`torch._scaled_mm` with unit scales and a float32 result, then the power-of-two scales.
 
@@ -49,8 +41,8 @@ def _scaled_mm_rowwise(a_fp8, a_inv, b_fp8, b_inv, out_dtype):
     which accepts a float32 output, where the rowwise one only gives bfloat16.
     """
     m, n = a_fp8.shape[0], b_fp8.shape[1]
-    a = _pad16(_pad16(a_fp8, 0), 1).contiguous()
-    b = _pad16(_pad16(b_fp8, 0), 1).t().contiguous().t()  # column-major
+    a = pad16(pad16(a_fp8, 0), 1).contiguous()
+    b = pad16(pad16(b_fp8, 0), 1).t().contiguous().t()  # column-major
     one = torch.ones((), dtype=torch.float32, device=a.device)
     out = torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.float32)[:m, :n]
     return (out * (a_inv * b_inv)).to(out_dtype)
@@ -182,49 +174,13 @@ class _GranularLinear(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None
 
 
-def _refuse_compile_under_func():
-    """Refuse dynamo tracing inside a torch.func transform (it drops custom backwards)."""
-    if torch.compiler.is_compiling() and torch._C._functorch.maybe_current_level() is not None:
-        raise RuntimeError(
-            "fp8fn.linear: torch.compile cannot trace fp8fn.linear inside a torch.func "
-            "transform (grad, vjp, vmap): it would drop fp8fn's backward and return wrong "
-            "gradients (pytorch#193279). Compile with plain autograd (loss.backward() or "
-            "torch.autograd.grad) instead, or leave fullgraph off so that this part runs eagerly."
-        )
-
-
 def resolve_granular_backend(recipe) -> str:
     """`"emulated"` or `"scaled_mm"`: `"auto"` emulates until a GPU run has verified a kernel."""
     return "emulated" if recipe.backend == "auto" else recipe.backend
 
 
-def _check_args(x, weight, bias, recipe):
-    if not isinstance(recipe, _GRANULAR):
-        raise TypeError(
-            "fp8fn.linear: expected `recipe` to be fp8fn.RowwiseScaling, fp8fn.BlockwiseScaling "
-            f"or fp8fn.MXScaling, got {type(recipe).__name__}."
-        )
-    for name, t in (("x", x), ("weight", weight), ("bias", bias)):
-        if t is None and name == "bias":
-            continue
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(
-                f"fp8fn.linear: expected `{name}` to be a tensor, got {type(t).__name__}."
-            )
-        if t.dtype not in _HP_DTYPES:
-            raise TypeError(
-                f"fp8fn.linear: expected `{name}` in float32, bfloat16 or float16, got {t.dtype}."
-            )
-    if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
-        raise ValueError(
-            "fp8fn.linear: expected `x` of shape (..., in_features) and `weight` of shape "
-            f"(out_features, in_features), got x {tuple(x.shape)} and weight "
-            f"{tuple(weight.shape)}."
-        )
-    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
-        raise ValueError(
-            f"fp8fn.linear: expected `bias` of shape ({weight.shape[0]},), got {tuple(bias.shape)}."
-        )
+def check_granular(x, weight, recipe) -> None:
+    """The checks a granular recipe adds to `check_operands`'."""
     if x.numel() == 0 or weight.numel() == 0:
         raise ValueError(
             f"fp8fn.linear: expected non-empty `x` and `weight` under {type(recipe).__name__}, "
@@ -235,15 +191,15 @@ def _check_args(x, weight, bias, recipe):
             "fp8fn.linear: expected `x` and `weight` in float32 or bfloat16 under MXScaling, "
             "got float16 (E8M0 scales span 2**-127..2**127, beyond float16). Cast to bfloat16."
         )
-    if recipe.backend == "scaled_mm" and x.device.type != "cpu" and not _scaled_mm_ok(x.device):
+    if (
+        recipe.backend == "scaled_mm"
+        and x.device.type != "cpu"
+        and not scaled_mm_supported(x.device)
+    ):
         raise ValueError(
             f"fp8fn.linear: expected a CUDA device of compute capability >= 8.9 (or the CPU) "
             f"for backend='scaled_mm', got {x.device}. Use backend='emulated'."
         )
-
-
-def _scaled_mm_ok(device):
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def granular_linear(x, weight, bias, recipe):
@@ -264,19 +220,7 @@ def granular_linear(x, weight, bias, recipe):
 
     Returns:
       `(..., out_features)` in `x.dtype`.
-
-    Example:
-      >>> import torch
-      >>> from fp8fn._granular import granular_linear
-      >>> from fp8fn._recipe import MXScaling
-      >>> x, w = torch.randn(8, 64, requires_grad=True), torch.randn(16, 64)
-      >>> y = granular_linear(x, w, None, MXScaling())
-      >>> y.sum().backward()
-      >>> y.shape, x.grad.shape
-      (torch.Size([8, 16]), torch.Size([8, 64]))
     """
-    _check_args(x, weight, bias, recipe)
-    _refuse_compile_under_func()
     backend = resolve_granular_backend(recipe)
     out = _GranularLinear.apply(x.reshape(-1, x.shape[-1]), weight, bias, recipe, backend)
     return out.reshape(*x.shape[:-1], weight.shape[0])

@@ -5,13 +5,12 @@ from __future__ import annotations
 import torch
 
 from ._cast import amax, cast_to_fp8
+from ._granular import GRANULAR, check_granular, granular_linear
+from ._guards import check_operands, no_autocast, refuse_compile_under_func
 from ._matmul import fp8_mm, resolve_backend
-from ._recipe import CurrentScaling, DelayedScaling
+from ._recipe import RECIPES, DelayedScaling
 from ._scaling import E4M3, E5M2, FP8_MAX, scale_from_amax
 from ._state import check_site_state
-
-_HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
 
 _HIGHER_ORDER = (
     "fp8fn.linear: higher-order derivatives through float8 casts are not defined (the backward's "
@@ -102,7 +101,7 @@ class _Fp8LinearOp(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, *_):
         x_fp8, w_fp8, x_inv, w_inv, x_amax, w_amax, amaxes, newest, stored = ctx.saved_tensors
-        with _no_autocast(grad_out):
+        with no_autocast(grad_out):
             g_amax = amax(grad_out)
             g_scale = _scales(g_amax, newest, stored, ctx.margin, FP8_MAX[E5M2])
             g_scale = g_scale if newest is None else g_scale[..., 2]
@@ -162,69 +161,6 @@ def _tracked(t: torch.Tensor) -> bool:
     return torch._C._functorch.is_gradtrackingtensor(t) or t.requires_grad
 
 
-class _no_autocast:
-    """Disable autocast on the device of `t` while inside (a no-op when it is off)."""
-
-    def __init__(self, t: torch.Tensor):
-        self.device = t.device.type
-        self.ctx = (
-            torch.autocast(self.device, enabled=False)
-            if torch.is_autocast_enabled(self.device)
-            else None
-        )
-
-    def __enter__(self):
-        if self.ctx is not None:
-            self.ctx.__enter__()
-
-    def __exit__(self, *exc):
-        if self.ctx is not None:
-            self.ctx.__exit__(*exc)
-
-
-def refuse_compile_under_func(api: str) -> None:
-    """Refuse to let dynamo trace an fp8fn op inside a torch.func transform.
-
-    There it would drop the custom backward (pytorch#193279). Outside transforms dynamo folds
-    `maybe_current_level()` to None, so this check leaves nothing in the graph; inside one it
-    returns the level (an int), on which dynamo breaks the graph: `fullgraph=True` then fails,
-    and otherwise the frame runs eagerly, which is correct.
-    """
-    if torch.compiler.is_compiling() and torch._C._functorch.maybe_current_level() is not None:
-        raise RuntimeError(
-            f"fp8fn.{api}: torch.compile cannot trace fp8fn.linear inside a torch.func "
-            "transform (grad, vjp, vmap): it would drop fp8fn's backward and return wrong "
-            "gradients and observations (pytorch#193279). Use fp8fn.value_and_grad, or compile "
-            "with plain autograd (loss.backward() or torch.autograd.grad), or leave fullgraph "
-            "off so that this part runs eagerly."
-        )
-
-
-def check_operands(api: str, x, weight, bias) -> None:
-    """Raise a clear error unless x `(..., k)`, weight `(n, k)`, bias `(n,)` or None fit."""
-    for name, t in (("x", x), ("weight", weight), ("bias", bias)):
-        if t is None and name == "bias":
-            continue
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(
-                f"fp8fn.{api}: expected `{name}` to be a tensor, got {type(t).__name__}."
-            )
-        if t.dtype not in _HP_DTYPES:
-            raise TypeError(
-                f"fp8fn.{api}: expected `{name}` in float32, bfloat16 or float16, got {t.dtype}."
-            )
-    if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
-        raise ValueError(
-            f"fp8fn.{api}: expected `x` of shape (..., in_features) and `weight` of shape "
-            f"(out_features, in_features), got x {tuple(x.shape)} and weight "
-            f"{tuple(weight.shape)}."
-        )
-    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
-        raise ValueError(
-            f"fp8fn.{api}: expected `bias` of shape ({weight.shape[0]},), got {tuple(bias.shape)}."
-        )
-
-
 def linear(x, weight, bias, site_state, recipe):
     """`x @ weight.T + bias` with both operands in float8, and float8 gradients.
 
@@ -259,7 +195,7 @@ def linear(x, weight, bias, site_state, recipe):
       >>> y.shape, y.dtype
       (torch.Size([8, 16]), torch.float32)
     """
-    if not isinstance(recipe, (DelayedScaling, CurrentScaling)):
+    if not isinstance(recipe, RECIPES):
         raise TypeError(
             f"fp8fn.linear: expected `recipe` to be an fp8fn recipe (e.g. fp8fn.DelayedScaling), "
             f"got {type(recipe).__name__}."
@@ -285,14 +221,18 @@ def linear(x, weight, bias, site_state, recipe):
 
 
 def fp8_linear(x, weight, bias, newest, stored, recipe):
-    """`linear` on checked arguments: `newest`, `stored` float32 `(3,)` or None."""
+    """`linear` on checked operands: `newest`, `stored` float32 `(3,)` or None."""
     refuse_compile_under_func("linear")
     device = x.device.type
     if torch.is_autocast_enabled(device):
         x = x.to(torch.get_autocast_dtype(device))
+    if isinstance(recipe, GRANULAR):
+        check_granular(x, weight, recipe)
+        with no_autocast(x):
+            return granular_linear(x, weight, bias, recipe)
     backend = resolve_backend(recipe.backend, x.device)
     margin = getattr(recipe, "margin", 0)
-    with _no_autocast(x):
+    with no_autocast(x):
         out = _Fp8Linear.apply(
             x.reshape(-1, x.shape[-1]), weight, bias, newest, stored, margin, backend
         )[0]

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 
-def _scaled_mm_supported(device: torch.device) -> bool:
+def scaled_mm_supported(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
@@ -17,7 +17,7 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     """The backend `"auto"` stands for on `device`: `"scaled_mm"` or `"emulated"`."""
     if backend != "auto":
         return backend
-    return "scaled_mm" if _scaled_mm_supported(device) else "emulated"
+    return "scaled_mm" if scaled_mm_supported(device) else "emulated"
 
 
 def _widen(fp8: torch.Tensor) -> tuple[torch.Tensor, float]:
@@ -39,7 +39,7 @@ def _widen(fp8: torch.Tensor) -> tuple[torch.Tensor, float]:
     return half.view(torch.float16).float(), 256.0
 
 
-def _pad16(t: torch.Tensor, dim: int) -> torch.Tensor:
+def pad16(t: torch.Tensor, dim: int) -> torch.Tensor:
     extra = -t.shape[dim] % 16
     if extra == 0:
         return t
@@ -78,7 +78,7 @@ def fp8_mm(
         return (torch.mm(a_hp, b_hp.t()) * inv).to(out_dtype)
     # torch._scaled_mm: `a` row-major, `b` column-major, every dimension a multiple of 16.
     m, n = a.shape[0], b.shape[0]
-    a = _pad16(_pad16(a, 0), 1).contiguous()
-    b = _pad16(_pad16(b, 0), 1).contiguous()
+    a = pad16(pad16(a, 0), 1).contiguous()
+    b = pad16(pad16(b, 0), 1).contiguous()
     out = torch._scaled_mm(a, b.t(), scale_a=inv_scale_a, scale_b=inv_scale_b, out_dtype=out_dtype)
     return out[:m, :n]

@@ -12,9 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fp8fn
+from fp8fn import BlockwiseScaling, MXScaling, RowwiseScaling
 from fp8fn import _quantize as q
-from fp8fn._granular import granular_linear
-from fp8fn._recipe import BlockwiseScaling, MXScaling, RowwiseScaling
 
 E4M3 = torch.float8_e4m3fn
 ROWWISE = RowwiseScaling(backend="emulated")
@@ -349,7 +348,7 @@ def _run_ours(recipe, x, linear, g):
     x = x.detach().clone().requires_grad_()
     w = linear.weight.detach().clone().requires_grad_()
     b = None if linear.bias is None else linear.bias.detach().clone().requires_grad_()
-    out = granular_linear(x, w, b, recipe)
+    out = fp8fn.linear(x, w, b, None, recipe)
     out.backward(g)
     return out, x.grad, w.grad, None if b is None else b.grad
 
@@ -443,10 +442,10 @@ def test_granular_linear_torch_func_matches_autograd(recipe):
     expected = _run_ours(recipe, x, linear, g)[1:]
 
     def loss(x, w, b):
-        return (granular_linear(x, w, b, recipe) * g).sum()
+        return (fp8fn.linear(x, w, b, None, recipe) * g).sum()
 
     got = torch.func.grad(loss, argnums=(0, 1, 2))(*params)
-    out, vjp_fn = torch.func.vjp(lambda x, w, b: granular_linear(x, w, b, recipe), *params)
+    out, vjp_fn = torch.func.vjp(lambda x, w, b: fp8fn.linear(x, w, b, None, recipe), *params)
     for a, b in zip(got, expected):
         assert same(a, b)
     for a, b in zip(vjp_fn(g), expected):
@@ -459,7 +458,7 @@ def test_granular_linear_checkpoint_recompute_is_bit_identical(recipe):
     params = (x, linear.weight.detach(), linear.bias.detach())
 
     def f(x, w, b):
-        return F.gelu(granular_linear(x, w, b, recipe))
+        return F.gelu(fp8fn.linear(x, w, b, None, recipe))
 
     def plain(x, w, b):
         return (f(x, w, b) * g).sum()
@@ -478,21 +477,22 @@ def test_granular_linear_checkpoint_recompute_is_bit_identical(recipe):
 
 
 @pytest.mark.parametrize("recipe", [ROWWISE, MX_RCEIL, BLOCKWISE], ids=["rowwise", "mx", "block"])
-def test_granular_linear_ignores_autocast(recipe):
-    x, linear, g = _case((64, 128), 128, torch.float32)
-    expected = _run_ours(recipe, x, linear, g)
+def test_granular_linear_under_autocast_casts_the_input_first(recipe):
+    # As torchao: the input goes to the autocast dtype, the op itself is not re-autocast.
+    x, linear, _ = _case((64, 128), 128, torch.float32)
+    w, b = linear.weight.detach(), linear.bias.detach()
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        got = _run_ours(recipe, x, linear, g)
-    for a, b in zip(got, expected):
-        assert same(a, b)
+        got = fp8fn.linear(x, w, b, None, recipe)
+    assert got.dtype == torch.bfloat16
+    assert same(got, fp8fn.linear(x.bfloat16(), w, b, None, recipe))
 
 
 def test_granular_linear_vmap_matches_loop():
     x, linear, _ = _case((3, 32, 64), 32, torch.float32)
     w, b = linear.weight.detach(), linear.bias.detach()
-    got = torch.func.vmap(lambda x: granular_linear(x, w, b, MX_RCEIL))(x)
+    got = torch.func.vmap(lambda x: fp8fn.linear(x, w, b, None, MX_RCEIL))(x)
     for i in range(3):
-        assert same(got[i], granular_linear(x[i], w, b, MX_RCEIL))
+        assert same(got[i], fp8fn.linear(x[i], w, b, None, MX_RCEIL))
 
 
 @pytest.mark.parametrize("hp_grad_weight", [False, True])
@@ -561,7 +561,7 @@ def test_granular_sqnr_mlp_matches_torchao(capsys):
     ref_out, ref_grads = _mlp_run(model, x, g, lambda i, h, w, b: F.linear(h, w, b))
     rows = []
     for recipe, name in zip(RECIPES, IDS):
-        out, grads = _mlp_run(model, x, g, lambda i, h, w, b: granular_linear(h, w, b, recipe))
+        out, grads = _mlp_run(model, x, g, lambda i, h, w, b: fp8fn.linear(h, w, b, None, recipe))
         if isinstance(recipe, BlockwiseScaling):
 
             def theirs(i, h, w, b):
@@ -595,9 +595,9 @@ def test_granular_sqnr_mlp_matches_torchao(capsys):
     "args, error, match",
     [
         (
-            (torch.randn(4, 32), torch.randn(8, 32), None, fp8fn.CurrentScaling()),
+            (torch.randn(4, 32), torch.randn(8, 32), None, {"backend": "emulated"}),
             TypeError,
-            r"`recipe` to be fp8fn\.RowwiseScaling, .* got CurrentScaling\.",
+            r"`recipe` to be an fp8fn recipe .* got dict\.",
         ),
         (
             ([1.0] * 32, torch.randn(8, 32), None, ROWWISE),
@@ -637,8 +637,9 @@ def test_granular_sqnr_mlp_matches_torchao(capsys):
     ],
 )
 def test_granular_linear_invalid_arguments(args, error, match):
+    x, w, b, recipe = args
     with pytest.raises(error, match=r"^fp8fn\.linear: expected " + match):
-        granular_linear(*args)
+        fp8fn.linear(x, w, b, None, recipe)
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=IDS)
@@ -648,7 +649,7 @@ def test_granular_linear_output_shape_and_dtypes(recipe):
         x = torch.randn(2, 3, 5, 64, dtype=x_dtype, requires_grad=True)
         w = torch.randn(16, 64, dtype=w_dtype, requires_grad=True)
         b = torch.randn(16, dtype=w_dtype, requires_grad=True)
-        y = granular_linear(x, w, b, recipe)
+        y = fp8fn.linear(x, w, b, None, recipe)
         assert y.shape == (2, 3, 5, 16) and y.dtype == x_dtype
         y.float().sum().backward()
         assert (x.grad.dtype, w.grad.dtype, b.grad.dtype) == (x_dtype, w_dtype, w_dtype)
