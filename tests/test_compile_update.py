@@ -9,7 +9,7 @@ import fp8fn
 
 
 def _obs(state: fp8fn.State, amaxes) -> fp8fn.State:
-    """An observation of `state`'s structure: `amaxes[site][role]` in `[..., 0]`, zeros elsewhere."""
+    """An observation like `state`: `amaxes[site][role]` in `[..., 0]`, zeros elsewhere."""
     history = torch.zeros_like(state.amax_history)
     history[:, :, 0] = torch.tensor(amaxes, dtype=torch.float32)
     return state._replace(amax_history=history, scale=torch.zeros_like(state.scale))
