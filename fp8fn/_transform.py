@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -121,9 +122,35 @@ def _require_trace(holder: _Holder, path: str) -> _Trace:
     return trace
 
 
-def _site_forward(self, input):
+def _linear_site_forward(self, input):
     """Forward of a converted nn.Linear: the fp8 primitive with this call site's state."""
     return _active_trace(self).linear(self._fp8fn_path, input, self.weight, self.bias)
+
+
+def _conv1d_site_forward(self, input):
+    """Forward of a converted HF `Conv1D` (weight `(in, out)`): the same, on `weight.T`."""
+    return _active_trace(self).linear(self._fp8fn_path, input, self.weight.t(), self.bias)
+
+
+def _is_hf_conv1d(module) -> bool:
+    """HF transformers' `Conv1D` (GPT-2 family): a linear layer with its weight `(in, out)`.
+
+    Duck-typed, so that transformers stays an optional dependency.
+    """
+    cls = type(module)
+    return any(
+        c.__name__ == "Conv1D" and c.__module__.startswith("transformers") for c in cls.__mro__
+    )
+
+
+def _linear_kind(module):
+    """`(base class, fp8 forward)` of a linear-like module fp8fn converts, or None."""
+    if isinstance(module, nn.Linear):
+        return nn.Linear, _linear_site_forward
+    if _is_hf_conv1d(module):
+        base = next(c for c in type(module).__mro__ if c.__name__ == "Conv1D")
+        return base, _conv1d_site_forward
+    return None
 
 
 def _checkpointed_forward(self, *args, **kwargs):
@@ -220,25 +247,57 @@ class Transformed:
         self._known_sites = None  # the `state.sites` last checked by `apply`
 
     def _convert_layers(self, memo, recipe, filter_fn) -> dict:
-        """Give the copies of the chosen nn.Linear layers the fp8 forward; {path: recipe}."""
-        recipes = {}
+        """Give the copies of the chosen linear layers the fp8 forward; {path: recipe}.
+
+        Warns when no layer is converted, naming the linear-like modules left in high
+        precision.
+        """
+        recipes, left = {}, []
+        inside_attention = {
+            id(m)
+            for a in self.module.modules()
+            if isinstance(a, nn.MultiheadAttention)
+            for m in a.modules()
+        }
         for name, original in self.module.named_modules():
-            if not (isinstance(original, nn.Linear) and filter_fn(name, original)):
+            kind = _linear_kind(original)
+            if isinstance(original, nn.MultiheadAttention) or (
+                kind is not None and id(original) in inside_attention
+            ):
+                left.append(f"{name or '<root>'} ({type(original).__name__})")
+                continue
+            if kind is None or not filter_fn(name, original):
                 continue
             chosen = _recipe_for(recipe, name, original)
             if chosen is None:
                 continue
-            if type(original).forward is not nn.Linear.forward:
+            base, forward = kind
+            if type(original).forward is not base.forward:
                 raise TypeError(
-                    f"fp8fn.transform: layer {name!r} is a {type(original).__name__}, an "
-                    "nn.Linear subclass with its own forward, which fp8fn cannot convert "
+                    f"fp8fn.transform: layer {name!r} is a {type(original).__name__}, a "
+                    f"{base.__name__} subclass with its own forward, which fp8fn cannot convert "
                     "faithfully. Leave it in high precision with `filter_fn=lambda name, "
                     f"module: name != {name!r}`."
                 )
             target = memo[id(original)]
-            target.__class__ = _subclass(type(original), _site_forward, "Fp8")
+            target.__class__ = _subclass(type(original), forward, "Fp8")
             target._fp8fn_path, target._fp8fn_holder = name, self._holder
             recipes[name] = chosen
+        if not recipes:
+            warnings.warn(
+                "fp8fn.transform: no layer was converted to float8, so the model runs entirely "
+                "in high precision. fp8fn converts nn.Linear and HF Conv1D layers chosen by "
+                "`filter_fn` and given a recipe"
+                + (f"; these stay in high precision: {left}." if left else "."),
+                stacklevel=3,
+            )
+        elif left:
+            warnings.warn(
+                f"fp8fn.transform: these linear-like modules stay in high precision: {left} "
+                "(nn.MultiheadAttention calls its projections' weights directly). Write "
+                "attention with nn.Linear projections to run them in float8.",
+                stacklevel=3,
+            )
         return recipes
 
     def _delayed_recipe(self) -> DelayedScaling | None:
@@ -364,6 +423,14 @@ class Transformed:
                     "fp8fn.apply: the model calls torch.utils.checkpoint, which does not work "
                     "under torch.func transforms. Turn the model's own checkpointing off and "
                     "pass `checkpoint_fn=lambda name, module: ...` to fp8fn.transform."
+                ) from e
+            if any(getattr(m, "gradient_checkpointing", False) for m in self.module.modules()):
+                raise RuntimeError(
+                    "fp8fn.apply: the model's own gradient checkpointing is on (e.g. HF "
+                    "`gradient_checkpointing_enable()`); torch.utils.checkpoint does not work "
+                    "under torch.func transforms, and would recompute outside fp8fn.apply. Turn "
+                    "it off (`model.gradient_checkpointing_disable()`) and pass "
+                    "`checkpoint_fn=lambda name, module: ...` to fp8fn.transform."
                 ) from e
             if _TORCH_MUTATES_CAPTURED in message:
                 raise RuntimeError(

@@ -1,0 +1,148 @@
+"""What `transform` converts: nn.Linear, HF Conv1D (GPT-2 family); what it leaves, loudly."""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _helpers import assert_bit_identical
+
+import fp8fn
+
+DELAYED = fp8fn.DelayedScaling(history_len=4, backend="emulated")
+transformers = pytest.importorskip("transformers")
+
+
+def _gpt2(seed=0):
+    config = transformers.GPT2Config(
+        n_layer=2,
+        n_head=2,
+        n_embd=32,
+        vocab_size=64,
+        n_positions=16,
+        bos_token_id=0,
+        eos_token_id=0,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    torch.manual_seed(seed)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def test_gpt2_conv1d_layers_are_sites():
+    model = _gpt2()
+    fn = fp8fn.transform(model, DELAYED)
+    blocks = [
+        f"transformer.h.{i}.{p}"
+        for i in range(2)
+        for p in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+    ]
+    assert fn.layers == [*blocks, "lm_head"]
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    assert list(fn.init(ids)) == [*blocks, "lm_head"]
+
+
+def test_conv1d_is_the_fp8_linear_of_its_transposed_weight():
+    conv = _gpt2().transformer.h[0].mlp.c_fc  # weight (in, out)
+    model = torch.nn.Sequential(conv)
+    fn = fp8fn.transform(model, DELAYED)
+    x = torch.randn(3, 5, 32)
+    state = fn.init(x)
+    want = fp8fn.linear(x, conv.weight.t(), conv.bias, state["0"], DELAYED)
+    assert torch.equal(fn.apply(dict(model.named_parameters()), state, x), want)
+
+
+def test_gpt2_trains_through_fp8fn_on_both_routes():
+    model = _gpt2()
+    fn = fp8fn.transform(model, DELAYED)
+    gen = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, 64, (4, 12), generator=gen) for _ in range(3)]
+    state = fn.init(batches[0])
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def loss(p, s, ids):
+        return fn.apply(p, s, ids, labels=ids).loss
+
+    for ids in batches:
+        (grads, obs), value = torch.func.grad_and_value(loss, argnums=(0, 1))(params, state, ids)
+        p = {k: v.clone().requires_grad_() for k, v in params.items()}
+        observed = fp8fn.observe(state)
+        loss(p, observed, ids).backward()
+        assert_bit_identical(obs, fp8fn.observations(observed))
+        assert all(torch.equal(grads[k], p[k].grad) for k in grads)
+        ref = torch.func.functional_call(model, params, (ids,), {"labels": ids}).loss
+        assert abs(value.item() - ref.item()) < 0.02 * ref.item()  # fp8 noise, not a bug
+        params = {k: v - 0.1 * grads[k] for k, v in params.items()}
+        state = fp8fn.update(state, obs)
+    # every site observed every step: three amaxes pushed per role
+    assert torch.equal((state.amax_history[..., :3] > 0).all(), torch.tensor(True))
+
+
+def test_hf_gradient_checkpointing_under_torch_func_is_refused_by_fp8fn():
+    model = _gpt2().train()
+    model.gradient_checkpointing_enable()
+    fn = fp8fn.transform(model, DELAYED)
+    ids = torch.randint(0, 64, (2, 8))
+    state = fn.init(ids)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    with pytest.raises(RuntimeError, match=r"^fp8fn\.apply: the model's own gradient check"):
+        torch.func.grad(lambda p: fn.apply(p, state, ids, labels=ids).loss)(params)
+
+
+def test_no_converted_layer_warns():
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU())
+    with pytest.warns(UserWarning, match=r"^fp8fn\.transform: no layer was converted"):
+        fn = fp8fn.transform(model, DELAYED)
+    assert fn.layers == [] and len(fn.init(torch.randn(1, 3, 8, 8))) == 0
+
+
+def test_multihead_attention_is_left_in_high_precision_loudly():
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = torch.nn.MultiheadAttention(16, 2, batch_first=True)
+            self.head = torch.nn.Linear(16, 4)
+
+        def forward(self, x):
+            return self.head(self.attn(x, x, x)[0])
+
+    with pytest.warns(UserWarning, match=r"stay in high precision: \['attn \(Multihead.*out_proj"):
+        fn = fp8fn.transform(Model(), DELAYED)
+    assert fn.layers == ["head"]  # out_proj never runs as a module: not a site
+    with pytest.warns(UserWarning, match=r"no layer was converted.*\['<root> \(MultiheadAtt"):
+        fp8fn.transform(Model().attn, DELAYED)
+
+
+def test_a_model_with_converted_layers_does_not_warn():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fp8fn.transform(torch.nn.Sequential(torch.nn.Linear(4, 4)), DELAYED)
+
+
+def test_per_layer_recipes_with_gpt2():
+    """Delayed scaling in the MLPs, rowwise in attention, lm_head in high precision."""
+    model = _gpt2()
+
+    def recipe(name, layer):
+        if name == "lm_head":
+            return None
+        return DELAYED if ".mlp." in name else fp8fn.RowwiseScaling()
+
+    fn = fp8fn.transform(model, recipe)
+    ids = torch.randint(0, 64, (2, 8))
+    state = fn.init(ids)
+    assert list(state) == [
+        f"transformer.h.{i}.mlp.{p}" for i in range(2) for p in ("c_fc", "c_proj")
+    ]
+    assert isinstance(fn.recipes["transformer.h.0.attn.c_attn"], fp8fn.RowwiseScaling)
+    assert "lm_head" not in fn.recipes
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    grads, obs = torch.func.grad(lambda p, s: fn.apply(p, s, ids, labels=ids).loss, (0, 1))(
+        params, state
+    )
+    assert (obs.amax_history[..., 0] > 0).all()
+    out = fn.apply(params, state, ids, output_hidden_states=True)
+    hidden = out.hidden_states[-1]  # the fp8 body's output, after the final layer norm
+    tied = params["transformer.wte.weight"]  # lm_head's weight is tied to the embedding
+    assert torch.equal(out.logits, F.linear(hidden, tied))  # lm_head in high precision
