@@ -368,21 +368,21 @@ class Transformed:
         def to_meta(t):
             return torch.empty_like(t, device="meta") if isinstance(t, torch.Tensor) else t
 
-        try:
-            return self._run_discovery(
-                {k: to_meta(v) for k, v in named.items()},
-                pytree.tree_map(to_meta, (args, kwargs)),
-            )
-        except Exception:  # data-dependent control flow, or an op without a meta kernel
-            pass
-        try:
-            with torch.random.fork_rng(devices=[]):  # a real run must not consume the RNG
+        with torch.random.fork_rng(devices=[]):  # discovery must not consume the RNG
+            try:
+                return self._run_discovery(
+                    {k: to_meta(v) for k, v in named.items()},
+                    pytree.tree_map(to_meta, (args, kwargs)),
+                )
+            except Exception:  # data-dependent control flow, or an op without a meta kernel
+                pass
+            try:
                 return self._run_discovery(named, (args, kwargs))
-        except Exception as e:
-            raise type(e)(
-                f"fp8fn.init: the model raised on the example inputs ({type(e).__name__}: {e}). "
-                "Call fn.init with inputs the model accepts."
-            ) from e
+            except Exception as e:
+                raise type(e)(
+                    f"fp8fn.init: the model raised on the example inputs ({type(e).__name__}: "
+                    f"{e}). Call fn.init with inputs the model accepts."
+                ) from e
 
     def _run_discovery(self, named, args_kwargs) -> _Trace:
         args, kwargs = args_kwargs

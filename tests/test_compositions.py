@@ -305,3 +305,26 @@ def test_transform_copies_a_parametrized_submodule():
     hidden = model[0](x)
     want = fp8fn.linear(hidden, model[1].weight, model[1].bias, state["1"], DELAYED)
     assert torch.equal(fn.apply(params, state, x), want)
+
+
+def test_init_real_run_fallback_leaves_the_global_rng_alone():
+    class DataDependent(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            h = torch.nn.functional.dropout(self.fc(x), 0.5, training=True)  # draws from the RNG
+            return h if h.sum() > 0 else -h  # data-dependent: no meta run, a real one
+
+    fn = fp8fn.transform(DataDependent(), DELAYED)
+    x = torch.randn(4, 8)
+    before = torch.get_rng_state()
+    state = fn.init(x)
+    assert torch.equal(torch.get_rng_state(), before) and list(state) == ["fc"]
+
+
+def test_init_with_inputs_the_model_rejects_names_fp8fn():
+    fn = fp8fn.transform(torch.nn.Sequential(torch.nn.Linear(8, 4)), DELAYED)
+    with pytest.raises(RuntimeError, match=r"^fp8fn\.init: the model raised on the example inputs"):
+        fn.init(torch.randn(4, 5))
