@@ -43,11 +43,14 @@ def is_block(name, module):
     return isinstance(module, Block)
 
 
-def observed(state, obs):
-    """`obs` with every leaf of `state` present: a missing (None) gradient is a zero observation."""
-    return pytree.tree_map(
-        lambda s, o: o if s is None or o is not None else torch.zeros_like(s), state, obs
-    )
+def observations(s):
+    """`fp8fn.observations(s)`; for a state without sites (no DelayedScaling layer), which no
+    forward reads and so gets no `.grad`, the empty observation (zeros, like torch.func's)."""
+    if not len(s) and s.amax_history.grad is None:
+        return s._replace(
+            amax_history=torch.zeros_like(s.amax_history), scale=torch.zeros_like(s.scale)
+        )
+    return fp8fn.observations(s)
 
 
 def func_route(fn, params, state, x, y):
@@ -60,14 +63,12 @@ def func_route(fn, params, state, x, y):
 
 
 def autograd_route(fn, params, state, x, y):
-    """Gradients and observations with loss.backward() on leaves that require grad."""
+    """Gradients and observations with loss.backward(), through `fp8fn.observe`."""
     params = {k: v.detach().clone().requires_grad_() for k, v in params.items()}
-    state = pytree.tree_map(
-        lambda t: t if t is None else t.detach().clone().requires_grad_(), state
-    )
+    state = fp8fn.observe(state)
     F.cross_entropy(fn.apply(params, state, x).flatten(0, 1), y.flatten()).backward()
     grads = {k: v.grad for k, v in params.items()}
-    return grads, pytree.tree_map(lambda t: None if t is None else t.grad, state)
+    return grads, observations(state)
 
 
 ROUTES = {"func": func_route, "autograd": autograd_route}
@@ -85,7 +86,7 @@ def train(recipe, dtype, checkpoint, route, steps=STEPS):
     for x in batches:
         y = x.roll(-1, dims=1)
         grads, obs = ROUTES[route](fn, params, state, x, y)
-        obs = observed(state, obs)
+        assert type(obs) is fp8fn.State and obs.static == state.static
         state = fp8fn.update(state, obs)
         out.append((grads, obs, state))
         params = {k: p - 0.5 * grads[k] for k, p in params.items()}
@@ -107,10 +108,16 @@ def test_transform_checkpoint_is_bit_identical_from_fresh_state(recipe_name, dty
     if isinstance(recipe, fp8fn.DelayedScaling):
         # The run really exercised delayed scaling: every history filled, scales moved.
         final = reference[-1][2]
-        for site in final.values():
-            for role in site:
-                assert bool((role.amax_history[:STEPS] > 0).all())
-                assert bool(role.scale != 1)
+        assert len(final) == 4 * BLOCKS + 1
+        assert final.amax_history.shape == (len(final), 3, 4)
+        assert bool((final.amax_history[..., :STEPS] > 0).all())
+        assert not final.amax_history[..., STEPS:].any()
+        assert bool((final.scale != 1).all())
+        for _, obs, _ in reference:  # one amax per role, site and step
+            assert bool((obs.amax_history[..., 0] > 0).all())
+            assert not obs.amax_history[..., 1:].any() and not obs.scale.any()
+    else:
+        assert all(len(state) == 0 for _, _, state in reference)
     # Later steps differ from the first (the SGD step changed the params).
     assert not torch.equal(reference[0][0]["head.weight"], reference[-1][0]["head.weight"])
 
@@ -141,7 +148,7 @@ def test_transform_checkpoint_observes_reused_layer_once(route):
         state = fn.init(x)
         assert list(state) == ["fc", "fc#1", "fc#2", "inner.out", "fc#3"]
         grads, obs = ROUTES[route](fn, params, state, x, y)
-        results.append((grads, observed(state, obs)))
+        results.append((grads, obs))
     assert fn.checkpointed == ["inner"]
     (grads, obs), (want_grads, want_obs) = results[1], results[0]
     assert_bits_equal(obs, want_obs)
@@ -150,17 +157,17 @@ def test_transform_checkpoint_observes_reused_layer_once(route):
     # those two first, so the sum is associated differently (float rounding, not a bug).
     torch.testing.assert_close(grads, want_grads, rtol=1e-6, atol=1e-8)
     w_amax = model.fc.weight.abs().max()
-    for site in ("fc", "fc#1", "fc#2", "fc#3", "inner.out"):
-        for role in obs[site]:
-            history = role.amax_history
-            assert history[0] > 0 and not history[1:].any(), (site, history)
-        if site != "inner.out":  # one observation of the shared weight, not two summed
-            assert torch.equal(obs[site].weight.amax_history[0], w_amax)
+    # Every role of every site observed once: one amax at position 0, nothing else.
+    assert bool((obs.amax_history[..., 0] > 0).all()), obs.amax_history
+    assert not obs.amax_history[..., 1:].any() and not obs.scale.any()
+    for site in ("fc", "fc#1", "fc#2", "fc#3"):  # one observation of the shared weight, not
+        assert torch.equal(obs[site].weight.amax_history[0], w_amax)  # two summed
+    assert torch.equal(obs["inner.out"].weight.amax_history[0], model.inner.out.weight.abs().max())
     assert torch.equal(obs["fc"].input.amax_history[0], x.abs().max())
 
 
 def _two_layers(p, s, x, cfg):
-    """Two fp8 linears; `p` a dict of tensors, `s` a dict of SiteStates, `cfg` non-tensors."""
+    """Two fp8 linears; `p` a dict of tensors, `s` an fp8fn.State, `cfg` non-tensors."""
     h = F.gelu(fp8fn.linear(x, p["w1"], p["b1"], s["l1"], cfg["recipe"]))
     h = F.dropout(h, cfg["p"], training=cfg["p"] > 0)
     return fp8fn.linear(h, p["w2"], None, s["l2"], cfg["recipe"]) * cfg["scale"]
@@ -174,7 +181,7 @@ def _problem(updated=False, p=0.0, seed=0):
         "b1": torch.randn(24, generator=gen),
         "w2": torch.randn(8, 24, generator=gen) * 0.1,
     }
-    state = {"l1": fp8fn.init_site_state(recipe), "l2": fp8fn.init_site_state(recipe)}
+    state = fp8fn.init_state(recipe, ["l1", "l2"])
     x = torch.randn(6, 16, generator=gen)
     cfg = {"recipe": recipe, "p": p, "scale": 2, "name": "two", "unused": None}
     if updated:  # a state with history, so the forward casts with delayed (stored) scales
@@ -323,16 +330,18 @@ def test_transform_checkpoint_saves_only_block_inputs():
     x = torch.randn(BATCH, SEQ, D, requires_grad=True)
     params = {k: v.detach().requires_grad_() for k, v in model.named_parameters()}
     plain = fp8fn.transform(model, recipe)
-    state = pytree.tree_map(lambda t: t.requires_grad_(), plain.init(x))
+    state = plain.init(x)
     ckpt = fp8fn.transform(model, recipe, checkpoint_fn=is_block)
-    want, _ = _saved_bytes(plain, params, state, x)
-    got, saved = _saved_bytes(ckpt, params, state, x)
+    # A fresh observed state per forward (apply refuses a second use of an observed state).
+    want, _ = _saved_bytes(plain, params, fp8fn.observe(state), x)
+    got, saved = _saved_bytes(ckpt, params, fp8fn.observe(state), x)
     # Saved: each block's input (x, then the previous block's output), its parameters and
     # the scaling state; nothing else.
     assert len(got) == BLOCKS and x.untyped_storage().data_ptr() in got
     assert all(t.shape == x.shape and t.dtype == x.dtype for t in got.values())
     block_params = sum(len(list(b.parameters())) for b in model)
     n_state = len(pytree.tree_leaves(state))
+    assert n_state == 2  # the packed state: two tensors, whatever the number of sites
     assert len(saved) == BLOCKS * (1 + n_state) + block_params
     got_bytes = sum(t.nbytes for t in got.values())
     want_bytes = sum(t.nbytes for t in want.values())
@@ -410,4 +419,6 @@ def test_transform_checkpoint_under_compile_is_eager_or_refused():
     torch._dynamo.reset()
     for k in eager_grads:
         torch.testing.assert_close(grads[k], eager_grads[k], rtol=1e-4, atol=1e-6)
-    assert_bits_equal(observed(state, obs)["blocks.0.fc1"].input, eager_obs["blocks.0.fc1"].input)
+    assert type(obs) is fp8fn.State and obs.static == eager_obs.static
+    assert_bits_equal(obs["blocks.0.fc1"].input, eager_obs["blocks.0.fc1"].input)
+    assert_bits_equal(obs.amax_history[:, 1], eager_obs.amax_history[:, 1])  # weight amaxes
