@@ -2,6 +2,7 @@
 
 from ._autograd import observations, observe, value_and_grad
 from ._checkpoint import checkpoint
+from ._distributed import all_reduce
 from ._linear import linear
 from ._recipe import (
     BlockwiseScaling,
@@ -24,6 +25,7 @@ __all__ = [
     "SiteState",
     "State",
     "Transformed",
+    "all_reduce",
     "checkpoint",
     "compute_scale",
     "flatten_state",

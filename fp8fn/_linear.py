@@ -10,7 +10,7 @@ from ._guards import check_operands, no_autocast, refuse_compile_under_func
 from ._matmul import fp8_mm, resolve_backend
 from ._recipe import RECIPES, DelayedScaling
 from ._scaling import E4M3, E5M2, FP8_MAX, scale_from_amax
-from ._state import check_site_state
+from ._state import check_site_state, claim
 
 _HIGHER_ORDER = (
     "fp8fn.linear: higher-order derivatives through float8 casts are not defined (the backward's "
@@ -209,6 +209,7 @@ def linear(x, weight, bias, site_state, recipe):
                 f"fp8fn.linear: expected `site_state` of history length {h} like the recipe's, "
                 f"got {site_state.amax_history.shape[-1]}."
             )
+        claim(site_state.amax_history, "linear", "site_state")
         newest, stored = site_state.amax_history[:, 0], site_state.scale
     elif site_state is not None:
         raise TypeError(

@@ -74,12 +74,12 @@ class State:
       tensor([0., 0., 0., 0.])
     """
 
-    __slots__ = ("amax_history", "scale", "sites", "amax_compute", "margin", "_index")
+    __slots__ = ("amax_history", "scale", "sites", "amax_compute", "margin", "_index", "_views")
 
     def __init__(self, amax_history, scale, sites, amax_compute="max", margin=0):
         self.amax_history, self.scale = amax_history, scale
         self.sites, self.amax_compute, self.margin = tuple(sites), amax_compute, margin
-        self._index = None
+        self._index, self._views = None, {}
 
     @property
     def history_len(self) -> int:
@@ -92,12 +92,11 @@ class State:
 
     def _replace(self, **leaves) -> State:
         """A new `State` with `amax_history` and/or `scale` replaced (like NamedTuple's)."""
-        new = State(self.amax_history, self.scale, *self.static)
-        for name, value in leaves.items():
-            if name not in ("amax_history", "scale"):
-                raise TypeError(f"fp8fn.State._replace: unknown field {name!r}.")
-            setattr(new, name, value)
-        return new
+        unknown = set(leaves) - {"amax_history", "scale"}
+        if unknown:
+            raise TypeError(f"fp8fn.State._replace: unknown fields {sorted(unknown)}.")
+        fields = {"amax_history": self.amax_history, "scale": self.scale, **leaves}
+        return State(fields["amax_history"], fields["scale"], *self.static)
 
     def __len__(self) -> int:
         return len(self.sites)
@@ -109,10 +108,16 @@ class State:
         return site in self._positions()
 
     def __getitem__(self, site: str) -> SiteState:
-        i = self._positions().get(site)
-        if i is None:
-            raise KeyError(f"fp8fn.State: no site {site!r}; sites are {list(self.sites)}.")
-        return SiteState(self.amax_history[..., i, :, :], self.scale[..., i, :])
+        """The rows of `site` (views); the same objects each time (see `fp8fn.linear`)."""
+        view = self._views.get(site)
+        if view is None:
+            i = self._positions().get(site)
+            if i is None:
+                raise KeyError(f"fp8fn.State: no site {site!r}; sites are {list(self.sites)}.")
+            view = self._views[site] = SiteState(
+                self.amax_history[..., i, :, :], self.scale[..., i, :]
+            )
+        return view
 
     def keys(self):
         return list(self.sites)
@@ -265,6 +270,27 @@ def check_site_state(api: str, site_state, where: str = "`site_state`") -> None:
             f"fp8fn.{api}: expected {where} of shapes (3, history_len) and (3,), got "
             f"{tuple(h.shape)} and {tuple(s.shape)}."
         )
+
+
+def claim(history: torch.Tensor, api: str, what: str) -> None:
+    """Refuse a second use of `history` while gradients are recorded for it.
+
+    Autograd sums the gradients of a tensor used twice; fp8fn combines observations by max. So
+    each observed state (and each site's rows) may take part once in a recorded gradient.
+    """
+    if not (torch.is_grad_enabled() and history.requires_grad) or not history.numel():
+        return
+    if getattr(history, "_fp8fn_used", False):
+        raise RuntimeError(
+            f"fp8fn.{api}: this {what} was already used by a forward pass whose observations "
+            "are being recorded; autograd would sum the two passes' observations, and fp8fn "
+            "combines them by max. Give each forward pass its own copy and merge:\n"
+            "    # torch.func: grad(loss, argnums=(1, 2))(params, state, state, x1, x2)\n"
+            "    # autograd:   s1, s2 = fp8fn.observe(state), fp8fn.observe(state)\n"
+            "    obs = fp8fn.merge(obs1, obs2)\n"
+            "or run the inputs as one batch, or (for fp8fn.linear) use one site per call."
+        )
+    history._fp8fn_used = True
 
 
 def flatten_state(state: State) -> dict[str, torch.Tensor]:

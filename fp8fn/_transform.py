@@ -23,7 +23,7 @@ from torch.utils import _pytree as pytree
 from ._checkpoint import checkpoint_with_constants
 from ._linear import check_operands, fp8_linear
 from ._recipe import RECIPES, DelayedScaling
-from ._state import State, check_state, init_state
+from ._state import State, check_state, claim, init_state
 
 # What torch raises when the model's own torch.utils.checkpoint runs under torch.func.
 _TORCH_CHECKPOINT_UNDER_FUNC = ("saved tensor hooks", "must override the setup_context")
@@ -410,7 +410,7 @@ class Transformed:
             recorded: autograd would sum the two calls' observations, fp8fn combines by max.
         """
         self._check(params, state)
-        self._claim(state)
+        claim(state.amax_history, "apply", "state")
         self._sync_training_flags()
         named = {**self._buffers, **params}
         try:
@@ -440,25 +440,6 @@ class Transformed:
                     "fp8fn.observe and loss.backward()), or put the module in eval mode."
                 ) from e
             raise
-
-    @staticmethod
-    def _claim(state: State) -> None:
-        """Refuse a second `apply` of one state while gradients are recorded for it."""
-        history = state.amax_history
-        if not (torch.is_grad_enabled() and history.requires_grad) or not len(state):
-            return
-        if getattr(history, "_fp8fn_applied", False):
-            raise RuntimeError(
-                "fp8fn.apply: this state was already passed to an `apply` whose observations "
-                "are being recorded; autograd would sum the two calls' observations, and fp8fn "
-                "combines them by max. Give each forward pass its own copy and merge:\n"
-                "    # torch.func: grad(loss, argnums=(1, 2))(params, state, state, x1, x2)\n"
-                "    # autograd:   s1, s2 = fp8fn.observe(state), fp8fn.observe(state)\n"
-                "    obs = fp8fn.merge(obs1, obs2)\n"
-                "or run the inputs as one batch."
-            )
-        if not torch.compiler.is_compiling():
-            history._fp8fn_applied = True
 
     def _sync_training_flags(self):
         """Follow `module.train()` / `.eval()` made after the transform (dropout, batch norm)."""

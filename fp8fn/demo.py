@@ -13,14 +13,16 @@ transformer blocks run in float8:
 
 The optimizer is AdamW written as a pure function of `(params, grads, opt_state)`.
 
-With `--compile` the step is `torch.compile(fn.apply)` trained with plain autograd
-(`loss.backward()`, observations read from `.grad` of the state leaves): fp8fn refuses to be
-compiled inside a `torch.func` transform, where compilation would drop its backward. The
+With `--compile` the step is `torch.compile(fp8fn.value_and_grad(loss_fn, argnums=(0, 1)))`:
+the same gradients with respect to `(params, state)`, built on `torch.autograd.grad`, which
+dynamo compiles with fp8fn's backward intact (fp8fn refuses to be compiled inside a `torch.func`
+transform, where compilation would drop its backward, pytorch#193279). The loss (forward and
+backward) is one compiled graph; the thin wrapper around `torch.autograd.grad` runs eagerly. The
 checkpointed blocks are not traced (dynamo falls back to eager for `fp8fn.checkpoint`), so
-`--compile --no-checkpoint` is the combination that compiles the whole model. The
-compiled fp8 run is not bit-identical to the eager one: inductor fuses LayerNorm and GELU, which
-changes float32 rounding of the fp8 layers' inputs, and the casts amplify that. With
-`--device cuda` the fp8 matmuls use `torch._scaled_mm` on GPUs that have it (sm >= 8.9).
+`--compile --no-checkpoint` is the combination that compiles the whole model. The compiled fp8
+run is not bit-identical to the eager one: inductor fuses LayerNorm and GELU, which changes
+float32 rounding of the fp8 layers' inputs, and the casts amplify that. With `--device cuda` the
+fp8 matmuls use `torch._scaled_mm` on GPUs that have it (sm >= 8.9).
 """
 
 from __future__ import annotations
@@ -34,7 +36,6 @@ import time
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils import _pytree as pytree
 from tqdm import tqdm
 
 import fp8fn
@@ -213,23 +214,19 @@ def learning_rate(step: int, steps: int, peak: float, warmup: int) -> float:
 
 
 def functional_grad(loss_fn):
-    """`(params, state, x, y) -> ((param_grads, obs), loss)` with `torch.func.grad_and_value`."""
-    return torch.func.grad_and_value(loss_fn, argnums=(0, 1))
+    """`(params, state, x, y) -> (loss, (param_grads, obs))` with `torch.func.grad_and_value`."""
+    grad_and_value = torch.func.grad_and_value(loss_fn, argnums=(0, 1))
+
+    def value_and_grad(params, state, x, y):
+        grads, loss = grad_and_value(params, state, x, y)
+        return loss, grads
+
+    return value_and_grad
 
 
-def autograd_grad(loss_fn):
-    """The same with plain autograd: the route that `torch.compile` can compile."""
-
-    def grad_and_value(params, state, x, y):
-        params = {k: v.detach().requires_grad_() for k, v in params.items()}
-        state = pytree.tree_map(lambda t: t.detach().requires_grad_(), state)
-        loss = loss_fn(params, state, x, y)
-        loss.backward()
-        grads = {k: v.grad for k, v in params.items()}
-        obs = pytree.tree_map(lambda t: t.grad, state)
-        return (grads, obs), loss.detach()
-
-    return grad_and_value
+def compiled_grad(loss_fn):
+    """The same with `torch.compile(fp8fn.value_and_grad(...))`: the route that compiles."""
+    return torch.compile(fp8fn.value_and_grad(loss_fn, argnums=(0, 1)))
 
 
 @torch.no_grad()
@@ -253,17 +250,16 @@ class Run:
         self.name, self.fn, self.cfg = name, fn, cfg
         self.params, self.state = params, fn.init(example)
         self.opt = adamw_init(params)
-        apply = torch.compile(fn.apply) if cfg.compile else fn.apply
 
         def loss_fn(params, state, x, y):
-            return F.cross_entropy(apply(params, state, x).flatten(0, 1), y.flatten())
+            return F.cross_entropy(fn.apply(params, state, x).flatten(0, 1), y.flatten())
 
-        self.grad_and_value = autograd_grad(loss_fn) if cfg.compile else functional_grad(loss_fn)
+        self.value_and_grad = compiled_grad(loss_fn) if cfg.compile else functional_grad(loss_fn)
         self.train_curve, self.val_curve, self.step_times = [], [], []
 
     def step(self, step: int, x: torch.Tensor, y: torch.Tensor) -> float:
         start = time.perf_counter()
-        (grads, obs), loss = self.grad_and_value(self.params, self.state, x, y)
+        loss, (grads, obs) = self.value_and_grad(self.params, self.state, x, y)
         grads = clip_by_global_norm(grads, 1.0)
         lr = learning_rate(step, self.cfg.steps, self.cfg.lr, self.cfg.warmup)
         self.params, self.opt = adamw_update(self.params, grads, self.opt, lr)
@@ -419,7 +415,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--compile",
         action="store_true",
-        help="torch.compile(fn.apply), trained with plain autograd instead of torch.func.grad",
+        help="train with torch.compile(fp8fn.value_and_grad(...)) instead of torch.func",
     )
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--plot", metavar="PATH", help="save both loss curves as a PNG")

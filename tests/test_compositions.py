@@ -328,3 +328,43 @@ def test_init_with_inputs_the_model_rejects_names_fp8fn():
     fn = fp8fn.transform(torch.nn.Sequential(torch.nn.Linear(8, 4)), DELAYED)
     with pytest.raises(RuntimeError, match=r"^fp8fn\.init: the model raised on the example inputs"):
         fn.init(torch.randn(4, 5))
+
+
+# one state used by two forward passes in one loss ------------------------------------------------
+
+
+def test_a_site_used_twice_in_one_loss_is_refused_on_both_routes():
+    x, w, b, c = _data(batch=(6,))
+    state = _state()
+
+    def twice(state):
+        return _loss(x, w, b, state, c) + _loss(2 * x, w, b, state, c)
+
+    with pytest.raises(RuntimeError, match=r"^fp8fn\.linear: this site_state was already used"):
+        torch.func.grad(twice)(state)
+    with pytest.raises(RuntimeError, match=r"^fp8fn\.linear: this site_state was already used"):
+        twice(fp8fn.observe(state))
+
+
+def test_the_documented_fix_for_two_passes_gives_the_max_of_the_passes():
+    x, w, b, c = _data(batch=(6,))
+
+    def two_views(s1, s2):
+        return _loss(x, w, b, s1, c) + _loss(2 * x, w, b, s2, c)
+
+    state = _state()
+    obs1, obs2 = torch.func.grad(two_views, argnums=(0, 1))(state, state)
+    merged = fp8fn.merge(obs1, obs2)
+    assert merged["fc"].input.amax_history[0] == 2 * x.abs().max()  # max of the passes, not sum
+    assert merged["fc"].weight.amax_history[0] == w.abs().max()
+
+
+def test_compiled_apply_refuses_a_second_pass_with_one_observed_state():
+    model = torch.nn.Sequential(torch.nn.Linear(16, 8))
+    fn = fp8fn.transform(model, DELAYED)
+    x = torch.randn(4, 16)
+    compiled = torch.compile(fn.apply)
+    params = dict(model.named_parameters())
+    state = fp8fn.observe(fn.init(x))
+    with pytest.raises(RuntimeError, match=r"^fp8fn\.apply: this state was already used"):
+        compiled(params, state, x).sum() + compiled(params, state, 2 * x).sum()

@@ -1,0 +1,108 @@
+"""Observations across ranks: `all_reduce`, the max of every observed amax in one collective.
+
+The packed state makes this one `torch.distributed.all_reduce(op=MAX)` whatever the number of
+sites: the observation's two tensors are copied into one flat buffer, reduced, and viewed back.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ._scaling import _observed
+from ._state import State, check_state
+
+
+def _check_group(group):
+    """The process group to reduce over (the world for None), or a clear error."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            "fp8fn.all_reduce: expected an initialized torch.distributed process group, got "
+            "none. Call `torch.distributed.init_process_group(backend)` first (torchrun sets "
+            "the environment it reads), or skip `all_reduce` in a single process."
+        )
+    if group is None:
+        return dist.group.WORLD
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(
+            f"fp8fn.all_reduce: expected a `group` that contains this rank, got one that does "
+            f"not contain rank {dist.get_rank()}. Every rank of a group calls `all_reduce` with "
+            "it; the other ranks skip it (or reduce over their own group)."
+        )
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            "fp8fn.all_reduce: expected `group` to be None (the world) or a "
+            f"torch.distributed.ProcessGroup (e.g. from dist.new_group), got "
+            f"{type(group).__name__}."
+        )
+    return group
+
+
+def _check_device(device: torch.device, group) -> None:
+    """Refuse a tensor on a device the group's backend has no collective for.
+
+    (torch says only `No backend type associated with device type cpu`.) gloo reduces CPU and
+    CUDA tensors; NCCL only CUDA ones.
+    """
+    supported = getattr(group, "_device_types", None)
+    if supported is None or device.type in {d.type for d in supported}:
+        return
+    names = sorted({d.type for d in supported})
+    raise ValueError(
+        f"fp8fn.all_reduce: expected `obs` on a device that the backend of `group` "
+        f"({dist.get_backend(group)}) reduces ({', '.join(names)}), got {device}. Move the "
+        f"observation there (`obs = obs._replace(amax_history=obs.amax_history.to(device), "
+        f"scale=obs.scale.to(device))`), or reduce over a group of a backend for {device.type} "
+        f"(gloo: cpu and cuda; nccl: cuda)."
+    )
+
+
+def all_reduce(obs: State, group=None) -> State:
+    """The max of every observed amax over the ranks of `group`, in one collective for all sites.
+
+    An amax that is inf or NaN counts as "not observed" (0) before the reduce, as in
+    `fp8fn.merge`, so a rank that saw nothing leaves another rank's observation intact, and 0
+    stays "not observed" unless some rank observed something. `obs.scale` (the gradient with
+    respect to the scales, zeros on fp8fn's routes) is reduced by max in the same collective, so
+    the result is `fp8fn.merge` of the ranks' observations. Pure: `obs` is not modified. Every
+    rank of `group` must call it, with observations of the same structure (the same model
+    and `fn.init`).
+
+    Merge microbatches first (`fp8fn.merge`), then reduce over the ranks, then `fp8fn.update`:
+    every rank then holds the same state, bit for bit.
+
+    Args:
+      obs: an `fp8fn.State` of observations: `amax_history` float32
+        `(..., n_sites, 3, history_len)` (the amaxes seen in `[..., 0]`), `scale` float32
+        `(..., n_sites, 3)`; on CPU or CUDA for gloo, on CUDA for NCCL.
+      group: a `torch.distributed.ProcessGroup` holding this rank, or None for the world. It
+        must span every rank that sees different data or a different shard of the weights
+        (data parallel x tensor parallel); never pipeline stages, whose sites differ.
+
+    Returns:
+      A new `State` of `obs`'s structure, shapes and device: the elementwise max over the ranks.
+
+    Raises:
+      RuntimeError: when torch.distributed is not initialized.
+      ValueError: when `group` does not hold this rank, or its backend cannot reduce tensors
+        on `obs`'s device.
+
+    Example (on every rank, after `torch.distributed.init_process_group`)::
+
+      state = fp8fn.observe(state)
+      loss = loss_fn(fn.apply(params, state, x))
+      loss.backward()
+      obs = fp8fn.all_reduce(fp8fn.observations(state))  # one all_reduce(MAX) for all sites
+      state = fp8fn.update(state, obs)                     # identical on all ranks
+    """
+    check_state("all_reduce", obs, "obs", batch_dims=None)
+    group = _check_group(group)
+    history, scale = obs.amax_history, obs.scale
+    _check_device(history.device, group)
+    n = history.numel()
+    with torch.no_grad():
+        packed = torch.cat([_observed(history).flatten(), scale.detach().flatten()])
+        dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
+    return obs._replace(
+        amax_history=packed[:n].view(history.shape), scale=packed[n:].view(scale.shape)
+    )
