@@ -54,15 +54,17 @@ def test_main_losses_decrease(tiny_results):
 
 def test_main_updates_fp8_state_and_leaves_baseline_stateless(tiny_results):
     results, _ = tiny_results
-    assert results["float32"]["state"] == {}
+    assert isinstance(results["float32"]["state"], fp8fn.State)
+    assert len(results["float32"]["state"]) == 0
     state = results["fp8"]["state"]
+    assert isinstance(state, fp8fn.State)
     assert list(state) == results["fp8_layers"]
+    assert state.amax_history.shape == (4, 3, 16) and state.scale.shape == (4, 3)
+    assert bool((state.amax_history > 0).all())  # 20 steps fill a 16-long history
+    assert bool((state.scale != 1.0).all())
     for site_state in state.values():
-        for role in site_state:
-            history = role.amax_history
-            assert history.shape == (16,)
-            assert bool((history > 0).all())  # 20 steps fill a 16-long history
-            assert bool(role.scale != 1.0)
+        for role in (site_state.input, site_state.weight, site_state.grad_output):
+            assert role.amax_history.shape == (16,) and role.scale.shape == ()
     # A delayed scale follows the recipe from the history it holds.
     qkv = state["blocks.0.attn.qkv"].input
     assert torch.equal(qkv.scale, fp8fn.compute_scale(qkv.amax_history.max(), 448.0))
@@ -77,8 +79,23 @@ def test_main_plot_is_a_png(tiny_results):
 def test_main_current_recipe_without_checkpoint_has_no_state():
     results = demo.main([*TINY, "--steps", "6", "--recipe", "current", "--no-checkpoint"])
     assert results["checkpointed"] == []
-    assert results["fp8"]["state"] == {}  # CurrentScaling is stateless
+    assert len(results["fp8"]["state"]) == 0  # CurrentScaling is stateless
     assert results["fp8"]["train_curve"][-1] < results["fp8"]["train_curve"][0]
+
+
+def test_main_compile_matches_eager_on_the_first_steps():
+    # --compile trains with torch.compile(fp8fn.value_and_grad(...)); the first step starts
+    # from the same weights and scales, so its loss matches eager to float tolerance.
+    argv = [*TINY, "--steps", "3", "--no-checkpoint", "--sample-chars", "0"]
+    compiled, eager = demo.main([*argv, "--compile"]), demo.main(argv)
+    for name in ("float32", "fp8"):
+        got, want = compiled[name]["train_curve"], eager[name]["train_curve"]
+        assert got[0] == pytest.approx(want[0], rel=1e-5)
+        assert got == pytest.approx(want, rel=1e-2)
+    state, state_e = compiled["fp8"]["state"], eager["fp8"]["state"]
+    assert state.sites == state_e.sites
+    torch.testing.assert_close(state.amax_history, state_e.amax_history, rtol=1e-2, atol=0)
+    assert bool((state.amax_history[:, :, :3] > 0).all())  # every role observed 3 times
 
 
 def test_main_prints_the_table(capsys):
