@@ -43,16 +43,6 @@ def is_block(name, module):
     return isinstance(module, Block)
 
 
-def observations(s):
-    """`fp8fn.observations(s)`; for a state without sites (no DelayedScaling layer), which no
-    forward reads and so gets no `.grad`, the empty observation (zeros, like torch.func's)."""
-    if not len(s) and s.amax_history.grad is None:
-        return s._replace(
-            amax_history=torch.zeros_like(s.amax_history), scale=torch.zeros_like(s.scale)
-        )
-    return fp8fn.observations(s)
-
-
 def func_route(fn, params, state, x, y):
     """Gradients and observations with torch.func.grad."""
 
@@ -68,7 +58,7 @@ def autograd_route(fn, params, state, x, y):
     state = fp8fn.observe(state)
     F.cross_entropy(fn.apply(params, state, x).flatten(0, 1), y.flatten()).backward()
     grads = {k: v.grad for k, v in params.items()}
-    return grads, observations(state)
+    return grads, fp8fn.observations(state)
 
 
 ROUTES = {"func": func_route, "autograd": autograd_route}

@@ -80,14 +80,6 @@ def _zero_obs(state):
     )
 
 
-def _observations(s):
-    """`fp8fn.observations(s)`; for a state without sites (no DelayedScaling layer), which no
-    forward reads and so gets no `.grad`, the empty observation."""
-    if not len(s) and s.amax_history.grad is None:
-        return _zero_obs(s)
-    return fp8fn.observations(s)
-
-
 def _loss(fn):
     return lambda p, s, x: fn.apply(p, s, x).square().mean()
 
@@ -97,7 +89,7 @@ def _autograd_step(fn, params, state, x, loss=None):
     p = {k: v.clone().requires_grad_() for k, v in params.items()}
     s = fp8fn.observe(state)
     (loss or _loss(fn))(p, s, x).backward()
-    return {k: v.grad for k, v in p.items()}, _observations(s)
+    return {k: v.grad for k, v in p.items()}, fp8fn.observations(s)
 
 
 def test_transform_leaves_module_untouched():
@@ -323,19 +315,11 @@ def test_site_that_did_not_run_keeps_its_state():
     assert not torch.equal(updated["fc1"].amax_history, state["fc1"].amax_history)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="fp8fn.observations raises 'nothing was observed' for a State without sites (a model "
-    "with no DelayedScaling layer: no forward reads it, so `.grad` stays None), yet returns the "
-    "empty observation when checkpoint_fn passes that state through fp8fn.checkpoint; so the "
-    "documented plain-autograd loop breaks when the recipe is stateless, and only without "
-    "checkpointing",
-)
 def test_observations_of_a_state_without_sites_is_the_empty_observation():
     model = _mlp()
     x = torch.randn(8, 16)
     params = _params(model)
-    for checkpoint_fn in (lambda name, m: name == "", None):  # passes, then raises
+    for checkpoint_fn in (lambda name, m: name == "", None):
         fn = fp8fn.transform(model, CURRENT, checkpoint_fn=checkpoint_fn)
         state = fn.init(x)
         s = fp8fn.observe(state)
@@ -382,16 +366,16 @@ def test_reusing_one_observed_state_is_refused_and_copies_merge_by_max():
         return _loss(fn)(p, s, x1) + _loss(fn)(p, s, x2)
 
     # One state, two forward passes, both observed: autograd would sum; refused on every route.
-    with pytest.raises(RuntimeError, match="fp8fn.apply: this state was already passed"):
+    with pytest.raises(RuntimeError, match="fp8fn.apply: this state was already"):
         torch.func.grad(two_views, argnums=(0, 1))(params, state, x1, x2)
-    with pytest.raises(RuntimeError, match="fp8fn.apply: this state was already passed"):
+    with pytest.raises(RuntimeError, match="fp8fn.apply: this state was already"):
         fp8fn.value_and_grad(two_views, argnums=(0, 1))(params, state, x1, x2)
-    with pytest.raises(RuntimeError, match="fp8fn.apply: this state was already passed"):
+    with pytest.raises(RuntimeError, match="fp8fn.apply: this state was already"):
         two_views(params, fp8fn.observe(state), x1, x2)
     # Microbatches that reuse one observed state.
     s = fp8fn.observe(state)
     _loss(fn)(params, s, x1).backward()
-    with pytest.raises(RuntimeError, match="fp8fn.apply: this state was already passed"):
+    with pytest.raises(RuntimeError, match="fp8fn.apply: this state was already"):
         _loss(fn)(params, s, x2)
     # Not observed (no gradient recorded for it): reuse is fine.
     with torch.no_grad():
