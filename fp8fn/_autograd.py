@@ -38,6 +38,8 @@ def observations(state: State) -> State:
     """
     check_state("observations", state, batch_dims=None)
     grad = state.amax_history.grad
+    if grad is None and not len(state):  # no stateful layer: the empty observation
+        grad = torch.zeros_like(state.amax_history)
     if grad is None:
         raise RuntimeError(
             "fp8fn.observations: nothing was observed: `state.amax_history.grad` is None. Make "

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from ._scaling import FP8_MAX
-
 
 def amax(hp: torch.Tensor) -> torch.Tensor:
     """The largest magnitude of `hp` (any shape, floating), as a float32 `()` tensor.
@@ -28,5 +26,5 @@ def cast_to_fp8(hp: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> to
     Returns:
       Tensor of `hp`'s shape in `dtype`; values beyond the format's max become +-max.
     """
-    fp8_max = FP8_MAX[dtype]
+    fp8_max = torch.finfo(dtype).max
     return (hp.float() * scale).clamp(-fp8_max, fp8_max).to(dtype)

@@ -9,7 +9,7 @@ from ._granular import GRANULAR, check_granular, granular_linear
 from ._guards import check_operands, no_autocast, refuse_compile_under_func
 from ._matmul import fp8_mm, resolve_backend
 from ._recipe import RECIPES, DelayedScaling
-from ._scaling import E4M3, E5M2, FP8_MAX, scale_from_amax
+from ._scaling import E4M3, E5M2, scale_from_amax
 from ._state import check_site_state, claim
 
 _HIGHER_ORDER = (
@@ -80,7 +80,7 @@ class _Fp8LinearOp(torch.autograd.Function):
         # Three roles at once (the last entry stands in for grad_output): no slicing of rows.
         x_amax, w_amax = amax(x), amax(weight)
         amaxes = torch.stack([x_amax, w_amax, w_amax])
-        scales = _scales(amaxes, newest, stored, margin, FP8_MAX[E4M3])
+        scales = _scales(amaxes, newest, stored, margin, torch.finfo(E4M3).max)
         x_scale, w_scale, _ = scales.unbind()
         x_fp8, w_fp8 = cast_to_fp8(x, x_scale, E4M3), cast_to_fp8(weight, w_scale, E4M3)
         x_inv, w_inv, _ = scales.reciprocal().unbind()
@@ -103,7 +103,7 @@ class _Fp8LinearOp(torch.autograd.Function):
         x_fp8, w_fp8, x_inv, w_inv, x_amax, w_amax, amaxes, newest, stored = ctx.saved_tensors
         with no_autocast(grad_out):
             g_amax = amax(grad_out)
-            g_scale = _scales(g_amax, newest, stored, ctx.margin, FP8_MAX[E5M2])
+            g_scale = _scales(g_amax, newest, stored, ctx.margin, torch.finfo(E5M2).max)
             g_scale = g_scale if newest is None else g_scale[..., 2]
             g_fp8, g_inv = cast_to_fp8(grad_out, g_scale, E5M2), g_scale.reciprocal()
             x_dtype, w_dtype, b_dtype = ctx.dtypes

@@ -16,8 +16,6 @@ E5M2 = torch.float8_e5m2
 FP8_MAX = {E4M3: torch.finfo(E4M3).max, E5M2: torch.finfo(E5M2).max}  # 448.0, 57344.0
 ROLE_DTYPE = (E4M3, E4M3, E5M2)  # input, weight, grad_output
 ROLE_FP8_MAX = tuple(FP8_MAX[d] for d in ROLE_DTYPE)
-_F32_MAX = torch.finfo(torch.float32).max
-_F32_MIN = 2.0**-149  # the smallest positive float32
 
 
 def compute_scale(amax: torch.Tensor, fp8_max: float, margin: int = 0) -> torch.Tensor:
@@ -68,7 +66,9 @@ def scale_from_amax(amax: torch.Tensor, fp8_max, margin: int) -> torch.Tensor:
         numerator = torch.full(shape, fp8_max * 2.0**-margin, dtype=f64, device=device)
     finite = torch.nan_to_num(amax, posinf=0.0)  # inf -> 0; 0 and NaN are handled below
     scale = torch.div(numerator, finite).nan_to_num(nan=1.0, posinf=1.0)  # 0, NaN -> 1
-    return scale.float().clamp(_F32_MIN, _F32_MAX)  # beyond float32's range: its max or min
+    # Beyond float32's range: its smallest positive value or its max. (Literals, not module
+    # globals: under dynamic shapes dynamo turns float globals into symbols.)
+    return scale.float().clamp(2.0**-149, 3.4028234663852886e38)
 
 
 def _check_pair(api: str, a, b, a_name: str, b_name: str) -> None:

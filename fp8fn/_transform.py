@@ -485,7 +485,8 @@ class Transformed:
                     "fp8fn.apply: `state` does not belong to this model: "
                     f"missing sites {missing}, unknown sites {extra}. Make it with fn.init."
                 )
-            self._known_sites = state.sites
+            if not torch.compiler.is_compiling():  # no attribute write for dynamo to guard on
+                self._known_sites = state.sites
 
 
 def transform(module, recipe, filter_fn=None, checkpoint_fn=None) -> Transformed:

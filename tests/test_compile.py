@@ -21,15 +21,10 @@ DELAYED = fp8fn.DelayedScaling(history_len=4, backend="emulated")
 CURRENT = fp8fn.CurrentScaling(backend="emulated")
 RECIPES = pytest.mark.parametrize("recipe", [DELAYED, CURRENT], ids=["delayed", "current"])
 
+
 # `Transformed._check` caches the sites it last accepted in `self._known_sites`; under dynamo
 # that write becomes a guard (`self._known_sites is None`) which fails on the second call, so a
 # transform first applied under compile compiles a second graph on step 2 (then none).
-KNOWN_SITES_RECOMPILE = (
-    "package bug: fp8fn.Transformed._check writes self._known_sites while dynamo traces it; "
-    "the guard `self._known_sites is None` fails on the next call and recompiles once"
-)
-
-
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
     torch._dynamo.reset()
@@ -121,7 +116,6 @@ def test_compile_apply_single_linear_state_bit_identical_to_eager(recipe):
         assert state.amax_history.shape == (1, 3, 4)
 
 
-@pytest.mark.xfail(strict=True, reason=KNOWN_SITES_RECOMPILE)
 @pytest.mark.parametrize("route", ["apply", "value_and_grad"])
 def test_compile_one_graph_over_steps(route):
     # 0.1 compiled `fn.apply` into one graph for all steps; the packed state should too.
@@ -401,6 +395,7 @@ def test_value_and_grad_compiled_fullgraph_raises_at_autograd_grad():
 
 # dynamic shapes ----------------------------------------------------------------------------------
 
+
 # Root cause of the 0.1 failure, still present: torch 2.13 defaults to
 # `torch._dynamo.config.specialize_float=False`, so under `dynamic=True` dynamo turns the Python
 # float `FP8_MAX[E4M3]` that `_Fp8Linear.forward` reads into a SymFloat through a graph input and
@@ -408,13 +403,6 @@ def test_value_and_grad_compiled_fullgraph_raises_at_autograd_grad():
 # subgraph, and the variable is cached by its source; the second layer's forward subgraph reuses
 # it, and lifting a proxy of a sibling subgraph walks up to the root tracer:
 # `AssertionError: lift_tracked_freevar_to_input should not be called on root SubgraphTracer`.
-DYNAMIC_TWO_LAYERS = (
-    "dynamo bug triggered by fp8fn: an unspecialized float (FP8_MAX[E4M3], read in "
-    "_Fp8Linear.forward) is .item()-ed inside one autograd.Function subgraph and reused in the "
-    "next; passes with torch._dynamo.config.specialize_float=True"
-)
-
-
 def _dynamic_two_layers():
     model = MLP((24, 48, 8))  # two fp8 layers
     fn = fp8fn.transform(model, DELAYED)
@@ -438,15 +426,10 @@ def _check_dynamic_two_layers():
     assert graphs[1] == graphs[-1]  # batch 12 then 20: no recompile for a new batch size
 
 
-@pytest.mark.xfail(strict=True, raises=Exception, reason=DYNAMIC_TWO_LAYERS)
 def test_compile_apply_dynamic_two_layers_with_backward():
+    # 0.1 raised dynamo's `lift_tracked_freevar_to_input` here: float module globals (the
+    # float32 range in the scale's clamp) became symbols under dynamic=True.
     _check_dynamic_two_layers()
-
-
-def test_compile_apply_dynamic_two_layers_with_specialized_floats():
-    # The workaround for the test above, and the proof of its diagnosis.
-    with torch._dynamo.config.patch(specialize_float=True):
-        _check_dynamic_two_layers()
 
 
 # fused casts in the generated code -------------------------------------------------------------
