@@ -233,8 +233,7 @@ def fp8_linear(x, weight, bias, newest, stored, recipe):
             return granular_linear(x, weight, bias, recipe)
     backend = resolve_backend(recipe.backend, x.device)
     margin = getattr(recipe, "margin", 0)
+    rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # (a reshape is a kernel call)
     with no_autocast(x):
-        out = _Fp8Linear.apply(
-            x.reshape(-1, x.shape[-1]), weight, bias, newest, stored, margin, backend
-        )[0]
-    return out.reshape(*x.shape[:-1], weight.shape[0])
+        out = _Fp8Linear.apply(rows, weight, bias, newest, stored, margin, backend)[0]
+    return out if x.dim() == 2 else out.reshape(*x.shape[:-1], weight.shape[0])
