@@ -224,6 +224,12 @@ def linear(x, weight, bias, site_state, recipe):
 def fp8_linear(x, weight, bias, newest, stored, recipe):
     """`linear` on checked operands: `newest`, `stored` float32 `(3,)` or None."""
     refuse_compile_under_func("linear")
+    if newest is not None and newest.device != x.device:
+        raise ValueError(
+            f"fp8fn.linear: expected the scaling state on the device of `x`, {x.device}, got "
+            f"{newest.device}. Move it: torch.utils._pytree.tree_map(lambda t: t.to(device), "
+            "state)."
+        )
     device = x.device.type
     if torch.is_autocast_enabled(device):
         x = x.to(torch.get_autocast_dtype(device))

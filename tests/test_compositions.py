@@ -368,3 +368,13 @@ def test_compiled_apply_refuses_a_second_pass_with_one_observed_state():
     state = fp8fn.observe(fn.init(x))
     with pytest.raises(RuntimeError, match=r"^fp8fn\.apply: this state was already used"):
         compiled(params, state, x).sum() + compiled(params, state, 2 * x).sum()
+
+
+def test_state_on_another_device_than_the_input_is_named():
+    x, w, b, _ = _data(batch=(4,))
+    state = _state()._replace(amax_history=torch.zeros(1, 3, 4, device="meta"))
+    site = fp8fn.SiteState(state.amax_history[0], torch.ones(3))
+    with pytest.raises(
+        ValueError, match=r"^fp8fn\.linear: expected the scaling state on the device"
+    ):
+        fp8fn.linear(x, w, b, site, DELAYED)
