@@ -466,6 +466,14 @@ class Transformed:
         bad = {n: type(v).__name__ for n, v in params.items() if not isinstance(v, torch.Tensor)}
         if bad:
             raise TypeError(f"fp8fn.apply: expected `params` to hold tensors, got {bad}.")
+        sharded = [n for n, v in params.items() if type(v).__name__ == "DTensor"]
+        if sharded:
+            raise ValueError(
+                f"fp8fn.apply: expected whole parameters, got sharded DTensors {sharded[:3]}... "
+                "(FSDP2 unshards lazily, inside each module's forward, which fp8fn.apply does "
+                "not run). Call `.unshard()` on every FSDPModule before the step, then pass "
+                "`dict(model.named_parameters())`."
+            )
         check_state("apply", state)
         recipe = self._delayed
         if recipe is not None and (
