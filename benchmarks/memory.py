@@ -1,7 +1,7 @@
 """Bytes saved for the backward by a small GPT: float32, fp8fn, fp8fn + per-block checkpointing.
 
-Standalone: `python benchmarks/memory.py [--d-model 256 --seq 128 --batch 32 --blocks 4]`. The
-package never imports it; the model is `Transformer` from `tests/_models.py`.
+Standalone: `python benchmarks/memory.py [--d-model 256 --seq 128 --batch 32 --blocks 4]
+[--quick]`. The package never imports it; the model is `Transformer` from `tests/_models.py`.
 
 Accounting. Every tensor autograd saves during the forward and the loss (plain autograd;
 saved-tensor hooks do not run under torch.func) is recorded by
@@ -12,13 +12,15 @@ linear's 3-D input), count once: that is the memory the backward keeps alive. fl
 count 1 byte per element. Two totals are given:
 
 * `all saved`: everything, parameters and the scaling state included;
-* `new memory`: without the storages of parameters and the scaling state, which are resident
-  anyway: the activations and copies held only for the backward.
+* `new memory`: without the storages of parameters and the scaling state (the packed
+  `fp8fn.State`: two tensors for all sites), which are resident anyway: the activations and
+  copies held only for the backward.
 
 `linear layers` counts only what is saved while an `nn.Linear` (or fp8fn's converted layer)
 runs its forward, found with global module forward hooks: for float32 `F.linear`'s input and
-weight; for fp8fn the float8 copies of input and weight, four float32 scalars (inverse scales,
-amaxes) and, under `all saved`, the site's state histories and grad-output scale and margin.
+weight; for fp8fn the float8 copies of input and weight, two float32 scalars (inverse scales),
+the three amaxes and, under `all saved`, the site's rows of the packed state (views of its
+newest history entries and scales, which count as the state's whole storage).
 Under checkpointing, nothing is saved inside the blocks' linear layers (the block saves its
 inputs, parameters and the state instead); the head is not in a block.
 
@@ -92,7 +94,7 @@ class Recorder:
 def measure(model, x, y, recipe=None, checkpoint=False):
     """Saved-bytes figures of one forward + loss: {column: bytes}."""
     params = {k: v.detach().clone().requires_grad_() for k, v in model.named_parameters()}
-    state = {}
+    state = fp8fn.init_state(fp8fn.DelayedScaling(), [])
     if recipe is None:
 
         def forward():
@@ -101,7 +103,7 @@ def measure(model, x, y, recipe=None, checkpoint=False):
         fn = fp8fn.transform(
             model, recipe, checkpoint_fn=(lambda n, m: isinstance(m, Block)) if checkpoint else None
         )
-        state = pytree.tree_map(lambda t: t.requires_grad_(), fn.init(x))
+        state = fp8fn.observe(fn.init(x))
 
         def forward():
             return fn.apply(params, state, x)
@@ -118,7 +120,7 @@ def measure(model, x, y, recipe=None, checkpoint=False):
     }
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vocab", type=int, default=256)
     parser.add_argument("--d-model", type=int, default=256)
@@ -126,7 +128,11 @@ def main():
     parser.add_argument("--blocks", type=int, default=4)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--batch", type=int, default=32)
-    args = parser.parse_args()
+    parser.add_argument("--quick", action="store_true", help="a tiny model (a smoke run)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        quick = {"vocab": 64, "d_model": 32, "heads": 2, "blocks": 2, "seq": 16, "batch": 4}
+        vars(args).update(quick)
 
     model = Transformer(args.vocab, args.d_model, args.heads, args.blocks, args.seq).eval()
     gen = torch.Generator().manual_seed(0)

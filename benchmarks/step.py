@@ -4,15 +4,18 @@ Standalone: `python benchmarks/step.py [--repeats N] [--threads T] [--quick]`, a
 `pip install -e ".[bench]"` (torchao). The package never imports it. Variants, run
 alternately in one process (warmup, then the median of N repeats of each): plain float32 and
 bfloat16; fp8fn DelayedScaling and CurrentScaling, eager and `torch.compile(fn.apply)` with
-plain autograd; torchao `Float8Linear` (emulate=True, tensorwise dynamic scaling), eager and
-compiled. Goals (issue 5): fp8fn eager <= 0.8x torchao eager; compiled fp8fn <= 1.3x compiled
-float32.
+plain autograd (`fp8fn.observe` / `fp8fn.observations`); fp8fn DelayedScaling on the torch.func
+route, eager (`torch.func.grad_and_value`) and compiled (`torch.compile(fp8fn.value_and_grad)`);
+torchao `Float8Linear` (emulate=True, tensorwise dynamic scaling), eager and compiled. Goals
+(issue 5): fp8fn eager <= 0.8x torchao eager; compiled fp8fn <= 1.3x compiled float32.
+`--quick` runs a tiny MLP, two warmups and two repeats (a smoke run, numbers meaningless).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import importlib.util
 import logging
 import statistics
 import sys
@@ -27,11 +30,11 @@ import fp8fn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from _models import MLP, Transformer  # noqa: E402
 
-tree_map = torch.utils._pytree.tree_map
+HAS_TORCHAO = importlib.util.find_spec("torchao") is not None
 
 
 def _mlp_case(quick):
-    width, batch = (128, 32) if quick else (512, 256)
+    width, batch = (32, 16) if quick else (512, 256)
     model = MLP((width,) * 5)  # 4 layers
     x, y = torch.randn(batch, width), torch.randint(0, width, (batch,))
     return model, (x, y), F.cross_entropy
@@ -64,10 +67,35 @@ def _fp8fn_step(model, recipe, compile_, x):
     def step(x, y, loss_fn):
         for p in params.values():
             p.grad = None
-        state = tree_map(lambda t: t.requires_grad_(), holder["state"])
+        stateful = isinstance(recipe, fp8fn.DelayedScaling)
+        state = fp8fn.observe(holder["state"]) if stateful else holder["state"]
         loss_fn(apply(params, state, x), y).backward()
-        if isinstance(recipe, fp8fn.DelayedScaling):
-            holder["state"] = fp8fn.update(state, tree_map(lambda t: t.grad, state))
+        if stateful:
+            holder["state"] = fp8fn.update(holder["state"], fp8fn.observations(state))
+
+    return step
+
+
+def _fp8fn_func_step(model, recipe, compile_, x):
+    """The torch.func route: grads and observations as a return value, no `.grad` anywhere."""
+    fn = fp8fn.transform(model, recipe)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    holder = {"state": fn.init(x), "params": params}
+
+    def make(loss_fn):
+        def loss(params, state, x, y):
+            return loss_fn(fn.apply(params, state, x), y)
+
+        if compile_:
+            return torch.compile(fp8fn.value_and_grad(loss, argnums=(0, 1)))
+        grad_and_value = torch.func.grad_and_value(loss, argnums=(0, 1))
+        return lambda *args: grad_and_value(*args)[::-1]
+
+    def step(x, y, loss_fn):
+        if "value_and_grad" not in holder:
+            holder["value_and_grad"] = make(loss_fn)
+        _, (grads, obs) = holder["value_and_grad"](holder["params"], holder["state"], x, y)
+        holder["state"] = fp8fn.update(holder["state"], obs)
 
     return step
 
@@ -84,7 +112,7 @@ def _torchao_step(model, compile_):
 def variants(model, x):
     bf16 = copy.deepcopy(model).to(torch.bfloat16)
     delayed, current = fp8fn.DelayedScaling(history_len=16), fp8fn.CurrentScaling()
-    return {
+    found = {
         "float32 eager": (_plain_step(model, False), False),
         "float32 compiled": (_plain_step(copy.deepcopy(model), True), False),
         "bfloat16 eager": (_plain_step(bf16, False), True),
@@ -92,9 +120,13 @@ def variants(model, x):
         "fp8fn current eager": (_fp8fn_step(model, current, False, x), False),
         "fp8fn delayed compiled": (_fp8fn_step(model, delayed, True, x), False),
         "fp8fn current compiled": (_fp8fn_step(model, current, True, x), False),
-        "torchao eager": (_torchao_step(model, False), False),
-        "torchao compiled": (_torchao_step(model, True), False),
+        "fp8fn func eager": (_fp8fn_func_step(model, delayed, False, x), False),
+        "fp8fn func compiled": (_fp8fn_func_step(model, delayed, True, x), False),
     }
+    if HAS_TORCHAO:
+        found["torchao eager"] = (_torchao_step(model, False), False)
+        found["torchao compiled"] = (_torchao_step(model, True), False)
+    return found
 
 
 def measure(case, repeats, warmup):
@@ -111,17 +143,21 @@ def measure(case, repeats, warmup):
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="small shapes (a smoke run)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.repeats, args.warmup = 2, 2
     torch.set_num_threads(args.threads)
     logging.getLogger("torch").setLevel(logging.ERROR)
     torch.manual_seed(0)
-    cases = {"MLP": _mlp_case(args.quick), "transformer": _gpt_case(args.quick)}
+    cases = {"MLP": _mlp_case(args.quick)}
+    if not args.quick:  # quick: the MLP only (compiling the transformer takes minutes)
+        cases["transformer"] = _gpt_case(args.quick)
     results = {name: measure(case, args.repeats, args.warmup) for name, case in cases.items()}
     names = list(next(iter(results.values())))
     print(f"median step time (ms) of {args.repeats} repeats, {args.threads} threads")
@@ -150,6 +186,14 @@ def main():
             "float32 compiled",
         ),
         ("fp8fn delayed compiled / torchao compiled", "fp8fn delayed compiled", "torchao compiled"),
+        ("fp8fn func compiled / fp8fn func eager", "fp8fn func compiled", "fp8fn func eager"),
+        (
+            "fp8fn func compiled / fp8fn delayed compiled",
+            "fp8fn func compiled",
+            "fp8fn delayed compiled",
+        ),
+        ("fp8fn func eager / fp8fn delayed eager", "fp8fn func eager", "fp8fn delayed eager"),
+        ("fp8fn func compiled / torchao compiled", "fp8fn func compiled", "torchao compiled"),
         ("fp8fn delayed eager / float32 eager", "fp8fn delayed eager", "float32 eager"),
         ("torchao eager / float32 eager", "torchao eager", "float32 eager"),
         ("bfloat16 eager / float32 eager", "bfloat16 eager", "float32 eager"),
@@ -157,6 +201,8 @@ def main():
     print()
     print(f"{'ratio':<52}" + "".join(f"{c:>14}" for c in results))
     for label, a, b in ratios:
+        if a not in names or b not in names:
+            continue
         print(f"{label:<52}" + "".join(f"{r[a] / r[b]:>14.2f}" for r in results.values()))
 
 

@@ -1,0 +1,64 @@
+"""Every script in benchmarks/ runs with `--quick` and prints its table.
+
+Each runs in a subprocess, as a user would run it. A script that fails only because an
+optional dependency (the `bench` extra, e.g. torchao) is missing is skipped.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SCRIPTS = sorted((ROOT / "benchmarks").glob("*.py"))
+OPTIONAL = ("torchao",)
+# A line each script's table must print (its header); other scripts need some table row.
+HEADERS = {
+    "memory.py": re.compile(r"^run\s+all saved\s+new memory", re.M),
+    "overhead.py": re.compile(r"^route\s+forward\s+backward\s+total", re.M),
+    "step.py": re.compile(r"^variant\s+MLP", re.M),
+    "update_scaling.py": re.compile(r"^\s*sites\s+update ms\s+x 8 sites", re.M),
+}
+NUMBER = re.compile(r"(?<![\w.])\d+(\.\d+)?x?(?![\w.])")
+
+
+def _rows(text: str) -> int:
+    """The number of leading lines of `text` that are table rows: fields, one a number."""
+    n = 0
+    for line in text.splitlines():
+        if len(line.split()) < 2 or not NUMBER.search(line):
+            break
+        n += 1
+    return n
+
+
+def test_benchmarks_exist():
+    assert {p.name for p in SCRIPTS} >= set(HEADERS), SCRIPTS
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.stem)
+def test_benchmark_quick_run_prints_its_table(script):
+    result = subprocess.run(
+        [sys.executable, str(script), "--quick"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    missing = re.search(r"No module named '(\w+)", result.stderr)
+    if result.returncode != 0 and missing and missing.group(1) in OPTIONAL:
+        pytest.skip(f"{script.name} needs {missing.group(1)}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    header = HEADERS.get(script.name)
+    if header is not None:  # its header, then at least two rows of numbers
+        match = header.search(result.stdout)
+        assert match, result.stdout
+        after = result.stdout[match.end() :].split("\n", 1)[-1]
+        assert _rows(after) >= 2, result.stdout
+    else:  # some table: two rows of numbers
+        lines = result.stdout.splitlines()
+        assert any(_rows("\n".join(lines[i:])) >= 2 for i in range(len(lines))), result.stdout
