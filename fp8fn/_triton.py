@@ -1,0 +1,263 @@
+"""Fused Triton float8 casts: the cast and the amax of the next step in one pass over the data.
+
+Delayed scaling knows the scale before it reads the tensor, so one kernel can write the float8
+copy *and* reduce the amax. Three casts, each one registered custom op (`torch.ops.fp8fn.*`,
+made with `torch.library.triton_op`, so torch.compile sees the kernels):
+
+* `cast_and_amax(hp, scale, dtype)`: cast with a given scale, amax in the same pass (1 kernel).
+* `delayed_cast(hp, newest, stored, margin, dtype)`: the stored scale, or current scaling while
+  the history is empty, decided on the device (2 kernels; the second exits at once when the
+  stored scale was right).
+* `current_cast(hp, margin, dtype)`: amax pass, then the cast with the scale computed in the
+  kernel (2 kernels).
+
+Each takes `transpose=True` for a 2D `hp` of shape `(m, n)` to also write a contiguous `(n, m)`
+float8 copy in the same pass (the output gradient's e5m2 cast, for the GEMMs that want it).
+
+Numerics are bit for bit those of torch: `clamp(hp.float() * scale, -max, max).to(dtype)`,
+`hp.abs().amax().float()` (NaN anywhere gives NaN, empty gives 0), and `compute_scale`. The
+float32 -> float8 rounding is done in integer ops (Triton's own conversion does not round like
+torch under `TRITON_INTERPRET=1`). Triton is imported, and the kernels defined, on first use, so
+`fp8fn` imports without Triton and tests can set `TRITON_INTERPRET=1` before that.
+"""
+
+from __future__ import annotations
+
+import functools
+import struct
+import types
+
+import torch
+
+from ._scaling import E4M3, E5M2, FP8_MAX
+
+_HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_FORMAT = {E4M3: (7, 3), E5M2: (15, 2)}  # float8 format: (exponent bias, mantissa bits)
+_BLOCK, _WARPS = 2048, 8  # elements per program of the flat kernels
+_TILE, _TILE_WARPS = 64, 4  # (_TILE, _TILE) tiles of the transposing kernels
+
+
+def _f32_bits(x: float) -> int:
+    return struct.unpack("<i", struct.pack("<f", x))[0]
+
+
+@functools.cache
+def _kernels() -> types.ModuleType:
+    """Import Triton and the kernels (once: `TRITON_INTERPRET` is read then)."""
+    from . import _triton_kernels
+
+    return _triton_kernels
+
+
+def _format(dtype: torch.dtype) -> dict:
+    """The constexpr arguments describing float8 `dtype`."""
+    bias, mbits = _FORMAT[dtype]
+    return {"MAX_BITS": _f32_bits(FP8_MAX[dtype]), "BIAS": bias, "MBITS": mbits}
+
+
+def _outputs(hp: torch.Tensor, dtype: torch.dtype, transpose: bool):
+    """Allocate `(fp8, fp8_t, amax)`; `fp8_t` is `fp8` itself (never written) unless transposing.
+    Returns them with the launch geometry `(grid, n_rows, n_cols, block, num_warps)`."""
+    fp8 = torch.empty(hp.shape, dtype=dtype, device=hp.device)
+    amax = torch.zeros((), dtype=torch.float32, device=hp.device)
+    cdiv = _kernels().triton.cdiv
+    if transpose:
+        n_rows, n_cols = hp.shape
+        fp8_t = torch.empty((n_cols, n_rows), dtype=dtype, device=hp.device)
+        grid = (max(1, cdiv(n_rows, _TILE)), max(1, cdiv(n_cols, _TILE)))
+        return fp8, fp8_t, amax, (grid, n_rows, n_cols, _TILE, _TILE_WARPS)
+    grid = (max(1, cdiv(hp.numel(), _BLOCK)),)
+    return fp8, fp8, amax, (grid, hp.numel(), 1, _BLOCK, _WARPS)
+
+
+def _result(fp8, fp8_t, rest, transpose):
+    return [fp8, fp8_t, *rest] if transpose else [fp8, *rest]
+
+
+@torch.library.triton_op("fp8fn::cast_and_amax", mutates_args=())
+def _cast_and_amax(
+    hp: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, transpose: bool
+) -> list[torch.Tensor]:
+    hp = hp.contiguous()
+    fp8, fp8_t, amax, (grid, n_rows, n_cols, block, warps) = _outputs(hp, dtype, transpose)
+    kernel = torch.library.wrap_triton(_kernels().cast_amax_kernel)
+    kernel[grid](
+        hp,
+        fp8,
+        fp8_t,
+        scale,
+        amax,
+        n_rows,
+        n_cols,
+        CAST=True,
+        TRANSPOSE=transpose,
+        BLOCK=block,
+        num_warps=warps,
+        **_format(dtype),
+    )
+    return _result(fp8, fp8_t, [amax], transpose)
+
+
+@torch.library.triton_op("fp8fn::scaled_cast", mutates_args=())
+def _scaled_cast(
+    hp: torch.Tensor,
+    newest: torch.Tensor | None,
+    stored: torch.Tensor | None,
+    margin: torch.Tensor | None,
+    margin_value: float,
+    dtype: torch.dtype,
+    transpose: bool,
+) -> list[torch.Tensor]:
+    """Delayed scaling when `newest` and `stored` are given, current scaling when both are None;
+    `margin` (float32 `()`) if given, else `margin_value`."""
+    hp = hp.contiguous()
+    fp8, fp8_t, amax, (grid, n_rows, n_cols, block, warps) = _outputs(hp, dtype, transpose)
+    scale = torch.empty((), dtype=torch.float32, device=hp.device)
+    delayed = stored is not None
+    k = _kernels()
+    pass1 = torch.library.wrap_triton(k.cast_amax_kernel)
+    pass1[grid](
+        hp,
+        fp8,
+        fp8_t,
+        stored if delayed else amax,
+        amax,
+        n_rows,
+        n_cols,
+        CAST=delayed,
+        TRANSPOSE=transpose,
+        BLOCK=block,
+        num_warps=warps,
+        **_format(dtype),
+    )
+    pass2 = torch.library.wrap_triton(k.cast_from_amax_kernel)
+    pass2[grid](
+        hp,
+        fp8,
+        fp8_t,
+        amax,
+        newest if delayed else amax,
+        stored if delayed else amax,
+        scale,
+        amax if margin is None else margin,
+        margin_value,
+        n_rows,
+        n_cols,
+        DELAYED=delayed,
+        MARGIN_FROM_PTR=margin is not None,
+        TRANSPOSE=transpose,
+        FP8_MAX=FP8_MAX[dtype],
+        BLOCK=block,
+        num_warps=warps,
+        **_format(dtype),
+    )
+    return _result(fp8, fp8_t, [scale, amax], transpose)
+
+
+def _check(api: str, hp, dtype, transpose, **scalars) -> None:
+    """Raise a clear error unless the arguments are what the kernels take (metadata only)."""
+    if not isinstance(hp, torch.Tensor) or hp.dtype not in _HP_DTYPES:
+        got = hp.dtype if isinstance(hp, torch.Tensor) else type(hp).__name__
+        raise TypeError(f"fp8fn.{api}: expected `hp` float32, bfloat16 or float16, got {got}.")
+    if dtype not in _FORMAT:
+        raise ValueError(
+            f"fp8fn.{api}: expected `dtype` torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}."
+        )
+    if transpose and hp.dim() != 2:
+        raise ValueError(
+            f"fp8fn.{api}: `transpose=True` needs a 2D `hp`, got shape {tuple(hp.shape)}."
+        )
+    for name, t in scalars.items():
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.numel() != 1:
+            got = f"{t.dtype} of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else t
+            raise TypeError(f"fp8fn.{api}: expected `{name}` a float32 `()` tensor, got {got}.")
+        if t.device != hp.device:
+            raise ValueError(
+                f"fp8fn.{api}: expected `{name}` on `hp`'s device {hp.device}, got {t.device}."
+            )
+
+
+def _margin(api: str, margin) -> tuple[torch.Tensor | None, float]:
+    """`(margin tensor or None, margin value)` for the op; a number must be an integer >= 0."""
+    if isinstance(margin, torch.Tensor):
+        return margin, 0.0
+    if (
+        isinstance(margin, bool)
+        or not isinstance(margin, (int, float))
+        or not (margin >= 0 and float(margin).is_integer())
+    ):
+        raise ValueError(
+            f"fp8fn.{api}: expected `margin` a non-negative integer or a float32 `()` tensor, "
+            f"got {margin!r}."
+        )
+    return None, float(margin)
+
+
+def cast_and_amax(
+    hp: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, *, transpose: bool = False
+) -> tuple[torch.Tensor, ...]:
+    """Cast with a known scale and take the amax in the same pass (one kernel).
+
+    Args:
+      hp: float32, bfloat16 or float16, any shape (2D `(m, n)` when `transpose`).
+      scale: float32 `()`, finite and > 0, on `hp`'s device.
+      dtype: `torch.float8_e4m3fn` or `torch.float8_e5m2`.
+      transpose: also return a contiguous `(n, m)` float8 copy, written in the same pass.
+
+    Returns:
+      `(fp8, amax)`, or `(fp8, fp8_t, amax)` when `transpose`: `fp8` in `dtype` of `hp`'s shape,
+      `clamp(hp.float() * scale, -max, max).to(dtype)`; `amax` float32 `()`, `hp.abs().amax()`.
+    """
+    _check("cast_and_amax", hp, dtype, transpose, scale=scale)
+    return tuple(torch.ops.fp8fn.cast_and_amax(hp, scale, dtype, transpose))
+
+
+def delayed_cast(
+    hp: torch.Tensor,
+    newest: torch.Tensor,
+    stored: torch.Tensor,
+    margin,
+    dtype: torch.dtype,
+    *,
+    transpose: bool = False,
+) -> tuple[torch.Tensor, ...]:
+    """Delayed scaling's cast: the stored scale, or current scaling while the history is empty.
+
+    The choice is made on the device, no host sync: pass 1 casts with `stored` and takes the
+    amax; pass 2 returns at once if `newest > 0`, else recasts with `compute_scale(amax)`.
+
+    Args:
+      hp: float32, bfloat16 or float16, any shape (2D `(m, n)` when `transpose`).
+      newest: float32 `()`, the newest amax history entry (0: never observed).
+      stored: float32 `()`, the state's scale.
+      margin: a non-negative integer, or a float32 `()` tensor holding one (the state's).
+      dtype: `torch.float8_e4m3fn` or `torch.float8_e5m2`.
+      transpose: also return a contiguous `(n, m)` float8 copy, written in the same pass.
+
+    Returns:
+      `(fp8, scale, amax)`, or `(fp8, fp8_t, scale, amax)` when `transpose`: `scale` is the
+      float32 `()` scale used, `amax` the float32 `()` amax of `hp` (the observation).
+    """
+    _check("delayed_cast", hp, dtype, transpose, newest=newest, stored=stored)
+    margin, margin_value = _margin("delayed_cast", margin)
+    if margin is not None:
+        _check("delayed_cast", hp, dtype, transpose, margin=margin)
+    return tuple(
+        torch.ops.fp8fn.scaled_cast(hp, newest, stored, margin, margin_value, dtype, transpose)
+    )
+
+
+def current_cast(
+    hp: torch.Tensor, margin, dtype: torch.dtype, *, transpose: bool = False
+) -> tuple[torch.Tensor, ...]:
+    """Current scaling's cast: an amax pass, then the cast with `compute_scale(amax)`.
+
+    Args and returns as `delayed_cast`, without `newest` and `stored`.
+    """
+    _check("current_cast", hp, dtype, transpose)
+    margin, margin_value = _margin("current_cast", margin)
+    if margin is not None:
+        _check("current_cast", hp, dtype, transpose, margin=margin)
+    return tuple(
+        torch.ops.fp8fn.scaled_cast(hp, None, None, margin, margin_value, dtype, transpose)
+    )

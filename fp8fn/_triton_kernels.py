@@ -1,0 +1,159 @@
+"""The Triton kernels of `_triton.py` (imported by it on first use, never by `fp8fn`).
+
+Importing this module imports Triton and defines the kernels, so `TRITON_INTERPRET=1` must be set
+before. Numerics are documented in `_triton.py`; shapes and dtypes on each kernel.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def scale_from_amax(amax, margin, FP8_MAX: tl.constexpr):
+    """`compute_scale(amax, FP8_MAX, margin)`: float32 scalar -> float32 scalar, in float64.
+
+    The one place the scale is computed. `margin` is a float32 scalar, a non-negative
+    integer; `2**margin` is built exactly from exponent bits, in two factors of at most
+    2**1023 so that margins up to 2046 overflow exactly where float64 would.
+    """
+    m = tl.minimum(tl.maximum(margin, 0.0), 2046.0).to(tl.int32)
+    half = m // 2
+    p = ((half + 1023).to(tl.int64) << 52).to(tl.float64, bitcast=True)
+    q = ((m - half + 1023).to(tl.int64) << 52).to(tl.float64, bitcast=True)
+    denom = amax.to(tl.float64) * p * q
+    scale = FP8_MAX / denom
+    # amax 0 (scale inf), inf (scale 0) or NaN give 1; finite scales are capped at
+    # float32's max, then rounded to float32.
+    ok = (denom > 0) & (scale > 0)
+    return tl.where(ok, tl.minimum(scale, 3.4028234663852886e38), 1.0).to(tl.float32)
+
+
+@triton.jit
+def saturate_to_fp8(y, MAX_BITS: tl.constexpr, BIAS: tl.constexpr, MBITS: tl.constexpr):
+    """`clamp(y, -max, max).to(float8)` as uint8 bits: float32 tensor -> uint8 tensor.
+
+    Round to nearest even, as torch. NaN gives 0x7F with y's sign (torch's pattern for
+    both formats); the clamp keeps every other value in range (e4m3fn has no inf).
+    """
+    bits = y.to(tl.int32, bitcast=True)
+    sign = (bits >> 31) & 1
+    a = bits & 0x7FFFFFFF
+    a = tl.where((a > MAX_BITS) & (a <= 0x7F800000), MAX_BITS, a)  # saturate, not NaN
+    # normal float8: round the mantissa to MBITS bits, then rebias the exponent
+    SHIFT: tl.constexpr = 23 - MBITS
+    lsb = (a >> SHIFT) & 1
+    normal = ((a + ((1 << (SHIFT - 1)) - 1) + lsb) >> SHIFT) - ((127 - BIAS) << MBITS)
+    # subnormal float8 (|y| < 2**(1 - BIAS)): round significand / 2**k to an integer
+    e = a >> 23
+    sig = (a & 0x7FFFFF) | tl.where(e > 0, 0x800000, 0)
+    k = tl.minimum(tl.maximum(151 - BIAS - MBITS - tl.maximum(e, 1), 1), 31)
+    q = sig >> k
+    rem = sig & ((1 << k) - 1)
+    halfway = 1 << (k - 1)
+    up = (rem > halfway) | ((rem == halfway) & ((q & 1) == 1))
+    sub = q + up.to(tl.int32)
+    r = tl.where(a < ((128 - BIAS) << 23), sub, normal)
+    r = tl.where(a > 0x7F800000, 0x7F, r)
+    return (r | (sign << 7)).to(tl.uint8)
+
+
+@triton.jit
+def tile(n_rows, n_cols, TRANSPOSE: tl.constexpr, BLOCK: tl.constexpr):
+    """Offsets and mask of this program's elements: flat `(BLOCK,)` of `n_rows` elements,
+    or a `(BLOCK, BLOCK)` tile of a row-major `(n_rows, n_cols)` when TRANSPOSE."""
+    if TRANSPOSE:
+        rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        cols = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        offs = rows[:, None] * n_cols + cols[None, :]
+        mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    else:
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n_rows
+    return offs, mask
+
+
+@triton.jit
+def store_fp8(
+    out_ptr, out_t_ptr, q, offs, mask, n_rows, n_cols, TRANSPOSE: tl.constexpr, BLOCK: tl.constexpr
+):
+    """Store uint8 bits `q` into the float8 output, and transposed into `out_t` if asked."""
+    fp8_ty = out_ptr.dtype.element_ty
+    tl.store(out_ptr + offs, q.to(fp8_ty, bitcast=True), mask=mask)
+    if TRANSPOSE:
+        rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        cols = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        offs_t = cols[:, None] * n_rows + rows[None, :]
+        mask_t = (cols[:, None] < n_cols) & (rows[None, :] < n_rows)
+        tl.store(out_t_ptr + offs_t, tl.trans(q).to(fp8_ty, bitcast=True), mask=mask_t)
+
+
+@triton.jit
+def cast_amax_kernel(
+    hp_ptr,
+    out_ptr,
+    out_t_ptr,
+    scale_ptr,
+    amax_ptr,
+    n_rows,
+    n_cols,
+    CAST: tl.constexpr,
+    TRANSPOSE: tl.constexpr,
+    MAX_BITS: tl.constexpr,
+    BIAS: tl.constexpr,
+    MBITS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Pass 1: amax of |hp| into `amax_ptr` (float32 `()`, zeroed), and if CAST the cast
+    with the float32 `()` scale at `scale_ptr`."""
+    offs, mask = tile(n_rows, n_cols, TRANSPOSE, BLOCK)
+    x = tl.load(hp_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    # |x| as int32 bits orders like the float, NaN above inf: one integer atomic max
+    magnitude = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    amax_bits = amax_ptr.to(tl.pointer_type(tl.int32))
+    tl.atomic_max(amax_bits, tl.max(tl.reshape(magnitude, [magnitude.numel])), sem="relaxed")
+    if CAST:
+        q = saturate_to_fp8(x * tl.load(scale_ptr), MAX_BITS, BIAS, MBITS)
+        store_fp8(out_ptr, out_t_ptr, q, offs, mask, n_rows, n_cols, TRANSPOSE, BLOCK)
+
+
+@triton.jit
+def cast_from_amax_kernel(
+    hp_ptr,
+    out_ptr,
+    out_t_ptr,
+    amax_ptr,
+    newest_ptr,
+    stored_ptr,
+    scale_out_ptr,
+    margin_ptr,
+    margin_value,
+    n_rows,
+    n_cols,
+    DELAYED: tl.constexpr,
+    MARGIN_FROM_PTR: tl.constexpr,
+    TRANSPOSE: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    MAX_BITS: tl.constexpr,
+    BIAS: tl.constexpr,
+    MBITS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Pass 2: scale = compute_scale(amax) (or, if DELAYED and the newest history entry is
+    > 0, the stored scale, and nothing to redo); write it to `scale_out_ptr`, then cast."""
+    if MARGIN_FROM_PTR:
+        margin = tl.load(margin_ptr)
+    else:
+        margin = margin_value
+    scale = scale_from_amax(tl.load(amax_ptr), margin, FP8_MAX)
+    if DELAYED:
+        use_stored = tl.load(newest_ptr) > 0
+        scale = tl.where(use_stored, tl.load(stored_ptr), scale)
+    first = (tl.program_id(0) == 0) & (tl.program_id(1) == 0)
+    tl.store(scale_out_ptr, scale, mask=first)
+    if DELAYED:
+        if use_stored:  # pass 1 already cast with the stored scale
+            return
+    offs, mask = tile(n_rows, n_cols, TRANSPOSE, BLOCK)
+    x = tl.load(hp_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    q = saturate_to_fp8(x * scale, MAX_BITS, BIAS, MBITS)
+    store_fp8(out_ptr, out_t_ptr, q, offs, mask, n_rows, n_cols, TRANSPOSE, BLOCK)
