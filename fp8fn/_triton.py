@@ -23,135 +23,37 @@ torch under `TRITON_INTERPRET=1`). Triton is imported, and the kernels defined, 
 
 from __future__ import annotations
 
-import functools
-import struct
-import types
-
 import torch
 
-from ._scaling import E4M3, E5M2, FP8_MAX
+from ._scaling import E4M3, E5M2
 
 _HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_FORMAT = {E4M3: (7, 3), E5M2: (15, 2)}  # float8 format: (exponent bias, mantissa bits)
-_BLOCK, _WARPS = 2048, 8  # elements per program of the flat kernels
-_TILE, _TILE_WARPS = 64, 4  # (_TILE, _TILE) tiles of the transposing kernels
+_FP8_DTYPES = (E4M3, E5M2)
+_OPS_REGISTERED = False
 
 
-def _f32_bits(x: float) -> int:
-    return struct.unpack("<i", struct.pack("<f", x))[0]
+@torch.compiler.assume_constant_result  # so that a first use inside torch.compile runs it
+def _register_ops() -> bool:
+    """Import Triton and the kernels, and register `torch.ops.fp8fn.*` (once, on first use).
 
+    With compiled kernels the ops are `torch.library.triton_op`s, so torch.compile traces into
+    them and sees the kernels. Under `TRITON_INTERPRET=1` (CPU tests) a kernel is not a
+    `JITFunction` and cannot be traced: the ops are then opaque `custom_op`s, whose fake
+    implementation allocates the outputs and skips the launch.
+    """
+    global _OPS_REGISTERED
+    if _OPS_REGISTERED:
+        return True
+    from . import _triton_kernels as kernels
 
-@functools.cache
-def _kernels() -> types.ModuleType:
-    """Import Triton and the kernels (once: `TRITON_INTERPRET` is read then)."""
-    from . import _triton_kernels
-
-    return _triton_kernels
-
-
-def _format(dtype: torch.dtype) -> dict:
-    """The constexpr arguments describing float8 `dtype`."""
-    bias, mbits = _FORMAT[dtype]
-    return {"MAX_BITS": _f32_bits(FP8_MAX[dtype]), "BIAS": bias, "MBITS": mbits}
-
-
-def _outputs(hp: torch.Tensor, dtype: torch.dtype, transpose: bool):
-    """Allocate `(fp8, fp8_t, amax)`; `fp8_t` is `fp8` itself (never written) unless transposing.
-    Returns them with the launch geometry `(grid, n_rows, n_cols, block, num_warps)`."""
-    fp8 = torch.empty(hp.shape, dtype=dtype, device=hp.device)
-    amax = torch.zeros((), dtype=torch.float32, device=hp.device)
-    cdiv = _kernels().triton.cdiv
-    if transpose:
-        n_rows, n_cols = hp.shape
-        fp8_t = torch.empty((n_cols, n_rows), dtype=dtype, device=hp.device)
-        grid = (max(1, cdiv(n_rows, _TILE)), max(1, cdiv(n_cols, _TILE)))
-        return fp8, fp8_t, amax, (grid, n_rows, n_cols, _TILE, _TILE_WARPS)
-    grid = (max(1, cdiv(hp.numel(), _BLOCK)),)
-    return fp8, fp8, amax, (grid, hp.numel(), 1, _BLOCK, _WARPS)
-
-
-def _result(fp8, fp8_t, rest, transpose):
-    return [fp8, fp8_t, *rest] if transpose else [fp8, *rest]
-
-
-@torch.library.triton_op("fp8fn::cast_and_amax", mutates_args=())
-def _cast_and_amax(
-    hp: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, transpose: bool
-) -> list[torch.Tensor]:
-    hp = hp.contiguous()
-    fp8, fp8_t, amax, (grid, n_rows, n_cols, block, warps) = _outputs(hp, dtype, transpose)
-    kernel = torch.library.wrap_triton(_kernels().cast_amax_kernel)
-    kernel[grid](
-        hp,
-        fp8,
-        fp8_t,
-        scale,
-        amax,
-        n_rows,
-        n_cols,
-        CAST=True,
-        TRANSPOSE=transpose,
-        BLOCK=block,
-        num_warps=warps,
-        **_format(dtype),
-    )
-    return _result(fp8, fp8_t, [amax], transpose)
-
-
-@torch.library.triton_op("fp8fn::scaled_cast", mutates_args=())
-def _scaled_cast(
-    hp: torch.Tensor,
-    newest: torch.Tensor | None,
-    stored: torch.Tensor | None,
-    margin: torch.Tensor | None,
-    margin_value: float,
-    dtype: torch.dtype,
-    transpose: bool,
-) -> list[torch.Tensor]:
-    """Delayed scaling when `newest` and `stored` are given, current scaling when both are None;
-    `margin` (float32 `()`) if given, else `margin_value`."""
-    hp = hp.contiguous()
-    fp8, fp8_t, amax, (grid, n_rows, n_cols, block, warps) = _outputs(hp, dtype, transpose)
-    scale = torch.empty((), dtype=torch.float32, device=hp.device)
-    delayed = stored is not None
-    k = _kernels()
-    pass1 = torch.library.wrap_triton(k.cast_amax_kernel)
-    pass1[grid](
-        hp,
-        fp8,
-        fp8_t,
-        stored if delayed else amax,
-        amax,
-        n_rows,
-        n_cols,
-        CAST=delayed,
-        TRANSPOSE=transpose,
-        BLOCK=block,
-        num_warps=warps,
-        **_format(dtype),
-    )
-    pass2 = torch.library.wrap_triton(k.cast_from_amax_kernel)
-    pass2[grid](
-        hp,
-        fp8,
-        fp8_t,
-        amax,
-        newest if delayed else amax,
-        stored if delayed else amax,
-        scale,
-        amax if margin is None else margin,
-        margin_value,
-        n_rows,
-        n_cols,
-        DELAYED=delayed,
-        MARGIN_FROM_PTR=margin is not None,
-        TRANSPOSE=transpose,
-        FP8_MAX=FP8_MAX[dtype],
-        BLOCK=block,
-        num_warps=warps,
-        **_format(dtype),
-    )
-    return _result(fp8, fp8_t, [scale, amax], transpose)
+    for name in ("cast_and_amax", "scaled_cast"):
+        fn = getattr(kernels, name)
+        if kernels.INTERPRETED:
+            torch.library.custom_op(f"fp8fn::{name}", fn, mutates_args=()).register_fake(fn)
+        else:
+            torch.library.triton_op(f"fp8fn::{name}", fn, mutates_args=())
+    _OPS_REGISTERED = True
+    return True
 
 
 def _check(api: str, hp, dtype, transpose, **scalars) -> None:
@@ -159,7 +61,7 @@ def _check(api: str, hp, dtype, transpose, **scalars) -> None:
     if not isinstance(hp, torch.Tensor) or hp.dtype not in _HP_DTYPES:
         got = hp.dtype if isinstance(hp, torch.Tensor) else type(hp).__name__
         raise TypeError(f"fp8fn.{api}: expected `hp` float32, bfloat16 or float16, got {got}.")
-    if dtype not in _FORMAT:
+    if dtype not in _FP8_DTYPES:
         raise ValueError(
             f"fp8fn.{api}: expected `dtype` torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}."
         )
@@ -209,6 +111,7 @@ def cast_and_amax(
       `clamp(hp.float() * scale, -max, max).to(dtype)`; `amax` float32 `()`, `hp.abs().amax()`.
     """
     _check("cast_and_amax", hp, dtype, transpose, scale=scale)
+    _register_ops()
     return tuple(torch.ops.fp8fn.cast_and_amax(hp, scale, dtype, transpose))
 
 
@@ -242,6 +145,7 @@ def delayed_cast(
     margin, margin_value = _margin("delayed_cast", margin)
     if margin is not None:
         _check("delayed_cast", hp, dtype, transpose, margin=margin)
+    _register_ops()
     return tuple(
         torch.ops.fp8fn.scaled_cast(hp, newest, stored, margin, margin_value, dtype, transpose)
     )
@@ -258,6 +162,7 @@ def current_cast(
     margin, margin_value = _margin("current_cast", margin)
     if margin is not None:
         _check("current_cast", hp, dtype, transpose, margin=margin)
+    _register_ops()
     return tuple(
         torch.ops.fp8fn.scaled_cast(hp, None, None, margin, margin_value, dtype, transpose)
     )

@@ -1,11 +1,24 @@
-"""The Triton kernels of `_triton.py` (imported by it on first use, never by `fp8fn`).
+"""The Triton kernels of `_triton.py` and their launchers (imported by it on first use only).
 
 Importing this module imports Triton and defines the kernels, so `TRITON_INTERPRET=1` must be set
-before. Numerics are documented in `_triton.py`; shapes and dtypes on each kernel.
+before. The numerics are described in `_triton.py`; shapes and dtypes are given on each function.
 """
 
+from __future__ import annotations
+
+import struct
+
+import torch
 import triton
 import triton.language as tl
+from torch.library import wrap_triton  # (this spelling lets triton_op find the kernels)
+from triton.runtime.jit import JITFunction
+
+from ._scaling import E4M3, E5M2, FP8_MAX
+
+_FORMAT = {E4M3: (7, 3), E5M2: (15, 2)}  # float8 format: (exponent bias, mantissa bits)
+_BLOCK, _WARPS = 2048, 8  # elements per program of the flat kernels
+_TILE, _TILE_WARPS = 64, 4  # (_TILE, _TILE) tiles of the transposing kernels
 
 
 @triton.jit
@@ -157,3 +170,86 @@ def cast_from_amax_kernel(
     x = tl.load(hp_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     q = saturate_to_fp8(x * scale, MAX_BITS, BIAS, MBITS)
     store_fp8(out_ptr, out_t_ptr, q, offs, mask, n_rows, n_cols, TRANSPOSE, BLOCK)
+
+
+INTERPRETED = not isinstance(cast_amax_kernel, JITFunction)  # TRITON_INTERPRET=1 (CPU)
+
+
+def _format(dtype: torch.dtype) -> dict:
+    """The constexpr arguments describing float8 `dtype`."""
+    bias, mbits = _FORMAT[dtype]
+    max_bits = struct.unpack("<i", struct.pack("<f", FP8_MAX[dtype]))[0]
+    return {"MAX_BITS": max_bits, "BIAS": bias, "MBITS": mbits}
+
+
+def _allocate(hp: torch.Tensor, dtype: torch.dtype, transpose: bool):
+    """`(fp8, fp8_t, amax, (grid, n_rows, n_cols, BLOCK, num_warps))`: the outputs and the
+    launch geometry. `amax` is float32 `()` zero; `fp8_t` is `fp8` itself (never written, only
+    a placeholder argument) unless `transpose`."""
+    fp8 = torch.empty(hp.shape, dtype=dtype, device=hp.device)
+    amax = torch.zeros((), dtype=torch.float32, device=hp.device)
+    if transpose:
+        n_rows, n_cols = hp.shape
+        fp8_t = torch.empty((n_cols, n_rows), dtype=dtype, device=hp.device)
+        grid = (max(1, triton.cdiv(n_rows, _TILE)), max(1, triton.cdiv(n_cols, _TILE)))
+        return fp8, fp8_t, amax, (grid, n_rows, n_cols, _TILE, _TILE_WARPS)
+    grid = (max(1, triton.cdiv(hp.numel(), _BLOCK)),)
+    return fp8, fp8, amax, (grid, hp.numel(), 1, _BLOCK, _WARPS)
+
+
+def _shapes_only(hp: torch.Tensor) -> bool:
+    """True when tracing with fake tensors that an interpreted kernel cannot be launched on."""
+    return INTERPRETED and torch._subclasses.fake_tensor.is_fake(hp)
+
+
+def cast_and_amax(
+    hp: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, transpose: bool
+) -> list[torch.Tensor]:
+    """The op `fp8fn::cast_and_amax`: `[fp8, (fp8_t,) amax]`, see `_triton.cast_and_amax`."""
+    hp = hp.contiguous()
+    fp8, fp8_t, amax, (grid, n_rows, n_cols, block, warps) = _allocate(hp, dtype, transpose)
+    out = [fp8, fp8_t, amax] if transpose else [fp8, amax]
+    if _shapes_only(hp):
+        return out
+    wrap_triton(cast_amax_kernel)[grid](
+        hp, fp8, fp8_t, scale, amax, n_rows, n_cols, CAST=True, TRANSPOSE=transpose,
+        BLOCK=block, num_warps=warps, **_format(dtype),
+    )  # fmt: skip
+    return out
+
+
+def scaled_cast(
+    hp: torch.Tensor,
+    newest: torch.Tensor | None,
+    stored: torch.Tensor | None,
+    margin: torch.Tensor | None,
+    margin_value: float,
+    dtype: torch.dtype,
+    transpose: bool,
+) -> list[torch.Tensor]:
+    """The op `fp8fn::scaled_cast`: `[fp8, (fp8_t,) scale, amax]`.
+
+    Delayed scaling when `newest` and `stored` are given (see `_triton.delayed_cast`), current
+    scaling when both are None (`_triton.current_cast`); the margin is `margin` (float32 `()`)
+    if given, else `margin_value`.
+    """
+    hp = hp.contiguous()
+    fp8, fp8_t, amax, (grid, n_rows, n_cols, block, warps) = _allocate(hp, dtype, transpose)
+    scale = torch.empty((), dtype=torch.float32, device=hp.device)
+    out = [fp8, fp8_t, scale, amax] if transpose else [fp8, scale, amax]
+    if _shapes_only(hp):
+        return out
+    delayed = stored is not None
+    geometry = {"TRANSPOSE": transpose, "BLOCK": block, "num_warps": warps, **_format(dtype)}
+    # pass 1: the amax, and under delayed scaling the cast with the stored scale
+    wrap_triton(cast_amax_kernel)[grid](
+        hp, fp8, fp8_t, stored if delayed else amax, amax, n_rows, n_cols, CAST=delayed,
+        **geometry,
+    )  # fmt: skip
+    # pass 2: the scale from the amax (or the stored one), written out; the cast unless done
+    wrap_triton(cast_from_amax_kernel)[grid](
+        hp, fp8, fp8_t, amax, newest if delayed else amax, stored if delayed else amax, scale,
+        amax if margin is None else margin, margin_value, n_rows, n_cols, DELAYED=delayed,
+        MARGIN_FROM_PTR=margin is not None, FP8_MAX=FP8_MAX[dtype], **geometry,
+    )  # fmt: skip
+    return out
