@@ -17,8 +17,19 @@ float8 copy in the same pass (the output gradient's e5m2 cast, for the GEMMs tha
 Numerics are bit for bit those of torch: `clamp(hp.float() * scale, -max, max).to(dtype)`,
 `hp.abs().amax().float()` (NaN anywhere gives NaN, empty gives 0), and `compute_scale`. The
 float32 -> float8 rounding is done in integer ops (Triton's own conversion does not round like
-torch under `TRITON_INTERPRET=1`). Triton is imported, and the kernels defined, on first use, so
-`fp8fn` imports without Triton and tests can set `TRITON_INTERPRET=1` before that.
+torch under `TRITON_INTERPRET=1`).
+
+Triton is imported, the kernels (`_triton_kernels.py`) defined and the ops registered on first
+use, so this module imports without Triton, and `TRITON_INTERPRET=1` (how the tests run the
+kernels on CPU) may be set any time before that first use.
+
+Example (skipped: it needs a GPU tensor, or CPU under the interpreter):
+  >>> import torch, fp8fn._triton as fp8_triton
+  >>> hp = torch.tensor([1.0, -3.0, 1000.0])
+  >>> fp8, scale, amax = fp8_triton.delayed_cast(  # doctest: +SKIP
+  ...     hp, torch.tensor(0.0), torch.tensor(1.0), 0, torch.float8_e4m3fn)
+  >>> fp8.dtype, scale, amax  # doctest: +SKIP
+  (torch.float8_e4m3fn, tensor(0.4480), tensor(1000.))
 """
 
 from __future__ import annotations
@@ -34,17 +45,19 @@ _OPS_REGISTERED = False
 
 @torch.compiler.assume_constant_result  # so that a first use inside torch.compile runs it
 def _register_ops() -> bool:
-    """Import Triton and the kernels, and register `torch.ops.fp8fn.*` (once, on first use).
+    """Import Triton and the kernels, register `torch.ops.fp8fn.*` (once, on first use), and
+    return whether the kernels run under Triton's interpreter.
 
     With compiled kernels the ops are `torch.library.triton_op`s, so torch.compile traces into
     them and sees the kernels. Under `TRITON_INTERPRET=1` (CPU tests) a kernel is not a
     `JITFunction` and cannot be traced: the ops are then opaque `custom_op`s, whose fake
     implementation allocates the outputs and skips the launch.
     """
+    from . import _triton_kernels as kernels
+
     global _OPS_REGISTERED
     if _OPS_REGISTERED:
-        return True
-    from . import _triton_kernels as kernels
+        return kernels.INTERPRETED
 
     for name in ("cast_and_amax", "scaled_cast"):
         fn = getattr(kernels, name)
@@ -53,14 +66,21 @@ def _register_ops() -> bool:
         else:
             torch.library.triton_op(f"fp8fn::{name}", fn, mutates_args=())
     _OPS_REGISTERED = True
-    return True
+    return kernels.INTERPRETED
 
 
 def _check(api: str, hp, dtype, transpose, **scalars) -> None:
-    """Raise a clear error unless the arguments are what the kernels take (metadata only)."""
+    """Register the ops if needed; raise a clear error unless the arguments are what the kernels
+    take (metadata only, no torch op)."""
+    interpreted = _register_ops()
     if not isinstance(hp, torch.Tensor) or hp.dtype not in _HP_DTYPES:
         got = hp.dtype if isinstance(hp, torch.Tensor) else type(hp).__name__
         raise TypeError(f"fp8fn.{api}: expected `hp` float32, bfloat16 or float16, got {got}.")
+    if hp.device.type == "cpu" and not interpreted:
+        raise ValueError(
+            f"fp8fn.{api}: the Triton kernels need `hp` on a GPU, got a CPU tensor. To run them "
+            "on CPU, set TRITON_INTERPRET=1 before their first use."
+        )
     if dtype not in _FP8_DTYPES:
         raise ValueError(
             f"fp8fn.{api}: expected `dtype` torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}."
@@ -70,6 +90,8 @@ def _check(api: str, hp, dtype, transpose, **scalars) -> None:
             f"fp8fn.{api}: `transpose=True` needs a 2D `hp`, got shape {tuple(hp.shape)}."
         )
     for name, t in scalars.items():
+        if t is None:
+            continue
         if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.numel() != 1:
             got = f"{t.dtype} of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else t
             raise TypeError(f"fp8fn.{api}: expected `{name}` a float32 `()` tensor, got {got}.")
@@ -111,7 +133,6 @@ def cast_and_amax(
       `clamp(hp.float() * scale, -max, max).to(dtype)`; `amax` float32 `()`, `hp.abs().amax()`.
     """
     _check("cast_and_amax", hp, dtype, transpose, scale=scale)
-    _register_ops()
     return tuple(torch.ops.fp8fn.cast_and_amax(hp, scale, dtype, transpose))
 
 
@@ -141,11 +162,8 @@ def delayed_cast(
       `(fp8, scale, amax)`, or `(fp8, fp8_t, scale, amax)` when `transpose`: `scale` is the
       float32 `()` scale used, `amax` the float32 `()` amax of `hp` (the observation).
     """
-    _check("delayed_cast", hp, dtype, transpose, newest=newest, stored=stored)
     margin, margin_value = _margin("delayed_cast", margin)
-    if margin is not None:
-        _check("delayed_cast", hp, dtype, transpose, margin=margin)
-    _register_ops()
+    _check("delayed_cast", hp, dtype, transpose, newest=newest, stored=stored, margin=margin)
     return tuple(
         torch.ops.fp8fn.scaled_cast(hp, newest, stored, margin, margin_value, dtype, transpose)
     )
@@ -158,11 +176,8 @@ def current_cast(
 
     Args and returns as `delayed_cast`, without `newest` and `stored`.
     """
-    _check("current_cast", hp, dtype, transpose)
     margin, margin_value = _margin("current_cast", margin)
-    if margin is not None:
-        _check("current_cast", hp, dtype, transpose, margin=margin)
-    _register_ops()
+    _check("current_cast", hp, dtype, transpose, margin=margin)
     return tuple(
         torch.ops.fp8fn.scaled_cast(hp, None, None, margin, margin_value, dtype, transpose)
     )
