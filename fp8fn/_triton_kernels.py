@@ -25,15 +25,13 @@ _TILE, _TILE_WARPS = 64, 4  # (_TILE, _TILE) tiles of the transposing kernels
 def scale_from_amax(amax, margin, FP8_MAX: tl.constexpr):
     """`compute_scale(amax, FP8_MAX, margin)`: float32 scalar -> float32 scalar, in float64.
 
-    The one place the scale is computed. `margin` is a float32 scalar, a non-negative
-    integer; `2**margin` is built exactly from exponent bits, in two factors of at most
-    2**1023 so that margins up to 2046 overflow exactly where float64 would.
+    The one place the scale is computed. `margin` is a float32 scalar holding a non-negative
+    integer; `2**margin` is built exactly from float64 exponent bits, and is inf from 1024 on,
+    as `torch.exp2` in float64. (A floor for tiny scales, if one is wanted, goes here.)
     """
-    m = tl.minimum(tl.maximum(margin, 0.0), 2046.0).to(tl.int32)
-    half = m // 2
-    p = ((half + 1023).to(tl.int64) << 52).to(tl.float64, bitcast=True)
-    q = ((m - half + 1023).to(tl.int64) << 52).to(tl.float64, bitcast=True)
-    denom = amax.to(tl.float64) * p * q
+    m = tl.minimum(tl.maximum(margin, 0.0), 1024.0).to(tl.int64)
+    multiplier = ((m + 1023) << 52).to(tl.float64, bitcast=True)
+    denom = amax.to(tl.float64) * multiplier
     scale = FP8_MAX / denom
     # amax 0 (scale inf), inf (scale 0) or NaN give 1; finite scales are capped at
     # float32's max, then rounded to float32.
