@@ -44,7 +44,8 @@ def saturate_to_fp8(y, MAX_BITS: tl.constexpr, BIAS: tl.constexpr, MBITS: tl.con
     """`clamp(y, -max, max).to(float8)` as uint8 bits: float32 tensor -> uint8 tensor.
 
     Round to nearest even, as torch. NaN gives 0x7F with y's sign (torch's pattern for
-    both formats); the clamp keeps every other value in range (e4m3fn has no inf).
+    both formats; a CUDA multiply returns NaNs positive); the clamp keeps every other value in
+    range (e4m3fn has no inf).
     """
     bits = y.to(tl.int32, bitcast=True)
     sign = (bits >> 31) & 1
@@ -54,7 +55,9 @@ def saturate_to_fp8(y, MAX_BITS: tl.constexpr, BIAS: tl.constexpr, MBITS: tl.con
     SHIFT: tl.constexpr = 23 - MBITS
     lsb = (a >> SHIFT) & 1
     normal = ((a + ((1 << (SHIFT - 1)) - 1) + lsb) >> SHIFT) - ((127 - BIAS) << MBITS)
-    # subnormal float8 (|y| < 2**(1 - BIAS)): round significand / 2**k to an integer
+    # subnormal float8 (|y| < 2**(1 - BIAS)): |y| = sig * 2**(e - 150) for exponent field
+    # e >= 1 and the float8 subnormal step is 2**(1 - BIAS - MBITS), so the code is sig / 2**k
+    # with k = 151 - BIAS - MBITS - e, rounded to nearest even (2**MBITS: the smallest normal).
     e = a >> 23
     sig = (a & 0x7FFFFF) | tl.where(e > 0, 0x800000, 0)
     k = tl.minimum(tl.maximum(151 - BIAS - MBITS - tl.maximum(e, 1), 1), 31)
@@ -114,8 +117,13 @@ def cast_amax_kernel(
     MBITS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """Pass 1: amax of |hp| into `amax_ptr` (float32 `()`, zeroed), and if CAST the cast
-    with the float32 `()` scale at `scale_ptr`."""
+    """Pass 1: the amax of |hp| and, if CAST, the cast with a known scale.
+
+    `hp_ptr`: float32, bfloat16 or float16, `n_rows` elements (`n_cols` 1), or `(n_rows, n_cols)`
+    row-major when TRANSPOSE. `out_ptr`: float8 of hp's shape; `out_t_ptr`: float8
+    `(n_cols, n_rows)`, written when TRANSPOSE. `scale_ptr`: float32 `()`. `amax_ptr`: float32 `()`,
+    zero on entry; each program max-es its block's amax into it (an integer atomic).
+    """
     offs, mask = tile(n_rows, n_cols, TRANSPOSE, BLOCK)
     x = tl.load(hp_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     # |x| as int32 bits orders like the float, NaN above inf: one integer atomic max
@@ -149,8 +157,14 @@ def cast_from_amax_kernel(
     MBITS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """Pass 2: scale = compute_scale(amax) (or, if DELAYED and the newest history entry is
-    > 0, the stored scale, and nothing to redo); write it to `scale_out_ptr`, then cast."""
+    """Pass 2: the scale from pass 1's amax, written to `scale_out_ptr`, and the cast with it.
+
+    `hp_ptr`, `out_ptr`, `out_t_ptr`, `n_rows`, `n_cols` as for pass 1. The scale is
+    `compute_scale(amax, FP8_MAX, margin)`, or when DELAYED and the newest history entry is > 0,
+    the stored scale, which pass 1 already cast with: then every program returns at once.
+    `amax_ptr`, `newest_ptr`, `stored_ptr`, `scale_out_ptr`, `margin_ptr`: float32 `()`; the
+    margin is loaded from `margin_ptr` if MARGIN_FROM_PTR, else `margin_value` (float32).
+    """
     if MARGIN_FROM_PTR:
         margin = tl.load(margin_ptr)
     else:
