@@ -24,7 +24,7 @@ class DelayedScaling:
     Args:
       history_len: number of past amaxes kept per tensor, >= 1.
       amax_compute: `"max"` or `"most_recent"`.
-      margin: non-negative integer; scales are divided by `2**margin` for headroom.
+      margin: integer from 0 to 64; scales are divided by `2**margin` for headroom.
       backend: `"auto"` (`torch._scaled_mm` on CUDA devices of compute capability >= 8.9,
         emulation elsewhere), `"emulated"` or `"scaled_mm"`.
 
@@ -59,8 +59,10 @@ class DelayedScaling:
                 f"fp8fn.DelayedScaling: expected `margin` to be an int, "
                 f"got {type(self.margin).__name__} {self.margin!r}."
             )
-        if self.margin < 0:
-            raise ValueError(f"fp8fn.DelayedScaling: expected `margin` >= 0, got {self.margin}.")
+        if not 0 <= self.margin <= 64:
+            raise ValueError(
+                f"fp8fn.DelayedScaling: expected `margin` from 0 to 64, got {self.margin}."
+            )
         _check_backend("DelayedScaling", self.backend)
 
 

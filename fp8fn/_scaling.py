@@ -28,7 +28,7 @@ def compute_scale(amax: torch.Tensor, fp8_max: float, margin: int = 0) -> torch.
     Args:
       amax: float tensor of any shape (e.g. `()` or `(n_sites, 3)`).
       fp8_max: the float8 format's largest value (448.0 for e4m3, 57344.0 for e5m2).
-      margin: an int >= 0.
+      margin: an int from 0 to 64.
 
     Returns:
       float32 tensor of `amax`'s shape.
@@ -45,8 +45,10 @@ def compute_scale(amax: torch.Tensor, fp8_max: float, margin: int = 0) -> torch.
         )
     if isinstance(fp8_max, bool) or not isinstance(fp8_max, (int, float)) or not fp8_max > 0:
         raise ValueError(f"fp8fn.compute_scale: expected `fp8_max` a float > 0, got {fp8_max!r}.")
-    if isinstance(margin, bool) or not isinstance(margin, int) or margin < 0:
-        raise ValueError(f"fp8fn.compute_scale: expected `margin` an int >= 0, got {margin!r}.")
+    if isinstance(margin, bool) or not isinstance(margin, int) or not 0 <= margin <= 64:
+        raise ValueError(
+            f"fp8fn.compute_scale: expected `margin` an int from 0 to 64, got {margin!r}."
+        )
     return torch.where(amax > 0, scale_from_amax(amax, float(fp8_max), margin), 1.0)
 
 

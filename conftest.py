@@ -1,0 +1,14 @@
+"""pytest setup for the whole repository (tests and doctests), loaded before any module."""
+
+import importlib.util
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels run on CPU under Triton's interpreter. The variable is read when a kernel is
+    # defined (`fp8fn._triton_kernels`, imported on first use), so set it before anything runs.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Without Triton the kernel module cannot even be imported for doctest collection.
+collect_ignore = [] if importlib.util.find_spec("triton") else ["fp8fn/_triton_kernels.py"]

@@ -1,0 +1,268 @@
+"""The Triton kernels of `_triton.py` and their launchers (imported by it on first use only).
+
+Importing this module imports Triton and defines the kernels, so `TRITON_INTERPRET=1` must be set
+before. The numerics are described in `_triton.py`; shapes and dtypes are given on each function.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import wrap_triton  # (this spelling lets triton_op find the kernels)
+from triton.runtime.jit import JITFunction
+
+from ._scaling import E4M3, E5M2, FP8_MAX
+
+_FORMAT = {E4M3: (7, 3), E5M2: (15, 2)}  # float8 format: (exponent bias, mantissa bits)
+_BLOCK, _WARPS = 4096, 8  # elements per program of the flat kernels (one atomic each)
+_TILE, _TILE_WARPS = 64, 4  # (_TILE, _TILE) tiles of the transposing kernels
+
+
+@triton.jit
+def scale_from_amax(amax, margin, FP8_MAX: tl.constexpr):
+    """`compute_scale(amax, FP8_MAX, margin)`: float32 scalar -> float32 scalar, in float64.
+
+    The one place the scale is computed. `margin` is a float32 scalar holding a non-negative
+    integer (0 to 64); `2**margin` is built exactly from float64 exponent bits. A scale beyond
+    float32's range becomes its smallest positive value or its max, as in `compute_scale`.
+    """
+    m = tl.minimum(tl.maximum(margin, 0.0), 1024.0).to(tl.int64)
+    multiplier = ((m + 1023) << 52).to(tl.float64, bitcast=True)
+    denom = amax.to(tl.float64) * multiplier
+    scale = FP8_MAX / denom
+    # amax 0 (scale inf), inf (scale 0) or NaN give 1; finite scales are clamped to float32's
+    # positive range, then rounded to float32.
+    ok = (denom > 0) & (scale > 0)
+    clamped = tl.minimum(tl.maximum(scale, 1.401298464324817e-45), 3.4028234663852886e38)
+    return tl.where(ok, clamped, 1.0).to(tl.float32)
+
+
+@triton.jit
+def saturate_to_fp8(y, MAX_BITS: tl.constexpr, BIAS: tl.constexpr, MBITS: tl.constexpr):
+    """`clamp(y, -max, max).to(float8)` as uint8 bits: float32 tensor -> uint8 tensor.
+
+    Round to nearest even, as torch. NaN gives 0x7F with y's sign (torch's pattern for
+    both formats; a CUDA multiply returns NaNs positive); the clamp keeps every other value in
+    range (e4m3fn has no inf).
+    """
+    bits = y.to(tl.int32, bitcast=True)
+    sign = (bits >> 31) & 1
+    a = bits & 0x7FFFFFFF
+    a = tl.where((a > MAX_BITS) & (a <= 0x7F800000), MAX_BITS, a)  # saturate, not NaN
+    # normal float8: round the mantissa to MBITS bits, then rebias the exponent
+    SHIFT: tl.constexpr = 23 - MBITS
+    lsb = (a >> SHIFT) & 1
+    normal = ((a + ((1 << (SHIFT - 1)) - 1) + lsb) >> SHIFT) - ((127 - BIAS) << MBITS)
+    # subnormal float8 (|y| < 2**(1 - BIAS)): |y| = sig * 2**(e - 150) for exponent field
+    # e >= 1 and the float8 subnormal step is 2**(1 - BIAS - MBITS), so the code is sig / 2**k
+    # with k = 151 - BIAS - MBITS - e, rounded to nearest even (2**MBITS: the smallest normal).
+    e = a >> 23
+    sig = (a & 0x7FFFFF) | tl.where(e > 0, 0x800000, 0)
+    k = tl.minimum(tl.maximum(151 - BIAS - MBITS - tl.maximum(e, 1), 1), 31)
+    q = sig >> k
+    rem = sig & ((1 << k) - 1)
+    halfway = 1 << (k - 1)
+    up = (rem > halfway) | ((rem == halfway) & ((q & 1) == 1))
+    sub = q + up.to(tl.int32)
+    r = tl.where(a < ((128 - BIAS) << 23), sub, normal)
+    r = tl.where(a > 0x7F800000, 0x7F, r)
+    return (r | (sign << 7)).to(tl.uint8)
+
+
+@triton.jit
+def tile(n_rows, n_cols, TRANSPOSE: tl.constexpr, BLOCK: tl.constexpr):
+    """Offsets and mask of this program's elements: flat `(BLOCK,)` of `n_rows` elements,
+    or a `(BLOCK, BLOCK)` tile of a row-major `(n_rows, n_cols)` when TRANSPOSE."""
+    if TRANSPOSE:
+        rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        cols = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        offs = rows[:, None] * n_cols + cols[None, :]
+        mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    else:
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n_rows
+    return offs, mask
+
+
+@triton.jit
+def store_fp8(
+    out_ptr, out_t_ptr, q, offs, mask, n_rows, n_cols, TRANSPOSE: tl.constexpr, BLOCK: tl.constexpr
+):
+    """Store uint8 bits `q` into the float8 output, and transposed into `out_t` if asked."""
+    fp8_ty = out_ptr.dtype.element_ty
+    tl.store(out_ptr + offs, q.to(fp8_ty, bitcast=True), mask=mask)
+    if TRANSPOSE:
+        rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        cols = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        offs_t = cols[:, None] * n_rows + rows[None, :]
+        mask_t = (cols[:, None] < n_cols) & (rows[None, :] < n_rows)
+        tl.store(out_t_ptr + offs_t, tl.trans(q).to(fp8_ty, bitcast=True), mask=mask_t)
+
+
+@triton.jit
+def cast_amax_kernel(
+    hp_ptr,
+    out_ptr,
+    out_t_ptr,
+    scale_ptr,
+    amax_ptr,
+    n_rows,
+    n_cols,
+    CAST: tl.constexpr,
+    TRANSPOSE: tl.constexpr,
+    MAX_BITS: tl.constexpr,
+    BIAS: tl.constexpr,
+    MBITS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Pass 1: the amax of |hp| and, if CAST, the cast with a known scale.
+
+    `hp_ptr`: float32, bfloat16 or float16, `n_rows` elements (`n_cols` 1), or `(n_rows, n_cols)`
+    row-major when TRANSPOSE. `out_ptr`: float8 of hp's shape; `out_t_ptr`: float8
+    `(n_cols, n_rows)`, written when TRANSPOSE. `scale_ptr`: float32 `()`. `amax_ptr`: float32 `()`,
+    zero on entry; each program max-es its block's amax into it (an integer atomic).
+    """
+    offs, mask = tile(n_rows, n_cols, TRANSPOSE, BLOCK)
+    x = tl.load(hp_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    # |x| as int32 bits orders like the float, NaN above inf: one integer atomic max
+    magnitude = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    amax_bits = amax_ptr.to(tl.pointer_type(tl.int32))
+    tl.atomic_max(amax_bits, tl.max(magnitude, axis=None), sem="relaxed")
+    if CAST:
+        q = saturate_to_fp8(x * tl.load(scale_ptr), MAX_BITS, BIAS, MBITS)
+        store_fp8(out_ptr, out_t_ptr, q, offs, mask, n_rows, n_cols, TRANSPOSE, BLOCK)
+
+
+@triton.jit
+def cast_from_amax_kernel(
+    hp_ptr,
+    out_ptr,
+    out_t_ptr,
+    amax_ptr,
+    newest_ptr,
+    stored_ptr,
+    scale_out_ptr,
+    margin_ptr,
+    margin_value,
+    n_rows,
+    n_cols,
+    DELAYED: tl.constexpr,
+    MARGIN_FROM_PTR: tl.constexpr,
+    TRANSPOSE: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    MAX_BITS: tl.constexpr,
+    BIAS: tl.constexpr,
+    MBITS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Pass 2: the scale from pass 1's amax, written to `scale_out_ptr`, and the cast with it.
+
+    `hp_ptr`, `out_ptr`, `out_t_ptr`, `n_rows`, `n_cols` as for pass 1. The scale is
+    `compute_scale(amax, FP8_MAX, margin)`, or when DELAYED and the newest history entry is > 0,
+    the stored scale, which pass 1 already cast with: then every program returns at once.
+    `amax_ptr`, `newest_ptr`, `stored_ptr`, `scale_out_ptr`, `margin_ptr`: float32 `()`; the
+    margin is loaded from `margin_ptr` if MARGIN_FROM_PTR, else `margin_value` (float32).
+    """
+    if MARGIN_FROM_PTR:
+        margin = tl.load(margin_ptr)
+    else:
+        margin = margin_value
+    scale = scale_from_amax(tl.load(amax_ptr), margin, FP8_MAX)
+    if DELAYED:
+        use_stored = tl.load(newest_ptr) > 0
+        scale = tl.where(use_stored, tl.load(stored_ptr), scale)
+    first = (tl.program_id(0) == 0) & (tl.program_id(1) == 0)
+    tl.store(scale_out_ptr, scale, mask=first)
+    if DELAYED:
+        if use_stored:  # pass 1 already cast with the stored scale
+            return
+    offs, mask = tile(n_rows, n_cols, TRANSPOSE, BLOCK)
+    x = tl.load(hp_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    q = saturate_to_fp8(x * scale, MAX_BITS, BIAS, MBITS)
+    store_fp8(out_ptr, out_t_ptr, q, offs, mask, n_rows, n_cols, TRANSPOSE, BLOCK)
+
+
+INTERPRETED = not isinstance(cast_amax_kernel, JITFunction)  # TRITON_INTERPRET=1 (CPU)
+
+
+def _format(dtype: torch.dtype) -> dict:
+    """The constexpr arguments describing float8 `dtype`."""
+    bias, mbits = _FORMAT[dtype]
+    max_bits = struct.unpack("<i", struct.pack("<f", FP8_MAX[dtype]))[0]
+    return {"MAX_BITS": max_bits, "BIAS": bias, "MBITS": mbits}
+
+
+def _allocate(hp: torch.Tensor, dtype: torch.dtype, transpose: bool):
+    """`(fp8, fp8_t, amax, (grid, n_rows, n_cols, BLOCK, num_warps))`: the outputs and the
+    launch geometry. `amax` is float32 `()` zero; `fp8_t` is `fp8` itself (never written, only
+    a placeholder argument) unless `transpose`."""
+    fp8 = torch.empty(hp.shape, dtype=dtype, device=hp.device)
+    amax = torch.zeros((), dtype=torch.float32, device=hp.device)
+    if transpose:
+        n_rows, n_cols = hp.shape
+        fp8_t = torch.empty((n_cols, n_rows), dtype=dtype, device=hp.device)
+        grid = (max(1, triton.cdiv(n_rows, _TILE)), max(1, triton.cdiv(n_cols, _TILE)))
+        return fp8, fp8_t, amax, (grid, n_rows, n_cols, _TILE, _TILE_WARPS)
+    grid = (max(1, triton.cdiv(hp.numel(), _BLOCK)),)
+    return fp8, fp8, amax, (grid, hp.numel(), 1, _BLOCK, _WARPS)
+
+
+def _shapes_only(hp: torch.Tensor) -> bool:
+    """True when tracing with fake tensors that an interpreted kernel cannot be launched on."""
+    return INTERPRETED and torch._subclasses.fake_tensor.is_fake(hp)
+
+
+def cast_and_amax(
+    hp: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, transpose: bool
+) -> list[torch.Tensor]:
+    """The op `fp8fn::cast_and_amax`: `[fp8, (fp8_t,) amax]`, see `_triton.cast_and_amax`."""
+    hp = hp.contiguous()
+    fp8, fp8_t, amax, (grid, n_rows, n_cols, block, warps) = _allocate(hp, dtype, transpose)
+    out = [fp8, fp8_t, amax] if transpose else [fp8, amax]
+    if _shapes_only(hp):
+        return out
+    wrap_triton(cast_amax_kernel)[grid](
+        hp, fp8, fp8_t, scale, amax, n_rows, n_cols, CAST=True, TRANSPOSE=transpose,
+        BLOCK=block, num_warps=warps, **_format(dtype),
+    )  # fmt: skip
+    return out
+
+
+def scaled_cast(
+    hp: torch.Tensor,
+    newest: torch.Tensor | None,
+    stored: torch.Tensor | None,
+    margin: torch.Tensor | None,
+    margin_value: float,
+    dtype: torch.dtype,
+    transpose: bool,
+) -> list[torch.Tensor]:
+    """The op `fp8fn::scaled_cast`: `[fp8, (fp8_t,) scale, amax]`.
+
+    Delayed scaling when `newest` and `stored` are given (see `_triton.delayed_cast`), current
+    scaling when both are None (`_triton.current_cast`); the margin is `margin` (float32 `()`)
+    if given, else `margin_value`.
+    """
+    hp = hp.contiguous()
+    fp8, fp8_t, amax, (grid, n_rows, n_cols, block, warps) = _allocate(hp, dtype, transpose)
+    scale = torch.empty((), dtype=torch.float32, device=hp.device)
+    out = [fp8, fp8_t, scale, amax] if transpose else [fp8, scale, amax]
+    if _shapes_only(hp):
+        return out
+    delayed = stored is not None
+    geometry = {"TRANSPOSE": transpose, "BLOCK": block, "num_warps": warps, **_format(dtype)}
+    # pass 1: the amax, and under delayed scaling the cast with the stored scale
+    wrap_triton(cast_amax_kernel)[grid](
+        hp, fp8, fp8_t, stored if delayed else amax, amax, n_rows, n_cols, CAST=delayed,
+        **geometry,
+    )  # fmt: skip
+    # pass 2: the scale from the amax (or the stored one), written out; the cast unless done
+    wrap_triton(cast_from_amax_kernel)[grid](
+        hp, fp8, fp8_t, amax, newest if delayed else amax, stored if delayed else amax, scale,
+        amax if margin is None else margin, margin_value, n_rows, n_cols, DELAYED=delayed,
+        MARGIN_FROM_PTR=margin is not None, FP8_MAX=FP8_MAX[dtype], **geometry,
+    )  # fmt: skip
+    return out

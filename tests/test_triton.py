@@ -1,0 +1,391 @@
+"""The fused Triton casts of `fp8fn._triton`, bit for bit against torch.
+
+On a machine without CUDA the kernels run under `TRITON_INTERPRET=1` (set by the repository's
+`conftest.py` before anything imports them), so shapes stay small. The float32 -> float8 rounding
+is also checked through a pure-torch twin of the kernel's integer algorithm, on edge values here
+and exhaustively (every float32 of magnitude <= the format's max, both signs; ~20 min on 2 cores)
+with `FP8FN_EXHAUSTIVE=1`.
+"""
+
+import os
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+pytest.importorskip("triton")
+
+import fp8fn  # noqa: E402
+import fp8fn._triton as fp8_triton  # noqa: E402
+from fp8fn._cast import amax as ref_amax  # noqa: E402
+from fp8fn._cast import cast_to_fp8  # noqa: E402
+
+# The interpreter computes with numpy, which warns on inf and NaN arithmetic: expected here.
+pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+FP8 = pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+HP = pytest.mark.parametrize(
+    "hp_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["f32", "bf16", "f16"]
+)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+FP8_MAX = {E4M3: 448.0, E5M2: 57344.0}
+FORMAT = {E4M3: (7, 3), E5M2: (15, 2)}  # (exponent bias, mantissa bits)
+
+
+def f32(bits: torch.Tensor) -> torch.Tensor:
+    return bits.to(torch.int32).view(torch.float32)
+
+
+def i32(x: torch.Tensor) -> torch.Tensor:
+    return x.float().contiguous().view(torch.int32)
+
+
+def scalar(x: float) -> torch.Tensor:
+    return torch.tensor(x, dtype=torch.float32, device=DEVICE)
+
+
+def u8(fp8: torch.Tensor) -> torch.Tensor:
+    return fp8.cpu().view(torch.uint8)
+
+
+def assert_same_fp8(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Same float8 dtype, shape and bits; where `want` is NaN, `got` is NaN of either sign.
+
+    The sign of a NaN product is not portable: x86 keeps it, CUDA's multiply returns a positive
+    NaN, and torch's CPU float16 -> float32 conversion drops it.
+    """
+    assert got.dtype == want.dtype and got.shape == want.shape
+    nan = want.cpu().float().isnan()
+    assert torch.equal(u8(got)[~nan], u8(want)[~nan])
+    assert got.cpu().float().isnan()[nan].all()
+
+
+def assert_same_amax(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Bit-equal float32 `()`, or both NaN (the NaN's payload is not specified)."""
+    assert got.dtype == torch.float32 and got.shape == ()
+    got, want = got.cpu(), want.cpu()
+    assert (got.isnan() and want.isnan()) or torch.equal(i32(got), i32(want)), (got, want)
+
+
+def twin_saturate_to_fp8(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The kernel's `saturate_to_fp8`, step for step in torch int32 ops: float32 -> uint8."""
+    bias, mbits = FORMAT[dtype]
+    max_bits = i32(torch.tensor(FP8_MAX[dtype])).item()
+    bits = i32(y)
+    sign = (bits >> 31) & 1
+    a = bits & 0x7FFFFFFF
+    a = torch.where((a > max_bits) & (a <= 0x7F800000), max_bits, a)
+    shift = 23 - mbits
+    lsb = (a >> shift) & 1
+    normal = ((a + ((1 << (shift - 1)) - 1) + lsb) >> shift) - ((127 - bias) << mbits)
+    e = a >> 23
+    sig = (a & 0x7FFFFF) | torch.where(e > 0, 0x800000, 0)
+    k = (151 - bias - mbits - e.clamp(min=1)).clamp(1, 31)
+    q = sig >> k
+    rem = sig & ((1 << k) - 1)
+    halfway = 1 << (k - 1)
+    up = (rem > halfway) | ((rem == halfway) & ((q & 1) == 1))
+    r = torch.where(a < ((128 - bias) << 23), q + up.int(), normal)
+    r = torch.where(a > 0x7F800000, 0x7F, r)
+    return (r | (sign << 7)).to(torch.uint8)
+
+
+def edge_values(dtype: torch.dtype) -> torch.Tensor:
+    """float32 values where a float8 rounding goes wrong if anything does (both signs).
+
+    Every float8 value and every midpoint of neighbours, each with the 4 float32 neighbours on
+    either side; the max's neighbours and values far beyond it (saturation); +-0, float32
+    subnormals, +-inf and NaNs.
+    """
+    fp8 = torch.arange(256, dtype=torch.uint8).view(dtype).float()
+    pos = fp8[(fp8 >= 0) & fp8.isfinite()].unique()
+    mids = (pos[1:] + pos[:-1]) / 2  # exact: one more mantissa bit than float8 has
+    centers = torch.cat([pos, mids, torch.tensor([FP8_MAX[dtype] * 1.5, 1e30])])
+    near = (i32(centers)[:, None] + torch.arange(-4, 5)).clamp(min=0).flatten()
+    special = torch.tensor([0, 1, 2, 0x400000, 0x7FFFFF, 0x7F7FFFFF, 0x7F800000, 0x7FC00000,
+                            0x7F800001, 0x7FFFFFFF])  # fmt: skip
+    values = f32(torch.cat([near, special]))
+    return torch.cat([values, -values])
+
+
+def strided_values(dtype: torch.dtype, stride: int) -> torch.Tensor:
+    """Every `stride`-th float32 from 2**-30 to 1.5 times the format's max, both signs."""
+    lo, hi = (i32(torch.tensor(v)).item() for v in (2.0**-30, FP8_MAX[dtype] * 1.5))
+    values = f32(torch.arange(lo, hi, stride, dtype=torch.int32))
+    return torch.cat([values, -values])
+
+
+def sample(shape, hp_dtype, seed=0) -> torch.Tensor:
+    """Normal values over many binades: some saturate, some land on float8 subnormals."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * torch.exp2(torch.randint(-24, 24, shape, generator=g))
+    return x.to(hp_dtype).to(DEVICE)
+
+
+# --- the float32 -> float8 rounding ----------------------------------------------------------
+
+
+@FP8
+def test_twin_matches_torch_on_edge_values(dtype):
+    y = torch.cat([edge_values(dtype), strided_values(dtype, 257)])
+    want = y.clamp(-FP8_MAX[dtype], FP8_MAX[dtype]).to(dtype).view(torch.uint8)
+    assert torch.equal(twin_saturate_to_fp8(y, dtype), want)
+
+
+@pytest.mark.skipif(os.environ.get("FP8FN_EXHAUSTIVE") != "1", reason="set FP8FN_EXHAUSTIVE=1")
+@FP8
+def test_twin_matches_torch_exhaustively(dtype):
+    top = i32(torch.tensor(FP8_MAX[dtype])).item()
+    for start in range(0, top + 1, 1 << 24):
+        y = f32(torch.arange(start, min(start + (1 << 24), top + 1), dtype=torch.int32))
+        for signed in (y, -y):
+            want = signed.to(dtype).view(torch.uint8)
+            assert torch.equal(twin_saturate_to_fp8(signed, dtype), want), start
+
+
+@FP8
+def test_cast_and_amax_rounds_edge_values_like_torch(dtype):
+    y = torch.cat([edge_values(dtype), strided_values(dtype, 1 << 14)]).to(DEVICE)
+    fp8, amax = fp8_triton.cast_and_amax(y, scalar(1.0), dtype)
+    assert_same_fp8(fp8, cast_to_fp8(y, scalar(1.0), dtype))
+    assert amax.isnan()  # the edge values hold NaNs
+
+
+# --- cast_and_amax ----------------------------------------------------------------------------
+
+SHAPES = pytest.mark.parametrize(
+    "shape", [(1,), (7,), (1000,), (4097,), (33, 65), (3, 5, 7)], ids=str
+)
+
+
+@SHAPES
+@HP
+@FP8
+def test_cast_and_amax_matches_torch(shape, hp_dtype, dtype):
+    hp = sample(shape, hp_dtype)
+    scale = scalar(3.0)
+    fp8, amax = fp8_triton.cast_and_amax(hp, scale, dtype)
+    assert fp8.shape == hp.shape and fp8.dtype == dtype
+    assert_same_fp8(fp8, cast_to_fp8(hp, scale, dtype))
+    assert_same_amax(amax, ref_amax(hp))
+
+
+@HP
+@FP8
+def test_cast_and_amax_special_values(hp_dtype, dtype):
+    special = [0.0, -0.0, float("inf"), -float("inf"), 1e30, -1e30, 1e-30, -1e-30, 2.0**-20]
+    hp = torch.tensor(special * 3, dtype=hp_dtype, device=DEVICE)
+    for scale in (1.0, 2.0**-10, 2.0**10):
+        fp8, amax = fp8_triton.cast_and_amax(hp, scalar(scale), dtype)
+        assert_same_fp8(fp8, cast_to_fp8(hp, scalar(scale), dtype))
+        assert_same_amax(amax, ref_amax(hp))
+    with_nan = torch.cat([hp, torch.tensor([float("nan"), -float("nan")], dtype=hp_dtype)])
+    fp8, amax = fp8_triton.cast_and_amax(with_nan.to(DEVICE), scalar(1.0), dtype)
+    assert_same_fp8(fp8, cast_to_fp8(with_nan, scalar(1.0), dtype))
+    assert amax.isnan()
+
+
+@FP8
+def test_cast_and_amax_all_zero_and_empty(dtype):
+    for hp in (torch.zeros(5000, device=DEVICE), torch.empty(0, 3, device=DEVICE)):
+        fp8, amax = fp8_triton.cast_and_amax(hp, scalar(5.0), dtype)
+        assert fp8.shape == hp.shape
+        assert_same_fp8(fp8, cast_to_fp8(hp, scalar(5.0), dtype))
+        assert_same_amax(amax, torch.tensor(0.0))
+
+
+def test_cast_and_amax_makes_input_contiguous():
+    hp = sample((40, 30), torch.float32).t()
+    fp8, amax = fp8_triton.cast_and_amax(hp, scalar(0.5), E4M3)
+    assert_same_fp8(fp8, cast_to_fp8(hp, scalar(0.5), E4M3))
+    assert_same_amax(amax, ref_amax(hp))
+
+
+# --- delayed_cast and current_cast ------------------------------------------------------------
+
+
+@HP
+@FP8
+@pytest.mark.parametrize("newest", [0.0, 7.0, float("nan")], ids=["empty", "observed", "nan"])
+def test_delayed_cast_matches_torch(hp_dtype, dtype, newest):
+    hp = sample((4097,), hp_dtype, seed=1)
+    stored = scalar(0.75)
+    for margin in (0, 2, 3):
+        fp8, scale, amax = fp8_triton.delayed_cast(hp, scalar(newest), stored, margin, dtype)
+        current = fp8fn.compute_scale(ref_amax(hp), FP8_MAX[dtype], margin)
+        want_scale = torch.where(scalar(newest) > 0, stored, current)
+        assert torch.equal(i32(scale.cpu()), i32(want_scale.cpu())), (scale, want_scale)
+        assert_same_fp8(fp8, cast_to_fp8(hp, want_scale, dtype))
+        assert_same_amax(amax, ref_amax(hp))
+
+
+@HP
+@FP8
+@pytest.mark.parametrize("margin", [0, 1, 2, 3])
+def test_current_cast_matches_torch(hp_dtype, dtype, margin):
+    hp = sample((33, 65), hp_dtype, seed=2)
+    fp8, scale, amax = fp8_triton.current_cast(hp, margin, dtype)
+    want_scale = fp8fn.compute_scale(ref_amax(hp), FP8_MAX[dtype], margin)
+    assert torch.equal(i32(scale.cpu()), i32(want_scale.cpu()))
+    assert_same_fp8(fp8, cast_to_fp8(hp, want_scale, dtype))
+    assert_same_amax(amax, ref_amax(hp))
+
+
+@FP8
+def test_current_cast_scale_matches_compute_scale_on_edge_amaxes(dtype):
+    f32_max = torch.finfo(torch.float32).max
+    amaxes = [0.0, 2.0**-149, 1e-40, 2.0**-126, 1e-30, 1e-3, 1.0, 448.0, 3e38, f32_max,
+              float("inf"), float("nan")]  # fmt: skip
+    margins = [0, 1, 2, 3, 64]
+    for a in amaxes:
+        hp = torch.tensor([a, -a / 2], device=DEVICE)
+        for margin in margins:
+            _, scale, amax = fp8_triton.current_cast(hp, margin, dtype)
+            want = fp8fn.compute_scale(torch.tensor(a), FP8_MAX[dtype], margin)
+            assert torch.equal(i32(scale.cpu()), i32(want.cpu())), (a, margin, scale, want)
+            assert_same_amax(amax, torch.tensor(a))
+
+
+@FP8
+def test_scaled_casts_of_empty_tensors_use_scale_one(dtype):
+    hp = torch.empty(0, device=DEVICE)
+    fp8, scale, amax = fp8_triton.current_cast(hp, 0, dtype)
+    assert fp8.shape == (0,) and scale.item() == 1.0 and amax.item() == 0.0
+    fp8, scale, amax = fp8_triton.delayed_cast(hp, scalar(0.0), scalar(9.0), 0, dtype)
+    assert scale.item() == 1.0 and amax.item() == 0.0
+    fp8, scale, amax = fp8_triton.delayed_cast(hp, scalar(1.0), scalar(9.0), 0, dtype)
+    assert scale.item() == 9.0 and amax.item() == 0.0
+
+
+# --- transposed copies ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (65, 130), (64, 64), (0, 3)], ids=str)
+def test_transpose_writes_a_contiguous_transposed_copy(shape):
+    hp = sample(shape, torch.bfloat16, seed=3)
+    calls = [
+        lambda: fp8_triton.cast_and_amax(hp, scalar(2.0), E5M2, transpose=True),
+        lambda: fp8_triton.delayed_cast(hp, scalar(0.0), scalar(2.0), 1, E5M2, transpose=True),
+        lambda: fp8_triton.delayed_cast(hp, scalar(1.0), scalar(2.0), 1, E5M2, transpose=True),
+        lambda: fp8_triton.current_cast(hp, 0, E4M3, transpose=True),
+    ]
+    for call in calls:
+        fp8, fp8_t, *_ = call()
+        plain = fp8_triton.cast_and_amax(hp, scalar(1.0), fp8.dtype)  # any scale: shape check
+        assert fp8.shape == hp.shape and fp8_t.shape == hp.t().shape
+        assert fp8_t.is_contiguous() and plain[0].dtype == fp8_t.dtype
+        assert torch.equal(u8(fp8_t), u8(fp8).t())
+    fp8, fp8_t, scale, amax = calls[1]()
+    assert_same_fp8(fp8, cast_to_fp8(hp, scale, E5M2))
+
+
+# --- errors -----------------------------------------------------------------------------------
+
+
+def test_casts_reject_bad_arguments():
+    hp = torch.ones(4, device=DEVICE)
+    with pytest.raises(TypeError, match="expected `hp` float32, bfloat16 or float16"):
+        fp8_triton.current_cast(hp.double(), 0, E4M3)
+    with pytest.raises(ValueError, match="expected `dtype` torch.float8_e4m3fn"):
+        fp8_triton.current_cast(hp, 0, torch.int8)
+    with pytest.raises(ValueError, match="`transpose=True` needs a 2D `hp`"):
+        fp8_triton.current_cast(hp, 0, E5M2, transpose=True)
+    for margin in (-1, 0.5, True, "1", 65, scalar(1.0)):
+        with pytest.raises(ValueError, match="expected `margin` an int from 0 to 64"):
+            fp8_triton.current_cast(hp, margin, E4M3)
+    with pytest.raises(TypeError, match="expected `scale` a float32 `\\(\\)` tensor"):
+        fp8_triton.cast_and_amax(hp, torch.tensor(1.0, dtype=torch.float64), E4M3)
+    with pytest.raises(TypeError, match="expected `stored` a float32"):
+        fp8_triton.delayed_cast(hp, scalar(0.0), torch.ones(2, device=DEVICE), 0, E4M3)
+
+
+# --- dispatch, launches, compile, torch.func --------------------------------------------------
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_each_cast_is_one_dispatched_op_of_one_or_two_launches(monkeypatch):
+    import fp8fn._triton_kernels as kernels
+
+    launched = []
+
+    def count(kernel):
+        launched.append(kernel)
+        return kernel
+
+    monkeypatch.setattr(kernels, "wrap_triton", count)
+    hp, s = sample((8, 8), torch.float32), scalar(1.0)
+    calls = {
+        "cast_and_amax": (lambda: fp8_triton.cast_and_amax(hp, s, E4M3), 1),
+        "scaled_cast": (lambda: fp8_triton.delayed_cast(hp, s, s, 0, E4M3, transpose=True), 2),
+        "scaled_cast ": (lambda: fp8_triton.current_cast(hp, 0, E5M2), 2),
+    }
+    for name, (call, launches) in calls.items():
+        launched.clear()
+        with _CountOps() as mode:
+            call()
+        assert mode.ops == [f"fp8fn.{name.strip()}.default"]
+        assert len(launched) == launches
+
+
+def test_delayed_cast_compiles_without_graph_breaks():
+    # Under the interpreter the ops are opaque custom ops (an interpreted kernel cannot be traced
+    # into the graph); with CUDA they are triton_ops whose kernels Inductor sees. Either way the
+    # graph must hold the op and give eager's bits.
+    def f(hp, newest, stored):
+        fp8, scale, amax = fp8_triton.delayed_cast(hp, newest, stored, 0, E4M3)
+        return fp8.float() / scale, amax
+
+    hp = sample((16, 24), torch.bfloat16, seed=4)
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True)
+    for newest in (0.0, 1.0):
+        got, want = compiled(hp, scalar(newest), scalar(8.0)), f(hp, scalar(newest), scalar(8.0))
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_ops_pass_opcheck():
+    hp, s = sample((16, 24), torch.float16, seed=5), scalar(2.0)
+    fp8_triton.current_cast(hp, 0, E4M3)  # registers the ops
+    torch.library.opcheck(torch.ops.fp8fn.cast_and_amax.default, (hp, s, E5M2, True))
+    torch.library.opcheck(
+        torch.ops.fp8fn.scaled_cast.default, (hp, scalar(0.0), s, s, 0.0, E4M3, False)
+    )
+    torch.library.opcheck(
+        torch.ops.fp8fn.scaled_cast.default, (hp, None, None, None, 1.0, E5M2, True)
+    )
+
+
+class _FakeQuant(torch.autograd.Function):
+    """Quantize-dequantize: delayed e4m3 cast forward, current e5m2 cast (transposed) backward."""
+
+    @staticmethod
+    def forward(x, newest, stored):
+        fp8, scale, _ = fp8_triton.delayed_cast(x, newest, stored, 0, E4M3)
+        return fp8.float() / scale
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, grad):
+        fp8, fp8_t, scale, _ = fp8_triton.current_cast(grad, 0, E5M2, transpose=True)
+        return fp8_t.float().t() / scale, None, None
+
+
+def test_casts_work_in_an_autograd_function_under_torch_func_grad():
+    x = sample((8, 16), torch.float32, seed=6)
+    newest, stored = scalar(1.0), scalar(16.0)
+    weight = sample((8, 16), torch.float32, seed=7)
+    grad = torch.func.grad(lambda x: (_FakeQuant.apply(x, newest, stored) * weight).sum())(x)
+    want_scale = fp8fn.compute_scale(ref_amax(weight), FP8_MAX[E5M2])
+    assert torch.equal(grad, cast_to_fp8(weight, want_scale, E5M2).float() / want_scale)
