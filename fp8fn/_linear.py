@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from . import _triton as triton_casts
 from ._cast import amax, cast_to_fp8
 from ._granular import GRANULAR, check_granular, granular_linear
 from ._guards import check_operands, no_autocast, refuse_compile_under_func
@@ -27,11 +28,63 @@ def _scales(amaxes, newest, stored, margin: int, fp8_max: float):
     return current if newest is None else torch.where(newest > 0, stored, current)
 
 
+class _TritonCast(torch.autograd.Function):
+    """A Triton cast as a constant to autograd: `delayed_cast` when `newest` and `stored` are
+    given, else `current_cast`; returns `(fp8, scale, amax)`. (An autograd.Function, so that
+    torch.func transforms run the custom op below their levels, e.g. in fp8fn's backward.)"""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(hp, newest, stored, margin, dtype):
+        if newest is None:
+            return triton_casts.current_cast(hp, margin, dtype)
+        return triton_casts.delayed_cast(hp, newest, stored, margin, dtype)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.mark_non_differentiable(*output)
+
+    @staticmethod
+    def backward(ctx, *_):
+        return None, None, None, None, None
+
+
+def _cast_operands(x, weight, newest, stored, margin: int, backend: str):
+    """The forward's casts: `(x_fp8, w_fp8, x_scale, w_scale, x_amax, w_amax)`, e4m3 copies of
+    `x` and `weight`, the float32 `()` scales used and the observed amaxes."""
+    e4m3_max = torch.finfo(E4M3).max
+    if backend == "triton":  # one pass over each tensor at step >= 2
+        (xn, wn, _), (xs, ws, _) = (None,) * 3, (None,) * 3
+        if newest is not None:
+            (xn, wn, _), (xs, ws, _) = newest.unbind(), stored.unbind()
+        x_fp8, x_scale, x_amax = _TritonCast.apply(x, xn, xs, margin, E4M3)
+        w_fp8, w_scale, w_amax = _TritonCast.apply(weight, wn, ws, margin, E4M3)
+        return x_fp8, w_fp8, x_scale, w_scale, x_amax, w_amax
+    # Three roles at once (the last entry stands in for grad_output): no slicing of rows.
+    x_amax, w_amax = amax(x), amax(weight)
+    scales = _scales(torch.stack([x_amax, w_amax, w_amax]), newest, stored, margin, e4m3_max)
+    x_scale, w_scale, _ = scales.unbind()
+    x_fp8, w_fp8 = cast_to_fp8(x, x_scale, E4M3), cast_to_fp8(weight, w_scale, E4M3)
+    return x_fp8, w_fp8, x_scale, w_scale, x_amax, w_amax
+
+
+def _cast_grad_output(grad_out, newest, stored, ctx):
+    """The backward's e5m2 cast: `(g_fp8, g_scale, g_amax)`."""
+    if ctx.backend == "triton":
+        gn, gs = (None, None) if newest is None else (newest[2], stored[2])
+        return _TritonCast.apply(grad_out, gn, gs, ctx.margin, E5M2)
+    g_amax = amax(grad_out)
+    g_scale = _scales(g_amax, newest, stored, ctx.margin, torch.finfo(E5M2).max)
+    g_scale = g_scale if newest is None else g_scale[..., 2]
+    return cast_to_fp8(grad_out, g_scale, E5M2), g_scale, g_amax
+
+
 class _FirstOrderOnly(torch.autograd.Function):
     """Identity on the backward's results; differentiating through them raises.
 
-    `anchor` (the forward's amaxes, differentiable in x and weight) ties the results to every
-    outer differentiation that tracks the op's inputs, so grad-of-grad reaches this node.
+    `anchor` (the forward's x amax, a differentiable output) ties the results to every outer
+    differentiation that tracks the op's inputs, so grad-of-grad reaches this node.
     """
 
     generate_vmap_rule = True
@@ -77,22 +130,19 @@ class _Fp8LinearOp(torch.autograd.Function):
 
     @staticmethod
     def forward(x, weight, bias, newest, stored, margin, backend):
-        # Three roles at once (the last entry stands in for grad_output): no slicing of rows.
-        x_amax, w_amax = amax(x), amax(weight)
-        amaxes = torch.stack([x_amax, w_amax, w_amax])
-        scales = _scales(amaxes, newest, stored, margin, torch.finfo(E4M3).max)
-        x_scale, w_scale, _ = scales.unbind()
-        x_fp8, w_fp8 = cast_to_fp8(x, x_scale, E4M3), cast_to_fp8(weight, w_scale, E4M3)
-        x_inv, w_inv, _ = scales.reciprocal().unbind()
+        x_fp8, w_fp8, x_scale, w_scale, x_amax, w_amax = _cast_operands(
+            x, weight, newest, stored, margin, backend
+        )
+        x_inv, w_inv = x_scale.reciprocal(), w_scale.reciprocal()
         out = fp8_mm(x_fp8, w_fp8, x_inv, w_inv, x.dtype, backend)
         if bias is not None:
             out = out + bias.to(out.dtype)
-        return out, x_fp8, w_fp8, x_inv, w_inv, x_amax, w_amax, amaxes
+        return out, x_fp8, w_fp8, x_inv, w_inv, w_amax, x_amax
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         x, weight, bias, newest, stored, margin, backend = inputs
-        ctx.mark_non_differentiable(*output[1:7])  # amaxes stays differentiable: see backward
+        ctx.mark_non_differentiable(*output[1:6])  # x_amax stays differentiable: see backward
         ctx.set_materialize_grads(False)  # the residual outputs get no gradient: no zeros made
         ctx.save_for_backward(*output[1:], newest, stored)
         ctx.margin, ctx.backend = margin, backend
@@ -100,12 +150,10 @@ class _Fp8LinearOp(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, *_):
-        x_fp8, w_fp8, x_inv, w_inv, x_amax, w_amax, amaxes, newest, stored = ctx.saved_tensors
+        x_fp8, w_fp8, x_inv, w_inv, w_amax, x_amax, newest, stored = ctx.saved_tensors
         with no_autocast(grad_out):
-            g_amax = amax(grad_out)
-            g_scale = _scales(g_amax, newest, stored, ctx.margin, torch.finfo(E5M2).max)
-            g_scale = g_scale if newest is None else g_scale[..., 2]
-            g_fp8, g_inv = cast_to_fp8(grad_out, g_scale, E5M2), g_scale.reciprocal()
+            g_fp8, g_scale, g_amax = _cast_grad_output(grad_out, newest, stored, ctx)
+            g_inv = g_scale.reciprocal()
             x_dtype, w_dtype, b_dtype = ctx.dtypes
             needs = ctx.needs_input_grad
             grads = [None] * 7
@@ -117,9 +165,9 @@ class _Fp8LinearOp(torch.autograd.Function):
                 grads[2] = grad_out.float().sum(0).to(b_dtype)
             if needs[3]:  # [x_amax, w_amax, g_amax], made here: at the backward's level
                 grads[3] = torch.stack([x_amax, w_amax, g_amax])
-        if torch.is_grad_enabled() and _tracked_outside(amaxes):
+        if torch.is_grad_enabled() and _tracked_outside(x_amax):
             # An outer differentiation records this backward: make its use raise.
-            grads[:4] = _FirstOrderOnly.apply(amaxes, *grads[:4])
+            grads[:4] = _FirstOrderOnly.apply(x_amax, *grads[:4])
         return tuple(grads)
 
 

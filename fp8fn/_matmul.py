@@ -62,11 +62,14 @@ def fp8_mm(
       b: float8 `(n, k)`, any layout (a linear layer's weight layout).
       inv_scale_a, inv_scale_b: float32 `()` dequantization scales (`1 / scale`).
       out_dtype: dtype of the result.
-      backend: `"emulated"` or `"scaled_mm"` (as resolved by `resolve_backend`).
+      backend: `"emulated"`, `"scaled_mm"`, or `"triton"` (Triton casts: the matmul is
+        `torch._scaled_mm` where supported, else emulated).
 
     Returns:
       `(m, n)` tensor in `out_dtype`.
     """
+    if backend == "triton":
+        backend = "scaled_mm" if scaled_mm_supported(a.device) else "emulated"
     if backend == "emulated":
         # Each operand is widened in the layout it comes in: the backward widens transposed
         # views of the saved float8 copies, which are not the forward's graph nodes, so when

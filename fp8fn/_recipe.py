@@ -5,12 +5,13 @@ from __future__ import annotations
 import dataclasses
 
 _BACKENDS = ("auto", "emulated", "scaled_mm")
+_TENSORWISE_BACKENDS = (*_BACKENDS, "triton")  # fused Triton casts: per-tensor recipes only
 _AMAX_COMPUTE = ("max", "most_recent")
 
 
-def _check_backend(api: str, backend: object) -> None:
-    if backend not in _BACKENDS:
-        raise ValueError(f"fp8fn.{api}: expected `backend` in {_BACKENDS}, got {backend!r}.")
+def _check_backend(api: str, backend: object, allowed: tuple = _BACKENDS) -> None:
+    if backend not in allowed:
+        raise ValueError(f"fp8fn.{api}: expected `backend` in {allowed}, got {backend!r}.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,7 +27,8 @@ class DelayedScaling:
       amax_compute: `"max"` or `"most_recent"`.
       margin: integer from 0 to 64; scales are divided by `2**margin` for headroom.
       backend: `"auto"` (`torch._scaled_mm` on CUDA devices of compute capability >= 8.9,
-        emulation elsewhere), `"emulated"` or `"scaled_mm"`.
+        emulation elsewhere), `"emulated"`, `"scaled_mm"`, or `"triton"` (fused Triton casts:
+        cast and amax in one pass; matmuls as `"auto"`; not yet run on a GPU).
 
     Example:
       >>> import fp8fn
@@ -63,7 +65,7 @@ class DelayedScaling:
             raise ValueError(
                 f"fp8fn.DelayedScaling: expected `margin` from 0 to 64, got {self.margin}."
             )
-        _check_backend("DelayedScaling", self.backend)
+        _check_backend("DelayedScaling", self.backend, _TENSORWISE_BACKENDS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +86,7 @@ class CurrentScaling:
     backend: str = "auto"
 
     def __post_init__(self):
-        _check_backend("CurrentScaling", self.backend)
+        _check_backend("CurrentScaling", self.backend, _TENSORWISE_BACKENDS)
 
 
 _STATELESS_BACKENDS = ("auto", "emulated")

@@ -34,6 +34,8 @@ Example (skipped: it needs a GPU tensor, or CPU under the interpreter):
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ._scaling import E4M3, E5M2
@@ -65,8 +67,20 @@ def _register_ops() -> bool:
             torch.library.custom_op(f"fp8fn::{name}", fn, mutates_args=()).register_fake(fn)
         else:
             torch.library.triton_op(f"fp8fn::{name}", fn, mutates_args=())
+        op = getattr(torch.ops.fp8fn, name).default  # under vmap: one call per member
+        torch.library.register_vmap(f"fp8fn::{name}", functools.partial(_per_member, op))
     _OPS_REGISTERED = True
     return kernels.INTERPRETED
+
+
+def _per_member(op, info, in_dims, *args):
+    """vmap rule: the op on each member of the batch, stacked (each member its own amax)."""
+    members = [
+        op(*(a if d is None else a.select(d, i) for a, d in zip(args, in_dims)))
+        for i in range(info.batch_size)
+    ]
+    outs = [torch.stack(o) for o in zip(*members)]
+    return outs, [0] * len(outs)
 
 
 def _check(api: str, hp, dtype, transpose, **scalars) -> None:

@@ -389,3 +389,62 @@ def test_casts_work_in_an_autograd_function_under_torch_func_grad():
     grad = torch.func.grad(lambda x: (_FakeQuant.apply(x, newest, stored) * weight).sum())(x)
     want_scale = fp8fn.compute_scale(ref_amax(weight), FP8_MAX[E5M2])
     assert torch.equal(grad, cast_to_fp8(weight, want_scale, E5M2).float() / want_scale)
+
+
+# the triton backend of the op ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("recipe_cls", [fp8fn.DelayedScaling, fp8fn.CurrentScaling])
+def test_triton_backend_is_bit_identical_to_emulated_over_steps(recipe_cls):
+    """The whole op (casts by Triton, matmuls emulated on CPU) on both routes, several steps."""
+    runs = {}
+    for backend in ("emulated", "triton"):
+        recipe = recipe_cls(backend=backend)
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(64, 48), torch.nn.GELU(), torch.nn.Linear(48, 8)
+        )
+        fn = fp8fn.transform(model, recipe)
+        gen = torch.Generator().manual_seed(1)
+        xs = [torch.randn(16, 64, generator=gen) for _ in range(3)]
+        params = {k: v.detach() for k, v in model.named_parameters()}
+        state = fn.init(xs[0])
+        history = []
+        for x in xs:
+            grads, obs = torch.func.grad(
+                lambda p, s: fn.apply(p, s, x).square().sum(), argnums=(0, 1)
+            )(params, state)
+            leaves = {k: v.clone().requires_grad_() for k, v in params.items()}
+            observed = fp8fn.observe(state)
+            fn.apply(leaves, observed, x).square().sum().backward()
+            assert all(torch.equal(grads[k], leaves[k].grad) for k in grads)
+            assert torch.equal(obs.amax_history, fp8fn.observations(observed).amax_history)
+            history.append((grads, obs.amax_history))
+            state = fp8fn.update(state, obs)
+            params = {k: v - 1e-3 * grads[k] for k, v in params.items()}
+        runs[backend] = (history, state)
+    (emulated, state_e), (triton, state_t) = runs["emulated"], runs["triton"]
+    assert torch.equal(state_e.amax_history, state_t.amax_history)
+    assert torch.equal(state_e.scale, state_t.scale)
+    for (grads_e, obs_e), (grads_t, obs_t) in zip(emulated, triton):
+        assert torch.equal(obs_e, obs_t)
+        assert all(torch.equal(grads_e[k], grads_t[k]) for k in grads_e)
+
+
+def test_triton_backend_casts_are_one_op_each():
+    recipe = fp8fn.DelayedScaling(backend="triton")
+    state = fp8fn.init_state(recipe, ["fc"])
+    x, w = torch.randn(16, 32), torch.randn(8, 32)
+    casts = []
+
+    class Count(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            casts.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    loss = lambda w, s: fp8fn.linear(x, w, None, s["fc"], recipe).sum()  # noqa: E731
+    state = fp8fn.update(state, torch.func.grad(loss, argnums=1)(w, state))
+    with Count():
+        torch.func.grad(loss, argnums=(0, 1))(w, state)
+    assert casts.count("fp8fn.scaled_cast.default") == 3  # x, weight, grad_output: one op each
+    assert not any("vector_norm" in c or "clamp" in c for c in casts)  # no torch-side cast
