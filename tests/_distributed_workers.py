@@ -370,9 +370,9 @@ def fsdp2_fully_shard_then_transform(rank):
 
 
 def fsdp2_sharded_params_fail(rank):
-    """Without unshard(): `fn.apply` binds the sharded DTensor parameters once, while FSDP2
+    """Without unshard(): `fn.apply` would bind the sharded DTensor parameters once, while FSDP2
     gathers each module's unsharded parameters in its forward pre-hook, on the original module,
-    which fp8fn's private copy never reads. torch refuses the mix of DTensor and tensor."""
+    which fp8fn's private copy never reads. fp8fn refuses them and names the unshard route."""
     import pytest
 
     model = Net()
@@ -383,7 +383,7 @@ def fsdp2_sharded_params_fail(rank):
     for m in (model.fc1, model.ln, model.fc2, model):
         m.reshard()  # as after any forward: named_parameters() are the DTensor shards
     assert type(model.fc1.weight).__name__ == "DTensor"
-    with pytest.raises(RuntimeError, match="got mixed torch.Tensor and DTensor"):
+    with pytest.raises(ValueError, match=r"^fp8fn\.apply: expected whole parameters, got shar"):
         fn.apply(dict(model.named_parameters()), state, _shard(_data(), rank))
     dist.barrier()
 
