@@ -53,3 +53,11 @@ def test_readme_value_and_grad_example_runs():
     assert torch.equal(torch.count_nonzero(state.amax_history, dim=-1), torch.full((2, 3), 11))
     assert set(grads) == {"0.weight", "0.bias", "2.weight", "2.bias"}
     torch._dynamo.reset()
+
+
+def test_readme_per_layer_recipe_example_runs():
+    (block,) = [b for b in _blocks() if "def recipe(name, layer)" in b]
+    namespace = _run([block])
+    fn, state = namespace["fn"], namespace["state"]
+    assert list(state) == ["mlp"] and fn.layers == ["attn", "mlp"]
+    assert isinstance(fn.recipes["attn"], fp8fn.RowwiseScaling)
