@@ -190,6 +190,7 @@ def mutate(root: Path, mutation: Mutation | None) -> None:
     """Copy the package under `root` and apply `mutation` to the copy."""
     target = root / "fp8fn"
     shutil.copytree(PACKAGE, target, ignore=shutil.ignore_patterns("__pycache__"))
+    (root / "_fp8fn_mutation_check.py").write_text(_PLUGIN)
     if mutation is None:
         return
     path = target / mutation.file
@@ -206,9 +207,28 @@ def mutate(root: Path, mutation: Mutation | None) -> None:
     path.write_text(text)
 
 
+_PLUGIN = """\
+import os
+
+import pytest
+
+
+def pytest_collection_finish(session):
+    import fp8fn
+
+    root = os.path.realpath(os.environ["FP8FN_MUTATION_ROOT"])
+    if not os.path.realpath(fp8fn.__file__).startswith(root + os.sep):
+        pytest.exit(
+            f"mutation.py: the tests imported fp8fn from {fp8fn.__file__}, not the copy in {root}",
+            returncode=3,
+        )
+"""
+
+
 def environment(root: Path) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(root), str(REPO / "tests")])
+    env["FP8FN_MUTATION_ROOT"] = str(root)
     env.pop("PYTEST_ADDOPTS", None)
     return env
 
@@ -236,7 +256,8 @@ _FAILED = re.compile(r"^(FAILED|ERROR) (\S+)(?: - (.*))?$", re.MULTILINE)
 def run_tests(root: Path, tests: list, deselect: list, timeout: float):
     """Run pytest on the copy under `root`: (status, first failing test, its message, seconds)."""
     cmd = [sys.executable, "-m", "pytest", *[str(REPO / t) for t in tests]]
-    cmd += ["-x", "-q", "-p", "no:cacheprovider", f"--rootdir={REPO}", "-W", "ignore"]
+    cmd += ["-x", "-q", "-p", "no:cacheprovider", "-p", "_fp8fn_mutation_check"]
+    cmd += [f"--rootdir={REPO}", "--import-mode=importlib", "-W", "ignore"]
     if deselect:
         cmd += ["-k", " and ".join(f"not {k}" for k in deselect)]
     start = time.monotonic()
@@ -250,6 +271,8 @@ def run_tests(root: Path, tests: list, deselect: list, timeout: float):
     failed = _FAILED.search(out.stdout)
     if out.returncode == 0:
         return "passed", "", "", seconds
+    if out.returncode == 3 and "mutation.py:" in out.stdout + out.stderr:
+        raise SetupError((out.stdout + out.stderr).strip().splitlines()[-1])
     if failed:
         test = failed.group(2).split("tests/", 1)[-1]
         return "failed", test, (failed.group(3) or "").strip(), seconds
