@@ -5,13 +5,22 @@ pages (`pydoc_data.topics`), so nothing is downloaded. Both runs start from the 
 see the same batches in the same order; they differ only in whether the linear layers of the
 transformer blocks run in float8:
 
-* **fp8**: `fp8fn.transform(model, fp8fn.DelayedScaling(), checkpoint_fn=<every Block>)`, trained
-  with `torch.func.grad_and_value` over `(params, state)` and `fp8fn.update` after each step.
-  The output layer (`head`) stays in float32, as is usual for fp8 training.
+* **fp8**: `fp8fn.transform(model, recipe, checkpoint_fn=<every Block>)`, trained with
+  `torch.func.grad_and_value` over `(params, state)` and `fp8fn.update` after each step. The
+  recipe is `--recipe`: `delayed` (`fp8fn.DelayedScaling()`, the default), `current`,
+  `rowwise`, `blockwise` or `mx` (the last four are stateless: their state has no sites). The
+  output layer (`head`) stays in float32, as is usual for fp8 training.
 * **float32**: the same transform and training loop with no fp8 layers (`filter_fn` rejects
   all), so the comparison isolates the cost and the effect of the fp8 casts.
 
 The optimizer is AdamW written as a pure function of `(params, grads, opt_state)`.
+
+Data parallel: `torchrun --nproc-per-node 2 -m fp8fn.demo` runs one process per rank (gloo on
+CPU, NCCL with `--device cuda`, one GPU per `LOCAL_RANK`). Every rank draws the same batch and
+trains on its `1 / world_size` share of it; after each backward the loss and the parameter
+gradients are averaged over the ranks in one `all_reduce`, and the observations are combined
+by `fp8fn.all_reduce` (the max over the ranks) before `fp8fn.update`, so every rank holds the
+same parameters and scaling state. Only rank 0 prints (and saves `--plot`).
 
 With `--compile` the step is `torch.compile(fp8fn.value_and_grad(loss_fn, argnums=(0, 1)))`:
 the same gradients with respect to `(params, state)`, built on `torch.autograd.grad`, which
@@ -30,11 +39,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import statistics
 import time
 import warnings
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
@@ -230,6 +241,66 @@ def compiled_grad(loss_fn):
     return torch.compile(fp8fn.value_and_grad(loss_fn, argnums=(0, 1)))
 
 
+# ----------------------------------------------------------------------------- data parallel
+
+
+@dataclasses.dataclass(frozen=True)
+class Ranks:
+    """Where this process runs: its rank among `world_size` (1 without torchrun)."""
+
+    rank: int = 0
+    world_size: int = 1
+    backend: str | None = None  # "gloo" or "nccl" under torchrun
+    owns_group: bool = False  # this process created the process group: it destroys it
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def shard(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's contiguous `1 / world_size` share of the batch dim of `t`."""
+        n = t.shape[0] // self.world_size
+        return t[self.rank * n : (self.rank + 1) * n]
+
+    def average(self, loss: torch.Tensor, grads: dict) -> tuple[torch.Tensor, dict]:
+        """The mean of `loss` and of each gradient over the ranks, in one `all_reduce`."""
+        if self.world_size == 1:
+            return loss, grads
+        flat = torch.cat([loss.detach().reshape(1), *(g.flatten() for g in grads.values())])
+        dist.all_reduce(flat)  # sum
+        flat /= self.world_size
+        sizes = [1, *(g.numel() for g in grads.values())]
+        parts = flat.split(sizes)
+        averaged = {k: part.view_as(g) for (k, g), part in zip(grads.items(), parts[1:])}
+        return parts[0].reshape(()), averaged
+
+    def combine(self, obs: fp8fn.State) -> fp8fn.State:
+        """The observations of all ranks: `fp8fn.all_reduce`, the max of every amax."""
+        return obs if self.world_size == 1 else fp8fn.all_reduce(obs)
+
+
+def setup_ranks(device_type: str) -> tuple[Ranks, torch.device]:
+    """Join the process group `torchrun` describes (`WORLD_SIZE`, `RANK`, `LOCAL_RANK`).
+
+    Without `WORLD_SIZE` in the environment this is one process on `device_type`. Under
+    torchrun: gloo on CPU, NCCL on CUDA with one GPU per `LOCAL_RANK`.
+    """
+    if "WORLD_SIZE" not in os.environ:
+        return Ranks(), torch.device(device_type)
+    device = torch.device(device_type)
+    if device_type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    owns_group = not dist.is_initialized()
+    if owns_group:
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+    ranks = Ranks(dist.get_rank(), dist.get_world_size(), dist.get_backend(), owns_group)
+    return ranks, device
+
+
+# ----------------------------------------------------------------------------- training steps
+
+
 @torch.no_grad()
 def evaluate(apply, params, state, data_batches) -> float:
     """Mean cross-entropy of `apply(params, state, x)` over `data_batches`."""
@@ -243,12 +314,13 @@ def evaluate(apply, params, state, data_batches) -> float:
 class Run:
     """One training run: an `fp8fn.Transformed` model, its params, scaling and AdamW state.
 
-    `step(x, y)` is the whole training step: gradients with respect to `(params, state)`,
-    AdamW on the params, `fp8fn.update` on the scaling state.
+    `step(x, y)` is the whole training step: gradients with respect to `(params, state)` on
+    this rank's share of the batch, averaged (gradients) and max-combined (observations) over
+    the ranks, AdamW on the params, `fp8fn.update` on the scaling state.
     """
 
-    def __init__(self, name, fn, params, example, cfg):
-        self.name, self.fn, self.cfg = name, fn, cfg
+    def __init__(self, name, fn, params, example, cfg, ranks=Ranks()):
+        self.name, self.fn, self.cfg, self.ranks = name, fn, cfg, ranks
         self.params, self.state = params, fn.init(example)
         self.opt = adamw_init(params)
 
@@ -261,6 +333,8 @@ class Run:
     def step(self, step: int, x: torch.Tensor, y: torch.Tensor) -> float:
         start = time.perf_counter()
         loss, (grads, obs) = self.value_and_grad(self.params, self.state, x, y)
+        loss, grads = self.ranks.average(loss, grads)
+        obs = self.ranks.combine(obs)
         grads = clip_by_global_norm(grads, 1.0)
         lr = learning_rate(step, self.cfg.steps, self.cfg.lr, self.cfg.warmup)
         self.params, self.opt = adamw_update(self.params, grads, self.opt, lr)
@@ -287,11 +361,12 @@ class Run:
         }
 
 
-def train(runs: list[Run], corpus: Corpus, cfg, device) -> dict:
+def train(runs: list[Run], corpus: Corpus, cfg, device, ranks=Ranks()) -> dict:
     """Train `runs` in lockstep: every run takes step `i` on the same batch, one after the other.
 
     Interleaving makes the data order identical by construction and exposes both runs to the
-    same machine load, so their step times compare fairly.
+    same machine load, so their step times compare fairly. Each rank trains on its share of
+    every batch (`ranks.shard`); evaluation uses the whole fixed batches on every rank.
 
     Returns:
       `{run.name: run.summary(...)}`.
@@ -306,9 +381,9 @@ def train(runs: list[Run], corpus: Corpus, cfg, device) -> dict:
     val_fixed, train_fixed = fixed(corpus.val, cfg.seed + 1), fixed(corpus.train, cfg.seed + 2)
     eval_every = max(1, cfg.steps // 10)
     data = batches(corpus.train, cfg.steps, cfg.batch_size, cfg.seq_len, cfg.seed)
-    bar = tqdm(data, total=cfg.steps, desc="training", disable=cfg.quiet)
+    bar = tqdm(data, total=cfg.steps, desc="training", disable=cfg.quiet or not ranks.is_main)
     for step, (x, y) in enumerate(bar):
-        x, y = x.to(device), y.to(device)
+        x, y = ranks.shard(x).to(device), ranks.shard(y).to(device)
         losses = {run.name: f"{run.step(step, x, y):.3f}" for run in runs}
         if (step + 1) % eval_every == 0 or step + 1 == cfg.steps:
             for run in runs:
@@ -334,8 +409,12 @@ def sample(fn, params, state, corpus, prompt, n_chars, seq_len, seed, device) ->
 
 
 def report(cfg, results) -> str:
-    """The final table as plain text."""
+    """The final table as plain text, under a line saying what ran where."""
     base, fp8 = results["float32"], results["fp8"]
+    ranks = results["ranks"]
+    where = f"{cfg.device}, 1 process"
+    if ranks.world_size > 1:
+        where = f"{cfg.device}, data parallel on {ranks.world_size} ranks ({ranks.backend})"
     label = f"fp8 ({cfg.recipe})"
     rows = [
         ("run", "train loss", "val loss", "step (ms)"),
@@ -359,32 +438,48 @@ def report(cfg, results) -> str:
         for r in rows
     ]
     lines.insert(1, "-" * len(lines[0]))
-    return "\n".join(lines)
+    caption = f"{cfg.steps} steps of {cfg.batch_size} sequences x {cfg.seq_len} chars ({where})"
+    return "\n".join([caption, *lines])
 
 
 def plot(path, cfg, results) -> None:
+    """Save the loss curves (top) and the fp8 - float32 loss difference per step (bottom)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, (ax, gap_ax) = plt.subplots(
+        2, 1, figsize=(7, 6), sharex=True, gridspec_kw={"height_ratios": [3, 2]}
+    )
+    label = f"fp8 ({cfg.recipe})"
     for name, color in (("float32", "tab:blue"), ("fp8", "tab:orange")):
         run = results[name]
-        label = name if name == "float32" else f"fp8 ({cfg.recipe})"
-        ax.plot(
-            range(1, len(run["train_curve"]) + 1),
-            run["train_curve"],
-            color=color,
-            alpha=0.35,
-            lw=0.8,
-        )
-        steps, losses = zip(*run["val_curve"])
-        ax.plot(steps, losses, "o-", color=color, label=f"{label} (val)")
-    ax.set_xlabel("step")
+        steps = range(1, len(run["train_curve"]) + 1)
+        ax.plot(steps, run["train_curve"], color=color, alpha=0.35, lw=0.8)
+        val_steps, val_losses = zip(*run["val_curve"])
+        ax.plot(val_steps, val_losses, "o-", color=color, ms=3,
+                label=f"{name if name == 'float32' else label} (val)")  # fmt: skip
     ax.set_ylabel("cross-entropy (nats/char)")
     ax.set_title("char-level GPT on Python's help texts: train (faint) and val")
     ax.legend()
+
+    base, fp8 = results["float32"], results["fp8"]
+    diff = [a - b for a, b in zip(fp8["train_curve"], base["train_curve"])]
+    steps = range(1, len(diff) + 1)
+    gap_ax.axhline(0.0, color="black", lw=0.8)
+    gap_ax.plot(steps, diff, color="tab:orange", alpha=0.35, lw=0.8, label="train, per step")
+    window = max(1, len(diff) // 20)
+    if window > 1:
+        smooth = [sum(diff[max(0, i - window + 1) : i + 1]) / min(i + 1, window)
+                  for i in range(len(diff))]  # fmt: skip
+        gap_ax.plot(steps, smooth, color="tab:orange", lw=1.5, label=f"train, mean of {window}")
+    val_steps = [s for s, _ in fp8["val_curve"]]
+    val_diff = [a - b for (_, a), (_, b) in zip(fp8["val_curve"], base["val_curve"])]
+    gap_ax.plot(val_steps, val_diff, "o", color="tab:red", ms=3, label="val")
+    gap_ax.set_xlabel("step")
+    gap_ax.set_ylabel(f"{label} - float32 loss")
+    gap_ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -393,10 +488,21 @@ def plot(path, cfg, results) -> None:
 # ----------------------------------------------------------------------------- main
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+RECIPES = {
+    "delayed": fp8fn.DelayedScaling,  # per tensor, scales from an amax history: has state
+    "current": fp8fn.CurrentScaling,  # per tensor, from the tensor itself
+    "rowwise": fp8fn.RowwiseScaling,  # per row, power-of-two scales (torchao "rowwise")
+    "blockwise": fp8fn.BlockwiseScaling,  # 1x128 tiles, 128x128 weight blocks (DeepSeek-V3)
+    "mx": fp8fn.MXScaling,  # OCP MXFP8: 32-element blocks, power-of-two E8M0 scales
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The demo's command line (`python -m fp8fn.demo --help`)."""
     p = argparse.ArgumentParser(
         prog="python -m fp8fn.demo",
-        description="Train a char-level GPT in fp8 (fp8fn) next to a float32 baseline.",
+        description="Train a char-level GPT in fp8 (fp8fn) next to a float32 baseline. "
+        "Data parallel: torchrun --nproc-per-node N -m fp8fn.demo [flags].",
     )
 
     def positive(value):
@@ -406,7 +512,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         return n
 
     p.add_argument("--steps", type=positive, default=400, help="training steps (default 400)")
-    p.add_argument("--recipe", choices=("delayed", "current"), default="delayed")
+    p.add_argument(
+        "--recipe",
+        choices=tuple(RECIPES),
+        default="delayed",
+        help="fp8 scaling recipe: delayed (default: scales from amax histories, the state), "
+        "or the stateless current, rowwise, blockwise, mx (scales from each tensor)",
+    )
     p.add_argument(
         "--checkpoint",
         action=argparse.BooleanOptionalAction,
@@ -418,20 +530,47 @@ def parse_args(argv=None) -> argparse.Namespace:
         action="store_true",
         help="train with torch.compile(fp8fn.value_and_grad(...)) instead of torch.func",
     )
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--plot", metavar="PATH", help="save both loss curves as a PNG")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--d-model", type=positive, default=128)
-    p.add_argument("--layers", type=positive, default=2)
-    p.add_argument("--heads", type=positive, default=4)
-    p.add_argument("--seq-len", type=positive, default=64)
-    p.add_argument("--batch-size", type=positive, default=32)
-    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
-    p.add_argument("--eval-batches", type=positive, default=8)
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cpu (float8 emulated; default) or cuda (delayed and current use "
+        "torch._scaled_mm on sm >= 8.9)",
+    )
+    p.add_argument(
+        "--plot", metavar="PATH", help="save the loss curves and the fp8 - float32 gap as a PNG"
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of weights, data and sampling")
+    p.add_argument("--d-model", type=positive, default=128, help="model width (default 128)")
+    p.add_argument("--layers", type=positive, default=2, help="transformer blocks (default 2)")
+    p.add_argument("--heads", type=positive, default=4, help="attention heads (default 4)")
+    p.add_argument("--seq-len", type=positive, default=64, help="context in chars (default 64)")
+    p.add_argument(
+        "--batch-size",
+        type=positive,
+        default=32,
+        help="sequences per step over all ranks; divisible by their number (default 32)",
+    )
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default 3e-3)")
+    p.add_argument(
+        "--eval-batches",
+        type=positive,
+        default=8,
+        help="batches in the final train and val losses (default 8)",
+    )
     p.add_argument(
         "--sample-chars", type=int, default=200, help="characters sampled from the fp8 model"
     )
-    p.add_argument("--quiet", action="store_true", help="no progress bars and no table")
+    p.add_argument(
+        "--quiet",
+        action="store_true",
+        help="print only the final table (no progress bar, header or sample)",
+    )
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = build_parser()
     args = p.parse_args(argv)
     if args.sample_chars < 0:
         p.error(f"--sample-chars: expected an integer >= 0, got {args.sample_chars}")
@@ -439,26 +578,42 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--d-model ({args.d_model}) must be divisible by --heads ({args.heads})")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device is available")
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    if args.batch_size % world_size:
+        p.error(
+            f"--batch-size ({args.batch_size}) must be divisible by the number of ranks "
+            f"({world_size})"
+        )
     args.warmup = max(1, args.steps // 20)
     return args
 
 
 def main(argv=None) -> dict:
-    """Run the demo; returns the results (also printed as a table unless `--quiet`).
+    """Run the demo; returns the results (also printed as a table, on rank 0).
 
     Returns:
-      `{"config": vars(args), "float32": run, "fp8": run, "train_gap_pct": float,
-      "val_gap_pct": float, "sample": str, "fp8_layers": [...], "checkpointed": [...]}` with
-      each `run` as returned by `train`. Gaps are `100 * (fp8 - float32) / float32`.
+      `{"config": vars(args), "recipe": recipe, "ranks": Ranks, "float32": run, "fp8": run,
+      "train_gap_pct": float, "val_gap_pct": float, "sample": str, "fp8_layers": [...],
+      "checkpointed": [...]}` with each `run` as returned by `train`. Gaps are
+      `100 * (fp8 - float32) / float32`.
     """
     cfg = parse_args(argv)
-    device = torch.device(cfg.device)
+    ranks, device = setup_ranks(cfg.device)
+    try:
+        return _main(cfg, ranks, device)
+    finally:
+        if ranks.owns_group:
+            dist.destroy_process_group()
+
+
+def _main(cfg, ranks: Ranks, device: torch.device) -> dict:
+    say = print if ranks.is_main else (lambda *args, **kwargs: None)
     corpus = Corpus.load()
     torch.manual_seed(cfg.seed)
     model = GPT(len(corpus.chars), cfg.seq_len, cfg.d_model, cfg.layers, cfg.heads).to(device)
     init = {k: v.detach().clone() for k, v in model.named_parameters()}
 
-    recipe = fp8fn.DelayedScaling() if cfg.recipe == "delayed" else fp8fn.CurrentScaling()
+    recipe = RECIPES[cfg.recipe]()
     checkpoint_fn = (lambda name, m: isinstance(m, Block)) if cfg.checkpoint else None
     fp8_fn = fp8fn.transform(
         model, recipe, filter_fn=lambda name, m: name != "head", checkpoint_fn=checkpoint_fn
@@ -470,21 +625,32 @@ def main(argv=None) -> dict:
         )
     if not cfg.quiet:
         n_params = sum(p.numel() for p in init.values())
-        print(
+        say(
             f"char-level GPT: {n_params / 1e6:.2f}M parameters, vocab {len(corpus.chars)}, "
             f"{len(corpus.train):,} train / {len(corpus.val):,} val chars; "
-            f"{len(fp8_fn.layers)} fp8 layers, checkpointed: {fp8_fn.checkpointed or 'none'}"
+            f"{len(fp8_fn.layers)} fp8 layers ({recipe}), "
+            f"checkpointed: {fp8_fn.checkpointed or 'none'}"
         )
+        if ranks.world_size > 1:
+            say(
+                f"data parallel on {ranks.world_size} ranks ({ranks.backend}): "
+                f"{cfg.batch_size // ranks.world_size} sequences per rank and step"
+            )
 
     results = {
         "config": vars(cfg),
+        "recipe": recipe,
+        "ranks": ranks,
         "fp8_layers": list(fp8_fn.layers),
         "checkpointed": list(fp8_fn.checkpointed),
     }
     x0, _ = next(batches(corpus.train, 1, cfg.batch_size, cfg.seq_len, cfg.seed))
-    x0 = x0.to(device)
-    runs = [Run("float32", hp_fn, dict(init), x0, cfg), Run("fp8", fp8_fn, dict(init), x0, cfg)]
-    results.update(train(runs, corpus, cfg, device))
+    x0 = ranks.shard(x0).to(device)
+    runs = [
+        Run("float32", hp_fn, dict(init), x0, cfg, ranks),
+        Run("fp8", fp8_fn, dict(init), x0, cfg, ranks),
+    ]
+    results.update(train(runs, corpus, cfg, device, ranks))
     for split in ("train", "val"):
         hp, lp = results["float32"][f"{split}_loss"], results["fp8"][f"{split}_loss"]
         results[f"{split}_gap_pct"] = 100 * (lp - hp) / hp
@@ -500,15 +666,16 @@ def main(argv=None) -> dict:
         cfg.seed,
         device,
     )
-    if cfg.plot:
+    if cfg.plot and ranks.is_main:
         plot(cfg.plot, cfg, results)
     if not cfg.quiet:
-        print()
-        print(report(cfg, results))
-        print()
-        print(f"sample from the fp8 model:\n{results['sample']}")
+        say()
+    say(report(cfg, results))
+    if not cfg.quiet:
+        say()
+        say(f"sample from the fp8 model:\n{results['sample']}")
         if cfg.plot:
-            print(f"\nloss curves saved to {cfg.plot}")
+            say(f"\nloss curves saved to {cfg.plot}")
     return results
 
 

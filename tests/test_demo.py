@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import math
+import os
+import socket
+import struct
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -32,12 +37,15 @@ def test_main_returns_both_runs_and_gaps(tiny_results):
         run = results[name]
         assert len(run["train_curve"]) == 20
         assert [s for s, _ in run["val_curve"]] == list(range(2, 21, 2))
-        assert run["step_ms"] > 0
         for key in ("train_loss", "val_loss"):
             assert math.isfinite(run[key])
-    for split in ("train", "val"):
-        hp, lp = results["float32"][f"{split}_loss"], results["fp8"][f"{split}_loss"]
-        assert results[f"{split}_gap_pct"] == pytest.approx(100 * (lp - hp) / hp)
+    assert isinstance(results["recipe"], fp8fn.DelayedScaling)
+    assert results["ranks"].world_size == 1
+    # The fp8 run casts (its curve is not the float32 one) and tracks float32 closely.
+    fp8_curve, hp_curve = results["fp8"]["train_curve"], results["float32"]["train_curve"]
+    assert fp8_curve != hp_curve
+    assert fp8_curve == pytest.approx(hp_curve, abs=0.1)
+    assert abs(results["val_gap_pct"]) < 5
     assert results["sample"].startswith("The ") and len(results["sample"]) == 4 + 12
 
 
@@ -65,15 +73,23 @@ def test_main_updates_fp8_state_and_leaves_baseline_stateless(tiny_results):
     for site_state in state.values():
         for role in (site_state.input, site_state.weight, site_state.grad_output):
             assert role.amax_history.shape == (16,) and role.scale.shape == ()
-    # A delayed scale follows the recipe from the history it holds.
+    # Each delayed scale is 448 / max(history), the documented formula written out here.
     qkv = state["blocks.0.attn.qkv"].input
-    assert torch.equal(qkv.scale, fp8fn.compute_scale(qkv.amax_history.max(), 448.0))
+    assert qkv.scale.item() == torch.tensor(448.0 / qkv.amax_history.max().item()).item()
 
 
-def test_main_plot_is_a_png(tiny_results):
+def test_main_plot_is_a_png_with_the_gap_panel(tiny_results):
     _, plot = tiny_results
     data = plot.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000
+    width, height = struct.unpack(">II", data[16:24])  # the IHDR chunk
+    assert (width, height) == (700, 600)  # two panels: the curves, and fp8 - float32 below
+
+
+def test_every_flag_has_help():
+    actions = [a for a in demo.build_parser()._actions if a.dest != "help"]
+    assert len(actions) == 16
+    assert all(a.help and a.help.strip() for a in actions), [a.dest for a in actions if not a.help]
 
 
 def test_main_current_recipe_without_checkpoint_has_no_state():
@@ -96,6 +112,68 @@ def test_main_compile_matches_eager_on_the_first_steps():
     assert state.sites == state_e.sites
     torch.testing.assert_close(state.amax_history, state_e.amax_history, rtol=1e-2, atol=0)
     assert bool((state.amax_history[:, :, :3] > 0).all())  # every role observed 3 times
+
+
+@pytest.mark.parametrize(
+    "recipe, cls",
+    [
+        ("rowwise", fp8fn.RowwiseScaling),
+        ("blockwise", fp8fn.BlockwiseScaling),
+        ("mx", fp8fn.MXScaling),
+    ],
+)
+def test_main_stateless_recipes_train_and_quiet_prints_only_the_table(recipe, cls, capsys):
+    # d-model 32: blockwise casts partial 128-tiles, MX a 32-block per row.
+    results = demo.main([*TINY, "--steps", "2", "--sample-chars", "0", "--recipe", recipe])
+    captured = capsys.readouterr()
+    assert isinstance(results["recipe"], cls)
+    assert len(results["fp8"]["state"]) == 0  # stateless: no sites
+    fp8_curve, hp_curve = results["fp8"]["train_curve"], results["float32"]["train_curve"]
+    assert fp8_curve[0] != hp_curve[0]  # the same weights and batch, cast to float8
+    assert fp8_curve == pytest.approx(hp_curve, abs=0.05)
+    lines = captured.out.strip().splitlines()
+    assert lines[0] == "2 steps of 8 sequences x 16 chars (cpu, 1 process)"
+    assert lines[1].split() == ["run", "train", "loss", "val", "loss", "step", "(ms)"]
+    assert [line.split()[0] for line in lines[3:]] == ["float32", "fp8", "gap"]
+    assert f"fp8 ({recipe})" in lines[4] and len(lines) == 6
+    assert captured.err == ""  # no progress bar
+
+
+def _table(out: str) -> dict:
+    """The final table's rows: {"float32": (train, val), "fp8": (train, val)}."""
+    rows = {}
+    for line in out.splitlines():
+        words = line.split()
+        if words and words[0] in ("float32", "fp8"):
+            rows[words[0]] = (float(words[-3]), float(words[-2]))
+    return rows
+
+
+def test_torchrun_two_ranks_train_data_parallel():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = [a for a in TINY if a != "--quiet"]
+    argv = [*argv, "--steps", "3", "--sample-chars", "5", "--no-checkpoint"]
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    env["OMP_NUM_THREADS"] = "1"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    command += ["--master-port", str(port), "-m", "fp8fn.demo", *argv]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    # Rank 0 prints, once; it says it ran on 2 ranks.
+    assert out.count("char-level GPT:") == 1 and out.count("sample from the fp8 model:") == 1
+    caption = "3 steps of 8 sequences x 16 chars (cpu, data parallel on 2 ranks (gloo))"
+    assert out.count(caption) == 1
+    assert "data parallel on 2 ranks (gloo): 4 sequences per rank and step" in out
+    # Each rank trains on half of every batch; averaged gradients and max-combined observations
+    # make the run match one process on the whole batch (up to float32 summation order).
+    one = demo.main([*argv, "--quiet"])
+    two = _table(out)
+    for name in ("float32", "fp8"):
+        want = (one[name]["train_loss"], one[name]["val_loss"])
+        assert two[name] == pytest.approx(want, abs=2e-3 if name == "float32" else 1e-2)
 
 
 def test_main_prints_the_table(capsys):
@@ -122,6 +200,13 @@ def test_main_bad_flags_exit_with_argparse_errors(argv, message, capsys):
     with pytest.raises(SystemExit, match="2"):
         demo.main(argv)
     assert message in capsys.readouterr().err
+
+
+def test_main_batch_not_divisible_by_the_ranks_is_an_argparse_error(capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "3")  # as torchrun sets it; checked before joining a group
+    with pytest.raises(SystemExit, match="2"):
+        demo.main(["--batch-size", "8"])
+    assert "must be divisible by the number of ranks (3)" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
