@@ -1,7 +1,8 @@
 """Every script in benchmarks/ runs with `--quick` and prints its table.
 
 Each runs in a subprocess, as a user would run it. A script that fails only because an
-optional dependency (the `bench` extra, e.g. torchao) is missing is skipped.
+optional dependency (the `bench` extra, e.g. torchao) is missing is skipped, and so is one that
+exits saying it needs CUDA on a machine without it.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPTS = sorted((ROOT / "benchmarks").glob("*.py"))
@@ -53,6 +55,8 @@ def test_benchmark_quick_run_prints_its_table(script):
     if result.returncode != 0 and missing and missing.group(1) in OPTIONAL:
         pytest.skip(f"{script.name} needs {missing.group(1)}")
     assert result.returncode == 0, result.stderr[-3000:]
+    if "needs CUDA" in result.stdout + result.stderr and not torch.cuda.is_available():
+        pytest.skip(f"{script.name} needs a GPU")
     header = HEADERS.get(script.name)
     if header is not None:  # its header, then at least two rows of numbers
         match = header.search(result.stdout)
