@@ -38,7 +38,7 @@ DEFAULT_TESTS = [
     "tests/test_compositions.py",
 ]
 QUICK_TESTS = ["tests/test_reference.py"]
-QUICK_DESELECT = ["compiled", "transformer"]  # -k expressions left out by --quick
+QUICK_DESELECT = ["compiled", "transformer"]  # tests left out by --quick (-k "not ...")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,6 +229,7 @@ def environment(root: Path) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(root), str(REPO / "tests")])
     env["FP8FN_MUTATION_ROOT"] = str(root)
+    env["COLUMNS"] = "400"  # pytest cuts the short summary's messages to the terminal's width
     env.pop("PYTEST_ADDOPTS", None)
     return env
 
@@ -253,13 +254,13 @@ def check_import(root: Path) -> None:
 _FAILED = re.compile(r"^(FAILED|ERROR) (\S+)(?: - (.*))?$", re.MULTILINE)
 
 
-def run_tests(root: Path, tests: list, deselect: list, timeout: float):
+def run_tests(root: Path, tests: list, select: str | None, timeout: float):
     """Run pytest on the copy under `root`: (status, first failing test, its message, seconds)."""
     cmd = [sys.executable, "-m", "pytest", *[str(REPO / t) for t in tests]]
     cmd += ["-x", "-q", "-p", "no:cacheprovider", "-p", "_fp8fn_mutation_check"]
     cmd += [f"--rootdir={REPO}", "--import-mode=importlib", "-W", "ignore"]
-    if deselect:
-        cmd += ["-k", " and ".join(f"not {k}" for k in deselect)]
+    if select:
+        cmd += ["-k", select]
     start = time.monotonic()
     try:
         out = subprocess.run(
@@ -285,6 +286,7 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="test_reference.py, fast cases")
     parser.add_argument("--tests", nargs="+", help="test files (relative to the repository)")
     parser.add_argument("--only", nargs="+", help="mutation names to run")
+    parser.add_argument("-k", dest="select", help="pytest -k expression choosing tests")
     parser.add_argument("--keep", action="store_true", help="keep the temporary copies")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per pytest run")
     parser.add_argument("--list", action="store_true", help="list the mutations and exit")
@@ -295,7 +297,9 @@ def main(argv=None) -> int:
             print(f"{m.name:28} fp8fn/{m.file:12} {m.what}")
         return 0
     tests = args.tests or (QUICK_TESTS if args.quick else DEFAULT_TESTS)
-    deselect = QUICK_DESELECT if args.quick else []
+    select = " and ".join(f"not {k}" for k in QUICK_DESELECT) if args.quick else None
+    if args.select:
+        select = f"({args.select})" + (f" and {select}" if select else "")
     mutations = MUTATIONS
     if args.only:
         unknown = set(args.only) - {m.name for m in MUTATIONS}
@@ -313,8 +317,8 @@ def main(argv=None) -> int:
         baseline = workdir / "baseline"
         mutate(baseline, None)
         check_import(baseline)
-        print(f"tests: {' '.join(tests)}" + (f"  (-k not {deselect})" if deselect else ""))
-        status, test, message, seconds = run_tests(baseline, tests, deselect, args.timeout * 2)
+        print(f"tests: {' '.join(tests)}" + (f"  -k {select!r}" if select else ""))
+        status, test, message, seconds = run_tests(baseline, tests, select, args.timeout * 2)
         print(f"baseline (no mutation): {status} in {seconds:.0f} s", flush=True)
         if status != "passed":
             print(f"the unmutated package fails {test}: {message}", file=sys.stderr)
@@ -322,7 +326,7 @@ def main(argv=None) -> int:
         for i, m in enumerate(mutations):
             root = workdir / f"mutant{i}"
             mutate(root, m)
-            status, test, message, seconds = run_tests(root, tests, deselect, args.timeout)
+            status, test, message, seconds = run_tests(root, tests, select, args.timeout)
             caught = {"passed": "NO", "failed": "yes"}.get(status, f"yes ({status})")
             rows.append((m, caught, test, message, seconds))
             print(f"  {m.name}: caught={caught} {test} ({seconds:.0f} s)", flush=True)
@@ -336,11 +340,11 @@ def main(argv=None) -> int:
             shutil.rmtree(workdir, ignore_errors=True)
 
     print()
-    print("| mutation | caught? | by which test |")
-    print("|---|---|---|")
+    print("| mutation | caught? | by which test | how |")
+    print("|---|---|---|---|")
     for m, caught, test, message, _ in rows:
-        detail = f"`{test}`" if test else message[:100]
-        print(f"| {m.what} (`{m.name}`) | {caught} | {detail} |")
+        how = message.replace("|", "/")[:90]
+        print(f"| {m.what} (`{m.name}`) | {caught} | {f'`{test}`' if test else ''} | {how} |")
     survivors = [m.name for m, caught, *_ in rows if caught == "NO"]
     print(f"\n{len(rows) - len(survivors)} of {len(rows)} caught; survivors: {survivors or 'none'}")
     return 1 if survivors else 0

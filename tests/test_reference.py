@@ -289,7 +289,8 @@ def test_microbatches_merge_by_max_over_steps():
 @given(
     st.lists(
         st.tuples(
-            *[st.sampled_from([0.0, math.inf, math.nan, 1e-30, 1e30]) | st.floats(1e-6, 1e6)] * 3
+            *[st.sampled_from([0.0, math.inf, math.nan, 1e-40, 1e-30, 1e30]) | st.floats(1e-6, 1e6)]
+            * 3
         ),
         min_size=1,
         max_size=8,
