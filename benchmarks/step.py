@@ -33,8 +33,8 @@ from _models import MLP, Transformer  # noqa: E402
 HAS_TORCHAO = importlib.util.find_spec("torchao") is not None
 
 
-def _mlp_case(quick):
-    width, batch = (32, 16) if quick else (512, 256)
+def _mlp_case(quick, width):
+    width, batch = (32, 16) if quick else (width, 256)
     model = MLP((width,) * 5)  # 4 layers
     x, y = torch.randn(batch, width), torch.randint(0, width, (batch,))
     return model, (x, y), F.cross_entropy
@@ -149,14 +149,18 @@ def main(argv=None):
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="small shapes (a smoke run)")
+    parser.add_argument("--mlp-width", type=int, default=1024, help="the 4-layer MLP's width")
+    parser.add_argument("--mlp-only", action="store_true", help="skip the transformer")
     args = parser.parse_args(argv)
     if args.quick:
         args.repeats, args.warmup = 2, 2
     torch.set_num_threads(args.threads)
     logging.getLogger("torch").setLevel(logging.ERROR)
     torch.manual_seed(0)
-    cases = {"MLP": _mlp_case(args.quick)}
-    if not args.quick:  # quick: the MLP only (compiling the transformer takes minutes)
+    cases = {"MLP": _mlp_case(args.quick, args.mlp_width)}
+    if not (
+        args.quick or args.mlp_only
+    ):  # quick: the MLP only (compiling the transformer takes minutes)
         cases["transformer"] = _gpt_case(args.quick)
     results = {name: measure(case, args.repeats, args.warmup) for name, case in cases.items()}
     names = list(next(iter(results.values())))
@@ -193,7 +197,16 @@ def main(argv=None):
             "fp8fn delayed compiled",
         ),
         ("fp8fn func eager / fp8fn delayed eager", "fp8fn func eager", "fp8fn delayed eager"),
-        ("fp8fn func compiled / torchao compiled", "fp8fn func compiled", "torchao compiled"),
+        (
+            "fp8fn func compiled / torchao compiled (<= 1.0)",
+            "fp8fn func compiled",
+            "torchao compiled",
+        ),
+        (
+            "fp8fn func compiled / float32 compiled (<= 1.3)",
+            "fp8fn func compiled",
+            "float32 compiled",
+        ),
         ("fp8fn delayed eager / float32 eager", "fp8fn delayed eager", "float32 eager"),
         ("torchao eager / float32 eager", "torchao eager", "float32 eager"),
         ("bfloat16 eager / float32 eager", "bfloat16 eager", "float32 eager"),
