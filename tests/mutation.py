@@ -130,7 +130,7 @@ MUTATIONS = [
         (
             (
                 "return current if newest is None else torch.where(newest > 0, stored, current)",
-                "return current",
+                "return current if newest is None else torch.where(newest > 0, current, current)",
             ),
         ),
     ),

@@ -37,10 +37,24 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 HISTORY_LEN = 4
 
 
-def _recipe(margin=0, amax_compute="max", history_len=HISTORY_LEN):
+def _recipe(margin=0, amax_compute="max", history_len=HISTORY_LEN, backend="emulated"):
     return fp8fn.DelayedScaling(
-        history_len=history_len, amax_compute=amax_compute, margin=margin, backend="emulated"
+        history_len=history_len, amax_compute=amax_compute, margin=margin, backend=backend
     )
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# The Triton casts (DESIGN: fused cast + amax; on CPU under TRITON_INTERPRET=1, set by the
+# repository's conftest.py) against the same reference.
+TRITON = pytest.mark.skipif(not _triton_available(), reason="needs triton (or its interpreter)")
+BACKENDS = ["emulated", pytest.param("triton", marks=TRITON)]
 
 
 def _wide(gen, shape, low=-12):
@@ -127,11 +141,14 @@ X_FACTOR, W_FACTOR, G_FACTOR = (1.0, 3.0, 0.5, 8.0), (1.0, 1.1, 1.2, 1.3), (1.0,
 @pytest.mark.parametrize(
     "margin, amax_compute", [(0, "max"), (2, "max"), (2, "most_recent")], ids=str
 )
-@pytest.mark.parametrize("route", ["func", "autograd"])
-def test_linear_matches_reference_over_steps(route, margin, amax_compute, dtype):
+@pytest.mark.parametrize(
+    "backend, route",
+    [("emulated", "func"), ("emulated", "autograd"), pytest.param("triton", "func", marks=TRITON)],
+)
+def test_linear_matches_reference_over_steps(backend, route, margin, amax_compute, dtype):
     """Forward, three gradients, observations, histories and scales, for 4 steps from an empty
     state (step 1 casts with current scaling, margin included), with stale stored scales."""
-    recipe = _recipe(margin, amax_compute)
+    recipe = _recipe(margin, amax_compute, backend=backend)
     state = fp8fn.init_state(recipe, ["fc"])
     site = R.Site(HISTORY_LEN, amax_compute, margin)
     gen = torch.Generator().manual_seed(1)
@@ -153,12 +170,13 @@ def test_linear_matches_reference_over_steps(route, margin, amax_compute, dtype)
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16", "f16"])
 @pytest.mark.parametrize("margin", [0, 2])
 @pytest.mark.parametrize("stepped", [False, True], ids=["step1", "delayed"])
-def test_casts_are_exposed_elementwise_by_an_identity_weight(stepped, margin, dtype):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_casts_are_exposed_elementwise_by_an_identity_weight(backend, stepped, margin, dtype):
     """With `weight = I`, `output` is the dequantized input cast and `grad_input` the
     dequantized output-gradient cast, element by element (one product per sum): a wrong scale,
     margin or format shows on every element, also below the normal range (where a power of
     two in the scale is not exact) and at saturation."""
-    recipe = _recipe(margin)
+    recipe = _recipe(margin, backend=backend)
     state = fp8fn.init_state(recipe, ["fc"])
     site = R.Site(HISTORY_LEN, "max", margin)
     gen = torch.Generator().manual_seed(2)
