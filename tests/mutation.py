@@ -169,6 +169,28 @@ MUTATIONS = [
         ),
     ),
     Mutation(
+        "stale-scale",
+        "update pushes the amax but keeps the old scale",
+        "_scaling.py",
+        (
+            (
+                "scale = torch.where(push, new_scale, scale)",
+                "scale = torch.where(push, scale, scale)",
+            ),
+        ),
+    ),
+    Mutation(
+        "empty-history-uses-stored",
+        "an empty history casts with the stored scale (1) instead of current scaling",
+        "_linear.py",
+        (
+            (
+                "return current if newest is None else torch.where(newest > 0, stored, current)",
+                "return current if newest is None else torch.where(newest >= 0, stored, current)",
+            ),
+        ),
+    ),
+    Mutation(
         "grad-output-observes-weight",
         "the grad_output observation is the weight's amax",
         "_linear.py",
