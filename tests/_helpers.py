@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import fp8fn
 
@@ -47,3 +48,15 @@ def assert_bit_identical(a, b) -> None:
     for x, y in zip(la, lb):
         assert x.shape == y.shape and x.dtype == y.dtype
         assert torch.equal(bits(x), bits(y)), (x, y)
+
+
+class CountOps(TorchDispatchMode):
+    """Counts the ATen ops dispatched inside it (each one a kernel call or a view)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))

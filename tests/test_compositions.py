@@ -6,8 +6,7 @@ The reference is the unbatched, single-use call on the same data (max, never sum
 import pytest
 import torch
 import torch.nn.functional as F
-from _helpers import assert_bit_identical
-from torch.utils._python_dispatch import TorchDispatchMode
+from _helpers import CountOps, assert_bit_identical
 
 import fp8fn
 
@@ -144,16 +143,6 @@ def test_autocast_casts_the_input_first_and_routes_agree(recipe):
 # op count: the lean op ------------------------------------------------------------------------
 
 
-class _CountOps(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("backend, bound", [("emulated", 67), ("scaled_mm", 58)])
 def test_ops_per_linear_fwd_bwd_stay_bounded(backend, bound):
     """A middle layer (x, weight, bias differentiated) at step 2, torch.func route, counted with
@@ -170,9 +159,9 @@ def test_ops_per_linear_fwd_bwd_stay_bounded(backend, bound):
 
     grad = torch.func.grad(loss, argnums=(0, 1, 2))
     state = fp8fn.update(state, grad(x, params, state)[2])
-    with _CountOps() as ops:
+    with CountOps() as ops:
         grad(x, params, state)
-    with _CountOps() as fp32:
+    with CountOps() as fp32:
         torch.func.grad(lambda x, p: F.linear(x, p["0.weight"], p["0.bias"]).sum(), (0, 1))(
             x, params
         )

@@ -9,6 +9,7 @@ from _helpers import (
     F32_MAX,
     FP8_MAX,
     ROLES,
+    CountOps,
     assert_bit_identical,
     bits,
     expected_scale,
@@ -16,7 +17,6 @@ from _helpers import (
 )
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import fp8fn
 
@@ -266,16 +266,6 @@ def test_merge_then_update_is_max_of_microbatches():
 # constant cost ---------------------------------------------------------------------------------
 
 
-class _CountOps(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
 def _python_calls(f) -> int:
     """The number of Python function calls `f()` makes."""
     calls = 0
@@ -300,7 +290,7 @@ def test_state_functions_cost_does_not_grow_with_sites(api):
         obs = observation(state, **{s: (1.0, 2.0, 3.0) for s in state.sites[::3]})
         f = getattr(fp8fn, api)
         f(state, obs)  # warm caches
-        with _CountOps() as ops:
+        with CountOps() as ops:
             f(state, obs)
         costs.append((ops.count, _python_calls(lambda: f(state, obs))))
     assert costs[0] == costs[1], costs
