@@ -169,7 +169,7 @@ def delayed_cast(
     """
     margin = _margin("delayed_cast", margin)
     _check("delayed_cast", hp, dtype, transpose, newest=newest, stored=stored)
-    return tuple(torch.ops.fp8fn.scaled_cast(hp, newest, stored, None, margin, dtype, transpose))
+    return tuple(torch.ops.fp8fn.scaled_cast(hp, newest, stored, margin, dtype, transpose))
 
 
 def current_cast(
@@ -181,4 +181,4 @@ def current_cast(
     """
     margin = _margin("current_cast", margin)
     _check("current_cast", hp, dtype, transpose)
-    return tuple(torch.ops.fp8fn.scaled_cast(hp, None, None, None, margin, dtype, transpose))
+    return tuple(torch.ops.fp8fn.scaled_cast(hp, None, None, margin, dtype, transpose))

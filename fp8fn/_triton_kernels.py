@@ -145,12 +145,10 @@ def cast_from_amax_kernel(
     newest_ptr,
     stored_ptr,
     scale_out_ptr,
-    margin_ptr,
-    margin_value,
+    margin,
     n_rows,
     n_cols,
     DELAYED: tl.constexpr,
-    MARGIN_FROM_PTR: tl.constexpr,
     TRANSPOSE: tl.constexpr,
     FP8_MAX: tl.constexpr,
     MAX_BITS: tl.constexpr,
@@ -163,13 +161,9 @@ def cast_from_amax_kernel(
     `hp_ptr`, `out_ptr`, `out_t_ptr`, `n_rows`, `n_cols` as for pass 1. The scale is
     `compute_scale(amax, FP8_MAX, margin)`, or when DELAYED and the newest history entry is > 0,
     the stored scale, which pass 1 already cast with: then every program returns at once.
-    `amax_ptr`, `newest_ptr`, `stored_ptr`, `scale_out_ptr`, `margin_ptr`: float32 `()`; the
-    margin is loaded from `margin_ptr` if MARGIN_FROM_PTR, else `margin_value` (float32).
+    `amax_ptr`, `newest_ptr`, `stored_ptr`, `scale_out_ptr`: float32 `()`; `margin` a float
+    holding the recipe's integer margin.
     """
-    if MARGIN_FROM_PTR:
-        margin = tl.load(margin_ptr)
-    else:
-        margin = margin_value
     scale = scale_from_amax(tl.load(amax_ptr), margin, FP8_MAX)
     if DELAYED:
         use_stored = tl.load(newest_ptr) > 0
@@ -235,16 +229,14 @@ def scaled_cast(
     hp: torch.Tensor,
     newest: torch.Tensor | None,
     stored: torch.Tensor | None,
-    margin: torch.Tensor | None,
-    margin_value: float,
+    margin: float,
     dtype: torch.dtype,
     transpose: bool,
 ) -> list[torch.Tensor]:
     """The op `fp8fn::scaled_cast`: `[fp8, (fp8_t,) scale, amax]`.
 
     Delayed scaling when `newest` and `stored` are given (see `_triton.delayed_cast`), current
-    scaling when both are None (`_triton.current_cast`); the margin is `margin` (float32 `()`)
-    if given, else `margin_value`.
+    scaling when both are None (`_triton.current_cast`); `margin` the recipe's, as a float.
     """
     hp = hp.contiguous()
     fp8, fp8_t, amax, (grid, n_rows, n_cols, block, warps) = _allocate(hp, dtype, transpose)
@@ -262,7 +254,6 @@ def scaled_cast(
     # pass 2: the scale from the amax (or the stored one), written out; the cast unless done
     wrap_triton(cast_from_amax_kernel)[grid](
         hp, fp8, fp8_t, amax, newest if delayed else amax, stored if delayed else amax, scale,
-        amax if margin is None else margin, margin_value, n_rows, n_cols, DELAYED=delayed,
-        MARGIN_FROM_PTR=margin is not None, FP8_MAX=FP8_MAX[dtype], **geometry,
+        margin, n_rows, n_cols, DELAYED=delayed, FP8_MAX=FP8_MAX[dtype], **geometry,
     )  # fmt: skip
     return out

@@ -357,10 +357,10 @@ def test_ops_pass_opcheck():
     fp8_triton.current_cast(hp, 0, E4M3)  # registers the ops
     torch.library.opcheck(torch.ops.fp8fn.cast_and_amax.default, (hp, s, E5M2, True))
     torch.library.opcheck(
-        torch.ops.fp8fn.scaled_cast.default, (hp, scalar(0.0), s, s, 0.0, E4M3, False)
+        torch.ops.fp8fn.scaled_cast.default, (hp, scalar(0.0), s, 0.0, E4M3, False)
     )
     torch.library.opcheck(
-        torch.ops.fp8fn.scaled_cast.default, (hp, None, None, None, 1.0, E5M2, True)
+        torch.ops.fp8fn.scaled_cast.default, (hp, None, None, 1.0, E5M2, True)
     )
 
 
