@@ -1,8 +1,8 @@
 """fp8fn.transform: a module as pure init/apply functions, under torch.func and autograd."""
 
+import concurrent.futures
 import copy
 import io
-import threading
 
 import optree
 import pytest
@@ -566,20 +566,18 @@ def test_two_transforms_of_one_module_run_concurrently():
     x = torch.randn(8, 16)
     inputs = [(fn, _params(model), fn.init(x)) for fn in fns]
     expected = [torch.func.grad(_loss(fn), argnums=(0, 1))(p, s, x) for fn, p, s in inputs]
-    results = [None, None]
 
     def work(i):
         fn, p, s = inputs[i]
-        for _ in range(20):
-            results[i] = torch.func.grad(_loss(fn), argnums=(0, 1))(p, s, x)
+        return [torch.func.grad(_loss(fn), argnums=(0, 1))(p, s, x) for _ in range(20)]
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for r, e in zip(results, expected):
-        _assert_trees_equal(r, e)
+    # Futures re-raise a thread's exception here, and every iteration's result is checked.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        futures = [pool.submit(work, i) for i in range(2)]
+        results = [f.result() for f in futures]
+    for runs, e in zip(results, expected):
+        for r in runs:
+            _assert_trees_equal(r, e)
 
 
 def test_filter_fn_keeps_layers_in_high_precision():
