@@ -1,4 +1,5 @@
 import dataclasses
+import types
 
 import pytest
 
@@ -59,3 +60,20 @@ def test_current_scaling_invalid_backend():
 def test_recipe_valid_backends(backend):
     assert fp8fn.DelayedScaling(backend=backend).backend == backend
     assert fp8fn.CurrentScaling(backend=backend).backend == backend
+
+
+def test_public_api_is_exactly_all():
+    want = [
+        "BlockwiseScaling", "CurrentScaling", "DelayedScaling", "MXScaling", "RowwiseScaling",
+        "ScaleState", "SiteState", "State", "Transformed", "all_reduce", "checkpoint",
+        "compute_scale", "flatten_state", "init_state", "linear", "merge", "observations",
+        "observe", "transform", "unflatten_state", "update", "value_and_grad",
+    ]  # fmt: skip
+    assert fp8fn.__all__ == want  # sorted, no duplicates
+    assert all(hasattr(fp8fn, name) for name in want)
+    public = {
+        name
+        for name, value in vars(fp8fn).items()
+        if not name.startswith("_") and not isinstance(value, types.ModuleType)
+    }
+    assert public == set(want)
