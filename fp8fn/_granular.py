@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from . import _quantize as q
+from ._guards import no_autocast
 from ._matmul import pad16, scaled_mm_supported
 from ._recipe import BlockwiseScaling, MXScaling, RowwiseScaling
 
@@ -143,10 +144,10 @@ class _GranularLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(x, weight, bias, recipe, backend):
-        with torch.autocast(x.device.type, enabled=False):
-            out = _GEMMS[type(recipe)][0](x, weight, recipe, backend)
-            if bias is not None:
-                out = out + bias.to(out.dtype)
+        # (called by fp8fn.linear with autocast off, as the per-tensor op)
+        out = _GEMMS[type(recipe)][0](x, weight, recipe, backend)
+        if bias is not None:
+            out = out + bias.to(out.dtype)
         return out
 
     @staticmethod
@@ -163,7 +164,7 @@ class _GranularLinear(torch.autograd.Function):
         x_dtype, w_dtype, b_dtype = ctx.dtypes
         needs = ctx.needs_input_grad
         grad_x = grad_w = grad_b = None
-        with torch.autocast(grad_out.device.type, enabled=False):
+        with no_autocast(grad_out):
             g = grad_out.contiguous()
             if needs[0]:
                 grad_x = grad_input(g, weight, ctx.recipe, ctx.backend).to(x_dtype)
