@@ -100,7 +100,10 @@ def value_and_grad(f, argnums=0, has_aux=False):
                         f"fp8fn.value_and_grad: expected argument {i} to be a pytree of floating "
                         f"tensors, got a leaf {getattr(leaf, 'dtype', type(leaf).__name__)}."
                     )
-            leaves = [t.detach().requires_grad_() for t in leaves]
+            # A tensor given twice in one argument (tied weights) stays one tensor; one given in
+            # two arguments is two (two copies of a state, for two forward passes).
+            memo = {}
+            leaves = [memo.setdefault(id(t), t.detach().requires_grad_()) for t in leaves]
             args[i] = pytree.tree_unflatten(leaves, spec)
             specs.append((leaves, spec))
         with torch.enable_grad():

@@ -110,18 +110,22 @@ def checkpoint(f, *args):
     return checkpoint_with_constants(lambda _, *args: f(*args), args, ())
 
 
-def checkpoint_with_constants(f, args: tuple, constants):
-    """`checkpoint(f, *args)` where `f` also reads `constants`, a pytree of tensors that are not
-    differentiated: `f(constants, *args)`. The recompute gets fresh copies of their values at
-    the forward (so in-place updates in it, e.g. batch-norm statistics, touch only the copies
-    and happen once, in the forward)."""
+def refuse_compile() -> None:
+    """Raise while dynamo traces: without fullgraph the frame then runs eagerly (correct)."""
     if torch.compiler.is_compiling():
-        # Raised while dynamo traces: without fullgraph this frame then runs eagerly (correct).
         raise RuntimeError(
             "fp8fn.checkpoint: torch.compile cannot trace a recompute in the backward. Leave "
             "fullgraph off (the checkpointed part then runs eagerly), or compile the model "
             "without checkpoint_fn."
         )
+
+
+def checkpoint_with_constants(f, args: tuple, constants):
+    """`checkpoint(f, *args)` where `f` also reads `constants`, a pytree of tensors that are not
+    differentiated: `f(constants, *args)`. The recompute gets fresh copies of their values at
+    the forward (so in-place updates in it, e.g. batch-norm statistics, touch only the copies
+    and happen once, in the forward)."""
+    refuse_compile()
     const_leaves, const_spec = pytree.tree_flatten(constants)
     snapshot = [t.detach().clone() if isinstance(t, torch.Tensor) else t for t in const_leaves]
     leaves, in_spec = pytree.tree_flatten(args)

@@ -51,9 +51,8 @@ def _check_device(device: torch.device, group) -> None:
     raise ValueError(
         f"fp8fn.all_reduce: expected `obs` on a device that the backend of `group` "
         f"({dist.get_backend(group)}) reduces ({', '.join(names)}), got {device}. Move the "
-        f"observation there (`obs = obs._replace(amax_history=obs.amax_history.to(device), "
-        f"scale=obs.scale.to(device))`), or reduce over a group of a backend for {device.type} "
-        f"(gloo: cpu and cuda; nccl: cuda)."
+        f"observation there (`obs = obs.to(device)`), or reduce over a group of a backend for "
+        f"{device.type} (gloo: cpu and cuda; nccl: cuda)."
     )
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from ._torch_private import functorch_level
+
 HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -35,7 +37,7 @@ def refuse_compile_under_func(api: str) -> None:
     returns the level (an int), on which dynamo breaks the graph: `fullgraph=True` then fails,
     and otherwise the frame runs eagerly, which is correct.
     """
-    if torch.compiler.is_compiling() and torch._C._functorch.maybe_current_level() is not None:
+    if torch.compiler.is_compiling() and functorch_level() is not None:
         raise RuntimeError(
             f"fp8fn.{api}: torch.compile cannot trace fp8fn.linear inside a torch.func "
             "transform (grad, vjp, vmap): it would drop fp8fn's backward and return wrong "

@@ -12,6 +12,7 @@ from ._matmul import fp8_mm, resolve_backend
 from ._recipe import RECIPES, DelayedScaling
 from ._scaling import E4M3, E5M2, scale_from_amax
 from ._state import check_site_state, claim
+from ._torch_private import tracked_below, tracked_by_outer_differentiation
 
 _HIGHER_ORDER = (
     "fp8fn.linear: higher-order derivatives through float8 casts are not defined (the backward's "
@@ -102,22 +103,6 @@ class _FirstOrderOnly(torch.autograd.Function):
         raise RuntimeError(_HIGHER_ORDER)
 
 
-def _tracked_outside(t: torch.Tensor) -> bool:
-    """Whether a differentiation other than the one running this backward tracks `t`: plain
-    autograd (`requires_grad` with no functorch level running), or a functorch level below
-    the current one (grad of grad, or a plain-autograd graph under torch.func)."""
-    functorch = torch._C._functorch
-    if functorch.maybe_current_level() is None:
-        return t.requires_grad
-    while functorch.is_functorch_wrapped_tensor(t):
-        t = functorch.get_unwrapped(t)
-        if functorch.is_gradtrackingtensor(t) or (
-            not functorch.is_functorch_wrapped_tensor(t) and t.requires_grad
-        ):
-            return True
-    return False
-
-
 class _Fp8LinearOp(torch.autograd.Function):
     """y = x @ weight.T + bias with float8 operands. x (m, k), weight (n, k), bias (n,) or None.
 
@@ -165,7 +150,7 @@ class _Fp8LinearOp(torch.autograd.Function):
                 grads[2] = grad_out.float().sum(0).to(b_dtype)
             if needs[3]:  # [x_amax, w_amax, g_amax], made here: at the backward's level
                 grads[3] = torch.stack([x_amax, w_amax, g_amax])
-        if torch.is_grad_enabled() and _tracked_outside(x_amax):
+        if torch.is_grad_enabled() and tracked_by_outer_differentiation(x_amax):
             # An outer differentiation records this backward: make its use raise.
             grads[:4] = _FirstOrderOnly.apply(x_amax, *grads[:4])
         return tuple(grads)
@@ -185,7 +170,7 @@ class _Fp8Linear(_Fp8LinearOp):
     @staticmethod
     def vmap(info, in_dims, x, weight, bias, newest, stored, margin, backend):
         args = (x, weight, bias, newest, stored)
-        tracked = any(_tracked(t) for t in args if t is not None)
+        tracked = any(tracked_below(t) for t in args if t is not None)
         if tracked and all(d is None for d in in_dims[1:5]):
             xb = x.movedim(in_dims[0], 0)
             outs = _Fp8Linear.apply(xb.flatten(0, 1), weight, bias, newest, stored, margin, backend)
@@ -202,11 +187,6 @@ class _Fp8Linear(_Fp8LinearOp):
             *args, margin, backend
         )
         return outs, (0,) * len(outs)
-
-
-def _tracked(t: torch.Tensor) -> bool:
-    """Whether a differentiation below the current transform level tracks `t`."""
-    return torch._C._functorch.is_gradtrackingtensor(t) or t.requires_grad
 
 
 def linear(x, weight, bias, site_state, recipe):
@@ -257,6 +237,13 @@ def linear(x, weight, bias, site_state, recipe):
                 f"fp8fn.linear: expected `site_state` of history length {h} like the recipe's, "
                 f"got {site_state.amax_history.shape[-1]}."
             )
+        if site_state.static != (recipe.amax_compute, recipe.margin):
+            raise ValueError(
+                "fp8fn.linear: expected `site_state` made for the recipe, got one with "
+                f"amax_compute={site_state.amax_compute!r}, margin={site_state.margin} against "
+                f"{recipe}. A site's static config lives in its state: make the state with "
+                "fp8fn.init_state(recipe, sites) (or fn.init) for this recipe."
+            )
         claim(site_state.amax_history, "linear", "site_state")
         newest, stored = site_state.amax_history[:, 0], site_state.scale
     elif site_state is not None:
@@ -275,8 +262,7 @@ def fp8_linear(x, weight, bias, newest, stored, recipe):
     if newest is not None and newest.device != x.device:
         raise ValueError(
             f"fp8fn.linear: expected the scaling state on the device of `x`, {x.device}, got "
-            f"{newest.device}. Move it: torch.utils._pytree.tree_map(lambda t: t.to(device), "
-            "state)."
+            f"{newest.device}. Move it: `state = state.to(device)`."
         )
     device = x.device.type
     if torch.is_autocast_enabled(device):

@@ -8,6 +8,7 @@ of kernels, and an observation (the gradient with respect to a `State`) is a `St
 
 from __future__ import annotations
 
+import difflib
 from typing import NamedTuple
 
 import optree
@@ -26,15 +27,68 @@ class ScaleState(NamedTuple):
     scale: torch.Tensor  # (...,), float32; fp8 = saturate(hp * scale), finite and > 0
 
 
-class SiteState(NamedTuple):
+class _Frozen:
+    """Immutable objects: attribute assignment raises, pointing to `_replace`."""
+
+    __slots__ = ()
+
+    def __setattr__(self, name, value):
+        raise AttributeError(
+            f"fp8fn.{type(self).__name__} is immutable data: make a new one with "
+            f"`._replace({name}=...)` instead of assigning `.{name}`."
+        )
+
+    def __delattr__(self, name):
+        self.__setattr__(name, None)
+
+
+class SiteState(_Frozen):
     """One site's rows of a `State` (views); `.input`, `.weight`, `.grad_output` give its roles.
 
     It is what `fp8fn.linear` takes as `site_state`: the gradient with respect to it is the
-    site's observation, of the same type.
+    site's observation, of the same type. Its two tensors are the pytree leaves; the static
+    config (`amax_compute`, `margin`) lives in the tree structure, so `fp8fn.linear` can check it
+    against the recipe. It unpacks like a pair: `amax_history, scale = site_state`.
     """
 
-    amax_history: torch.Tensor  # (..., 3, history_len), float32; roles input, weight, grad_output
-    scale: torch.Tensor  # (..., 3), float32
+    __slots__ = ("amax_history", "scale", "amax_compute", "margin")
+    _fields = ("amax_history", "scale")
+
+    def __init__(self, amax_history, scale, amax_compute="max", margin=0):
+        # amax_history: (..., 3, history_len) float32, roles input, weight, grad_output
+        # scale: (..., 3) float32
+        for name, value in zip(self.__slots__, (amax_history, scale, amax_compute, margin)):
+            object.__setattr__(self, name, value)
+
+    @property
+    def static(self) -> tuple:
+        """`(amax_compute, margin)`: what the tree structure holds besides the leaves."""
+        return (self.amax_compute, self.margin)
+
+    def _replace(self, **leaves) -> SiteState:
+        fields = {**self._asdict(), **_known_fields("SiteState", leaves)}
+        return SiteState(fields["amax_history"], fields["scale"], *self.static)
+
+    def _asdict(self) -> dict:
+        return {"amax_history": self.amax_history, "scale": self.scale}
+
+    def __iter__(self):
+        return iter((self.amax_history, self.scale))
+
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, i):
+        return (self.amax_history, self.scale)[i]
+
+    def __repr__(self) -> str:
+        return (
+            f"fp8fn.SiteState(amax_history={self.amax_history!r}, scale={self.scale!r}, "
+            f"amax_compute={self.amax_compute!r}, margin={self.margin})"
+        )
+
+    def __reduce__(self):
+        return (SiteState, (self.amax_history, self.scale, *self.static))
 
     @property
     def input(self) -> ScaleState:
@@ -49,7 +103,17 @@ class SiteState(NamedTuple):
         return ScaleState(self.amax_history[..., 2, :], self.scale[..., 2])
 
 
-class State:
+def _known_fields(api: str, leaves: dict) -> dict:
+    unknown = set(leaves) - {"amax_history", "scale"}
+    if unknown:
+        raise TypeError(
+            f"fp8fn.{api}._replace: expected fields amax_history and/or scale, got "
+            f"{sorted(unknown)}."
+        )
+    return leaves
+
+
+class State(_Frozen):
     """The delayed-scaling state of all sites of a model, packed.
 
     A read-only mapping from site names (call order) to `SiteState` views, and a pytree of two
@@ -77,9 +141,9 @@ class State:
     __slots__ = ("amax_history", "scale", "sites", "amax_compute", "margin", "_index", "_views")
 
     def __init__(self, amax_history, scale, sites, amax_compute="max", margin=0):
-        self.amax_history, self.scale = amax_history, scale
-        self.sites, self.amax_compute, self.margin = tuple(sites), amax_compute, margin
-        self._index, self._views = None, {}
+        values = (amax_history, scale, tuple(sites), amax_compute, margin, None, {})
+        for name, value in zip(self.__slots__, values):
+            object.__setattr__(self, name, value)
 
     @property
     def history_len(self) -> int:
@@ -92,11 +156,13 @@ class State:
 
     def _replace(self, **leaves) -> State:
         """A new `State` with `amax_history` and/or `scale` replaced (like NamedTuple's)."""
-        unknown = set(leaves) - {"amax_history", "scale"}
-        if unknown:
-            raise TypeError(f"fp8fn.State._replace: unknown fields {sorted(unknown)}.")
-        fields = {"amax_history": self.amax_history, "scale": self.scale, **leaves}
+        fields = {"amax_history": self.amax_history, "scale": self.scale}
+        fields.update(_known_fields("State", leaves))
         return State(fields["amax_history"], fields["scale"], *self.static)
+
+    def to(self, device) -> State:
+        """The same state with its two tensors on `device` (e.g. `"cuda"`, `torch.device`)."""
+        return self._replace(amax_history=self.amax_history.to(device), scale=self.scale.to(device))
 
     def __len__(self) -> int:
         return len(self.sites)
@@ -113,10 +179,11 @@ class State:
         if view is None:
             i = self._positions().get(site)
             if i is None:
-                raise KeyError(f"fp8fn.State: no site {site!r}; sites are {list(self.sites)}.")
-            view = self._views[site] = SiteState(
-                self.amax_history[..., i, :, :], self.scale[..., i, :]
-            )
+                close = difflib.get_close_matches(str(site), self.sites, n=3)
+                hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
+                raise KeyError(f"fp8fn.State: no site {site!r} among its {len(self)} sites.{hint}")
+            rows = (self.amax_history[..., i, :, :], self.scale[..., i, :])
+            view = self._views[site] = SiteState(*rows, *self.static[1:])
         return view
 
     def keys(self):
@@ -129,8 +196,9 @@ class State:
         return [(s, self[s]) for s in self.sites]
 
     def _positions(self) -> dict:
+        """`{site: row}`, built on first use (a cache, not data)."""
         if self._index is None:
-            self._index = {s: i for i, s in enumerate(self.sites)}
+            object.__setattr__(self, "_index", {s: i for i, s in enumerate(self.sites)})
         return self._index
 
     def __repr__(self) -> str:
@@ -144,35 +212,51 @@ class State:
         return (State, (self.amax_history, self.scale, *self.static))
 
 
-def _flatten(state: State):
-    return [state.amax_history, state.scale], state.static
+def _register(cls, leaves, static):
+    """Register `cls` as a pytree node (torch and optree) of the fields `leaves`, with the
+    static config `static(obj)` as aux data; and as safe for `torch.load(weights_only=True)`."""
+
+    def children(obj):
+        return [getattr(obj, f) for f in leaves]
+
+    pytree.register_pytree_node(
+        cls,
+        lambda obj: (children(obj), static(obj)),
+        lambda values, aux: cls(*values, *aux),
+        serialized_type_name=f"fp8fn.{cls.__name__}",
+        flatten_with_keys_fn=lambda obj: (
+            [(pytree.GetAttrKey(f), getattr(obj, f)) for f in leaves],
+            static(obj),
+        ),
+    )
+    optree.register_pytree_node(
+        cls,
+        lambda obj: (children(obj), static(obj), leaves),
+        lambda aux, values: cls(*values, *aux),
+        namespace="fp8fn",
+    )
+    torch.serialization.add_safe_globals([cls])
 
 
-def _unflatten(leaves, static) -> State:
-    return State(*leaves, *static)
+_register(State, ("amax_history", "scale"), lambda s: s.static)
+_register(SiteState, ("amax_history", "scale"), lambda s: s.static)
 
 
-pytree.register_pytree_node(
-    State,
-    _flatten,
-    _unflatten,
-    serialized_type_name="fp8fn.State",
-    flatten_with_keys_fn=lambda s: (
-        [
-            (pytree.GetAttrKey("amax_history"), s.amax_history),
-            (pytree.GetAttrKey("scale"), s.scale),
-        ],
-        s.static,
-    ),
-)
-optree.register_pytree_node(
-    State,
-    lambda s: ([s.amax_history, s.scale], s.static, ("amax_history", "scale")),
-    lambda static, leaves: State(*leaves, *static),
-    namespace="fp8fn",
-)
-# So that a state saved with torch.save loads with torch.load(..., weights_only=True).
-torch.serialization.add_safe_globals([State])
+def site_name(path: str, k: int) -> str:
+    """The site of a layer's k-th call (from 0) in one forward: `path`, `path#1`, `path#2`, ...
+
+    A `#` in the path itself is doubled, so that no layer's name can alias another's call.
+    """
+    base = path.replace("#", "##")
+    return base if k == 0 else f"{base}#{k}"
+
+
+def parse_site(name: str) -> tuple[str, int]:
+    """`(path, k)` of a site name: the inverse of `site_name`."""
+    head, sep, digits = name.rpartition("#")
+    if sep and digits.isdigit() and (len(head) - len(head.rstrip("#"))) % 2 == 0:
+        return head.replace("##", "#"), int(digits)
+    return name.replace("##", "#"), 0
 
 
 def init_state(recipe: DelayedScaling, sites, device=None) -> State:

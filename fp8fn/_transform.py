@@ -1,135 +1,63 @@
-"""`transform`: an nn.Module becomes a pure `(init, apply)` pair with explicit scaling state.
+"""`transform`: an nn.Module as a pure `(init, apply)` pair with explicit scaling state.
 
-The module itself is never touched. The transform keeps a private structural copy of it in
-which each chosen `nn.Linear` is an instance of a subclass whose forward calls `fp8fn.linear`
-with its site's state, and each module chosen by `checkpoint_fn` one whose forward runs under
-`fp8fn.checkpoint`. Parameters and tensors are shared, not copied. A `_Trace` per forward pass
-names the call sites (`path`, `path#1`, ...) and hands out their state.
+`apply` runs the user's own module as it is at the call (its buffers, dtype, device, training
+flags and hooks) under `torch.func.functional_call` with the given parameters. A `_Call` (one
+per forward pass, a `TorchFunctionMode`) routes the linear calls of the chosen layers, known by
+the identity of their weight, to `fp8fn.linear` with their site's state. `transform` keeps only
+the layers' names and recipes, and nothing is left on the module after a call.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
-import functools
+import contextvars
+import dataclasses
+import threading
 import warnings
+import weakref
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.utils.stateless import _reparametrize_module
+from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-from ._checkpoint import checkpoint_with_constants
-from ._linear import check_operands, fp8_linear
+from ._checkpoint import checkpoint_with_constants, refuse_compile
+from ._guards import check_operands
+from ._linear import fp8_linear
 from ._recipe import RECIPES, DelayedScaling
-from ._state import State, check_state, claim, init_state
+from ._state import State, check_state, claim, init_state, parse_site, site_name
+from ._torch_private import inside_torch_checkpoint, saved_tensor_hooks_active
 
 # What torch raises when the model's own torch.utils.checkpoint runs under torch.func.
 _TORCH_CHECKPOINT_UNDER_FUNC = ("saved tensor hooks", "must override the setup_context")
 # What torch raises when a module updates a buffer in place under torch.func.grad.
 _TORCH_MUTATES_CAPTURED = "would mutate a captured Tensor"
+# What torch raises when a model (an HF input hook) calls requires_grad_() under torch.func.
+_TORCH_REQUIRES_GRAD_UNDER_FUNC = "call Tensor.requires_grad_() (or perhaps using"
+_USE_CHECKPOINT_FN = (
+    "Turn the model's own checkpointing off (HF: `model.gradient_checkpointing_disable()`) and "
+    "pass `checkpoint_fn=lambda name, module: ...` to fp8fn.transform."
+)
+
+# The `_Call` running in this thread, for the modules chosen by `checkpoint_fn`.
+_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("fp8fn_call", default=None)
 
 
-def site_name(path: str, k: int) -> str:
-    """The site of a layer's k-th call (from 0) in one forward: `path`, `path#1`, `path#2`, ...
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Layer:
+    """A layer that runs in float8: its module path, its parameters' names, its recipe."""
 
-    A `#` in the path itself is doubled, so that no layer's name can alias another's call.
-    """
-    base = path.replace("#", "##")
-    return base if k == 0 else f"{base}#{k}"
+    path: str
+    weight: str  # the weight's name in `module.named_parameters()` (the first name when tied)
+    bias: str | None
+    recipe: object
+    transposed: bool  # HF Conv1D: weight stored `(in, out)`, called through torch.addmm
+    module: nn.Module = dataclasses.field(repr=False)
 
-
-def parse_site(name: str) -> tuple[str, int]:
-    """`(path, k)` of a site name: the inverse of `site_name`."""
-    head, sep, digits = name.rpartition("#")
-    if sep and digits.isdigit() and (len(head) - len(head.rstrip("#"))) % 2 == 0:
-        return head.replace("##", "#"), int(digits)
-    return name.replace("##", "#"), 0
-
-
-class _Trace:
-    """One forward pass: the state it reads and how often each layer has been called.
-
-    `state` is split into per-site rows once, when the first site asks, so the backward
-    gathers the observations of all sites in one stack.
-    """
-
-    def __init__(self, recipes, state, counts=None, discover=False):
-        self.recipes, self.state, self.discover = recipes, state, discover
-        self.counts = {} if counts is None else counts
-        self.sites = []  # names in call order (discovery only)
-        self._rows = None
-
-    def linear(self, path, x, weight, bias):
-        k = self.counts.get(path, 0)
-        self.counts[path] = k + 1
-        name = site_name(path, k)
-        if self.discover:
-            self.sites.append(name)
-            return F.linear(x, weight, bias)
-        recipe = self.recipes[path]
-        newest = stored = None
-        if isinstance(recipe, DelayedScaling):
-            i = self.state._positions().get(name)
-            if i is None:
-                raise ValueError(
-                    f"fp8fn.apply: layer {path!r} was called more often than in `fn.init`: site "
-                    f"{name!r} is not in `state`. Call `fn.init` with inputs that call it as often."
-                )
-            if self._rows is None:
-                self._rows = (self.state.amax_history[..., 0].unbind(0), self.state.scale.unbind(0))
-            newest, stored = self._rows[0][i], self._rows[1][i]
-        check_operands("apply", x, weight, bias)
-        return fp8_linear(x, weight, bias, newest, stored, recipe)
-
-
-class _Holder:
-    """The trace of the forward pass under way in one transform (None outside `apply`)."""
-
-    def __init__(self):
-        self.trace = None
-
-    @contextlib.contextmanager
-    def bind(self, trace):
-        previous, self.trace = self.trace, trace
-        try:
-            yield trace
-        finally:
-            self.trace = previous
-
-
-def _active_trace(module) -> _Trace:
-    return _require_trace(module._fp8fn_holder, module._fp8fn_path)
-
-
-def _refuse_outside_apply(holder: _Holder, path: str, module, args) -> None:
-    """Forward pre-hook on the private copy's modules that own parameters or buffers."""
-    _require_trace(holder, path)
-
-
-def _require_trace(holder: _Holder, path: str) -> _Trace:
-    """The trace under way; raises if a module of the private copy runs outside `apply`."""
-    trace = holder.trace
-    if trace is None:
-        raise RuntimeError(
-            f"fp8fn.apply: module {path!r} ran outside `fn.apply`. This happens "
-            "when the model recomputes it with torch.utils.checkpoint in the backward, which "
-            "would use the module's original parameters and lose the scaling state. Turn the "
-            "model's own checkpointing off and pass `checkpoint_fn=lambda name, module: ...` "
-            "to fp8fn.transform (or use fp8fn.checkpoint in functional code)."
-        )
-    return trace
-
-
-def _linear_site_forward(self, input):
-    """Forward of a converted nn.Linear: the fp8 primitive with this call site's state."""
-    return _active_trace(self).linear(self._fp8fn_path, input, self.weight, self.bias)
-
-
-def _conv1d_site_forward(self, input):
-    """Forward of a converted HF `Conv1D` (weight `(in, out)`): the same, on `weight.T`."""
-    return _active_trace(self).linear(self._fp8fn_path, input, self.weight.t(), self.bias)
+    def holds(self, weight) -> bool:
+        """Whether `weight` is what the module holds now (FSDP2 swaps in unsharded weights)."""
+        return self.module._parameters.get(self.weight.rpartition(".")[2]) is weight
 
 
 def _is_hf_conv1d(module) -> bool:
@@ -137,68 +65,19 @@ def _is_hf_conv1d(module) -> bool:
 
     Duck-typed, so that transformers stays an optional dependency.
     """
-    cls = type(module)
     return any(
-        c.__name__ == "Conv1D" and c.__module__.startswith("transformers") for c in cls.__mro__
+        c.__name__ == "Conv1D" and c.__module__.startswith("transformers")
+        for c in type(module).__mro__
     )
 
 
-def _linear_kind(module):
-    """`(base class, fp8 forward)` of a linear-like module fp8fn converts, or None."""
+def _linear_base(module):
+    """The base class of a linear-like module fp8fn converts (nn.Linear, HF Conv1D), or None."""
     if isinstance(module, nn.Linear):
-        return nn.Linear, _linear_site_forward
+        return nn.Linear
     if _is_hf_conv1d(module):
-        base = next(c for c in type(module).__mro__ if c.__name__ == "Conv1D")
-        return base, _conv1d_site_forward
+        return next(c for c in type(module).__mro__ if c.__name__ == "Conv1D")
     return None
-
-
-def _checkpointed_forward(self, *args, **kwargs):
-    """Forward of a module chosen by `checkpoint_fn`: recomputed in the backward."""
-    trace = _active_trace(self)
-    holder, original = self._fp8fn_holder, super(type(self), self).forward.__func__
-    if trace.discover:
-        return original(self, *args, **kwargs)
-    params = dict(self.named_parameters(remove_duplicate=False))
-    buffers = dict(self.named_buffers(remove_duplicate=False))
-    start, end = dict(trace.counts), {}
-
-    def run(buffers, params, state, args, kwargs):
-        inner = _Trace(trace.recipes, state, dict(start))
-        with holder.bind(inner), _reparametrize_module(self, {**buffers, **params}):
-            out = original(self, *args, **kwargs)
-        end.update(inner.counts)
-        return out
-
-    out = checkpoint_with_constants(run, (params, trace.state, args, kwargs), buffers)
-    trace.counts = end
-    return out
-
-
-@functools.cache
-def _subclass(cls, forward, prefix):
-    return type(f"{prefix}{cls.__name__}", (cls,), {"forward": forward})
-
-
-def _copy_module(module: nn.Module, memo: dict) -> nn.Module:
-    """A shallow structural copy: own child/parameter/buffer dicts, shared tensors.
-
-    (Not `copy.copy`: parametrized modules refuse to be pickled, and so to be copied by it.)
-    """
-    new = object.__new__(type(module))
-    new.__dict__ = dict(module.__dict__)
-    new._parameters = copy.copy(module._parameters)
-    new._buffers = copy.copy(module._buffers)
-    new._modules = copy.copy(module._modules)
-    memo[id(module)] = new
-    for name, child in module._modules.items():
-        if child is not None:
-            new._modules[name] = memo[id(child)] if id(child) in memo else _copy_module(child, memo)
-    return new
-
-
-def _all_sites_filter(name, module):
-    return True
 
 
 def _recipe_for(recipe, name, module):
@@ -210,6 +89,369 @@ def _recipe_for(recipe, name, module):
             f"(e.g. fp8fn.DelayedScaling()) or None, got {type(chosen).__name__}."
         )
     return chosen
+
+
+def _find_layers(module, recipe, filter_fn) -> list[_Layer]:
+    """The linear layers that run in float8, in module order.
+
+    Warns when there are none, and when linear-like modules stay in high precision
+    (nn.MultiheadAttention calls its projections' weights itself).
+    """
+    names = {id(p): n for n, p in module.named_parameters()}  # tied: the first name
+    attention = {
+        id(m) for a in module.modules() if isinstance(a, nn.MultiheadAttention) for m in a.modules()
+    }
+    layers, left = [], []
+    for name, sub in module.named_modules():
+        base = _linear_base(sub)
+        if isinstance(sub, nn.MultiheadAttention) or (base is not None and id(sub) in attention):
+            left.append(f"{name or '<root>'} ({type(sub).__name__})")
+            continue
+        if base is None or (filter_fn is not None and not filter_fn(name, sub)):
+            continue
+        chosen = _recipe_for(recipe, name, sub)
+        if chosen is None:
+            continue
+        refuse = None
+        if type(sub).forward is not base.forward:
+            refuse = f"a {type(sub).__name__}, a {base.__name__} subclass with its own forward"
+        elif torch.nn.utils.parametrize.is_parametrized(sub, "weight"):
+            refuse = "parametrized (torch.nn.utils.parametrize: its weight is made at each use)"
+        if refuse:
+            raise TypeError(
+                f"fp8fn.transform: layer {name!r} is {refuse}, which fp8fn cannot convert "
+                "faithfully. Leave it in high precision with `filter_fn=lambda name, module: "
+                f"name != {name!r}`."
+            )
+        bias = sub.bias if isinstance(sub.bias, torch.Tensor) else None
+        layers.append(
+            _Layer(
+                path=name,
+                weight=names[id(sub.weight)],
+                bias=None if bias is None else names[id(bias)],
+                recipe=chosen,
+                transposed=base is not nn.Linear,
+                module=sub,
+            )
+        )
+    if not layers:
+        warnings.warn(
+            "fp8fn.transform: no layer was converted to float8, so the model runs entirely in "
+            "high precision. fp8fn converts nn.Linear and HF Conv1D layers chosen by "
+            "`filter_fn` and given a recipe"
+            + (f"; these stay in high precision: {left}." if left else "."),
+            stacklevel=3,
+        )
+    elif left:
+        warnings.warn(
+            f"fp8fn.transform: these linear-like modules stay in high precision: {left} "
+            "(nn.MultiheadAttention calls its projections' weights directly). Write attention "
+            "with nn.Linear projections to run them in float8.",
+            stacklevel=3,
+        )
+    return layers
+
+
+def _operands(func, args, kwargs):
+    """`(x, weight, bias, transposed)` of an `F.linear` call or of a `torch.addmm(bias, x,
+    weight)` (HF Conv1D) call; None for another use of addmm."""
+    if func is F.linear:
+        x, weight, *rest = args
+        return x, weight, rest[0] if rest else kwargs.get("bias"), False
+    if len(args) == 3 and not kwargs:
+        bias, x, weight = args
+        return x, weight, bias, True
+    return None
+
+
+class _Slots:
+    """Where a module holds its tensors, for swapping them in safely.
+
+    `torch.func.functional_call` with `tie_weights=True` swaps a submodule registered under two
+    paths twice and restores it wrongly, leaving the module holding the call's tensors (torch
+    2.13). So fp8fn swaps with `tie_weights=False` and ties by itself: each tensor is given once,
+    under its first name, and copied to the other names that are other slots (another module
+    sharing it, as tied weights); names of one slot seen through a shared submodule are dropped.
+    """
+
+    def __init__(self, module: nn.Module):
+        self.first, self.others, seen, slots = {}, {}, {}, set()
+        named = (
+            *module.named_parameters(remove_duplicate=False),
+            *module.named_buffers(remove_duplicate=False),
+        )
+        for name, t in named:
+            path, _, attr = name.rpartition(".")
+            first = self.first[name] = seen.setdefault(id(t), name)
+            slot = (id(module.get_submodule(path)), attr)
+            if slot not in slots:
+                slots.add(slot)
+                if first != name:
+                    self.others.setdefault(first, []).append(name)
+        self.aliases = {n for n, f in self.first.items() if n != f}
+
+    def expand(self, tensors: dict, api: str = "apply", prefix: str = "") -> dict:
+        """`tensors` (`{name: tensor}`) for `functional_call(..., tie_weights=False)`, each name
+        prefixed with `prefix`. Raises when a tied tensor is given twice, as different tensors."""
+        if not self.others and not (tensors.keys() & self.aliases) and not prefix:
+            return tensors
+        out = {}
+        for name, t in tensors.items():
+            first = self.first.get(name, name)
+            if out.setdefault(prefix + first, t) is not t:
+                raise ValueError(
+                    f"fp8fn.{api}: `params` gives the tied tensor {first!r} twice, as {name!r} "
+                    "too, with another tensor. Give each tied parameter once: "
+                    "dict(model.named_parameters())."
+                )
+        for first, names in self.others.items():
+            t = out.get(prefix + first)
+            if t is not None:
+                out.update((prefix + n, t) for n in names)
+        return out
+
+
+def _functional_call(module, slots: _Slots, tensors: dict, args, kwargs, prefix=""):
+    """`module(*args, **kwargs)` with `tensors` swapped in for the call (see `_Slots`)."""
+    tensors = slots.expand(tensors, prefix=prefix)
+    return torch.func.functional_call(
+        module, tensors, args, kwargs, tie_weights=False, strict=False
+    )
+
+
+class _Call(TorchFunctionMode):
+    """One forward pass of a `Transformed`: routes its layers' linear calls to fp8fn.
+
+    Made per call, so one transform may run in several threads at once. It names each call of
+    a layer (`path`, `path#1`, ...) and hands it its rows of `state`; while discovering
+    (`state` None, for `fn.init`) it records the site names and runs the call as it is.
+
+    Args:
+      transformed: the `Transformed`.
+      tensors: `{name: tensor}` as given to `apply`; a layer whose weight is not in it runs
+        with the module's own (as in `functional_call`).
+      state: the `State`, or None when discovering.
+      counts: calls per layer path so far (a recompute starts from the forward's).
+      recompute: whether this pass is a recompute of a `checkpoint_fn` module.
+    """
+
+    def __init__(self, transformed, tensors, state, counts=None, recompute=False):
+        super().__init__()
+        self.transformed, self.state, self.recompute = transformed, state, recompute
+        self.counts = {} if counts is None else counts
+        self.sites = []
+        # Watch for the model's own torch.utils.checkpoint (see _refuse_torch_checkpoint).
+        self.watching = (
+            state is not None and torch.is_grad_enabled() and not torch.compiler.is_compiling()
+        )
+        self.passive = False
+        self._rows = None
+        self._entries = [  # (layer, weight, bias): what each layer runs with
+            (
+                layer,
+                tensors.get(layer.weight, layer.module.weight),
+                tensors.get(layer.bias, layer.module.bias) if layer.bias else None,
+            )
+            for layer in transformed._layers
+        ]
+        self._by_weight = None  # {id(weight): entries}; None while compiling (see _layer_of)
+        if not torch.compiler.is_compiling():
+            self._by_weight = {}
+            for entry in self._entries:
+                self._by_weight.setdefault(id(entry[1]), []).append(entry)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.passive:  # a `checkpoint_fn` module's own pass is under way
+            return func(*args, **kwargs)
+        if self.watching and (not torch.is_grad_enabled() or saved_tensor_hooks_active()):
+            self._refuse_torch_checkpoint()
+        if func is F.linear or func is torch.addmm:
+            operands = _operands(func, args, kwargs)
+            if operands is not None:
+                x, weight, bias, transposed = operands
+                layer = self._layer_of(weight, bias, transposed)
+                if layer is not None:
+                    if self.state is None:
+                        self._count(layer)
+                        return func(*args, **kwargs)
+                    return self._linear(layer, x, weight.t() if transposed else weight, bias)
+        return func(*args, **kwargs)
+
+    def _refuse_torch_checkpoint(self):
+        """Raise if the model runs its own torch.utils.checkpoint (seen as gradients turned
+        off, or saved-tensor hooks, inside a forward that records gradients): its recompute
+        would run after `apply` has returned, with the module's own parameters and without
+        fp8fn. (Only walks the frames in such a stretch: a part run under no_grad on purpose
+        costs a few microseconds per op.)"""
+        if inside_torch_checkpoint(_APPLY_CODE):
+            raise RuntimeError(
+                "fp8fn.apply: the model runs torch.utils.checkpoint, whose recompute in the "
+                "backward would run outside fp8fn.apply: with the module's own parameters and "
+                f"without fp8fn's casts, so silently wrong gradients. {_USE_CHECKPOINT_FN}"
+            )
+
+    def _layer_of(self, weight, bias, transposed):
+        """The layer whose weight `weight` is, or None for any other linear call.
+
+        Layers sharing a weight are told apart by their bias. Compiling, the entries are
+        compared with `is` (a dict keyed by `id` would make dynamo guard on the ids).
+        """
+        if self._by_weight is None:
+            matches = [e for e in self._entries if e[1] is weight]
+        else:
+            matches = self._by_weight.get(id(weight), ())
+        matches = [e for e in matches if e[0].transposed == transposed]
+        if not matches:
+            return self.transformed._holder_of(weight, transposed)
+        return next((e[0] for e in matches if e[2] is bias), matches[0][0])
+
+    def _count(self, layer) -> str:
+        """The site name of this call of `layer`; counts the call."""
+        k = self.counts.get(layer.path, 0)
+        self.counts[layer.path] = k + 1
+        name = site_name(layer.path, k)
+        self.sites.append(name)
+        return name
+
+    def _linear(self, layer, x, weight, bias):
+        name = self._count(layer)
+        if type(weight).__name__ == "DTensor" or type(x).__name__ == "DTensor":
+            raise ValueError(
+                f"fp8fn.apply: layer {layer.path!r} got a DTensor (tensor parallel or sharded "
+                "parameters), which fp8fn.apply does not take yet. FSDP2's `fully_shard` "
+                "works: its hooks unshard each block for its forward."
+            )
+        newest = stored = None
+        if isinstance(layer.recipe, DelayedScaling):
+            i = self.state._positions().get(name)
+            if i is None:
+                raise ValueError(
+                    f"fp8fn.apply: layer {layer.path!r} was called more often than in "
+                    f"`fn.init`: site {name!r} is not in `state`. Call `fn.init` with inputs "
+                    "that call it as often."
+                )
+            if self._rows is None:  # split once: the backward gathers all sites in one stack
+                self._rows = (self.state.amax_history[..., 0].unbind(0), self.state.scale.unbind(0))
+            newest, stored = self._rows[0][i], self._rows[1][i]
+        check_operands(f"apply: layer {layer.path!r}", x, weight, bias)
+        return fp8_linear(x, weight, bias, newest, stored, layer.recipe)
+
+    def checkpoint(self, module, path, forward, args, kwargs):
+        """`forward(*args, **kwargs)` of the `checkpoint_fn` module `module`, recomputed in the
+        backward with the tensors it has now, from this pass's call counts."""
+        prefix = path + "." if path else ""
+        params, buffers = dict(module.named_parameters()), dict(module.named_buffers())
+        start, end = dict(self.counts), {}
+        shim, slots = _Shim(module, forward), self.transformed._block_slots[id(module)]
+
+        def run(buffers, params, state, args, kwargs):
+            tensors = {**buffers, **params}
+            inner = _Call(
+                self.transformed,
+                {prefix + n: t for n, t in tensors.items()},
+                state,
+                dict(start),
+                recompute=True,
+            )
+            with self.transformed._exclusive(), inner, _activated(inner):
+                out = _functional_call(shim, slots, tensors, args, kwargs, prefix="m.")
+            end.update(inner.counts)
+            return out
+
+        self.passive = True
+        try:
+            out = checkpoint_with_constants(run, (params, self.state, args, kwargs), buffers)
+        finally:
+            self.passive = False
+        self.counts.update(end)
+        return out
+
+
+class _Shim(nn.Module):
+    """`forward` of `module` (a bound method) as a module owning `module`'s tensors under `m.`:
+    `functional_call` on it swaps them without running `module`'s hooks a second time."""
+
+    def __init__(self, module, forward):
+        super().__init__()
+        self.m, self._forward = module, forward
+
+    def forward(self, *args, **kwargs):
+        return self._forward(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _activated(call):
+    token = _ACTIVE.set(call)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+# Modules given a checkpointing `forward` while some `apply` runs: {id: [count, saved, module]}.
+_INSTALLED: dict = {}
+_INSTALL_LOCK = threading.Lock()
+_MISSING = object()
+
+
+def _checkpointing_forward(module, forward):
+    """The `forward` a `checkpoint_fn` module has during `apply`: recomputed when the running
+    `_Call` (of this thread) chose it, else the module's own (another thread's plain call)."""
+
+    def checkpointing(*args, **kwargs):
+        call = _ACTIVE.get()
+        if call is None or call.state is None or call.recompute:
+            return forward(*args, **kwargs)
+        path = call.transformed._checkpointed_ids.get(id(module))
+        if path is None:
+            return forward(*args, **kwargs)
+        return call.checkpoint(module, path, forward, args, kwargs)
+
+    return checkpointing
+
+
+@contextlib.contextmanager
+def _checkpoint_forwards(modules):
+    """Give `modules` their checkpointing `forward` (an instance attribute) while inside;
+    shared between concurrent calls, and removed when the last one ends."""
+    with _INSTALL_LOCK:
+        for m in modules:
+            entry = _INSTALLED.get(id(m))
+            if entry is None:
+                saved = m.__dict__.get("forward", _MISSING)
+                forward = saved if saved is not _MISSING else type(m).forward.__get__(m)
+                m.__dict__["forward"] = _checkpointing_forward(m, forward)
+                _INSTALLED[id(m)] = [1, saved, m]
+            else:
+                entry[0] += 1
+    try:
+        yield
+    finally:
+        with _INSTALL_LOCK:
+            for m in modules:
+                entry = _INSTALLED[id(m)]
+                entry[0] -= 1
+                if entry[0] == 0:
+                    del _INSTALLED[id(m)]
+                    if entry[1] is _MISSING:
+                        del m.__dict__["forward"]
+                    else:
+                        m.__dict__["forward"] = entry[1]
+
+
+_LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_LOCKS_LOCK = threading.Lock()
+
+
+def _module_lock(module) -> threading.RLock:
+    """One lock per module: `functional_call` swaps tensors into the module for a call, so
+    calls with other tensors must not overlap (two transforms of one module share it)."""
+    with _LOCKS_LOCK:
+        lock = _LOCKS.get(module)
+        if lock is None:
+            lock = _LOCKS[module] = threading.RLock()
+        return lock
 
 
 class Transformed:
@@ -225,6 +467,11 @@ class Transformed:
                 "fp8fn.transform: expected `module` to be an nn.Module, "
                 f"got {type(module).__name__}."
             )
+        if isinstance(recipe, type) and issubclass(recipe, RECIPES):
+            raise TypeError(
+                f"fp8fn.transform: expected `recipe` to be a recipe instance, got the class "
+                f"{recipe.__name__}. Pass an instance: fp8fn.{recipe.__name__}()."
+            )
         if not (isinstance(recipe, RECIPES) or callable(recipe)):
             raise TypeError(
                 "fp8fn.transform: expected `recipe` to be an fp8fn recipe (e.g. "
@@ -232,73 +479,18 @@ class Transformed:
                 f"got {type(recipe).__name__}."
             )
         self.module = module
-        self._holder = _Holder()
-        memo = {}
-        self._copy = _copy_module(module, memo)
-        self._pairs = [(m, memo[id(m)]) for m in module.modules()]  # (original, copy)
-        self._param_names = [n for n, _ in module.named_parameters()]  # tied: first name only
-        self._aliases = {n for n, _ in module.named_parameters(remove_duplicate=False)}
-        self._buffers = dict(module.named_buffers(remove_duplicate=False))
-        self.recipes = self._convert_layers(memo, recipe, filter_fn or _all_sites_filter)
+        self._layers = _find_layers(module, recipe, filter_fn)
+        self.recipes = {layer.path: layer.recipe for layer in self._layers}
         self.layers = list(self.recipes)
         self._delayed = self._delayed_recipe()
-        self._refuse_outside_recompute(memo)
+        self._stateful = [p for p, r in self.recipes.items() if isinstance(r, DelayedScaling)]
+        self._slots = _Slots(module)
+        self._held = {}  # {id(weight): (weakref, layer)}: weights swapped into layers (FSDP2)
         self.checkpointed = self._checkpoint_modules(checkpoint_fn)
+        self._checkpointed_ids = {id(module.get_submodule(p)): p for p in self.checkpointed}
+        self._checkpointed_modules = [module.get_submodule(p) for p in self.checkpointed]
+        self._block_slots = {id(m): _Slots(m) for m in self._checkpointed_modules}
         self._known_sites = None  # the `state.sites` last checked by `apply`
-
-    def _convert_layers(self, memo, recipe, filter_fn) -> dict:
-        """Give the copies of the chosen linear layers the fp8 forward; {path: recipe}.
-
-        Warns when no layer is converted, naming the linear-like modules left in high
-        precision.
-        """
-        recipes, left = {}, []
-        inside_attention = {
-            id(m)
-            for a in self.module.modules()
-            if isinstance(a, nn.MultiheadAttention)
-            for m in a.modules()
-        }
-        for name, original in self.module.named_modules():
-            kind = _linear_kind(original)
-            if isinstance(original, nn.MultiheadAttention) or (
-                kind is not None and id(original) in inside_attention
-            ):
-                left.append(f"{name or '<root>'} ({type(original).__name__})")
-                continue
-            if kind is None or not filter_fn(name, original):
-                continue
-            chosen = _recipe_for(recipe, name, original)
-            if chosen is None:
-                continue
-            base, forward = kind
-            if type(original).forward is not base.forward:
-                raise TypeError(
-                    f"fp8fn.transform: layer {name!r} is a {type(original).__name__}, a "
-                    f"{base.__name__} subclass with its own forward, which fp8fn cannot convert "
-                    "faithfully. Leave it in high precision with `filter_fn=lambda name, "
-                    f"module: name != {name!r}`."
-                )
-            target = memo[id(original)]
-            target.__class__ = _subclass(type(original), forward, "Fp8")
-            target._fp8fn_path, target._fp8fn_holder = name, self._holder
-            recipes[name] = chosen
-        if not recipes:
-            warnings.warn(
-                "fp8fn.transform: no layer was converted to float8, so the model runs entirely "
-                "in high precision. fp8fn converts nn.Linear and HF Conv1D layers chosen by "
-                "`filter_fn` and given a recipe"
-                + (f"; these stay in high precision: {left}." if left else "."),
-                stacklevel=3,
-            )
-        elif left:
-            warnings.warn(
-                f"fp8fn.transform: these linear-like modules stay in high precision: {left} "
-                "(nn.MultiheadAttention calls its projections' weights directly). Write "
-                "attention with nn.Linear projections to run them in float8.",
-                stacklevel=3,
-            )
-        return recipes
 
     def _delayed_recipe(self) -> DelayedScaling | None:
         """The one DelayedScaling config of the stateful layers (they share one packed state)."""
@@ -312,34 +504,39 @@ class Transformed:
             )
         return min(delayed, key=repr) if delayed else None
 
-    def _refuse_outside_recompute(self, memo) -> None:
-        """Make the copy's other tensor-owning modules refuse to run outside `apply`.
-
-        A recompute by the model's own torch.utils.checkpoint runs after `apply` has returned,
-        with the module's original tensors. (The hook dict is the copy's own, so the user's
-        module is untouched.)
-        """
-        for name, original in self.module.named_modules():
-            target = memo[id(original)]
-            if (target._parameters or target._buffers) and not hasattr(target, "_fp8fn_path"):
-                target._forward_pre_hooks = copy.copy(target._forward_pre_hooks)
-                target.register_forward_pre_hook(
-                    functools.partial(_refuse_outside_apply, self._holder, name)
-                )
-
     def _checkpoint_modules(self, checkpoint_fn) -> list[str]:
-        """Give the copies of the chosen submodules (outermost wins) a recomputed forward."""
+        """The submodules `checkpoint_fn` chooses (the outermost choice wins)."""
         chosen = []
-        for name, original in self.module.named_modules():
-            if checkpoint_fn is None or not checkpoint_fn(name, original):
-                continue
-            if not any(p == "" or name.startswith(p + ".") for p in chosen):
+        if checkpoint_fn is None:
+            return chosen
+        for name, sub in self.module.named_modules():
+            if checkpoint_fn(name, sub) and not any(
+                p == "" or name.startswith(p + ".") for p in chosen
+            ):
                 chosen.append(name)
-        for name in chosen:
-            target = self._copy.get_submodule(name)
-            target.__class__ = _subclass(type(target), _checkpointed_forward, "Checkpointed")
-            target._fp8fn_path, target._fp8fn_holder = name, self._holder
         return chosen
+
+    def _holder_of(self, weight, transposed):
+        """The layer that holds `weight` now, though `apply` was not given it: a module that
+        swaps in its own tensors for its forward (FSDP2's unsharded weights). None if none."""
+        if not isinstance(weight, torch.Tensor):
+            return None
+        held = self._held.get(id(weight))
+        if held is not None and held[0]() is weight and held[1].holds(weight):
+            layer = held[1]
+        else:
+            layer = next((m for m in self._layers if m.holds(weight)), None)
+            if layer is None:
+                return None
+            if not torch.compiler.is_compiling():
+                self._held[id(weight)] = (weakref.ref(weight), layer)
+        return layer if layer.transposed == transposed else None
+
+    def _exclusive(self):
+        """The module's lock (see `_module_lock`); nothing while compiling."""
+        if torch.compiler.is_compiling():
+            return contextlib.nullcontext()
+        return _module_lock(self.module)
 
     def init(self, *args, **kwargs) -> State:
         """Find every fp8 call site and return the initial scaling state.
@@ -354,50 +551,57 @@ class Transformed:
           An `fp8fn.State` on the device of the first stateful layer's weight; it has no
           sites when no layer uses DelayedScaling.
         """
-        trace = self._discover(args, kwargs)
+        sites = self._discover(args, kwargs)
         recipe = self._delayed or DelayedScaling(history_len=1)
-        stateful = self._stateful_layers()
-        names = [n for n in trace.sites if parse_site(n)[0] in stateful]
-        names = list(dict.fromkeys(names + [site_name(p, 0) for p in stateful]))
-        device = self.module.get_submodule(stateful[0]).weight.device if stateful else None
+        stateful = set(self._stateful)
+        names = [n for n in sites if parse_site(n)[0] in stateful]
+        names = list(dict.fromkeys(names + [site_name(p, 0) for p in self._stateful]))
+        first = next((m for m in self._layers if m.path in stateful), None)
+        device = None if first is None else first.module.weight.device
         return init_state(recipe, names, device)
 
-    def _discover(self, args, kwargs) -> _Trace:
-        named = {**dict(self.module.named_parameters(remove_duplicate=False)), **self._buffers}
+    def _discover(self, args, kwargs) -> list[str]:
+        """The site names of one forward pass on the example inputs, in call order."""
+        tensors = {**dict(self.module.named_parameters()), **dict(self.module.named_buffers())}
+        memo = {}
 
         def to_meta(t):
-            return torch.empty_like(t, device="meta") if isinstance(t, torch.Tensor) else t
+            if not isinstance(t, torch.Tensor):
+                return t
+            if id(t) not in memo:  # tied tensors stay tied
+                memo[id(t)] = torch.empty_like(t, device="meta")
+            return memo[id(t)]
 
         with torch.random.fork_rng(devices=[]):  # discovery must not consume the RNG
             try:
-                return self._run_discovery(
-                    {k: to_meta(v) for k, v in named.items()},
-                    pytree.tree_map(to_meta, (args, kwargs)),
-                )
+                meta = {k: to_meta(v) for k, v in tensors.items()}
+                return self._run_discovery(meta, pytree.tree_map(to_meta, (args, kwargs)))
             except Exception:  # data-dependent control flow, or an op without a meta kernel
                 pass
             try:
-                return self._run_discovery(named, (args, kwargs))
+                return self._run_discovery({}, (args, kwargs))
             except Exception as e:
-                raise type(e)(
+                raise RuntimeError(
                     f"fp8fn.init: the model raised on the example inputs ({type(e).__name__}: "
                     f"{e}). Call fn.init with inputs the model accepts."
                 ) from e
 
-    def _run_discovery(self, named, args_kwargs) -> _Trace:
+    def _run_discovery(self, tensors, args_kwargs) -> list[str]:
         args, kwargs = args_kwargs
-        self._sync_training_flags()
-        trace = _Trace(self.recipes, None, discover=True)
-        with torch.no_grad(), self._holder.bind(trace):
-            torch.func.functional_call(self._copy, named, args, kwargs, strict=False)
-        return trace
+        call = _Call(self, tensors, None)
+        with torch.no_grad(), self._exclusive(), call:
+            _functional_call(self.module, self._slots, tensors, args, kwargs)
+        return call.sites
 
     def apply(self, params: dict, state: State, *args, **kwargs):
         """Run the module with `params`, in fp8 with the scales in `state`. Pure.
 
+        The module runs as it is now: its buffers, dtype, device, training flags and hooks.
+
         Args:
           params: `{name: tensor}` keyed like `module.named_parameters()`; it may also give
-            buffers (keyed like `module.named_buffers()`), which otherwise come from the module.
+            buffers (keyed like `module.named_buffers()`). A name it leaves out is the module's
+            own tensor, as in `torch.func.functional_call` (e.g. a frozen base model).
           state: the `fp8fn.State` from `init` (or `update`).
           *args, **kwargs: the module's inputs.
 
@@ -411,25 +615,33 @@ class Transformed:
         """
         self._check(params, state)
         claim(state.amax_history, "apply", "state")
-        self._sync_training_flags()
-        named = {**self._buffers, **params}
+        call = _Call(self, params, state)
         try:
-            with self._holder.bind(_Trace(self.recipes, state)):
-                return torch.func.functional_call(self._copy, named, args, kwargs, strict=False)
+            if self._checkpointed_modules:
+                refuse_compile()
+                with self._exclusive(), call, _activated(call):
+                    with _checkpoint_forwards(self._checkpointed_modules):
+                        return _functional_call(self.module, self._slots, params, args, kwargs)
+            with self._exclusive(), call:
+                return _functional_call(self.module, self._slots, params, args, kwargs)
+        except TypeError as e:
+            bad = {n: type(v).__name__ for n, v in params.items() if not torch.is_tensor(v)}
+            if bad:
+                raise TypeError(f"fp8fn.apply: expected tensors in `params`, got {bad}.") from e
+            raise
         except RuntimeError as e:
             message = str(e)
             if any(m in message for m in _TORCH_CHECKPOINT_UNDER_FUNC):
                 raise RuntimeError(
                     "fp8fn.apply: the model calls torch.utils.checkpoint, which does not work "
-                    "under torch.func transforms. Turn the model's own checkpointing off and "
-                    "pass `checkpoint_fn=lambda name, module: ...` to fp8fn.transform."
+                    f"under torch.func transforms. {_USE_CHECKPOINT_FN}"
                 ) from e
-            if any(getattr(m, "gradient_checkpointing", False) for m in self.module.modules()):
+            if _TORCH_REQUIRES_GRAD_UNDER_FUNC in message:
                 raise RuntimeError(
-                    "fp8fn.apply: the model's own gradient checkpointing is on (e.g. HF "
-                    "`gradient_checkpointing_enable()`); torch.utils.checkpoint does not work "
-                    "under torch.func transforms, and would recompute outside fp8fn.apply. Turn "
-                    "it off (`model.gradient_checkpointing_disable()`) and pass "
+                    "fp8fn.apply: the model calls requires_grad_() under a torch.func transform, "
+                    "which torch refuses. HF models do it in the input hook of their own "
+                    "gradient checkpointing: remove both with `model.gradient_checkpointing_"
+                    "disable()` and `model.disable_input_require_grads()`, and pass "
                     "`checkpoint_fn=lambda name, module: ...` to fp8fn.transform."
                 ) from e
             if _TORCH_MUTATES_CAPTURED in message:
@@ -441,38 +653,17 @@ class Transformed:
                 ) from e
             raise
 
-    def _sync_training_flags(self):
-        """Follow `module.train()` / `.eval()` made after the transform (dropout, batch norm)."""
-        for original, copied in self._pairs:
-            if copied.training != original.training:
-                copied.training = original.training
-
-    def _stateful_layers(self) -> list[str]:
-        return [p for p, r in self.recipes.items() if isinstance(r, DelayedScaling)]
-
     def _check(self, params, state):
         if not isinstance(params, dict):
             raise TypeError(
                 f"fp8fn.apply: expected `params` to be a dict of tensors keyed like "
                 f"module.named_parameters(), got {type(params).__name__}."
             )
-        missing = [n for n in self._param_names if n not in params]
-        extra = [n for n in params if n not in self._buffers and n not in self._aliases]
-        if missing or extra:
+        if not params.keys() <= self._slots.first.keys():
             raise ValueError(
-                "fp8fn.apply: `params` must be keyed like module.named_parameters(); "
-                f"missing {missing}, unexpected {extra}."
-            )
-        bad = {n: type(v).__name__ for n, v in params.items() if not isinstance(v, torch.Tensor)}
-        if bad:
-            raise TypeError(f"fp8fn.apply: expected `params` to hold tensors, got {bad}.")
-        sharded = [n for n, v in params.items() if type(v).__name__ == "DTensor"]
-        if sharded:
-            raise ValueError(
-                f"fp8fn.apply: expected whole parameters, got sharded DTensors {sharded[:3]}... "
-                "(FSDP2 unshards lazily, inside each module's forward, which fp8fn.apply does "
-                "not run). Call `.unshard()` on every FSDPModule before the step, then pass "
-                "`dict(model.named_parameters())`."
+                "fp8fn.apply: `params` must be keyed like module.named_parameters() (or "
+                f"named_buffers()); unexpected {sorted(params.keys() - self._slots.first.keys())}. "
+                "If the model changed after fp8fn.transform, transform it again."
             )
         check_state("apply", state)
         recipe = self._delayed
@@ -484,9 +675,9 @@ class Transformed:
                 f"fp8fn.apply: `state` was made for another recipe: {state!r} with history_len "
                 f"{state.history_len}, but the model's layers use {recipe}. Make it with fn.init."
             )
-        if state.sites != self._known_sites:
-            stateful = self._stateful_layers()
-            missing = [p for p in stateful if site_name(p, 0) not in state]
+        if state.sites is not self._known_sites:
+            missing = [p for p in self._stateful if site_name(p, 0) not in state]
+            stateful = set(self._stateful)
             extra = [n for n in state.sites if parse_site(n)[0] not in stateful]
             if missing or extra:
                 raise ValueError(
@@ -497,18 +688,23 @@ class Transformed:
                 self._known_sites = state.sites
 
 
-def transform(module, recipe, filter_fn=None, checkpoint_fn=None) -> Transformed:
-    """Turn `module` into pure `init` / `apply` functions that run its nn.Linear layers in fp8.
+_APPLY_CODE = Transformed.apply.__code__
 
-    The module is never modified (no swapped children, hooks or attributes).
+
+def transform(module, recipe, filter_fn=None, checkpoint_fn=None) -> Transformed:
+    """Turn `module` into pure `init` / `apply` functions that run its linear layers in fp8.
+
+    The module is never modified: `apply` runs it as it is at each call (buffers, dtype,
+    device, training flags and hooks included), with the given parameters swapped in and its
+    chosen layers' linear calls routed to fp8fn for that call only.
 
     Args:
       module: any nn.Module.
       recipe: an fp8fn recipe for every layer (e.g. `fp8fn.DelayedScaling()`), or a function
         `(name, layer) -> recipe | None` choosing one per layer (None: high precision). The
         DelayedScaling layers share one packed state, so they need one static config.
-      filter_fn: `(name, submodule) -> bool`, choosing the nn.Linear layers (subclasses
-        included) that run in fp8; default: all.
+      filter_fn: `(name, submodule) -> bool`, choosing the linear layers (`nn.Linear` and its
+        subclasses that keep its forward, HF `Conv1D`) that run in fp8; default: all.
       checkpoint_fn: `(name, submodule) -> bool`, choosing submodules whose forward is
         recomputed in the backward (outermost choice wins), under torch.func and plain
         autograd alike; default: none.

@@ -86,8 +86,22 @@ def test_hf_gradient_checkpointing_under_torch_func_is_refused_by_fp8fn():
     ids = torch.randint(0, 64, (2, 8))
     state = fn.init(ids)
     params = {k: v.detach() for k, v in model.named_parameters()}
-    with pytest.raises(RuntimeError, match=r"^fp8fn\.apply: the model's own gradient check"):
-        torch.func.grad(lambda p: fn.apply(p, state, ids, labels=ids).loss)(params)
+    loss = lambda p: fn.apply(p, state, ids, labels=ids).loss  # noqa: E731
+    with pytest.raises(RuntimeError, match=r"^fp8fn\.apply: the model calls requires_grad_"):
+        torch.func.grad(loss)(params)
+    # Plain autograd: the model's own torch.utils.checkpoint would recompute without fp8fn.
+    observed = fp8fn.observe(state)
+    with pytest.raises(RuntimeError, match=r"^fp8fn\.apply: the model runs torch.utils.check"):
+        fn.apply(params, observed, ids, labels=ids)
+    # Turned off after fp8fn.transform: the live model runs as it is now.
+    model.gradient_checkpointing_disable()
+    with pytest.raises(RuntimeError, match=r"model.disable_input_require_grads\(\)"):
+        torch.func.grad(loss)(params)
+    model.disable_input_require_grads()
+    grads = torch.func.grad(loss)(params)
+    fresh = fp8fn.transform(model, DELAYED)
+    want = torch.func.grad(lambda p: fresh.apply(p, state, ids, labels=ids).loss)(params)
+    assert_bit_identical(grads, want)
 
 
 def test_no_converted_layer_warns():

@@ -674,10 +674,10 @@ def test_apply_errors_name_the_problem():
     fn = fp8fn.transform(model, DELAYED)
     x = torch.randn(4, 16)
     params, state = _params(model), fn.init(x)
-    with pytest.raises(ValueError, match=r"fp8fn.apply: .*missing \['0.bias'\]"):
-        fn.apply({k: v for k, v in params.items() if k != "0.bias"}, state, x)
-    with pytest.raises(ValueError, match=r"fp8fn.apply: .*unexpected \['extra'\]"):
+    with pytest.raises(ValueError, match=r"fp8fn.apply: .*unexpected \['extra'\]\. If the model"):
         fn.apply({**params, "extra": torch.ones(1)}, state, x)
+    with pytest.raises(TypeError, match=r"expected tensors in `params`, got \{'0.bias': 'list'\}"):
+        fn.apply({**params, "0.bias": [0.0] * 32}, state, x)
     with pytest.raises(TypeError, match="fp8fn.apply: expected `params` to be a dict"):
         fn.apply(list(params.values()), state, x)
     for not_a_state in (list(state.values()), dict(state.items())):
@@ -719,6 +719,8 @@ def test_transform_errors_name_the_problem():
         fp8fn.transform(lambda x: x, DELAYED)
     with pytest.raises(TypeError, match="fp8fn.transform: expected `recipe`"):
         fp8fn.transform(_mlp(), "delayed")
+    with pytest.raises(TypeError, match=r"got the class DelayedScaling\. Pass an instance: fp8fn"):
+        fp8fn.transform(_mlp(), fp8fn.DelayedScaling)
 
 
 def _with_child(name, child):
@@ -774,8 +776,22 @@ def test_apply_follows_train_and_eval_of_the_module():
     assert not torch.equal(fn.apply(params, state, x), fn.apply(params, state, x))
 
 
-def test_empty_submodules_are_copied_once():
-    model = nn.Sequential(nn.Linear(16, 16), nn.Sequential(), nn.Linear(16, 8))
-    model.alias = model[1]
+def test_tied_parameters_given_under_every_name():
+    model = Tied(16, 16)
     fn = fp8fn.transform(model, DELAYED)
-    assert fn._copy.alias is fn._copy[1] and fn._copy[1] is not model[1]
+    ids = torch.randint(0, 16, (8,), generator=torch.Generator().manual_seed(0))
+    state = fn.init(ids)
+    params = _params(model)
+    every = dict(model.named_parameters(remove_duplicate=False))
+    assert {"b.weight", "head.weight"} <= every.keys() - params.keys()
+    want_out = fn.apply(params, state, ids)
+    assert torch.equal(fn.apply(every, state, ids), want_out)  # the same tensors: fine
+    # value_and_grad keeps a tensor given twice as one leaf: each name gets its gradient.
+    _, (want, want_obs) = fp8fn.value_and_grad(_loss(fn), argnums=(0, 1))(params, state, ids)
+    _, (grads, obs) = fp8fn.value_and_grad(_loss(fn), argnums=(0, 1))(every, state, ids)
+    _assert_trees_equal(obs, want_obs)
+    assert all(torch.equal(grads[k], want[k]) for k in want)
+    assert torch.equal(grads["head.weight"], want["emb.weight"])
+    # torch.func.grad wraps each name on its own: two tensors for one tied parameter.
+    with pytest.raises(ValueError, match=r"gives the tied tensor 'a.weight' twice, as 'b.weight'"):
+        torch.func.grad(_loss(fn))(every, state, ids)

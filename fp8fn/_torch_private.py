@@ -1,0 +1,67 @@
+"""The private torch APIs fp8fn relies on, fenced in one module.
+
+Each is a small function with a public meaning; `tests/test_torch_private.py` checks that the
+torch in use still has them and that they behave as relied on, so that a torch upgrade that
+changes one fails loudly there instead of somewhere deep in the op.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+
+import torch
+import torch.utils.checkpoint
+
+_functorch = torch._C._functorch
+
+
+def functorch_level() -> int | None:
+    """The innermost running torch.func transform's level, or None outside transforms."""
+    return _functorch.maybe_current_level()
+
+
+def tracked_by_outer_differentiation(t: torch.Tensor) -> bool:
+    """Whether a differentiation other than the one running now tracks `t`: plain autograd
+    (`requires_grad`, with no torch.func transform running), or a torch.func level below the
+    current one (grad of grad, or a plain-autograd graph under torch.func)."""
+    if _functorch.maybe_current_level() is None:
+        return t.requires_grad
+    while _functorch.is_functorch_wrapped_tensor(t):
+        t = _functorch.get_unwrapped(t)
+        if _functorch.is_gradtrackingtensor(t) or (
+            not _functorch.is_functorch_wrapped_tensor(t) and t.requires_grad
+        ):
+            return True
+    return False
+
+
+def tracked_below(t: torch.Tensor) -> bool:
+    """Whether a differentiation below the current transform level tracks `t`."""
+    return _functorch.is_gradtrackingtensor(t) or t.requires_grad
+
+
+def saved_tensor_hooks_active() -> bool:
+    """Whether `torch.autograd.graph.saved_tensors_hooks` are in effect (e.g. the non-reentrant
+    `torch.utils.checkpoint`, or offloading to CPU)."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+
+
+_TORCH_CHECKPOINT = inspect.unwrap(torch.utils.checkpoint.checkpoint).__code__
+
+
+def inside_torch_checkpoint(stop_at) -> bool:
+    """Whether the caller runs inside `torch.utils.checkpoint.checkpoint`, below the frame of
+    the code object `stop_at` (frames above it are the caller's caller's business).
+
+    Cheap when it cannot be: the reentrant checkpoint runs its function with gradients off, the
+    non-reentrant one under saved-tensor hooks; only then are the frames walked.
+    """
+    if torch.is_grad_enabled() and not saved_tensor_hooks_active():
+        return False
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code is not stop_at:
+        if frame.f_code is _TORCH_CHECKPOINT:
+            return True
+        frame = frame.f_back
+    return False

@@ -1,0 +1,89 @@
+"""The private torch APIs fp8fn uses (`fp8fn/_torch_private.py`) exist and behave as relied on.
+
+A torch upgrade that renames or changes one of them fails here, by name, instead of somewhere
+deep inside the op.
+"""
+
+import torch
+import torch.utils.checkpoint
+
+from fp8fn import _torch_private as private
+
+
+def test_functorch_level_is_none_outside_and_an_int_inside_transforms():
+    assert private.functorch_level() is None
+    levels = []
+
+    def f(x):
+        levels.append(private.functorch_level())
+        return x.sum()
+
+    torch.func.grad(f)(torch.ones(2))
+    torch.func.grad(torch.func.grad(lambda x: f(x) * x.sum()))(torch.ones(()))
+    assert levels == [1, 2]  # one transform, then the inner of two nested ones
+
+
+def test_tracked_by_outer_differentiation_sees_plain_autograd_and_lower_levels():
+    plain = torch.ones(2, requires_grad=True)
+    assert private.tracked_by_outer_differentiation(plain)
+    assert not private.tracked_by_outer_differentiation(torch.ones(2))
+    seen = {}
+
+    def inner(x):
+        seen["inner"] = private.tracked_by_outer_differentiation(x)
+        return x.sum()
+
+    def outer(x):
+        torch.func.grad(inner)(x * 2)  # x * 2 is tracked by the outer grad
+        return x.sum()
+
+    torch.func.grad(outer)(torch.ones(2))
+    assert seen["inner"] is True
+    torch.func.grad(inner)(torch.ones(2))  # one level, nothing outside
+    assert seen["inner"] is False
+
+
+def test_tracked_below_sees_grad_tracking_tensors():
+    seen = []
+
+    def f(x):
+        seen.append(private.tracked_below(x))
+        return x.sum()
+
+    torch.func.grad(f)(torch.ones(2))
+    assert seen == [True]
+    assert private.tracked_below(torch.ones(2, requires_grad=True))
+    assert not private.tracked_below(torch.ones(2))
+
+
+def test_saved_tensor_hooks_active_follows_the_context():
+    assert not private.saved_tensor_hooks_active()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        assert private.saved_tensor_hooks_active()
+    assert not private.saved_tensor_hooks_active()
+
+
+def test_inside_torch_checkpoint_sees_both_modes_and_stops_at_its_frame():
+    seen = []
+
+    def body(x):
+        seen.append(private.inside_torch_checkpoint(None))
+        return x * 2
+
+    x = torch.ones(2, requires_grad=True)
+    for reentrant in (True, False):
+        torch.utils.checkpoint.checkpoint(body, x, use_reentrant=reentrant).sum().backward()
+    body(x)  # not under a checkpoint
+    # (each checkpoint runs `body` twice: the forward, and the recompute in the backward)
+    assert seen[0] is True and seen[2] is True and seen[-1] is False
+
+    def stop(x):
+        return body(x)
+
+    seen.clear()
+    torch.utils.checkpoint.checkpoint(
+        lambda x: (seen.append(private.inside_torch_checkpoint(stop.__code__)), x)[1] * 2,
+        x,
+        use_reentrant=True,
+    )
+    assert seen == [True]
