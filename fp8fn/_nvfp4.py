@@ -20,9 +20,11 @@ The round-to-nearest-even quantizer is torchao 0.18's `nvfp4_quantize` (and `NVF
 
 torchao's quantizer without a tensor scale ("single level") is this one with `tensor_scale = 1`.
 Where fp8fn deliberately differs: a tensor scale computed from the amax is clamped below at
-`TENSOR_SCALE_MIN` (torchao's gives NaN block scales for an all-zero tensor and NaN or
-garbage for amax below ~2e-33, where `1 / tensor_scale` overflows), and E2M1 codes inside a
-block whose scale is NaN are 0 with the element's sign (torchao's come from NaN payload bits).
+`TENSOR_SCALE_MIN = 2**-121`, so it differs for tensors with amax < 2688 * 2**-121 ~ 1.0e-33.
+Below ~5e-34 torchao's `(1 / tensor_scale) / block_scale` overflows for small block scales
+(zeros become NaN, other values saturate), and an all-zero tensor gets NaN block scales
+(0 / 0). And E2M1 codes inside a block whose scale is NaN are 0 with the element's sign
+(torchao's come from the NaN's payload bits; either way the block dequantizes to NaN).
 """
 
 from __future__ import annotations
@@ -39,9 +41,9 @@ E2M1_MAX = 6.0
 BLOCK = 16
 # torchao clamps a block scale at e4m3's smallest normal, `torch.finfo(e4m3).tiny`.
 _BLOCK_SCALE_MIN = 2.0**-6
-# The smallest tensor scale for which `(1 / tensor_scale) / block_scale` stays finite for every
-# block scale >= 2**-6: 2**120 * 2**6 = 2**126 < float32 max.
-TENSOR_SCALE_MIN = 2.0**-120
+# The smallest power of two for which `(1 / tensor_scale) / block_scale` is finite for every
+# block scale >= 2**-6: 2**121 * 2**6 = 2**127 (2**-122 would give 2**128 = inf).
+TENSOR_SCALE_MIN = 2.0**-121
 _MASK32 = 0xFFFFFFFF
 
 
