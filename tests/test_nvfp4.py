@@ -109,7 +109,7 @@ def test_quantize_matches_torchao_on_dense_data(dtype):
     """Many blocks of heavy-tailed data, for the rare values where the order of operations
     shows (a division instead of torchao's reciprocal multiply, amax / (6 * ts), ...)."""
     gen = torch.Generator().manual_seed(0)
-    hp = torch.randn(512, 512, generator=gen) * (torch.randn(512, 512, generator=gen) * 2).exp()
+    hp = torch.randn(256, 256, generator=gen) * (torch.randn(256, 256, generator=gen) * 2).exp()
     hp = hp.to(dtype)
     assert_matches_torchao(hp, None, nv.quantize_nvfp4(hp, ONE))
     tensor_scale = ao.per_tensor_amax_to_scale(hp.abs().amax())
