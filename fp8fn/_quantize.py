@@ -45,6 +45,21 @@ def _pad_last(hp: torch.Tensor, block: int) -> torch.Tensor:
     return F.pad(hp, (0, extra)) if extra else hp
 
 
+def _mul_blocks(hp: torch.Tensor, scale: torch.Tensor, block: int) -> torch.Tensor:
+    """`hp * scale`, one `scale` per `block` elements along the last dim.
+
+    `hp` `(..., k)`, `scale` `(..., ceil(k / block))`; returns `(..., k)`. Padded to whole
+    blocks, multiplied per block and sliced back: the same products as
+    `hp * scale.repeat_interleave(block, -1)[..., :k]`, a form inductor (torch 2.13) compiles
+    wrongly: for a partial block after a whole one it leaves the columns past the first block
+    unwritten (garbage), and a graph holding two such products of one tensor along different
+    dims (`g` and `g.t()` in the backward) fails with an InductorError.
+    """
+    k, nb = hp.shape[-1], scale.shape[-1]
+    blocks = _pad_last(hp, block).unflatten(-1, (nb, block))
+    return (blocks * scale.unsqueeze(-1)).flatten(-2)[..., :k]
+
+
 # -- rowwise (torchao "rowwise" / "rowwise_with_gw_hp") -----------------------------------------
 
 
@@ -168,9 +183,7 @@ def dequantize_mx(
     Returns:
       `(..., k)` in `dtype`.
     """
-    k = fp8.shape[-1]
-    scale = e8m0_to_float32(exponent).to(dtype).repeat_interleave(block_size, -1)[..., :k]
-    return fp8.to(dtype) * scale
+    return _mul_blocks(fp8.to(dtype), e8m0_to_float32(exponent).to(dtype), block_size)
 
 
 # -- blockwise (DeepSeek-V3: 1 x 128 tiles, 128 x 128 weight blocks) -----------------------------
@@ -223,12 +236,13 @@ def dequantize_tiles(fp8: torch.Tensor, inverse_scale: torch.Tensor, tile: int =
 
     `fp8` `(..., k)`, `inverse_scale` `(..., ceil(k / tile))`; returns float32 `(..., k)`.
     """
-    k = fp8.shape[-1]
-    return fp8.float() * inverse_scale.repeat_interleave(tile, -1)[..., :k]
+    return _mul_blocks(fp8.float(), inverse_scale, tile)
 
 
 def dequantize_blocks(fp8: torch.Tensor, inverse_scale: torch.Tensor, block: int = 128):
     """float32 `fp8 * inverse_scale` per `block x block` block of the `(n, k)` matrix `fp8`."""
     n, k = fp8.shape
-    expanded = inverse_scale.repeat_interleave(block, 0).repeat_interleave(block, 1)
-    return fp8.float() * expanded[:n, :k]
+    nb, kb = inverse_scale.shape
+    padded = F.pad(fp8.float(), (0, -k % block, 0, -n % block))
+    blocks = padded.unflatten(1, (kb, block)).unflatten(0, (nb, block))  # (nb, b, kb, b)
+    return (blocks * inverse_scale[:, None, :, None]).flatten(2).flatten(0, 1)[:n, :k]

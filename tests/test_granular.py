@@ -670,3 +670,50 @@ def test_quantizers_compiled_are_bit_identical_to_eager():
     x = _special(torch.float32, rows=128, cols=256)
     for a, b in zip(torch.compile(quantize_all, fullgraph=True)(x), quantize_all(x)):
         assert same(a, b)
+
+
+# -- torch.compile ------------------------------------------------------------------------------
+
+
+def _linear_step(recipe, x, linear, g, compile_):
+    """`_run_ours`, with `fp8fn.linear` under `torch.compile` when `compile_`."""
+    x = x.detach().clone().requires_grad_()
+    w = linear.weight.detach().clone().requires_grad_()
+    b = linear.bias.detach().clone().requires_grad_()
+
+    def f(x, w, b):
+        return fp8fn.linear(x, w, b, None, recipe)
+
+    out = (torch.compile(f, fullgraph=True) if compile_ else f)(x, w, b)
+    out.backward(g)
+    return out, x.grad, w.grad, b.grad
+
+
+# Token counts and features that are not multiples of the blocks; blockwise needs more than one
+# 128-tile per dim for a partial one to follow a whole one.
+COMPILE_CASES = [
+    *[(r, ((100, 48), 40)) for r in RECIPES[:4]],
+    *[(r, ((96, 64), 64)) for r in (MX_RCEIL, MX_FLOOR)],
+    (BLOCKWISE, ((200, 136), 144)),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "recipe, case",
+    COMPILE_CASES,
+    ids=[f"{IDS[RECIPES.index(r)]}-{c[0][0]}x{c[0][1]}x{c[1]}" for r, c in COMPILE_CASES],
+)
+def test_granular_linear_compiled_is_bit_identical_to_eager(recipe, case):
+    # Inductor compiled the dequantizers' former `scale.repeat_interleave(b, -1)[..., :k]` into
+    # a kernel that left the columns past the first block unwritten (garbage or NaN outputs and
+    # gradients), or failed with an InductorError.
+    # The bias gradient is a sum whose order inductor picks: g in multiples of 1/16 below 64
+    # in magnitude sums exactly in float32 in any order, so that it can be compared bit for bit.
+    torch._dynamo.reset()
+    x, linear, g = _case(*case, torch.float32)
+    g = (g * 16).round().clamp(-1000, 1000) / 16
+    want = _linear_step(recipe, x, linear, g, compile_=False)
+    got = _linear_step(recipe, x, linear, g, compile_=True)
+    for name, a, b in zip(("out", "grad_x", "grad_w", "grad_b"), got, want):
+        assert same(a, b), name
