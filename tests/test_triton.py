@@ -359,9 +359,7 @@ def test_ops_pass_opcheck():
     torch.library.opcheck(
         torch.ops.fp8fn.scaled_cast.default, (hp, scalar(0.0), s, 0.0, E4M3, False)
     )
-    torch.library.opcheck(
-        torch.ops.fp8fn.scaled_cast.default, (hp, None, None, 1.0, E5M2, True)
-    )
+    torch.library.opcheck(torch.ops.fp8fn.scaled_cast.default, (hp, None, None, 1.0, E5M2, True))
 
 
 class _FakeQuant(torch.autograd.Function):
