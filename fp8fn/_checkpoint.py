@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import sys
 
 import torch
 from torch.utils import _pytree as pytree
@@ -63,6 +65,25 @@ class _Checkpoint(torch.autograd.Function):
         for i, g in zip(diff, diff_grads):
             grads[i] = g
         return (None, None, *grads)
+
+
+@functools.cache
+def _eager_checkpoint() -> type[_Checkpoint]:
+    """`_Checkpoint` with its forward and backward never traced by torch.compile.
+
+    Dynamo would otherwise trace the frames they call (falling back to eager for
+    `checkpoint_with_constants` covers only its own frame): the forward's, which may then round
+    differently from the eager recompute, and in the backward the `torch.func.grad` over the
+    recompute, whose graph AOTAutograd differentiates once more (a double backward, which
+    raises for ops that have none, e.g. SDPA on CPU). Made on first use, so that importing
+    fp8fn does not import dynamo.
+    """
+
+    class _EagerCheckpoint(_Checkpoint):
+        forward = staticmethod(torch.compiler.disable(_Checkpoint.forward))
+        backward = staticmethod(torch.compiler.disable(_Checkpoint.backward))
+
+    return _EagerCheckpoint
 
 
 def _rng_state():
@@ -155,5 +176,7 @@ def checkpoint_with_constants(f, args: tuple, constants):
     tensors = [x for x, t in zip(leaves, is_tensor) if t]
     diff = tuple(i for i, t in enumerate(tensors) if t.is_floating_point())
     run.rng_state = _rng_state()
-    outputs = _Checkpoint.apply(run, diff, *tensors)
+    # Without dynamo imported nothing is being compiled, and dynamo need not be imported.
+    function = _eager_checkpoint() if "torch._dynamo" in sys.modules else _Checkpoint
+    outputs = function.apply(run, diff, *tensors)
     return pytree.tree_unflatten(list(outputs), out_spec[0])

@@ -20,8 +20,10 @@ float32 -> float8 rounding is done in integer ops (Triton's own conversion does 
 torch under `TRITON_INTERPRET=1`).
 
 Triton is imported, the kernels (`_triton_kernels.py`) defined and the ops registered on first
-use, so this module imports without Triton, and `TRITON_INTERPRET=1` (how the tests run the
-kernels on CPU) may be set any time before that first use.
+use, so this module imports without Triton (and without torch._dynamo: `import fp8fn` stays
+light), and `TRITON_INTERPRET=1` (how the tests run the kernels on CPU) may be set any time
+before that first use. Without Triton, that first use raises an ImportError naming
+`pip install "fp8fn[triton]"`.
 
 Example (skipped: it needs a GPU tensor, or CPU under the interpreter):
   >>> import torch, fp8fn._triton as fp8_triton
@@ -34,59 +36,33 @@ Example (skipped: it needs a GPU tensor, or CPU under the interpreter):
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from ._scaling import E4M3, E5M2
 
 _HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _FP8_DTYPES = (E4M3, E5M2)
-_OPS_REGISTERED = False
 
 
-@torch.compiler.assume_constant_result  # so that a first use inside torch.compile runs it
-def _register_ops() -> bool:
-    """Import Triton and the kernels, register `torch.ops.fp8fn.*` (once, on first use), and
-    return whether the kernels run under Triton's interpreter.
-
-    With compiled kernels the ops are `torch.library.triton_op`s, so torch.compile traces into
-    them and sees the kernels. Under `TRITON_INTERPRET=1` (CPU tests) a kernel is not a
-    `JITFunction` and cannot be traced: the ops are then opaque `custom_op`s, whose fake
-    implementation allocates the outputs and skips the launch.
-    """
-    from . import _triton_kernels as kernels
-
-    global _OPS_REGISTERED
-    if _OPS_REGISTERED:
-        return kernels.INTERPRETED
-
-    for name in ("cast_and_amax", "scaled_cast"):
-        fn = getattr(kernels, name)
-        if kernels.INTERPRETED:
-            torch.library.custom_op(f"fp8fn::{name}", fn, mutates_args=()).register_fake(fn)
-        else:
-            torch.library.triton_op(f"fp8fn::{name}", fn, mutates_args=())
-        op = getattr(torch.ops.fp8fn, name).default  # under vmap: one call per member
-        torch.library.register_vmap(f"fp8fn::{name}", functools.partial(_per_member, op))
-    _OPS_REGISTERED = True
-    return kernels.INTERPRETED
-
-
-def _per_member(op, info, in_dims, *args):
-    """vmap rule: the op on each member of the batch, stacked (each member its own amax)."""
-    members = [
-        op(*(a if d is None else a.select(d, i) for a, d in zip(args, in_dims)))
-        for i in range(info.batch_size)
-    ]
-    outs = [torch.stack(o) for o in zip(*members)]
-    return outs, [0] * len(outs)
+def _kernels():
+    """`_triton_kernels`, imported on first use: it imports Triton (and through
+    `torch.compiler.assume_constant_result`, torch._dynamo), which `import fp8fn` must not."""
+    try:
+        from . import _triton_kernels
+    except ModuleNotFoundError as e:
+        if (e.name or "").partition(".")[0] != "triton":
+            raise
+        raise ImportError(
+            "fp8fn.linear: backend=\"triton\" needs Triton, got no module named 'triton'. "
+            'Install it with pip install "fp8fn[triton]" (Linux), or use backend="auto".'
+        ) from e
+    return _triton_kernels
 
 
 def _check(api: str, hp, dtype, transpose, **scalars) -> None:
     """Register the ops if needed; raise a clear error unless the arguments are what the kernels
     take (metadata only, no torch op)."""
-    interpreted = _register_ops()
+    interpreted = _kernels().register_ops()
     if not isinstance(hp, torch.Tensor) or hp.dtype not in _HP_DTYPES:
         got = hp.dtype if isinstance(hp, torch.Tensor) else type(hp).__name__
         raise TypeError(f"fp8fn.{api}: expected `hp` float32, bfloat16 or float16, got {got}.")

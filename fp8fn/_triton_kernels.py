@@ -1,4 +1,5 @@
-"""The Triton kernels of `_triton.py` and their launchers (imported by it on first use only).
+"""The Triton kernels of `_triton.py`, their launchers and the ops that wrap them (imported by
+it on first use only).
 
 Importing this module imports Triton and defines the kernels, so `TRITON_INTERPRET=1` must be set
 before. The numerics are described in `_triton.py`; shapes and dtypes are given on each function.
@@ -6,6 +7,7 @@ before. The numerics are described in `_triton.py`; shapes and dtypes are given 
 
 from __future__ import annotations
 
+import functools
 import struct
 
 import torch
@@ -257,3 +259,40 @@ def scaled_cast(
         margin, n_rows, n_cols, DELAYED=delayed, FP8_MAX=FP8_MAX[dtype], **geometry,
     )  # fmt: skip
     return out
+
+
+_OPS_REGISTERED = False
+
+
+@torch.compiler.assume_constant_result  # so that a first use inside torch.compile runs it
+def register_ops() -> bool:
+    """Register `torch.ops.fp8fn.*` (once, on first use) and return whether the kernels run
+    under Triton's interpreter.
+
+    With compiled kernels the ops are `torch.library.triton_op`s, so torch.compile traces into
+    them and sees the kernels. Under `TRITON_INTERPRET=1` (CPU tests) a kernel is not a
+    `JITFunction` and cannot be traced: the ops are then opaque `custom_op`s, whose fake
+    implementation allocates the outputs and skips the launch.
+    """
+    global _OPS_REGISTERED
+    if _OPS_REGISTERED:
+        return INTERPRETED
+    for name, fn in (("cast_and_amax", cast_and_amax), ("scaled_cast", scaled_cast)):
+        if INTERPRETED:
+            torch.library.custom_op(f"fp8fn::{name}", fn, mutates_args=()).register_fake(fn)
+        else:
+            torch.library.triton_op(f"fp8fn::{name}", fn, mutates_args=())
+        op = getattr(torch.ops.fp8fn, name).default  # under vmap: one call per member
+        torch.library.register_vmap(f"fp8fn::{name}", functools.partial(_per_member, op))
+    _OPS_REGISTERED = True
+    return INTERPRETED
+
+
+def _per_member(op, info, in_dims, *args):
+    """vmap rule: the op on each member of the batch, stacked (each member its own amax)."""
+    members = [
+        op(*(a if d is None else a.select(d, i) for a, d in zip(args, in_dims)))
+        for i in range(info.batch_size)
+    ]
+    outs = [torch.stack(o) for o in zip(*members)]
+    return outs, [0] * len(outs)

@@ -5,6 +5,7 @@ transformer, under torch.func and plain autograd, from a fresh (empty-history) s
 """
 
 import types
+import warnings
 
 import pytest
 import torch
@@ -412,3 +413,39 @@ def test_transform_checkpoint_under_compile_is_eager_or_refused():
     assert type(obs) is fp8fn.State and obs.static == eager_obs.static
     assert_bits_equal(obs["blocks.0.fc1"].input, eager_obs["blocks.0.fc1"].input)
     assert_bits_equal(obs.amax_history[:, 1], eager_obs.amax_history[:, 1])  # weight amaxes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fp8_layers", [False, True], ids=["no_fp8_layer", "fp8_layers"])
+def test_transform_checkpoint_under_compiled_value_and_grad_runs_blocks_eagerly(fp8_layers):
+    # The checkpointed blocks run eagerly under torch.compile, forward and recompute, whether or
+    # not they hold an fp8 layer (whose guard refuses dynamo on its own). Without fp8 layers
+    # dynamo used to compile the recompute's torch.func.grad, and AOTAutograd then raised
+    # "derivative for aten::_scaled_dot_product_flash_attention_for_cpu_backward is not
+    # implemented" (python -m fp8fn.demo --compile, its float32 run).
+    model = Transformer(VOCAB, D, HEADS, BLOCKS, SEQ)
+    filter_fn = None if fp8_layers else (lambda name, m: False)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "fp8fn.transform: no layer was converted")
+        fn = fp8fn.transform(
+            model, fp8fn.DelayedScaling(history_len=4), filter_fn=filter_fn, checkpoint_fn=is_block
+        )
+    assert fn.checkpointed == ["blocks.0", "blocks.1"] and bool(fn.layers) == fp8_layers
+    x = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    y = x.roll(-1, dims=1)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    state = fn.init(x)
+
+    def loss(params, state):
+        return F.cross_entropy(fn.apply(params, state, x).flatten(0, 1), y.flatten())
+
+    want = fp8fn.value_and_grad(loss, argnums=(0, 1))(params, state)
+    torch._dynamo.reset()
+    try:
+        got = torch.compile(fp8fn.value_and_grad(loss, argnums=(0, 1)))(params, state)
+    finally:
+        torch._dynamo.reset()
+    assert_bits_equal(got[0], want[0])
+    assert_bits_equal(got[1][1], want[1][1])  # observations: the blocks' casts ran eagerly
+    for k in want[1][0]:  # the compiled head and embeddings round differently
+        torch.testing.assert_close(got[1][0][k], want[1][0][k], rtol=1e-4, atol=1e-6)
