@@ -1,9 +1,9 @@
 """fp8fn: float8 training with delayed scaling as a pure, functional transform for PyTorch."""
 
-from ._autograd import observations, observe, value_and_grad
 from ._checkpoint import checkpoint
 from ._distributed import all_reduce
 from ._linear import linear
+from ._quantize import compute_scale
 from ._recipe import (
     BlockwiseScaling,
     CurrentScaling,
@@ -11,9 +11,10 @@ from ._recipe import (
     MXScaling,
     RowwiseScaling,
 )
-from ._scaling import compute_scale, merge, update
+from ._routes import observations, observe, value_and_grad
 from ._state import ScaleState, SiteState, State, flatten_state, init_state, unflatten_state
 from ._transform import Transformed, transform
+from ._update import merge, update
 
 __all__ = [
     "BlockwiseScaling",

@@ -6,11 +6,15 @@ sites: the observation's two tensors are copied into one flat buffer, reduced, a
 
 from __future__ import annotations
 
+import gc
+import hashlib
+
 import torch
 import torch.distributed as dist
+from torch import nn
 
-from ._scaling import _observed
 from ._state import State, check_state
+from ._update import observed_only
 
 
 def _check_group(group):
@@ -56,6 +60,31 @@ def _check_device(device: torch.device, group) -> None:
     )
 
 
+# (group, static, shape) of the observations the ranks were found to agree on.
+_AGREED: set = set()
+
+
+def _check_same_structure(obs: State, group) -> None:
+    """Raise on every rank unless all ranks of `group` reduce observations of one structure
+    (sites in one order, static config, shapes): the reduce pairs them by position, so another
+    structure would mix sites, or abort the collective. One tiny collective, the first time."""
+    key = (id(group), obs.static, tuple(obs.amax_history.shape))
+    if key in _AGREED:
+        return
+    digest = hashlib.blake2b(repr(key[1:]).encode(), digest_size=7).digest()
+    fingerprint = int.from_bytes(digest, "little")
+    both = torch.tensor([fingerprint, -fingerprint], device=obs.amax_history.device)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    if both.tolist() != [fingerprint, -fingerprint]:
+        raise ValueError(
+            "fp8fn.all_reduce: expected observations of the same structure on every rank of "
+            f"`group` (sites, in order, history_len, amax_compute, margin); this rank has "
+            f"{obs!r}, another differs. Build the state the same way on every rank (fn.init of "
+            "one transform; a layer called a different number of times has other sites)."
+        )
+    _AGREED.add(key)
+
+
 def all_reduce(obs: State, group=None) -> State:
     """The max of every observed amax over the ranks of `group`, in one collective for all sites.
 
@@ -98,10 +127,41 @@ def all_reduce(obs: State, group=None) -> State:
     group = _check_group(group)
     history, scale = obs.amax_history, obs.scale
     _check_device(history.device, group)
+    _check_same_structure(obs, group)
     n = history.numel()
     with torch.no_grad():
-        packed = torch.cat([_observed(history).flatten(), scale.detach().flatten()])
+        packed = torch.cat([observed_only(history).flatten(), scale.detach().flatten()])
         dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
     return obs._replace(
         amax_history=packed[:n].view(history.shape), scale=packed[n:].view(scale.shape)
     )
+
+
+def _is_ddp(module) -> bool:
+    return isinstance(module, nn.parallel.DistributedDataParallel)
+
+
+def ddp_parameter(module):
+    """`(name, parameter)` of one parameter of a DDP `module` (to tell its own parameters from
+    other tensors), or None when `module` is not DDP or has no parameter."""
+    if not _is_ddp(module):
+        return None
+    return next(iter(module.named_parameters()), None)
+
+
+def refuse_ddp_inner_module(module) -> None:
+    """Refuse the module inside a DistributedDataParallel: transforming it bypasses DDP's
+    forward, and loss.backward() then leaves the gradients unaveraged (a documented trap)."""
+    if not (dist.is_available() and dist.is_initialized()) or _is_ddp(module):
+        return
+    for holder in gc.get_referrers(module):  # DDP holds it in its `_modules` dict
+        if isinstance(holder, dict) and any(
+            _is_ddp(owner) and owner.__dict__.get("_modules") is holder
+            for owner in gc.get_referrers(holder)
+        ):
+            raise ValueError(
+                "fp8fn.transform: `module` is the module inside a DistributedDataParallel, whose "
+                "forward fp8fn would bypass, so loss.backward() would not average the gradients "
+                "across ranks. Transform the DDP model itself: fp8fn.transform(ddp, recipe), "
+                "with `params = dict(ddp.named_parameters())`."
+            )

@@ -1,192 +1,15 @@
-"""The fp8 linear primitive: an autograd.Function whose state gradient is the observed amaxes."""
+"""`fp8fn.linear`, the primitive: its checks, and the routing to the recipe's op."""
 
 from __future__ import annotations
 
 import torch
 
-from . import _triton as triton_casts
-from ._cast import amax, cast_to_fp8
-from ._granular import GRANULAR, check_granular, granular_linear
+from ._backend import resolve_backend
+from ._finer import FINER, check_finer, finer_linear
 from ._guards import check_operands, no_autocast, refuse_compile_under_func
-from ._matmul import fp8_mm, resolve_backend
 from ._recipe import RECIPES, DelayedScaling
-from ._scaling import E4M3, E5M2, scale_from_amax
-from ._state import check_site_state, claim
-from ._torch_private import tracked_below, tracked_by_outer_differentiation
-
-_HIGHER_ORDER = (
-    "fp8fn.linear: higher-order derivatives through float8 casts are not defined (the backward's "
-    "casts have no scales of their own). Differentiate fp8fn once; for a Hessian or "
-    "gradient penalty, run that part in high precision (filter_fn, or a recipe of None)."
-)
-
-
-def _scales(amaxes, newest, stored, margin: int, fp8_max: float):
-    """The scales the casts use, float32 of `amaxes`'s shape: `stored` where the history is
-    non-empty (`newest > 0`), else current scaling from `amaxes`; current scaling when
-    stateless (`newest` None)."""
-    current = scale_from_amax(amaxes, fp8_max, margin)
-    return current if newest is None else torch.where(newest > 0, stored, current)
-
-
-class _TritonCast(torch.autograd.Function):
-    """A Triton cast as a constant to autograd: `delayed_cast` when `newest` and `stored` are
-    given, else `current_cast`; returns `(fp8, scale, amax)`. (An autograd.Function, so that
-    torch.func transforms run the custom op below their levels, e.g. in fp8fn's backward.)"""
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(hp, newest, stored, margin, dtype):
-        if newest is None:
-            return triton_casts.current_cast(hp, margin, dtype)
-        return triton_casts.delayed_cast(hp, newest, stored, margin, dtype)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.mark_non_differentiable(*output)
-
-    @staticmethod
-    def backward(ctx, *_):
-        return None, None, None, None, None
-
-
-def _cast_operands(x, weight, newest, stored, margin: int, backend: str):
-    """The forward's casts: `(x_fp8, w_fp8, x_scale, w_scale, x_amax, w_amax)`, e4m3 copies of
-    `x` and `weight`, the float32 `()` scales used and the observed amaxes."""
-    e4m3_max = torch.finfo(E4M3).max
-    if backend == "triton":  # one pass over each tensor at step >= 2
-        (xn, wn, _), (xs, ws, _) = (None,) * 3, (None,) * 3
-        if newest is not None:
-            (xn, wn, _), (xs, ws, _) = newest.unbind(), stored.unbind()
-        x_fp8, x_scale, x_amax = _TritonCast.apply(x, xn, xs, margin, E4M3)
-        w_fp8, w_scale, w_amax = _TritonCast.apply(weight, wn, ws, margin, E4M3)
-        return x_fp8, w_fp8, x_scale, w_scale, x_amax, w_amax
-    # Three roles at once (the last entry stands in for grad_output): no slicing of rows.
-    x_amax, w_amax = amax(x), amax(weight)
-    scales = _scales(torch.stack([x_amax, w_amax, w_amax]), newest, stored, margin, e4m3_max)
-    x_scale, w_scale, _ = scales.unbind()
-    x_fp8, w_fp8 = cast_to_fp8(x, x_scale, E4M3), cast_to_fp8(weight, w_scale, E4M3)
-    return x_fp8, w_fp8, x_scale, w_scale, x_amax, w_amax
-
-
-def _cast_grad_output(grad_out, newest, stored, ctx):
-    """The backward's e5m2 cast: `(g_fp8, g_scale, g_amax)`."""
-    if ctx.backend == "triton":
-        gn, gs = (None, None) if newest is None else (newest[2], stored[2])
-        return _TritonCast.apply(grad_out, gn, gs, ctx.margin, E5M2)
-    g_amax = amax(grad_out)
-    g_scale = _scales(g_amax, newest, stored, ctx.margin, torch.finfo(E5M2).max)
-    g_scale = g_scale if newest is None else g_scale[..., 2]
-    return cast_to_fp8(grad_out, g_scale, E5M2), g_scale, g_amax
-
-
-class _FirstOrderOnly(torch.autograd.Function):
-    """Identity on the backward's results; differentiating through them raises.
-
-    `anchor` (the forward's x amax, a differentiable output) ties the results to every outer
-    differentiation that tracks the op's inputs, so grad-of-grad reaches this node.
-    """
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(anchor, *grads):
-        return grads
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        pass
-
-    @staticmethod
-    def backward(ctx, *_):
-        raise RuntimeError(_HIGHER_ORDER)
-
-
-class _Fp8LinearOp(torch.autograd.Function):
-    """y = x @ weight.T + bias with float8 operands. x (m, k), weight (n, k), bias (n,) or None.
-
-    `newest` and `stored` are the site's newest history entries and stored scales, float32
-    `(3,)` (roles input, weight, grad_output), or None for current scaling; `margin` an int.
-    The gradient with respect to `newest` is the observation `[x_amax, w_amax, g_amax]`.
-    """
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(x, weight, bias, newest, stored, margin, backend):
-        x_fp8, w_fp8, x_scale, w_scale, x_amax, w_amax = _cast_operands(
-            x, weight, newest, stored, margin, backend
-        )
-        x_inv, w_inv = x_scale.reciprocal(), w_scale.reciprocal()
-        out = fp8_mm(x_fp8, w_fp8, x_inv, w_inv, x.dtype, backend)
-        if bias is not None:
-            out = out + bias.to(out.dtype)
-        return out, x_fp8, w_fp8, x_inv, w_inv, w_amax, x_amax
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        x, weight, bias, newest, stored, margin, backend = inputs
-        ctx.mark_non_differentiable(*output[1:6])  # x_amax stays differentiable: see backward
-        ctx.set_materialize_grads(False)  # the residual outputs get no gradient: no zeros made
-        ctx.save_for_backward(*output[1:], newest, stored)
-        ctx.margin, ctx.backend = margin, backend
-        ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
-
-    @staticmethod
-    def backward(ctx, grad_out, *_):
-        x_fp8, w_fp8, x_inv, w_inv, w_amax, x_amax, newest, stored = ctx.saved_tensors
-        with no_autocast(grad_out):
-            g_fp8, g_scale, g_amax = _cast_grad_output(grad_out, newest, stored, ctx)
-            g_inv = g_scale.reciprocal()
-            x_dtype, w_dtype, b_dtype = ctx.dtypes
-            needs = ctx.needs_input_grad
-            grads = [None] * 7
-            if needs[0]:
-                grads[0] = fp8_mm(g_fp8, w_fp8.t(), g_inv, w_inv, x_dtype, ctx.backend)
-            if needs[1]:
-                grads[1] = fp8_mm(g_fp8.t(), x_fp8.t(), g_inv, x_inv, w_dtype, ctx.backend)
-            if needs[2]:
-                grads[2] = grad_out.float().sum(0).to(b_dtype)
-            if needs[3]:  # [x_amax, w_amax, g_amax], made here: at the backward's level
-                grads[3] = torch.stack([x_amax, w_amax, g_amax])
-        if torch.is_grad_enabled() and tracked_by_outer_differentiation(x_amax):
-            # An outer differentiation records this backward: make its use raise.
-            grads[:4] = _FirstOrderOnly.apply(x_amax, *grads[:4])
-        return tuple(grads)
-
-
-class _Fp8Linear(_Fp8LinearOp):
-    """`_Fp8LinearOp` with fp8fn's vmap semantics.
-
-    Where the vmapped computation is differentiated as a whole (grad of vmap, or plain
-    autograd around vmap), a vmap over the batch only (`x` batched) is the unbatched call on the
-    whole batch: one amax, as without vmap. Elsewhere (vmap of grad: per-example gradients;
-    inference; model ensembles) every member is its own call, batched by the generated rule.
-    """
-
-    generate_vmap_rule = False
-
-    @staticmethod
-    def vmap(info, in_dims, x, weight, bias, newest, stored, margin, backend):
-        args = (x, weight, bias, newest, stored)
-        tracked = any(tracked_below(t) for t in args if t is not None)
-        if tracked and all(d is None for d in in_dims[1:5]):
-            xb = x.movedim(in_dims[0], 0)
-            outs = _Fp8Linear.apply(xb.flatten(0, 1), weight, bias, newest, stored, margin, backend)
-            out, x_fp8, *rest = outs
-            folded = (out.unflatten(0, xb.shape[:2]), x_fp8.unflatten(0, xb.shape[:2]))
-            return (*folded, *rest), (0, 0) + (None,) * len(rest)
-        if tracked and newest is not None and in_dims[3] is None:
-            raise ValueError(
-                "fp8fn.linear: vmap over the weights with an unbatched scaling state: members "
-                "would share one state and autograd would sum their observations. Give each "
-                "member its own state (stack the states and vmap over them too)."
-            )
-        outs = torch.vmap(_Fp8LinearOp.apply, in_dims=(*in_dims[:5], None, None))(
-            *args, margin, backend
-        )
-        return outs, (0,) * len(outs)
+from ._state import check_scales, check_site_state, claim
+from ._tensorwise import tensorwise_linear
 
 
 def linear(x, weight, bias, site_state, recipe):
@@ -244,6 +67,7 @@ def linear(x, weight, bias, site_state, recipe):
                 f"{recipe}. A site's static config lives in its state: make the state with "
                 "fp8fn.init_state(recipe, sites) (or fn.init) for this recipe."
             )
+        check_scales("linear", site_state.scale, "site_state")
         claim(site_state.amax_history, "linear", "site_state")
         newest, stored = site_state.amax_history[:, 0], site_state.scale
     elif site_state is not None:
@@ -267,13 +91,9 @@ def fp8_linear(x, weight, bias, newest, stored, recipe):
     device = x.device.type
     if torch.is_autocast_enabled(device):
         x = x.to(torch.get_autocast_dtype(device))
-    if isinstance(recipe, GRANULAR):
-        check_granular(x, weight, recipe)
+    backend = resolve_backend(recipe, x.device)
+    if isinstance(recipe, FINER):
+        check_finer(x, weight, recipe)
         with no_autocast(x):
-            return granular_linear(x, weight, bias, recipe)
-    backend = resolve_backend(recipe.backend, x.device)
-    margin = getattr(recipe, "margin", 0)
-    rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # (a reshape is a kernel call)
-    with no_autocast(x):
-        out = _Fp8Linear.apply(rows, weight, bias, newest, stored, margin, backend)[0]
-    return out if x.dim() == 2 else out.reshape(*x.shape[:-1], weight.shape[0])
+            return finer_linear(x, weight, bias, recipe, backend)
+    return tensorwise_linear(x, weight, bias, newest, stored, getattr(recipe, "margin", 0), backend)

@@ -1,17 +1,23 @@
-"""Stateless finer-grained float8 quantizers: rowwise, MXFP8 blocks and DeepSeek-V3 tiles.
+"""Every quantizer of fp8fn, and the float8 format constants.
 
-Every quantizer reduces the amax along the *last* dim (callers transpose a tensor to put the
-contraction dim last), returns the float8 `float8_e4m3fn` data in the input's shape, and one
-scale per row or block. Conventions, as in the rest of fp8fn: `fp8 = saturate(hp * scale)`;
-dequantization divides by the scale (rowwise), multiplies by the E8M0 scale (MX) or by the
-returned inverse scale (blockwise). All numerics are those of torchao 0.18, bit for bit:
+Conventions throughout: `fp8 = saturate(hp * scale)` and, per tensor, `scale = fp8_max / (amax
+* 2**margin)`. Saturation clamps finite values to the format's range and lets inf and NaN
+through (e4m3fn, which has no inf, turns inf into NaN), so an overflow stays visible.
 
-* `448.0 / t` in torch is `t.reciprocal() * 448.0`, not a division (`Tensor.__rtruediv__`):
-  in float64 it differs from the quotient in the last bit for about a quarter of inputs, and
-  the float32 scale it rounds to can then differ too. `_fp8_scale` keeps that form.
-* Power-of-two rounding goes through `torch.log2` in float32, so a float32 value within an
-  ulp of a power of two may round to that power (rowwise: a scale just below `2**k` becomes
-  `2**k` and the row's largest value saturates to 448; MX RCEIL likewise).
+* Per tensor (delayed and current scaling): `amax`, `scale_from_amax` / `compute_scale`,
+  `cast_to_fp8`.
+* Finer, stateless: rowwise, MXFP8 blocks and DeepSeek-V3 tiles. Each reduces the amax along the
+  *last* dim (callers transpose a tensor to put the contraction dim last), returns the float8
+  `float8_e4m3fn` data in the input's shape and one scale per row or block; dequantization
+  divides by the scale (rowwise), multiplies by the E8M0 scale (MX) or by the returned inverse
+  scale (blockwise). Their numerics are those of torchao 0.18, bit for bit:
+
+  * `448.0 / t` in torch is `t.reciprocal() * 448.0`, not a division (`Tensor.__rtruediv__`):
+    in float64 it differs from the quotient in the last bit for about a quarter of inputs, and
+    the float32 scale it rounds to can then differ too. `_fp8_scale` keeps that form.
+  * Power-of-two rounding goes through `torch.log2` in float32, so a float32 value within an
+    ulp of a power of two may round to that power (rowwise: a scale just below `2**k` becomes
+    `2**k` and the row's largest value saturates to 448; MX RCEIL likewise).
 """
 
 from __future__ import annotations
@@ -20,20 +26,117 @@ import torch
 import torch.nn.functional as F
 
 E4M3 = torch.float8_e4m3fn
-E4M3_MAX = 448.0
+E5M2 = torch.float8_e5m2
+FP8_MAX = {E4M3: torch.finfo(E4M3).max, E5M2: torch.finfo(E5M2).max}  # 448.0, 57344.0
+E4M3_MAX = FP8_MAX[E4M3]
+ROLE_DTYPE = (E4M3, E4M3, E5M2)  # input, weight, grad_output
+ROLE_FP8_MAX = tuple(FP8_MAX[d] for d in ROLE_DTYPE)
 EPS = 1e-12
 _E8M0_BIAS = 127
 _E8M0_NAN = 255
+
+# -- per tensor ---------------------------------------------------------------------------------
+
+
+def amax(hp: torch.Tensor) -> torch.Tensor:
+    """The largest magnitude of `hp` (any shape, floating), as a float32 `()` tensor.
+
+    One kernel. NaN in `hp` gives NaN, an empty `hp` gives 0 (both of which `update` ignores).
+    """
+    if hp.numel() == 0:
+        return hp.new_zeros((), dtype=torch.float32)
+    return torch.linalg.vector_norm(hp, float("inf")).float()
+
+
+def saturate(hp32: torch.Tensor, dtype: torch.dtype, keep_nonfinite: bool = True) -> torch.Tensor:
+    """float32 `hp32` in float8 `dtype`: finite values clamped to +-max; inf and NaN give NaN
+    (a positive one), so that an overflow stays visible (torch's own conversion would make inf
+    448 in e4m3fn). `keep_nonfinite=False` clamps inf to +-max (torchao's finer recipes)."""
+    fp8_max = FP8_MAX[dtype]
+    if keep_nonfinite:
+        nan = float("nan")
+        hp32 = hp32.nan_to_num(nan=nan, posinf=nan, neginf=nan)
+    return hp32.clamp(-fp8_max, fp8_max).to(dtype)
+
+
+def cast_to_fp8(
+    hp: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = E4M3, keep_nonfinite: bool = True
+) -> torch.Tensor:
+    """`saturate(hp * scale)` in float8 `dtype`, the product taken in float32.
+
+    Args:
+      hp: floating tensor of any shape.
+      scale: float32, broadcastable to `hp` (a `()` per-tensor scale, or one per row or block).
+      dtype: `torch.float8_e4m3fn` or `torch.float8_e5m2`.
+      keep_nonfinite: see `saturate`.
+
+    Returns:
+      Tensor of `hp`'s shape in `dtype`; finite values beyond the format's max become +-max.
+    """
+    return saturate(hp.float() * scale, dtype, keep_nonfinite)
+
+
+def compute_scale(amax: torch.Tensor, fp8_max: float, margin: int = 0) -> torch.Tensor:
+    """`fp8_max / (amax * 2**margin)`, computed in float64, returned as float32.
+
+    Always finite and > 0: an amax that is 0, inf or NaN gives scale 1; a scale beyond float32's
+    range is clamped to it (float32's max for a tiny amax, its smallest positive value for a
+    huge one).
+
+    Args:
+      amax: float tensor of any shape (e.g. `()` or `(n_sites, 3)`).
+      fp8_max: the float8 format's largest value (448.0 for e4m3, 57344.0 for e5m2).
+      margin: an int from 0 to 64.
+
+    Returns:
+      float32 tensor of `amax`'s shape.
+
+    Example:
+      >>> import torch, fp8fn
+      >>> fp8fn.compute_scale(torch.tensor(2.0), 448.0, margin=1)
+      tensor(112.)
+    """
+    if not isinstance(amax, torch.Tensor) or not amax.is_floating_point():
+        raise TypeError(
+            f"fp8fn.compute_scale: expected `amax` to be a floating tensor, "
+            f"got {getattr(amax, 'dtype', type(amax).__name__)}."
+        )
+    if isinstance(fp8_max, bool) or not isinstance(fp8_max, (int, float)) or not fp8_max > 0:
+        raise ValueError(f"fp8fn.compute_scale: expected `fp8_max` a float > 0, got {fp8_max!r}.")
+    if isinstance(margin, bool) or not isinstance(margin, int) or not 0 <= margin <= 64:
+        raise ValueError(
+            f"fp8fn.compute_scale: expected `margin` an int from 0 to 64, got {margin!r}."
+        )
+    return torch.where(amax > 0, scale_from_amax(amax, float(fp8_max), margin), 1.0)
+
+
+def scale_from_amax(amax: torch.Tensor, fp8_max, margin: int) -> torch.Tensor:
+    """`compute_scale` for amaxes >= 0 (or NaN), without checks: the op's and `update`'s path.
+
+    Six kernels. The division is in float64 (the numerator is a float64 tensor, 0-dim only for
+    a 0-dim `amax`, so type promotion widens `amax` inside the division), so that eager,
+    compiled and Triton code agree bit for bit. `fp8_max`: a float, or a tuple broadcastable to
+    `amax`. Returns float32 of `amax`'s shape.
+    """
+    f64, device = torch.float64, amax.device
+    if isinstance(fp8_max, tuple):
+        numerator = torch.tensor([v * 2.0**-margin for v in fp8_max], dtype=f64, device=device)
+    else:
+        shape = (1,) if amax.dim() else ()
+        numerator = torch.full(shape, fp8_max * 2.0**-margin, dtype=f64, device=device)
+    finite = torch.nan_to_num(amax, posinf=0.0)  # inf -> 0; 0 and NaN are handled below
+    scale = torch.div(numerator, finite).nan_to_num(nan=1.0, posinf=1.0)  # 0, NaN -> 1
+    # Beyond float32's range: its smallest positive value or its max. (Literals, not module
+    # globals: under dynamic shapes dynamo turns float globals into symbols.)
+    return scale.float().clamp(2.0**-149, 3.4028234663852886e38)
+
+
+# -- finer: shared helpers ------------------------------------------------------------------------
 
 
 def _fp8_scale(amax: torch.Tensor) -> torch.Tensor:
     """float32 `448 / clamp(amax, 1e-12)`, computed in float64 (any shape)."""
     return (amax.double().clamp(min=EPS).reciprocal() * E4M3_MAX).float()
-
-
-def _saturate(hp32: torch.Tensor) -> torch.Tensor:
-    """`hp32` (float32) clamped to +-448 and cast to e4m3; NaN stays NaN."""
-    return hp32.clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
 
 
 def _pad_last(hp: torch.Tensor, block: int) -> torch.Tensor:
@@ -80,15 +183,10 @@ def tensorwise_scale(hp: torch.Tensor) -> torch.Tensor:
     return torch.exp2(torch.floor(torch.log2(_fp8_scale(hp.abs().amax()))))
 
 
-def quantize_with_scale(hp: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """`saturate(hp * scale)` in e4m3; `scale` float32, broadcastable to `hp`."""
-    return _saturate(hp.float() * scale)
-
-
 def quantize_rowwise(hp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rowwise e4m3 quantization of `hp` `(..., k)`: `(fp8 (..., k), scale float32 (..., 1))`."""
     scale = rowwise_scale(hp)
-    return quantize_with_scale(hp, scale), scale
+    return cast_to_fp8(hp, scale, keep_nonfinite=False), scale
 
 
 def dequantize_scaled(fp8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -166,7 +264,7 @@ def quantize_mx(
         divisor = e8m0_to_float32(exponent).clamp(min=torch.finfo(torch.float32).tiny)
         divisor = torch.where(exponent == _E8M0_NAN, float("inf"), divisor)
         scaled = data / divisor.unsqueeze(-1)
-    fp8 = _saturate(scaled).flatten(-2)[..., :k]
+    fp8 = saturate(scaled, E4M3, keep_nonfinite=False).flatten(-2)[..., :k]
     return fp8, exponent
 
 
@@ -206,7 +304,7 @@ def quantize_tiles(hp: torch.Tensor, tile: int = 128) -> tuple[torch.Tensor, tor
     k = hp.shape[-1]
     tiles = _pad_last(hp, tile).unflatten(-1, (-1, tile))
     scale = _fp8_scale(tiles.abs().amax(-1))
-    fp8 = quantize_with_scale(tiles, scale.unsqueeze(-1)).flatten(-2)[..., :k]
+    fp8 = cast_to_fp8(tiles, scale.unsqueeze(-1), keep_nonfinite=False).flatten(-2)[..., :k]
     return fp8, scale.reciprocal()
 
 
@@ -227,7 +325,8 @@ def quantize_blocks(hp: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, t
     padded = F.pad(hp, (0, -k % block, 0, -n % block))
     blocks = padded.unflatten(1, (-1, block)).unflatten(0, (-1, block))  # (nb, b, kb, b)
     scale = _fp8_scale(blocks.abs().amax((1, 3)))
-    fp8 = quantize_with_scale(blocks, scale[:, None, :, None]).flatten(2).flatten(0, 1)
+    fp8 = cast_to_fp8(blocks, scale[:, None, :, None], keep_nonfinite=False)
+    fp8 = fp8.flatten(2).flatten(0, 1)
     return fp8[:n, :k], scale.reciprocal()
 
 

@@ -9,13 +9,16 @@ of kernels, and an observation (the gradient with respect to a `State`) is a `St
 from __future__ import annotations
 
 import difflib
+import warnings
 from typing import NamedTuple
 
 import optree
 import torch
 from torch.utils import _pytree as pytree
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ._recipe import DelayedScaling
+from ._torch_private import unwrapped
 
 ROLES = ("input", "weight", "grad_output")
 
@@ -288,7 +291,7 @@ def init_state(recipe: DelayedScaling, sites, device=None) -> State:
     n, h = len(sites), recipe.history_len
     return State(
         torch.zeros(n, 3, h, dtype=torch.float32, device=device),
-        torch.ones(n, 3, dtype=torch.float32, device=device),
+        mark_valid(torch.ones(n, 3, dtype=torch.float32, device=device)),
         sites,
         recipe.amax_compute,
         recipe.margin,
@@ -335,6 +338,60 @@ def check_state(api: str, state, name: str = "state", batch_dims: int | None = 0
         )
 
 
+# Scale tensors known to be finite and > 0 (made by `init_state` and `update`): checked once.
+_VALID_SCALES = WeakIdKeyDictionary()
+
+
+def mark_valid(scale: torch.Tensor) -> torch.Tensor:
+    """Record that `scale` (made by fp8fn from valid scales) is finite and > 0; returns it."""
+    _VALID_SCALES[scale] = True
+    return scale
+
+
+def check_scales(api: str, scale: torch.Tensor, name: str = "state") -> None:
+    """Raise unless every scale in `scale` (a `State`'s or a `SiteState`'s) is finite and > 0.
+
+    A scale of 0 or NaN would cast everything to NaN, silently: it comes from passing an
+    observation (whose scales are zeros) where a state belongs. Checked once per tensor (a
+    host sync, none for the states `init` and `update` make), and not while compiling.
+    """
+    if torch.compiler.is_compiling():
+        return
+    base = unwrapped(scale)
+    root = base if base._base is None else base._base
+    if base.device.type == "meta" or base in _VALID_SCALES or root in _VALID_SCALES:
+        return
+    if not bool(((base > 0) & base.isfinite()).all()):
+        raise ValueError(
+            f"fp8fn.{api}: expected the scales of `{name}` finite and > 0, got "
+            f"{base.flatten()[:6].tolist()}{'...' if base.numel() > 6 else ''}. Scales of 0 are "
+            "an observation's: pass the state (from fn.init or fp8fn.update) here, and the "
+            "observation to fp8fn.update(state, obs)."
+        )
+    _VALID_SCALES[base] = True
+
+
+# History tensors of states that `update` has made a newer state from.
+_SUPERSEDED = WeakIdKeyDictionary()
+
+
+def supersede(state: State) -> None:
+    """Note that `fp8fn.update` made a newer state from `state` (see `warn_if_superseded`)."""
+    _SUPERSEDED[unwrapped(state.amax_history)] = True
+
+
+def warn_if_superseded(api: str, state: State) -> None:
+    """Warn when `state` was already updated: the loop kept the old state and dropped the
+    result of `fp8fn.update`, so its scales never move (the classic slip)."""
+    if not torch.compiler.is_compiling() and unwrapped(state.amax_history) in _SUPERSEDED:
+        warnings.warn(
+            f"fp8fn.{api}: this state was already updated by fp8fn.update, which returned a new "
+            "state, and is used again: its scales never move. Keep the result: "
+            "`state = fp8fn.update(state, obs)`.",
+            stacklevel=3,
+        )
+
+
 def check_site_state(api: str, site_state, where: str = "`site_state`") -> None:
     """Raise a clear error unless `site_state` is a `SiteState` of float32 tensors."""
     if not isinstance(site_state, SiteState):
@@ -365,10 +422,16 @@ def claim(history: torch.Tensor, api: str, what: str) -> None:
     if not (torch.is_grad_enabled() and history.requires_grad) or not history.numel():
         return
     if getattr(history, "_fp8fn_used", False):
+        loop = (
+            "Call `observed = fp8fn.observe(state)` inside the training loop, once per forward "
+            "pass, not once before it. "
+            if getattr(history, "_fp8fn_observed", False)
+            else ""
+        )
         raise RuntimeError(
             f"fp8fn.{api}: this {what} was already used by a forward pass whose observations "
             "are being recorded; autograd would sum the two passes' observations, and fp8fn "
-            "combines them by max. Give each forward pass its own copy and merge:\n"
+            f"combines them by max. {loop}Give each forward pass its own copy and merge:\n"
             "    # torch.func: grad(loss, argnums=(1, 2))(params, state, state, x1, x2)\n"
             "    # autograd:   s1, s2 = fp8fn.observe(state), fp8fn.observe(state)\n"
             "    obs = fp8fn.merge(obs1, obs2)\n"

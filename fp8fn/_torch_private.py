@@ -36,6 +36,13 @@ def tracked_by_outer_differentiation(t: torch.Tensor) -> bool:
     return False
 
 
+def unwrapped(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor under torch.func's wrappers (grad tracking, batching); `t` if none."""
+    while _functorch.is_functorch_wrapped_tensor(t):
+        t = _functorch.get_unwrapped(t)
+    return t
+
+
 def tracked_below(t: torch.Tensor) -> bool:
     """Whether a differentiation below the current transform level tracks `t`."""
     return _functorch.is_gradtrackingtensor(t) or t.requires_grad
@@ -65,3 +72,8 @@ def inside_torch_checkpoint(stop_at) -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+def legacy_scaled_mm(a, b, scale_a, scale_b, out_dtype):
+    """`torch._scaled_mm` with tensorwise scales, for a torch without `F.scaled_mm` (< 2.10)."""
+    return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)

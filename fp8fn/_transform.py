@@ -23,10 +23,20 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from ._checkpoint import checkpoint_with_constants, refuse_compile
+from ._distributed import ddp_parameter, refuse_ddp_inner_module
 from ._guards import check_operands
 from ._linear import fp8_linear
 from ._recipe import RECIPES, DelayedScaling
-from ._state import State, check_state, claim, init_state, parse_site, site_name
+from ._state import (
+    State,
+    check_scales,
+    check_state,
+    claim,
+    init_state,
+    parse_site,
+    site_name,
+    warn_if_superseded,
+)
 from ._torch_private import inside_torch_checkpoint, saved_tensor_hooks_active
 
 # What torch raises when the model's own torch.utils.checkpoint runs under torch.func.
@@ -192,9 +202,11 @@ class _Slots:
 
     def expand(self, tensors: dict, api: str = "apply", prefix: str = "") -> dict:
         """`tensors` (`{name: tensor}`) for `functional_call(..., tie_weights=False)`, each name
-        prefixed with `prefix`. Raises when a tied tensor is given twice, as different tensors."""
+        prefixed with `prefix`, in a new dict (`functional_call` writes back into its dict what
+        the module holds at the end, e.g. FSDP2's unsharded root tensors). Raises when a tied
+        tensor is given twice, as different tensors."""
         if not self.others and not (tensors.keys() & self.aliases) and not prefix:
-            return tensors
+            return dict(tensors)
         out = {}
         for name, t in tensors.items():
             first = self.first.get(name, name)
@@ -478,7 +490,9 @@ class Transformed:
                 "fp8fn.DelayedScaling()) or a function (name, module) -> recipe or None, "
                 f"got {type(recipe).__name__}."
             )
+        refuse_ddp_inner_module(module)
         self.module = module
+        self._ddp_param = ddp_parameter(module)  # (name, parameter) of a DDP model, else None
         self._layers = _find_layers(module, recipe, filter_fn)
         self.recipes = {layer.path: layer.recipe for layer in self._layers}
         self.layers = list(self.recipes)
@@ -543,19 +557,23 @@ class Transformed:
 
         The model runs once, on the meta device when it can (no real activations are
         computed), else for real without autograd and with the global RNG left as it was.
-        Sites are the stateful (DelayedScaling) layers' calls in call order (`path`, and
-        `path#k` for a layer's k-th further call), then those layers the example did not call
-        (a branch not taken).
+        Sites are the stateful (DelayedScaling) layers' calls, in the order of the module tree
+        (`fn.layers`), each layer's calls in turn: `path`, then `path#k` for its k-th further
+        call. A layer the example did not call (a branch not taken) has its `path` site too. So
+        the order depends on the model, not on the example batch: ranks that run `init` on
+        different batches agree (`fp8fn.all_reduce` pairs sites by position).
 
         Returns:
           An `fp8fn.State` on the device of the first stateful layer's weight; it has no
           sites when no layer uses DelayedScaling.
         """
-        sites = self._discover(args, kwargs)
+        calls = {}
+        for name in self._discover(args, kwargs):
+            path, k = parse_site(name)
+            calls[path] = max(calls.get(path, 0), k + 1)
         recipe = self._delayed or DelayedScaling(history_len=1)
+        names = [site_name(p, k) for p in self._stateful for k in range(max(calls.get(p, 0), 1))]
         stateful = set(self._stateful)
-        names = [n for n in sites if parse_site(n)[0] in stateful]
-        names = list(dict.fromkeys(names + [site_name(p, 0) for p in self._stateful]))
         first = next((m for m in self._layers if m.path in stateful), None)
         device = None if first is None else first.module.weight.device
         return init_state(recipe, names, device)
@@ -666,6 +684,19 @@ class Transformed:
                 "If the model changed after fp8fn.transform, transform it again."
             )
         check_state("apply", state)
+        check_scales("apply", state.scale)
+        warn_if_superseded("apply", state)
+        if self._ddp_param is not None and torch.is_grad_enabled():
+            name, own = self._ddp_param
+            if params.get(name, own) is not own:
+                raise ValueError(
+                    "fp8fn.apply: a DistributedDataParallel model averages gradients only in "
+                    "loss.backward() into its own parameters, and these are other tensors "
+                    "(torch.func.grad, fp8fn.value_and_grad): gradients would silently differ "
+                    "across ranks. Use plain autograd with `dict(ddp.named_parameters())` "
+                    "(fp8fn.observe, loss.backward()), or transform the model without DDP and "
+                    "all-reduce the gradients yourself."
+                )
         recipe = self._delayed
         if recipe is not None and (
             state.history_len != recipe.history_len

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import torch
 
-from ._scaling import E4M3, E5M2
+from ._quantize import E4M3, E5M2
 
 _HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _FP8_DTYPES = (E4M3, E5M2)
@@ -158,3 +158,25 @@ def current_cast(
     margin = _margin("current_cast", margin)
     _check("current_cast", hp, dtype, transpose)
     return tuple(torch.ops.fp8fn.scaled_cast(hp, None, None, margin, dtype, transpose))
+
+
+class TritonCast(torch.autograd.Function):
+    """A Triton cast as a constant to autograd: `delayed_cast` when `newest` and `stored` are
+    given, else `current_cast`; returns `(fp8, scale, amax)`. (An autograd.Function, so that
+    torch.func transforms run the custom op below their levels, e.g. in fp8fn's backward.)"""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(hp, newest, stored, margin, dtype):
+        if newest is None:
+            return current_cast(hp, margin, dtype)
+        return delayed_cast(hp, newest, stored, margin, dtype)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.mark_non_differentiable(*output)
+
+    @staticmethod
+    def backward(ctx, *_):
+        return None, None, None, None, None

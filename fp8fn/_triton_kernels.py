@@ -16,7 +16,7 @@ import triton.language as tl
 from torch.library import wrap_triton  # (this spelling lets triton_op find the kernels)
 from triton.runtime.jit import JITFunction
 
-from ._scaling import E4M3, E5M2, FP8_MAX
+from ._quantize import E4M3, E5M2, FP8_MAX
 
 _FORMAT = {E4M3: (7, 3), E5M2: (15, 2)}  # float8 format: (exponent bias, mantissa bits)
 _BLOCK, _WARPS = 4096, 8  # elements per program of the flat kernels (one atomic each)
@@ -44,16 +44,15 @@ def scale_from_amax(amax, margin, FP8_MAX: tl.constexpr):
 
 @triton.jit
 def saturate_to_fp8(y, MAX_BITS: tl.constexpr, BIAS: tl.constexpr, MBITS: tl.constexpr):
-    """`clamp(y, -max, max).to(float8)` as uint8 bits: float32 tensor -> uint8 tensor.
+    """`_quantize.saturate(y, float8)` as uint8 bits: float32 tensor -> uint8 tensor.
 
-    Round to nearest even, as torch. NaN gives 0x7F with y's sign (torch's pattern for
-    both formats; a CUDA multiply returns NaNs positive); the clamp keeps every other value in
-    range (e4m3fn has no inf).
+    Round to nearest even, as torch. Finite values beyond the format's max saturate; inf and NaN
+    give NaN, 0x7F (positive), in both formats.
     """
     bits = y.to(tl.int32, bitcast=True)
     sign = (bits >> 31) & 1
     a = bits & 0x7FFFFFFF
-    a = tl.where((a > MAX_BITS) & (a <= 0x7F800000), MAX_BITS, a)  # saturate, not NaN
+    a = tl.where((a > MAX_BITS) & (a < 0x7F800000), MAX_BITS, a)  # saturate finite values
     # normal float8: round the mantissa to MBITS bits, then rebias the exponent
     SHIFT: tl.constexpr = 23 - MBITS
     lsb = (a >> SHIFT) & 1
@@ -70,8 +69,8 @@ def saturate_to_fp8(y, MAX_BITS: tl.constexpr, BIAS: tl.constexpr, MBITS: tl.con
     up = (rem > halfway) | ((rem == halfway) & ((q & 1) == 1))
     sub = q + up.to(tl.int32)
     r = tl.where(a < ((128 - BIAS) << 23), sub, normal)
-    r = tl.where(a > 0x7F800000, 0x7F, r)
-    return (r | (sign << 7)).to(tl.uint8)
+    nonfinite = a >= 0x7F800000
+    return tl.where(nonfinite, 0x7F, r | (sign << 7)).to(tl.uint8)
 
 
 @triton.jit

@@ -8,7 +8,8 @@ cannot cancel out between two fp8fn code paths.
 
 Semantics (DESIGN "Semantics"):
 * forward casts input and weight to e4m3 (max 448), backward casts the output gradient to e5m2
-  (max 57344): `clamp(x * scale, -max, max).to(format)`, the product taken in float32;
+  (max 57344): finite `x * scale` clamped to `[-max, max]`, inf and NaN cast to NaN (an overflow
+  stays visible), the product taken in float32;
 * `scale = fp8_max / (amax * 2**margin)` in float64, 1 for an amax that is 0, inf or NaN,
   clamped to float32's range [2**-149, float32 max], stored as float32;
 * a role whose history is all zeros casts with current scaling (the tensor's own amax, margin
@@ -79,9 +80,11 @@ def amax_of(t: torch.Tensor) -> float:
 
 
 def saturating_cast(hp: torch.Tensor, scale: float, fmt: torch.dtype) -> torch.Tensor:
-    """`clamp(hp * scale, -max, max)` (product in float32) in the float8 format `fmt`."""
+    """`clamp(hp * scale, -max, max)` (product in float32) in the float8 format `fmt`, with
+    inf and NaN products made NaN."""
     fp8_max = E4M3_MAX if fmt == E4M3 else E5M2_MAX
-    return (hp.detach().float() * scale).clamp(-fp8_max, fp8_max).to(fmt)
+    y = hp.detach().float() * scale
+    return torch.where(torch.isfinite(y), y.clamp(-fp8_max, fp8_max), math.nan).to(fmt)
 
 
 @dataclass

@@ -15,7 +15,7 @@ from torch._inductor.utils import run_and_get_code
 
 import fp8fn
 import fp8fn._linear
-from fp8fn._linear import _Fp8Linear
+from fp8fn._tensorwise import _Fp8Linear
 
 DELAYED = fp8fn.DelayedScaling(history_len=4, backend="emulated")
 CURRENT = fp8fn.CurrentScaling(backend="emulated")

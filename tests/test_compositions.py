@@ -143,10 +143,11 @@ def test_autocast_casts_the_input_first_and_routes_agree(recipe):
 # op count: the lean op ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("backend, bound", [("emulated", 67), ("scaled_mm", 58)])
+@pytest.mark.parametrize("backend, bound", [("emulated", 70), ("scaled_mm", 61)])
 def test_ops_per_linear_fwd_bwd_stay_bounded(backend, bound):
     """A middle layer (x, weight, bias differentiated) at step 2, torch.func route, counted with
-    the loss' own 3 ops and the state's split (0.1 dispatched 137)."""
+    the loss' own 3 ops and the state's split (0.1 dispatched 137; 0.2 67 and 58, before each of
+    the three casts kept inf and NaN visible, one op each)."""
     recipe = fp8fn.DelayedScaling(backend=backend)
     model = torch.nn.Sequential(torch.nn.Linear(64, 48))
     fn = fp8fn.transform(model, recipe)
@@ -367,3 +368,39 @@ def test_state_on_another_device_than_the_input_is_named():
         ValueError, match=r"^fp8fn\.linear: expected the scaling state on the device"
     ):
         fp8fn.linear(x, w, b, site, DELAYED)
+
+
+@pytest.mark.parametrize("recipe", [DELAYED, fp8fn.CurrentScaling()], ids=["delayed", "current"])
+def test_an_overflow_stays_visible_to_the_grad_scaler(recipe):
+    """fp16 autocast with torch.amp.GradScaler: a scaled loss whose gradient overflows float16
+    must skip the step and halve the scale, as without fp8fn (an inf is never saturated)."""
+    runs = {}
+    for name in ("fp8fn", "float32"):
+        # No bias: its gradient is summed in high precision and would show the inf anyway.
+        model = torch.nn.Sequential(
+            torch.nn.Linear(16, 16, bias=False), torch.nn.Linear(16, 4, bias=False)
+        )
+        torch.nn.init.constant_(model[1].weight, 0.5)
+        fn = fp8fn.transform(model, recipe)
+        x = torch.ones(8, 16)
+        state = fn.init(x)
+        params = dict(model.named_parameters())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+        before = {k: v.detach().clone() for k, v in params.items()}
+        with torch.autocast("cpu", dtype=torch.float16):
+            observed = fp8fn.observe(state)
+            out = fn.apply(params, observed, x) if name == "fp8fn" else model(x)
+            loss = out.float().sum() * 4  # x 2**16: its gradient overflows float16
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        runs[name] = scaler.get_scale()
+        assert all(torch.equal(before[k], v) for k, v in params.items()), name  # skipped
+        if name == "fp8fn":
+            grads = [p.grad for p in params.values()]
+            assert not all(torch.isfinite(g).all() for g in grads)
+            obs = fp8fn.observations(observed)
+            new = fp8fn.update(state, obs)  # the inf amax is not pushed: the state stays sane
+            assert torch.isfinite(new.scale).all() and (new.scale > 0).all()
+    assert runs == {"fp8fn": 2.0**15, "float32": 2.0**15}

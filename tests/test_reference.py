@@ -37,7 +37,7 @@ from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 
 import fp8fn
-from fp8fn._matmul import resolve_backend
+from fp8fn._backend import resolve_backend
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 HISTORY_LEN = 4
@@ -563,12 +563,24 @@ def test_auto_backend_follows_the_device_capability(monkeypatch, capability, wan
         return capability
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", fake_capability)
-    assert resolve_backend("auto", torch.device("cuda", 0)) == want
-    assert asked, "the capability was not consulted"
-    assert resolve_backend("auto", torch.device("cpu")) == "emulated"
-    for explicit in ("emulated", "scaled_mm"):
-        assert resolve_backend(explicit, torch.device("cuda", 0)) == explicit
-        assert resolve_backend(explicit, torch.device("cpu")) == explicit
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    for per_tensor in (fp8fn.DelayedScaling, fp8fn.CurrentScaling):
+        assert resolve_backend(per_tensor(), cuda) == want
+        assert asked, "the capability was not consulted"
+        assert resolve_backend(per_tensor(), cpu) == "emulated"
+        for explicit in ("emulated", "scaled_mm", "triton"):
+            assert resolve_backend(per_tensor(backend=explicit), cuda) == explicit
+            assert resolve_backend(per_tensor(backend=explicit), cpu) == explicit
+    # The finer recipes: emulated until their GEMMs have run on a GPU.
+    for finer in (fp8fn.RowwiseScaling(), fp8fn.BlockwiseScaling(), fp8fn.MXScaling()):
+        assert resolve_backend(finer, cuda) == resolve_backend(finer, cpu) == "emulated"
+    rowwise = fp8fn.RowwiseScaling(backend="scaled_mm")
+    assert resolve_backend(rowwise, cpu) == "scaled_mm"  # the CPU's slow reference kernel
+    if want == "scaled_mm":
+        assert resolve_backend(rowwise, cuda) == "scaled_mm"
+    else:
+        with pytest.raises(ValueError, match="compute capability >= 8.9 .* got cuda:0"):
+            resolve_backend(rowwise, cuda)
 
 
 def test_hypothesis_profile_follows_ci():

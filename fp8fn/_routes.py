@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch.utils import _pytree as pytree
 
-from ._state import State, check_state
+from ._state import State, check_state, warn_if_superseded
+from ._torch_private import functorch_level
 
 
 def observe(state: State) -> State:
@@ -26,7 +27,29 @@ def observe(state: State) -> State:
       True
     """
     check_state("observe", state, batch_dims=None)
-    return state._replace(amax_history=state.amax_history.detach().requires_grad_())
+    warn_if_superseded("observe", state)
+    history = state.amax_history.detach().requires_grad_()
+    history._fp8fn_observed = True  # (for the advice when it is reused)
+    history.register_hook(_one_gradient())
+    return state._replace(amax_history=history)
+
+
+def _one_gradient():
+    """A hook for an observed history: a second gradient means a second backward through one
+    forward pass (`backward(retain_graph=True)` twice), which autograd would sum."""
+    seen = []
+
+    def hook(grad):
+        if seen:
+            raise RuntimeError(
+                "fp8fn.observe: a second backward pass reached this observed state (e.g. "
+                "`l1.backward(retain_graph=True); l2.backward()`); autograd would sum the two "
+                "passes' observations, and fp8fn combines them by max. Call backward once, on "
+                "the sum of the losses, or make a fresh fp8fn.observe(state) for each forward."
+            )
+        seen.append(True)
+
+    return hook
 
 
 def observations(state: State) -> State:
@@ -85,6 +108,18 @@ def value_and_grad(f, argnums=0, has_aux=False):
         )
 
     def wrapped(*args, **kwargs):
+        if functorch_level() is not None:
+            raise RuntimeError(
+                "fp8fn.value_and_grad: it differentiates with torch.autograd.grad, which "
+                "torch.func transforms (vmap, grad) do not allow inside them. Under torch.vmap "
+                "use torch.func.grad_and_value (fp8fn gives the same numbers on that route)."
+            )
+        if torch.is_inference_mode_enabled():
+            raise RuntimeError(
+                "fp8fn.value_and_grad: no gradient can be computed inside "
+                "torch.inference_mode(). Call it outside; for evaluation without gradients, "
+                "call the function itself under torch.no_grad()."
+            )
         args = list(args)
         specs = []
         for i in nums:
@@ -99,6 +134,12 @@ def value_and_grad(f, argnums=0, has_aux=False):
                     raise TypeError(
                         f"fp8fn.value_and_grad: expected argument {i} to be a pytree of floating "
                         f"tensors, got a leaf {getattr(leaf, 'dtype', type(leaf).__name__)}."
+                    )
+                if leaf.is_inference():
+                    raise RuntimeError(
+                        f"fp8fn.value_and_grad: argument {i} holds a tensor made under "
+                        "torch.inference_mode(), which autograd cannot differentiate. Make it "
+                        "outside inference mode (or `.clone()` it there)."
                     )
             # A tensor given twice in one argument (tied weights) stays one tensor; one given in
             # two arguments is two (two copies of a state, for two forward passes).

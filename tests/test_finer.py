@@ -373,7 +373,7 @@ TORCHAO_CASES = [
 
 
 @pytest.mark.parametrize("recipe, dtype, shape, n", TORCHAO_CASES)
-def test_granular_linear_matches_torchao(recipe, dtype, shape, n):
+def test_finer_linear_matches_torchao(recipe, dtype, shape, n):
     pytest.importorskip("torchao")
     x, linear, g = _case(shape, n, dtype)
     module = _torchao_module(recipe, linear)
@@ -389,7 +389,7 @@ def test_granular_linear_matches_torchao(recipe, dtype, shape, n):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(128, 256), (2, 64, 128)])
-def test_granular_linear_blockwise_matches_torchao_quantizers(dtype, shape):
+def test_finer_linear_blockwise_matches_torchao_quantizers(dtype, shape):
     pytest.importorskip("torchao")
     x, linear, g = _case(shape, 128, dtype)
     out, grad_x, grad_w, grad_b = _run_ours(BLOCKWISE, x, linear, g)
@@ -402,7 +402,7 @@ def test_granular_linear_blockwise_matches_torchao_quantizers(dtype, shape):
 
 
 @pytest.mark.parametrize("recipe", [MX_RCEIL, MX_FLOOR], ids=["rceil", "floor"])
-def test_granular_linear_mx_partial_blocks_match_zero_padded_torchao(recipe):
+def test_finer_linear_mx_partial_blocks_match_zero_padded_torchao(recipe):
     # k = 48 and m = 40 are not multiples of 32: the last block of each holds the rest.
     pytest.importorskip("torchao")
     x, linear, g = _case((40, 48), 64, torch.float32)
@@ -421,7 +421,7 @@ def test_granular_linear_mx_partial_blocks_match_zero_padded_torchao(recipe):
     torch.testing.assert_close(grad_w, module.weight.grad[:, :48], rtol=1e-6, atol=1e-6)
 
 
-def test_granular_linear_blockwise_partial_blocks_match_zero_padded_reference():
+def test_finer_linear_blockwise_partial_blocks_match_zero_padded_reference():
     pytest.importorskip("torchao")
     x, linear, g = _case((136, 200), 72, torch.float32)
     out, grad_x, grad_w, _ = _run_ours(BLOCKWISE, x, linear, g)
@@ -436,7 +436,7 @@ def test_granular_linear_blockwise_partial_blocks_match_zero_padded_reference():
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=IDS)
-def test_granular_linear_torch_func_matches_autograd(recipe):
+def test_finer_linear_torch_func_matches_autograd(recipe):
     x, linear, g = _case((2, 64, 128), 128, torch.float32)
     params = (x, linear.weight.detach(), linear.bias.detach())
     expected = _run_ours(recipe, x, linear, g)[1:]
@@ -453,7 +453,7 @@ def test_granular_linear_torch_func_matches_autograd(recipe):
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=IDS)
-def test_granular_linear_checkpoint_recompute_is_bit_identical(recipe):
+def test_finer_linear_checkpoint_recompute_is_bit_identical(recipe):
     x, linear, g = _case((2, 64, 128), 128, torch.float32)
     params = (x, linear.weight.detach(), linear.bias.detach())
 
@@ -477,7 +477,7 @@ def test_granular_linear_checkpoint_recompute_is_bit_identical(recipe):
 
 
 @pytest.mark.parametrize("recipe", [ROWWISE, MX_RCEIL, BLOCKWISE], ids=["rowwise", "mx", "block"])
-def test_granular_linear_under_autocast_casts_the_input_first(recipe):
+def test_finer_linear_under_autocast_casts_the_input_first(recipe):
     # As torchao: the input goes to the autocast dtype, the op itself is not re-autocast.
     x, linear, _ = _case((64, 128), 128, torch.float32)
     w, b = linear.weight.detach(), linear.bias.detach()
@@ -487,7 +487,7 @@ def test_granular_linear_under_autocast_casts_the_input_first(recipe):
     assert same(got, fp8fn.linear(x.bfloat16(), w, b, None, recipe))
 
 
-def test_granular_linear_vmap_matches_loop():
+def test_finer_linear_vmap_matches_loop():
     x, linear, _ = _case((3, 32, 64), 32, torch.float32)
     w, b = linear.weight.detach(), linear.bias.detach()
     got = torch.func.vmap(lambda x: fp8fn.linear(x, w, b, None, MX_RCEIL))(x)
@@ -550,7 +550,7 @@ def _mlp_run(model, x, g, linear_fn):
     return h, [params[f"layers.{i}.weight"].grad for i in range(len(model.layers))]
 
 
-def test_granular_sqnr_mlp_matches_torchao(capsys):
+def test_finer_sqnr_mlp_matches_torchao(capsys):
     pytest.importorskip("torchao")
     model = MLP((128, 256, 128), seed=0)
     gen = torch.Generator().manual_seed(0)
@@ -636,14 +636,14 @@ def test_granular_sqnr_mlp_matches_torchao(capsys):
         ),
     ],
 )
-def test_granular_linear_invalid_arguments(args, error, match):
+def test_finer_linear_invalid_arguments(args, error, match):
     x, w, b, recipe = args
     with pytest.raises(error, match=r"^fp8fn\.linear: expected " + match):
         fp8fn.linear(x, w, b, None, recipe)
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=IDS)
-def test_granular_linear_output_shape_and_dtypes(recipe):
+def test_finer_linear_output_shape_and_dtypes(recipe):
     # float32 master weights with bfloat16 activations: output in x's dtype, grads in each's.
     for x_dtype, w_dtype in ((torch.float32, torch.float32), (torch.bfloat16, torch.float32)):
         x = torch.randn(2, 3, 5, 64, dtype=x_dtype, requires_grad=True)
@@ -704,7 +704,7 @@ COMPILE_CASES = [
     COMPILE_CASES,
     ids=[f"{IDS[RECIPES.index(r)]}-{c[0][0]}x{c[0][1]}x{c[1]}" for r, c in COMPILE_CASES],
 )
-def test_granular_linear_compiled_is_bit_identical_to_eager(recipe, case):
+def test_finer_linear_compiled_is_bit_identical_to_eager(recipe, case):
     # Inductor compiled the dequantizers' former `scale.repeat_interleave(b, -1)[..., :k]` into
     # a kernel that left the columns past the first block unwritten (garbage or NaN outputs and
     # gradients), or failed with an InductorError.

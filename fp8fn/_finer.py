@@ -1,4 +1,4 @@
-"""The stateless fine-grained fp8 linear: rowwise, blockwise and MXFP8 recipes.
+"""The finer recipes' fp8 linear (stateless): rowwise, blockwise and MXFP8.
 
 `x` is `(m, k)`, `weight` `(n, k)`, the output gradient `g` `(m, n)`. Three GEMMs, each with
 both operands quantized from high precision along that GEMM's contraction dim:
@@ -13,11 +13,11 @@ from __future__ import annotations
 import torch
 
 from . import _quantize as q
+from ._backend import scaled_mm
 from ._guards import no_autocast
-from ._matmul import pad16, scaled_mm_supported
 from ._recipe import BlockwiseScaling, MXScaling, RowwiseScaling
 
-GRANULAR = (RowwiseScaling, BlockwiseScaling, MXScaling)
+FINER = (RowwiseScaling, BlockwiseScaling, MXScaling)
 
 # -- rowwise ------------------------------------------------------------------------------------
 
@@ -29,24 +29,13 @@ def _rowwise_mm(a_fp8, a_scale, b_fp8, b_scale, out_dtype, backend):
     b_scale float32 `(1, n)` or `()`. The scales are powers of two.
     """
     if backend == "scaled_mm":
-        a_inv, b_inv = a_scale.reciprocal(), b_scale.reciprocal()
-        return _scaled_mm_rowwise(a_fp8, a_inv, b_fp8, b_inv, out_dtype)
+        # Unit scales and a float32 result, then the power-of-two scales: exact, and the
+        # tensorwise kernel takes a float32 output where the rowwise one gives bfloat16 only.
+        one = torch.ones((), dtype=torch.float32, device=a_fp8.device)
+        out = scaled_mm(a_fp8, b_fp8.t(), one, one, torch.float32)
+        return (out * (a_scale.reciprocal() * b_scale.reciprocal())).to(out_dtype)
     a_hp, b_hp = q.dequantize_scaled(a_fp8, a_scale), q.dequantize_scaled(b_fp8, b_scale)
     return torch.mm(a_hp, b_hp).to(out_dtype)
-
-
-def _scaled_mm_rowwise(a_fp8, a_inv, b_fp8, b_inv, out_dtype):
-    """`torch._scaled_mm` with unit scales and a float32 result, then the power-of-two scales.
-
-    Scaling after the matmul is exact (powers of two) and works with the tensorwise kernel,
-    which accepts a float32 output, where the rowwise one only gives bfloat16.
-    """
-    m, n = a_fp8.shape[0], b_fp8.shape[1]
-    a = pad16(pad16(a_fp8, 0), 1).contiguous()
-    b = pad16(pad16(b_fp8, 0), 1).t().contiguous().t()  # column-major
-    one = torch.ones((), dtype=torch.float32, device=a.device)
-    out = torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.float32)[:m, :n]
-    return (out * (a_inv * b_inv)).to(out_dtype)
 
 
 def _rowwise_output(x, weight, recipe, backend):
@@ -59,7 +48,7 @@ def _rowwise_grad_input(g, weight, recipe, backend):
     g_fp8, g_scale = q.quantize_rowwise(g)
     if recipe.hp_grad_weight:  # torchao "rowwise_with_gw_hp": the weight per tensor
         w_scale = q.tensorwise_scale(weight)
-        w_fp8 = q.quantize_with_scale(weight, w_scale)
+        w_fp8 = q.cast_to_fp8(weight, w_scale, keep_nonfinite=False)
     else:
         w_fp8_t, w_scale_t = q.quantize_rowwise(weight.t())  # (k, n): rows along n
         w_fp8, w_scale = w_fp8_t.t(), w_scale_t.t()
@@ -133,7 +122,7 @@ _GEMMS = {
 # -- the op -------------------------------------------------------------------------------------
 
 
-class _GranularLinear(torch.autograd.Function):
+class _FinerLinear(torch.autograd.Function):
     """y = x @ weight.T + bias. x (m, k), weight (n, k), bias (n,) or None; stateless recipes.
 
     Saves `x` and `weight` in high precision: each GEMM quantizes its operands along its own
@@ -175,13 +164,8 @@ class _GranularLinear(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None
 
 
-def resolve_granular_backend(recipe) -> str:
-    """`"emulated"` or `"scaled_mm"`: `"auto"` emulates until a GPU run has verified a kernel."""
-    return "emulated" if recipe.backend == "auto" else recipe.backend
-
-
-def check_granular(x, weight, recipe) -> None:
-    """The checks a granular recipe adds to `check_operands`'."""
+def check_finer(x, weight, recipe) -> None:
+    """The checks a finer recipe adds to `check_operands`'."""
     if x.numel() == 0 or weight.numel() == 0:
         raise ValueError(
             f"fp8fn.linear: expected non-empty `x` and `weight` under {type(recipe).__name__}, "
@@ -192,18 +176,9 @@ def check_granular(x, weight, recipe) -> None:
             "fp8fn.linear: expected `x` and `weight` in float32 or bfloat16 under MXScaling, "
             "got float16 (E8M0 scales span 2**-127..2**127, beyond float16). Cast to bfloat16."
         )
-    if (
-        recipe.backend == "scaled_mm"
-        and x.device.type != "cpu"
-        and not scaled_mm_supported(x.device)
-    ):
-        raise ValueError(
-            f"fp8fn.linear: expected a CUDA device of compute capability >= 8.9 (or the CPU) "
-            f"for backend='scaled_mm', got {x.device}. Use backend='emulated'."
-        )
 
 
-def granular_linear(x, weight, bias, recipe):
+def finer_linear(x, weight, bias, recipe, backend):
     """`x @ weight.T + bias` under a stateless fine-grained float8 recipe.
 
     Each of the three GEMMs (output, grad_input, grad_weight) quantizes both of its operands
@@ -218,10 +193,10 @@ def granular_linear(x, weight, bias, recipe):
       weight: `(out_features, in_features)`, same dtypes.
       bias: `(out_features,)` or None.
       recipe: `RowwiseScaling`, `BlockwiseScaling` or `MXScaling`.
+      backend: `"emulated"` or (rowwise) `"scaled_mm"`, from `resolve_backend`.
 
     Returns:
       `(..., out_features)` in `x.dtype`.
     """
-    backend = resolve_granular_backend(recipe)
-    out = _GranularLinear.apply(x.reshape(-1, x.shape[-1]), weight, bias, recipe, backend)
+    out = _FinerLinear.apply(x.reshape(-1, x.shape[-1]), weight, bias, recipe, backend)
     return out.reshape(*x.shape[:-1], weight.shape[0])

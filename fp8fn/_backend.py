@@ -1,0 +1,127 @@
+"""Backends: which one a recipe runs on a device, and the float8 matmuls.
+
+`"emulated"` (any device: dequantize, float32 matmul), `"scaled_mm"` (the float8 GEMM of CUDA
+devices of compute capability >= 8.9; `scaled_mm` here is the one place that calls it), and for
+the per-tensor recipes `"triton"` (fused Triton casts, matmuls as `"auto"`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ._recipe import BlockwiseScaling, CurrentScaling, DelayedScaling, MXScaling, RowwiseScaling
+from ._torch_private import legacy_scaled_mm
+
+
+def scaled_mm_supported(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def resolve_backend(recipe, device: torch.device) -> str:
+    """The backend `recipe` runs on `device`: `"emulated"`, `"scaled_mm"` or `"triton"`.
+
+    `"auto"` is the verified path: `torch`'s float8 GEMM where the device has one, for the
+    per-tensor recipes; emulation for the finer recipes (their GEMMs have not run on a GPU).
+
+    Raises:
+      ValueError: `backend="scaled_mm"` on a device without the float8 GEMM (CPU excepted:
+        its reference kernel is slow but exact, for tests at small shapes).
+    """
+    backend = recipe.backend
+    if isinstance(recipe, (DelayedScaling, CurrentScaling)):
+        if backend == "auto":
+            return "scaled_mm" if scaled_mm_supported(device) else "emulated"
+        return backend
+    if isinstance(recipe, (BlockwiseScaling, MXScaling)) or backend == "auto":
+        return "emulated"
+    if backend == "scaled_mm" and device.type != "cpu" and not scaled_mm_supported(device):
+        raise ValueError(
+            f"fp8fn.linear: expected a CUDA device of compute capability >= 8.9 (or the CPU) "
+            f"for backend='scaled_mm', got {device}. Use backend='emulated'."
+        )
+    assert isinstance(recipe, RowwiseScaling), recipe
+    return backend
+
+
+def _widen(fp8: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """`(hp, factor)` with `fp8.float() == hp * factor` exactly; `hp` float32, fp8's shape.
+
+    On CPU, `float8_e4m3fn.to(float32)` is slow (785 us for 512 x 512 on one core, against
+    193 us for these integer ops), so e4m3 goes through float16 bits instead. Its seven
+    magnitude bits placed at float16's bit 7 give the value times 2**-8 (float16's exponent bias
+    is 15, e4m3's 7; subnormals land on float16 subnormals), and magnitude 0x7F (NaN) gets
+    float16's all-ones exponent. Scaling by a power of two leaves the matmul's rounding as is.
+    Only on CPU and from 64K elements: other devices convert natively, inductor vectorizes the
+    plain conversion itself, and below that size the seven integer ops cost more.
+    """
+    small = fp8.numel() < 2**16  # below this the seven integer ops cost more than they save
+    plain = fp8.dtype != torch.float8_e4m3fn or fp8.device.type != "cpu" or small
+    if plain or torch.compiler.is_compiling():
+        return fp8.float(), 1.0
+    bits = fp8.view(torch.uint8).to(torch.int16)
+    magnitude, sign = bits & 0x7F, (bits >> 7) * -32768
+    nan = (magnitude + 1) >> 7  # 1 for magnitude 0x7F only
+    half = (magnitude << 7) | (nan * 0x7C00) | sign
+    return half.view(torch.float16).float(), 256.0
+
+
+def _pad16(t: torch.Tensor, dim: int) -> torch.Tensor:
+    extra = -t.shape[dim] % 16
+    if extra == 0:
+        return t
+    pad = [0, 0] * (t.dim() - 1 - dim) + [0, extra]
+    return F.pad(t.view(torch.uint8), pad).view(t.dtype)
+
+
+def scaled_mm(a, b, scale_a, scale_b, out_dtype: torch.dtype) -> torch.Tensor:
+    """`(a @ b.T) * scale_a * scale_b` by torch's float8 GEMM, for any shapes and layouts.
+
+    Args:
+      a: float8 `(m, k)`; b: float8 `(n, k)` (a linear layer's weight layout).
+      scale_a, scale_b: float32 `()` dequantization scales.
+      out_dtype: the result's dtype.
+
+    Returns:
+      `(m, n)` in `out_dtype`. (The GEMM wants `a` row-major, `b.T` column-major and every dim
+    a multiple of 16: operands are padded with zeros and made contiguous, the result sliced.)
+    """
+    m, n = a.shape[0], b.shape[0]
+    a = _pad16(_pad16(a, 0), 1).contiguous()
+    b = _pad16(_pad16(b, 0), 1).contiguous()
+    if hasattr(F, "scaled_mm"):  # public from torch 2.10
+        tensorwise = F.ScalingType.TensorWise
+        out = F.scaled_mm(
+            a, b.t(), scale_a, tensorwise, scale_b, tensorwise, output_dtype=out_dtype
+        )
+    else:
+        out = legacy_scaled_mm(a, b.t(), scale_a, scale_b, out_dtype)
+    return out if out.shape == (m, n) else out[:m, :n]
+
+
+def fp8_mm(a, b, inv_scale_a, inv_scale_b, out_dtype: torch.dtype, backend: str):
+    """`(a @ b.T) * inv_scale_a * inv_scale_b` for float8 operands, accumulated in float32.
+
+    Args:
+      a: float8 `(m, k)`, any layout.
+      b: float8 `(n, k)`, any layout (a linear layer's weight layout).
+      inv_scale_a, inv_scale_b: float32 `()` dequantization scales (`1 / scale`).
+      out_dtype: dtype of the result.
+      backend: `"emulated"`, `"scaled_mm"`, or `"triton"` (Triton casts: the matmul is
+        `scaled_mm` where supported, else emulated).
+
+    Returns:
+      `(m, n)` tensor in `out_dtype`.
+    """
+    if backend == "triton":
+        backend = "scaled_mm" if scaled_mm_supported(a.device) else "emulated"
+    if backend == "scaled_mm":
+        return scaled_mm(a, b, inv_scale_a, inv_scale_b, out_dtype)
+    # Each operand is widened in the layout it comes in: the backward widens transposed views
+    # of the saved float8 copies, which are not the forward's graph nodes, so when compiled
+    # AOTAutograd cannot save the forward's float32 widening (4x the bytes).
+    (a_hp, a_factor), (b_hp, b_factor) = _widen(a), _widen(b)
+    inv = inv_scale_a * inv_scale_b
+    if a_factor * b_factor != 1.0:  # powers of two: exact
+        inv = inv * (a_factor * b_factor)
+    return (torch.mm(a_hp, b_hp.t()) * inv).to(out_dtype)

@@ -1,0 +1,154 @@
+"""fp8fn.State: immutable data, its device moves, and the states fp8fn refuses to run on."""
+
+import warnings
+
+import pytest
+import torch
+from _helpers import observation
+from _models import ReusedLayer
+from torch import nn
+
+import fp8fn
+
+DELAYED = fp8fn.DelayedScaling(history_len=4)
+
+
+def _warm(fn, params, x):
+    state = fn.init(x)
+    return fp8fn.update(state, torch.func.grad(_loss(fn), argnums=1)(params, state, x))
+
+
+def _loss(fn):
+    return lambda p, s, x: fn.apply(p, s, x).square().mean()
+
+
+def _setup():
+    model = ReusedLayer(16)
+    fn = fp8fn.transform(model, DELAYED)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    return fn, params, x
+
+
+def test_the_state_is_immutable_data():
+    state = fp8fn.init_state(DELAYED, ["a", "b"])
+    with pytest.raises(AttributeError, match=r"fp8fn.State is immutable.*_replace\(scale=\.\.\.\)"):
+        state.scale = torch.zeros(2, 3)
+    with pytest.raises(AttributeError, match="fp8fn.State is immutable"):
+        state.margin = 3
+    with pytest.raises(AttributeError, match="fp8fn.State is immutable"):
+        del state.sites
+    site = state["a"]
+    with pytest.raises(AttributeError, match=r"fp8fn.SiteState is immutable.*_replace"):
+        site.amax_history = torch.zeros(3, 4)
+    assert state["a"] is site and state.static == (("a", "b"), "max", 0)
+    new = state._replace(scale=torch.full((2, 3), 2.0))
+    assert torch.equal(new["b"].scale, torch.full((3,), 2.0))
+    assert torch.equal(site.scale, torch.ones(3))  # the old views did not go stale
+    with pytest.raises(TypeError, match=r"fp8fn.State._replace: expected fields .*\['margin'\]"):
+        state._replace(margin=2)
+    with pytest.raises(KeyError, match=r"no site 'c' among its 2 sites\.\"$"):
+        state["c"]
+    many = fp8fn.init_state(DELAYED, [f"blocks.{i}.fc1" for i in range(12)])
+    with pytest.raises(KeyError, match=r"no site 'blocks.1.fc' among its 12 .* 'blocks.1.fc1'"):
+        many["blocks.1.fc"]
+
+
+def test_state_to_moves_both_tensors_and_device_errors_cite_it():
+    state = fp8fn.init_state(DELAYED, ["fc"])
+    moved = state.to("meta")
+    assert moved.amax_history.device.type == moved.scale.device.type == "meta"
+    assert moved.static == state.static and state.amax_history.device.type == "cpu"
+    with pytest.raises(ValueError, match=r"Move it: `state = state.to\(device\)`"):
+        fp8fn.linear(torch.randn(4, 8), torch.randn(6, 8), None, moved["fc"], DELAYED)
+
+
+def test_linear_refuses_a_recipe_that_disagrees_with_the_site_state():
+    state = fp8fn.init_state(DELAYED, ["fc"])
+    x, w = torch.randn(4, 8), torch.randn(6, 8)
+    other = fp8fn.DelayedScaling(history_len=4, margin=3, amax_compute="most_recent")
+    with pytest.raises(ValueError, match=r"fp8fn.linear: expected `site_state` made for the rec"):
+        fp8fn.linear(x, w, None, state["fc"], other)
+    site = fp8fn.init_state(other, ["fc"])["fc"]  # it carries its config
+    assert site.static == ("most_recent", 3)
+    fp8fn.linear(x, w, None, site, other)
+
+
+def test_an_observation_or_a_bad_scale_where_the_state_belongs_is_refused():
+    fn, params, x = _setup()
+    state = _warm(fn, params, x)
+    obs = torch.func.grad(_loss(fn), argnums=1)(params, state, x)
+    assert torch.equal(obs.scale, torch.zeros_like(obs.scale))
+    for bad, name in (
+        (obs, "an observation"),
+        (state._replace(scale=state.scale.clone().index_fill_(0, torch.tensor([0]), 0.0)), "0"),
+        (state._replace(scale=torch.full_like(state.scale, float("nan"))), "NaN"),
+        (state._replace(scale=torch.full_like(state.scale, float("inf"))), "inf"),
+        (state._replace(scale=-state.scale), "negative"),
+    ):
+        with pytest.raises(ValueError, match=r"fp8fn.apply: expected the scales of `state` fin"):
+            fn.apply(params, bad, x)
+        with pytest.raises(ValueError, match=r"fp8fn.apply: expected the scales"):
+            torch.func.grad(_loss(fn), argnums=1)(params, bad, x)
+        with pytest.raises(ValueError, match=r"fp8fn.linear: expected the scales of `site_state`"):
+            fp8fn.linear(x, params["fc.weight"], None, bad["fc"], DELAYED)
+    # A hand-made state with good scales is accepted (checked once).
+    good = state._replace(scale=state.scale.clone())
+    assert torch.equal(fn.apply(params, good, x), fn.apply(params, state, x))
+
+
+def test_update_refuses_swapped_or_state_arguments():
+    fn, params, x = _setup()
+    state = _warm(fn, params, x)
+    obs = torch.func.grad(_loss(fn), argnums=1)(params, state, x)
+    with pytest.raises(ValueError, match=r"fp8fn.update: expected the scales of `state` finite"):
+        fp8fn.update(obs, state)
+    with pytest.raises(ValueError, match=r"fp8fn.update: expected `obs` an observation .* a sta"):
+        fp8fn.update(state, state)
+    new = fp8fn.update(state, obs)  # the right order still works
+    assert torch.equal(new.amax_history[..., 1], state.amax_history[..., 0])
+
+
+def test_dropping_the_result_of_update_warns():
+    fn, params, x = _setup()
+    state = _warm(fn, params, x)
+    obs = torch.func.grad(_loss(fn), argnums=1)(params, state, x)
+    fp8fn.update(state, obs)  # the result dropped: the old state is used again
+    with pytest.warns(UserWarning, match=r"fp8fn.observe: this state was already updated"):
+        fp8fn.observe(state)
+    with pytest.warns(UserWarning, match=r"`state = fp8fn.update\(state, obs\)`"):
+        torch.func.grad(_loss(fn), argnums=1)(params, state, x)
+    new = fp8fn.update(state, obs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the kept result is fine
+        fp8fn.observe(new)
+        fn.apply(params, new, x)
+
+
+def test_site_order_follows_the_module_tree_not_the_example():
+    class Experts(nn.Module):
+        """An MoE-like model: which experts run depends on the data."""
+
+        def __init__(self):
+            super().__init__()
+            self.experts = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+
+        def forward(self, x):
+            for i in x[:, 0].abs().argsort().tolist()[:2]:  # two of three, in a data order
+                x = self.experts[i % 3](x)
+            return x
+
+    model = Experts()
+    fn = fp8fn.transform(model, DELAYED)
+    orders = set()
+    for seed in range(6):
+        x = torch.randn(3, 8, generator=torch.Generator().manual_seed(seed))
+        orders.add(fn.init(x).sites)
+    assert orders == {("experts.0", "experts.1", "experts.2")}
+
+
+def test_observation_helper_builds_what_update_takes():
+    state = fp8fn.init_state(DELAYED, ["a"])
+    new = fp8fn.update(state, observation(state, a=(2.0, None, 4.0)))
+    assert new["a"].input.amax_history.tolist() == [2.0, 0.0, 0.0, 0.0]
+    assert new["a"].weight.amax_history.tolist() == [0.0] * 4
