@@ -76,6 +76,17 @@ def cast_to_fp8(
     return saturate(hp.float() * scale, dtype, keep_nonfinite)
 
 
+def check_margin(api: str, margin) -> None:
+    """The one check of a margin: an int (TypeError otherwise) from 0 to 64 (ValueError)."""
+    if isinstance(margin, bool) or not isinstance(margin, int):
+        raise TypeError(
+            f"fp8fn.{api}: expected `margin` an int from 0 to 64, got "
+            f"{type(margin).__name__} {margin!r}."
+        )
+    if not 0 <= margin <= 64:
+        raise ValueError(f"fp8fn.{api}: expected `margin` an int from 0 to 64, got {margin}.")
+
+
 def compute_scale(amax: torch.Tensor, fp8_max: float, margin: int = 0) -> torch.Tensor:
     """`fp8_max / (amax * 2**margin)`, computed in float64, returned as float32.
 
@@ -103,10 +114,7 @@ def compute_scale(amax: torch.Tensor, fp8_max: float, margin: int = 0) -> torch.
         )
     if isinstance(fp8_max, bool) or not isinstance(fp8_max, (int, float)) or not fp8_max > 0:
         raise ValueError(f"fp8fn.compute_scale: expected `fp8_max` a float > 0, got {fp8_max!r}.")
-    if isinstance(margin, bool) or not isinstance(margin, int) or not 0 <= margin <= 64:
-        raise ValueError(
-            f"fp8fn.compute_scale: expected `margin` an int from 0 to 64, got {margin!r}."
-        )
+    check_margin("compute_scale", margin)
     return torch.where(amax > 0, scale_from_amax(amax, float(fp8_max), margin), 1.0)
 
 

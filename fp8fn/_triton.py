@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import torch
 
-from ._quantize import E4M3, E5M2
+from ._quantize import E4M3, E5M2, check_margin
 
 _HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _FP8_DTYPES = (E4M3, E5M2)
@@ -93,8 +93,7 @@ def _check(api: str, hp, dtype, transpose, **scalars) -> None:
 
 def _margin(api: str, margin) -> float:
     """The margin as the kernels take it; it must be an int from 0 to 64 (a recipe's)."""
-    if isinstance(margin, bool) or not isinstance(margin, int) or not 0 <= margin <= 64:
-        raise ValueError(f"fp8fn.{api}: expected `margin` an int from 0 to 64, got {margin!r}.")
+    check_margin(api, margin)
     return float(margin)
 
 

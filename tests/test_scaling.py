@@ -86,7 +86,11 @@ def test_compute_scale_batched_and_bfloat16():
         ((torch.tensor(2), 448.0), TypeError, r"`amax` to be a floating tensor, got torch\.int64"),
         ((torch.tensor(2.0), 0.0), ValueError, r"`fp8_max` a float > 0, got 0\.0"),
         ((torch.tensor(2.0), 448.0, -1), ValueError, r"`margin` an int from 0 to 64, got -1"),
-        ((torch.tensor(2.0), 448.0, 1.5), ValueError, r"`margin` an int from 0 to 64, got 1\.5"),
+        (
+            (torch.tensor(2.0), 448.0, 1.5),
+            TypeError,
+            r"`margin` an int from 0 to 64, got float 1\.5",
+        ),
     ],
 )
 def test_compute_scale_bad_arguments_raise(args, error, match):
