@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from _helpers import sqnr
 from _models import MLP
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -516,10 +517,6 @@ def test_rowwise_auto_backend_is_emulated():
 # -- accuracy -----------------------------------------------------------------------------------
 
 
-def _sqnr(ref, x):
-    return (20 * torch.log10(ref.norm() / (ref - x).norm())).item()
-
-
 class _BlockwiseReference(torch.autograd.Function):
     """torchao's blockwise reference quantizers as a linear (no bias), for the SQNR table."""
 
@@ -574,8 +571,8 @@ def test_finer_sqnr_mlp_matches_torchao(capsys):
                 return torch.func.functional_call(converted[i], params, (h,))
 
         t_out, t_grads = _mlp_run(model, x, g, theirs)
-        ours = [_sqnr(ref_out, out)] + [_sqnr(r, o) for r, o in zip(ref_grads, grads)]
-        them = [_sqnr(ref_out, t_out)] + [_sqnr(r, o) for r, o in zip(ref_grads, t_grads)]
+        ours = [sqnr(ref_out, out)] + [sqnr(r, o) for r, o in zip(ref_grads, grads)]
+        them = [sqnr(ref_out, t_out)] + [sqnr(r, o) for r, o in zip(ref_grads, t_grads)]
         rows.append((name, ours, them))
         for a, b in zip(ours, them):
             assert a >= b - 0.01
