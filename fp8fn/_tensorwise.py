@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ._backend import fp8_mm
+from ._backend import fp8_mm, scaled_mm_supported
 from ._guards import no_autocast
 from ._quantize import E4M3, E4M3_MAX, E5M2, FP8_MAX, amax, cast_to_fp8, scale_from_amax
 from ._torch_private import tracked_below, tracked_by_outer_differentiation
@@ -48,14 +48,20 @@ def _cast_operands(x, weight, newest, stored, margin: int, backend: str):
 
 
 def _cast_grad_output(grad_out, newest, stored, ctx):
-    """The backward's e5m2 cast: `(g_fp8, g_scale, g_amax)`."""
+    """The backward's e5m2 cast: `(g_fp8, g_fp8_t, g_scale, g_amax)`, `g_fp8_t` its `(n, m)`
+    transpose: a view, or with the Triton casts before a float8 GEMM, a row-major copy the
+    kernel writes in the same pass (the GEMM wants row-major operands)."""
     if ctx.backend == "triton":
         gn, gs = (None, None) if newest is None else (newest[2], stored[2])
-        return TritonCast.apply(grad_out, gn, gs, ctx.margin, E5M2)
+        if not scaled_mm_supported(grad_out.device):  # emulated matmuls take any layout
+            g_fp8, g_scale, g_amax = TritonCast.apply(grad_out, gn, gs, ctx.margin, E5M2)
+            return g_fp8, g_fp8.t(), g_scale, g_amax
+        return TritonCast.apply(grad_out, gn, gs, ctx.margin, E5M2, True)
     g_amax = amax(grad_out)
     g_scale = _scales(g_amax, newest, stored, ctx.margin, FP8_MAX[E5M2])
     g_scale = g_scale if newest is None else g_scale[..., 2]
-    return cast_to_fp8(grad_out, g_scale, E5M2), g_scale, g_amax
+    g_fp8 = cast_to_fp8(grad_out, g_scale, E5M2)
+    return g_fp8, g_fp8.t(), g_scale, g_amax
 
 
 class _FirstOrderOnly(torch.autograd.Function):
@@ -114,7 +120,7 @@ class _Fp8LinearOp(torch.autograd.Function):
     def backward(ctx, grad_out, *_):
         x_fp8, w_fp8, x_inv, w_inv, w_amax, x_amax, newest, stored = ctx.saved_tensors
         with no_autocast(grad_out):
-            g_fp8, g_scale, g_amax = _cast_grad_output(grad_out, newest, stored, ctx)
+            g_fp8, g_fp8_t, g_scale, g_amax = _cast_grad_output(grad_out, newest, stored, ctx)
             g_inv = g_scale.reciprocal()
             x_dtype, w_dtype, b_dtype = ctx.dtypes
             needs = ctx.needs_input_grad
@@ -122,7 +128,7 @@ class _Fp8LinearOp(torch.autograd.Function):
             if needs[0]:
                 grads[0] = fp8_mm(g_fp8, w_fp8.t(), g_inv, w_inv, x_dtype, ctx.backend)
             if needs[1]:
-                grads[1] = fp8_mm(g_fp8.t(), x_fp8.t(), g_inv, x_inv, w_dtype, ctx.backend)
+                grads[1] = fp8_mm(g_fp8_t, x_fp8.t(), g_inv, x_inv, w_dtype, ctx.backend)
             if needs[2]:
                 grads[2] = grad_out.float().sum(0).to(b_dtype)
             if needs[3]:  # [x_amax, w_amax, g_amax], made here: at the backward's level
