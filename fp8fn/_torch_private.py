@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import inspect
 import sys
+import types
 
 import torch
+import torch.nn.functional as F
 import torch.utils.checkpoint
 
 _functorch = torch._C._functorch
@@ -77,3 +79,21 @@ def inside_torch_checkpoint(stop_at) -> bool:
 def legacy_scaled_mm(a, b, scale_a, scale_b, out_dtype):
     """`torch._scaled_mm` with tensorwise scales, for a torch without `F.scaled_mm` (< 2.10)."""
     return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+
+
+def _attention_forward():
+    """`F.multi_head_attention_forward` without its `__torch_function__` dispatch.
+
+    nn.MultiheadAttention calls it with its projections' weights; a TorchFunctionMode sees that
+    one call, and nothing inside it. Running this copy with the mode entered again lets the
+    mode see its `linear` calls (the copy reads `has_torch_function` from its own globals).
+    Made once, at import: torch.compile then traces a plain function.
+    """
+    f = F.multi_head_attention_forward
+    namespace = {**f.__globals__, "has_torch_function": lambda *args: False}
+    copy = types.FunctionType(f.__code__, namespace, f.__name__, f.__defaults__, f.__closure__)
+    copy.__kwdefaults__ = f.__kwdefaults__
+    return copy
+
+
+attention_forward = _attention_forward()

@@ -37,7 +37,11 @@ from ._state import (
     site_name,
     warn_if_superseded,
 )
-from ._torch_private import inside_torch_checkpoint, saved_tensor_hooks_active
+from ._torch_private import (
+    attention_forward,
+    inside_torch_checkpoint,
+    saved_tensor_hooks_active,
+)
 
 # What torch raises when the model's own torch.utils.checkpoint runs under torch.func.
 _TORCH_CHECKPOINT_UNDER_FUNC = ("saved tensor hooks", "must override the setup_context")
@@ -45,6 +49,7 @@ _TORCH_CHECKPOINT_UNDER_FUNC = ("saved tensor hooks", "must override the setup_c
 _TORCH_MUTATES_CAPTURED = "would mutate a captured Tensor"
 # What torch raises when a model (an HF input hook) calls requires_grad_() under torch.func.
 _TORCH_REQUIRES_GRAD_UNDER_FUNC = "call Tensor.requires_grad_() (or perhaps using"
+_SPLITS = (torch.Tensor.split, torch.Tensor.chunk)
 _USE_CHECKPOINT_FN = (
     "Turn the model's own checkpointing off (HF: `model.gradient_checkpointing_disable()`) and "
     "pass `checkpoint_fn=lambda name, module: ...` to fp8fn.transform."
@@ -63,11 +68,22 @@ class _Layer:
     bias: str | None
     recipe: object
     transposed: bool  # HF Conv1D: weight stored `(in, out)`, called through torch.addmm
-    module: nn.Module = dataclasses.field(repr=False)
+    module: nn.Module = dataclasses.field(repr=False)  # the module holding the weight
+    attrs: tuple = ("weight", "bias")  # the weight's and the bias's names on `module`
 
     def holds(self, weight) -> bool:
         """Whether `weight` is what the module holds now (FSDP2 swaps in unsharded weights)."""
-        return self.module._parameters.get(self.weight.rpartition(".")[2]) is weight
+        return self.module._parameters.get(self.attrs[0]) is weight
+
+    def own(self, tensors: dict):
+        """`(weight, bias)` this layer runs with: from `tensors`, else the module's own."""
+        weight = tensors.get(self.weight)
+        if weight is None:
+            weight = getattr(self.module, self.attrs[0])
+        if self.bias is None:
+            return weight, None
+        bias = tensors.get(self.bias)
+        return weight, getattr(self.module, self.attrs[1]) if bias is None else bias
 
 
 def _is_hf_conv1d(module) -> bool:
@@ -101,62 +117,66 @@ def _recipe_for(recipe, name, module):
     return chosen
 
 
-def _find_layers(module, recipe, filter_fn) -> list[_Layer]:
-    """The linear layers that run in float8, in module order.
+def _attention_layers(path: str, attention: nn.MultiheadAttention, names: dict):
+    """`[(path, weight attr, bias attr)]` of an nn.MultiheadAttention's input projections: one
+    packed `in_proj`, or `q_proj`, `k_proj`, `v_proj` (its `out_proj` is an nn.Linear)."""
+    prefix = f"{path}." if path else ""
+    if attention.in_proj_weight is not None:
+        return [(f"{prefix}in_proj", "in_proj_weight", "in_proj_bias")]
+    return [(f"{prefix}{r}_proj", f"{r}_proj_weight", "in_proj_bias") for r in "qkv"]
 
-    Warns when there are none, and when linear-like modules stay in high precision
-    (nn.MultiheadAttention calls its projections' weights itself).
-    """
+
+def _find_layers(module, recipe, filter_fn) -> list[_Layer]:
+    """The linear layers that run in float8, in module order: nn.Linear (and subclasses that
+    keep its forward), HF Conv1D, and nn.MultiheadAttention's projections (`<path>.in_proj`, or
+    `q_proj`/`k_proj`/`v_proj`, and its `out_proj`). Warns when there are none."""
     names = {id(p): n for n, p in module.named_parameters()}  # tied: the first name
-    attention = {
-        id(m) for a in module.modules() if isinstance(a, nn.MultiheadAttention) for m in a.modules()
-    }
-    layers, left = [], []
-    for name, sub in module.named_modules():
-        base = _linear_base(sub)
-        if isinstance(sub, nn.MultiheadAttention) or (base is not None and id(sub) in attention):
-            left.append(f"{name or '<root>'} ({type(sub).__name__})")
-            continue
-        if base is None or (filter_fn is not None and not filter_fn(name, sub)):
-            continue
+    layers = []
+
+    def add(name, sub, attrs, transposed):
+        if filter_fn is not None and not filter_fn(name, sub):
+            return
         chosen = _recipe_for(recipe, name, sub)
         if chosen is None:
+            return
+        bias = getattr(sub, attrs[1])
+        layers.append(
+            _Layer(
+                path=name,
+                weight=names[id(getattr(sub, attrs[0]))],
+                bias=None if not isinstance(bias, torch.Tensor) else names[id(bias)],
+                recipe=chosen,
+                transposed=transposed,
+                module=sub,
+                attrs=attrs,
+            )
+        )
+
+    for name, sub in module.named_modules():
+        if isinstance(sub, nn.MultiheadAttention):
+            for path, weight, bias in _attention_layers(name, sub, names):
+                add(path, sub, (weight, bias), False)
+            continue
+        base = _linear_base(sub)
+        if base is None:
             continue
         refuse = None
         if type(sub).forward is not base.forward:
             refuse = f"a {type(sub).__name__}, a {base.__name__} subclass with its own forward"
         elif torch.nn.utils.parametrize.is_parametrized(sub, "weight"):
             refuse = "parametrized (torch.nn.utils.parametrize: its weight is made at each use)"
-        if refuse:
+        if refuse and (filter_fn is None or filter_fn(name, sub)):
             raise TypeError(
                 f"fp8fn.transform: layer {name!r} is {refuse}, which fp8fn cannot convert "
                 "faithfully. Leave it in high precision with `filter_fn=lambda name, module: "
                 f"name != {name!r}`."
             )
-        bias = sub.bias if isinstance(sub.bias, torch.Tensor) else None
-        layers.append(
-            _Layer(
-                path=name,
-                weight=names[id(sub.weight)],
-                bias=None if bias is None else names[id(bias)],
-                recipe=chosen,
-                transposed=base is not nn.Linear,
-                module=sub,
-            )
-        )
+        add(name, sub, ("weight", "bias"), base is not nn.Linear)
     if not layers:
         warnings.warn(
             "fp8fn.transform: no layer was converted to float8, so the model runs entirely in "
-            "high precision. fp8fn converts nn.Linear and HF Conv1D layers chosen by "
-            "`filter_fn` and given a recipe"
-            + (f"; these stay in high precision: {left}." if left else "."),
-            stacklevel=3,
-        )
-    elif left:
-        warnings.warn(
-            f"fp8fn.transform: these linear-like modules stay in high precision: {left} "
-            "(nn.MultiheadAttention calls its projections' weights directly). Write attention "
-            "with nn.Linear projections to run them in float8.",
+            "high precision. fp8fn converts nn.Linear, HF Conv1D and nn.MultiheadAttention's "
+            "projections, chosen by `filter_fn` and given a recipe.",
             stacklevel=3,
         )
     return layers
@@ -258,14 +278,8 @@ class _Call(TorchFunctionMode):
         )
         self.passive = False
         self._rows = None
-        self._entries = [  # (layer, weight, bias): what each layer runs with
-            (
-                layer,
-                tensors.get(layer.weight, layer.module.weight),
-                tensors.get(layer.bias, layer.module.bias) if layer.bias else None,
-            )
-            for layer in transformed._layers
-        ]
+        # (layer, weight, bias): what each layer runs with
+        self._entries = [(layer, *layer.own(tensors)) for layer in transformed._layers]
         self._by_weight = None  # {id(weight): entries}; None while compiling (see _layer_of)
         if not torch.compiler.is_compiling():
             self._by_weight = {}
@@ -278,6 +292,11 @@ class _Call(TorchFunctionMode):
             return func(*args, **kwargs)
         if self.watching and (not torch.is_grad_enabled() or saved_tensor_hooks_active()):
             self._refuse_torch_checkpoint()
+        if func is F.multi_head_attention_forward:
+            with self:  # its own linear calls come back here (see `attention_forward`)
+                return attention_forward(*args, **kwargs)
+        if func in _SPLITS:  # the packed in_proj weight, split into q, k, v
+            return self._split(func, args, kwargs)
         if func is F.linear or func is torch.addmm:
             operands = _operands(func, args, kwargs)
             if operands is not None:
@@ -288,6 +307,8 @@ class _Call(TorchFunctionMode):
                         self._count(layer)
                         return func(*args, **kwargs)
                     return self._linear(layer, x, weight.t() if transposed else weight, bias)
+        if func is torch.Tensor.unflatten and torch.compiler.is_compiling():
+            func = torch.unflatten  # (dynamo cannot trace the method's `super()` call from here)
         return func(*args, **kwargs)
 
     def _refuse_torch_checkpoint(self):
@@ -303,17 +324,35 @@ class _Call(TorchFunctionMode):
                 f"without fp8fn's casts, so silently wrong gradients. {_USE_CHECKPOINT_FN}"
             )
 
+    def _split(self, func, args, kwargs):
+        """`weight.split(...)` or `.chunk(...)`: the pieces of a layer's weight are that
+        layer's weights too (nn.MultiheadAttention's packed in_proj, for cross-attention)."""
+        pieces = func(*args, **kwargs)
+        whole = args[0]
+        layer = next(iter(self._given(whole)), (None,))[0]
+        if layer is None and isinstance(whole, nn.Parameter):  # swapped in (FSDP2)
+            layer = self.transformed._holder_of(whole, False)
+        if layer is not None:
+            for piece in pieces:
+                entry = (layer, piece, None)
+                self._entries.append(entry)
+                if self._by_weight is not None:
+                    self._by_weight[id(piece)] = [entry]
+        return pieces
+
+    def _given(self, weight) -> list:
+        """The entries whose weight `weight` is (compiling: compared with `is`, since a dict
+        keyed by `id` would make dynamo guard on the ids)."""
+        if self._by_weight is None:
+            return [e for e in self._entries if e[1] is weight]
+        return self._by_weight.get(id(weight), [])
+
     def _layer_of(self, weight, bias, transposed):
         """The layer whose weight `weight` is, or None for any other linear call.
 
-        Layers sharing a weight are told apart by their bias. Compiling, the entries are
-        compared with `is` (a dict keyed by `id` would make dynamo guard on the ids).
+        Layers sharing a weight are told apart by their bias.
         """
-        if self._by_weight is None:
-            matches = [e for e in self._entries if e[1] is weight]
-        else:
-            matches = self._by_weight.get(id(weight), ())
-        matches = [e for e in matches if e[0].transposed == transposed]
+        matches = [e for e in self._given(weight) if e[0].transposed == transposed]
         if not matches:
             return self.transformed._holder_of(weight, transposed)
         return next((e[0] for e in matches if e[2] is bias), matches[0][0])
@@ -575,7 +614,7 @@ class Transformed:
         names = [site_name(p, k) for p in self._stateful for k in range(max(calls.get(p, 0), 1))]
         stateful = set(self._stateful)
         first = next((m for m in self._layers if m.path in stateful), None)
-        device = None if first is None else first.module.weight.device
+        device = None if first is None else first.own({})[0].device
         return init_state(recipe, names, device)
 
     def _discover(self, args, kwargs) -> list[str]:
