@@ -20,20 +20,22 @@ import torch
 import torch.nn.functional as F
 
 E4M3 = torch.float8_e4m3fn
-E4M3_MAX = 448.0
-EPS = 1e-12
 _E8M0_BIAS = 127
 _E8M0_NAN = 255
+# e4m3's largest value, 448.0, and the amax floor, 1e-12, are written as literals where used:
+# under torch.compile(dynamic=True) dynamo turns a float module global into a symbolic float,
+# and two layers' autograd.Function subgraphs sharing it fail dynamo's assertion
+# `lift_tracked_freevar_to_input should not be called on root SubgraphTracer`.
 
 
 def _fp8_scale(amax: torch.Tensor) -> torch.Tensor:
     """float32 `448 / clamp(amax, 1e-12)`, computed in float64 (any shape)."""
-    return (amax.double().clamp(min=EPS).reciprocal() * E4M3_MAX).float()
+    return (amax.double().clamp(min=1e-12).reciprocal() * 448.0).float()
 
 
 def _saturate(hp32: torch.Tensor) -> torch.Tensor:
     """`hp32` (float32) clamped to +-448 and cast to e4m3; NaN stays NaN."""
-    return hp32.clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    return hp32.clamp(-448.0, 448.0).to(E4M3)
 
 
 def _pad_last(hp: torch.Tensor, block: int) -> torch.Tensor:
@@ -104,7 +106,7 @@ def _mx_exponent_rceil(amax: torch.Tensor) -> torch.Tensor:
 
     `amax` float32. NaN gives 255, inf gives 254.
     """
-    descale = amax / E4M3_MAX
+    descale = amax / 448.0
     exponent = torch.ceil(torch.log2(descale)).clamp(-_E8M0_BIAS, _E8M0_BIAS) + _E8M0_BIAS
     exponent = torch.where(torch.isinf(descale), 254, exponent.to(torch.uint8))
     return torch.where(torch.isnan(descale), _E8M0_NAN, exponent).to(torch.uint8)
