@@ -625,11 +625,6 @@ def test_granular_sqnr_mlp_matches_torchao(capsys):
             r"`bias` of shape \(8,\), got \(4,\)\.",
         ),
         (
-            (torch.randn(0, 32), torch.randn(8, 32), None, MX_RCEIL),
-            ValueError,
-            r"non-empty `x` and `weight` under MXScaling, got x \(0, 32\)",
-        ),
-        (
             (torch.randn(4, 32).half(), torch.randn(8, 32).half(), None, MX_RCEIL),
             TypeError,
             r"`x` and `weight` in float32 or bfloat16 under MXScaling, got float16 .*bfloat16\.",
@@ -640,6 +635,28 @@ def test_granular_linear_invalid_arguments(args, error, match):
     x, w, b, recipe = args
     with pytest.raises(error, match=r"^fp8fn\.linear: expected " + match):
         fp8fn.linear(x, w, b, None, recipe)
+
+
+@pytest.mark.parametrize(
+    "x_shape, w_shape",
+    [((0, 48), (40, 48)), ((2, 0, 48), (40, 48)), ((5, 0), (40, 0)), ((5, 48), (0, 48))],
+    ids=["no_tokens", "no_tokens_3d", "no_in_features", "no_out_features"],
+)
+@pytest.mark.parametrize("recipe", RECIPES, ids=IDS)
+def test_granular_linear_empty_operands(recipe, x_shape, w_shape):
+    # An uneven data-parallel shard can hold no tokens: as under CurrentScaling, the output is
+    # empty and the weight and bias gradients are exact zeros (a sum over no tokens). Likewise
+    # an empty contraction: the output is the bias, grad_input zeros.
+    x = torch.randn(x_shape, requires_grad=True)
+    w = torch.randn(w_shape, requires_grad=True)
+    b = torch.randn(w_shape[0], requires_grad=True)
+    out = fp8fn.linear(x, w, b, None, recipe)
+    assert same(out, F.linear(x, w, b).detach())  # empty, or the bias when in_features is 0
+    g = torch.randn(out.shape)
+    out.backward(g)
+    assert same(x.grad, torch.zeros(x_shape))
+    assert same(w.grad, torch.zeros(w_shape))
+    assert same(b.grad, g.reshape(out.shape[:-1].numel(), w_shape[0]).sum(0))
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=IDS)
