@@ -10,7 +10,7 @@ import torch
 
 from ._backend import fp8_mm, scaled_mm_supported
 from ._guards import no_autocast
-from ._quantize import E4M3, E4M3_MAX, E5M2, FP8_MAX, amax, cast_to_fp8, scale_from_amax
+from ._quantize import E4M3, E5M2, amax, cast_to_fp8, scale_from_amax
 from ._torch_private import tracked_below, tracked_by_outer_differentiation
 from ._triton import TritonCast
 
@@ -39,9 +39,11 @@ def _cast_operands(x, weight, newest, stored, margin: int, backend: str):
         x_fp8, x_scale, x_amax = TritonCast.apply(x, xn, xs, margin, E4M3)
         w_fp8, w_scale, w_amax = TritonCast.apply(weight, wn, ws, margin, E4M3)
         return x_fp8, w_fp8, x_scale, w_scale, x_amax, w_amax
-    # Three roles at once (the last entry stands in for grad_output): no slicing of rows.
+    # Three roles at once (the last entry stands in for grad_output): no slicing of rows. The
+    # formats' max are literals (448.0, 57344.0): torch.compile(dynamic=True) turns float
+    # globals into symbols, which broke two chained layers.
     x_amax, w_amax = amax(x), amax(weight)
-    scales = _scales(torch.stack([x_amax, w_amax, w_amax]), newest, stored, margin, E4M3_MAX)
+    scales = _scales(torch.stack([x_amax, w_amax, w_amax]), newest, stored, margin, 448.0)
     x_scale, w_scale, _ = scales.unbind()
     x_fp8, w_fp8 = cast_to_fp8(x, x_scale, E4M3), cast_to_fp8(weight, w_scale, E4M3)
     return x_fp8, w_fp8, x_scale, w_scale, x_amax, w_amax
@@ -58,7 +60,7 @@ def _cast_grad_output(grad_out, newest, stored, ctx):
             return g_fp8, g_fp8.t(), g_scale, g_amax
         return TritonCast.apply(grad_out, gn, gs, ctx.margin, E5M2, True)
     g_amax = amax(grad_out)
-    g_scale = _scales(g_amax, newest, stored, ctx.margin, FP8_MAX[E5M2])
+    g_scale = _scales(g_amax, newest, stored, ctx.margin, 57344.0)
     g_scale = g_scale if newest is None else g_scale[..., 2]
     g_fp8 = cast_to_fp8(grad_out, g_scale, E5M2)
     return g_fp8, g_fp8.t(), g_scale, g_amax
