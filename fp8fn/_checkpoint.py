@@ -8,6 +8,27 @@ import torch
 from torch.utils import _pytree as pytree
 
 
+def _is_hf_cache(x) -> bool:
+    """A HF transformers KV cache (`DynamicCache`, `EncoderDecoderCache`, ...): a mutable object
+    a layer updates in place. Duck-typed, so that transformers stays an optional dependency."""
+    return any(
+        c.__name__ == "Cache" and c.__module__.startswith("transformers") for c in type(x).__mro__
+    )
+
+
+def _refuse_cache(args, api: str, subject: str) -> None:
+    """Raise if `args` carry a HF KV cache: the recompute would update it a second time."""
+    leaves = pytree.tree_leaves(args, is_leaf=_is_hf_cache)  # kept whole if registered
+    cache = next((x for x in leaves if _is_hf_cache(x)), None)
+    if cache is not None:
+        raise ValueError(
+            f"fp8fn.{api}: expected no KV cache in the inputs of {subject}, got a "
+            f"{type(cache).__name__}: the recompute in the backward would update it a second "
+            "time (silently wrong gradients). Train without the cache: pass `use_cache=False` "
+            "to the model, or set `model.config.use_cache = False` (HF transformers)."
+        )
+
+
 class _Checkpoint(torch.autograd.Function):
     """Runs `run(*tensors)` without saving activations; the backward re-runs it to differentiate.
 
@@ -120,12 +141,22 @@ def refuse_compile() -> None:
         )
 
 
-def checkpoint_with_constants(f, args: tuple, constants):
+def checkpoint_with_constants(
+    f, args: tuple, constants, api: str = "checkpoint", subject: str = "`f`"
+):
     """`checkpoint(f, *args)` where `f` also reads `constants`, a pytree of tensors that are not
     differentiated: `f(constants, *args)`. The recompute gets fresh copies of their values at
     the forward (so in-place updates in it, e.g. batch-norm statistics, touch only the copies
-    and happen once, in the forward)."""
+    and happen once, in the forward). `api` and `subject` name the caller and `f` in errors.
+
+    The recompute must see what the forward saw, and mutate nothing the forward already did:
+    recording gradients, a HF KV cache among `args` is refused (the recompute would update it
+    again), and so is `f` modifying a tensor of `args` in place (the recompute would start from
+    the modified value).
+    """
     refuse_compile()
+    if torch.is_grad_enabled():
+        _refuse_cache(args, api, subject)
     const_leaves, const_spec = pytree.tree_flatten(constants)
     snapshot = [t.detach().clone() if isinstance(t, torch.Tensor) else t for t in const_leaves]
     leaves, in_spec = pytree.tree_flatten(args)
@@ -139,14 +170,22 @@ def checkpoint_with_constants(f, args: tuple, constants):
         consts = const_leaves
         if recomputing:  # fresh copies of the forward's values, made at the recompute's level
             consts = [t.clone() if isinstance(t, torch.Tensor) else t for t in snapshot]
+        forward = not recomputing
         recomputing.append(True)
+        versions = [t._version for t in tensors] if forward else None
         outputs = f(
             pytree.tree_unflatten(consts, const_spec), *pytree.tree_unflatten(filled, in_spec)
         )
+        if forward and versions != [t._version for t in tensors]:
+            raise RuntimeError(
+                f"fp8fn.{api}: expected {subject} to leave its inputs as they are, got one "
+                "modified in place: the recompute in the backward would start from the modified "
+                "value. Make the in-place op out of place (e.g. `x = x * 2`, not `x.mul_(2)`)."
+            )
         out_leaves, spec = pytree.tree_flatten(outputs)
         if not all(isinstance(o, torch.Tensor) for o in out_leaves):
             raise TypeError(
-                "fp8fn.checkpoint: expected `f` to return a pytree of tensors, got leaves of "
+                f"fp8fn.{api}: expected {subject} to return a pytree of tensors, got leaves of "
                 f"types {sorted({type(o).__name__ for o in out_leaves})}."
             )
         out_spec[:] = [spec]

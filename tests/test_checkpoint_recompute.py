@@ -1,0 +1,173 @@
+"""A recompute sees what the forward saw and changes nothing the forward already changed.
+
+`fp8fn.checkpoint` and `checkpoint_fn` on HF transformers models (KV caches), with inputs
+modified in place, with tensors read from outside `f`'s arguments, under autocast, and with
+outputs that hold None: each either bit-identical to the run without checkpointing, on the
+torch.func route and plain autograd, or refused with an fp8fn error that says what to do.
+"""
+
+import pytest
+import torch
+from _helpers import assert_bit_identical
+
+import fp8fn
+
+DELAYED = fp8fn.DelayedScaling(history_len=4, backend="emulated")
+ROUTES = ["func", "autograd"]
+
+
+def _grads_and_obs(loss, params, state, route):
+    """(grads, observations) of `loss(params, state)` with torch.func.grad or `backward()`."""
+    if route == "func":
+        return torch.func.grad(loss, argnums=(0, 1))(params, state)
+    params = {k: v.detach().clone().requires_grad_() for k, v in params.items()}
+    observed = fp8fn.observe(state)
+    loss(params, observed).backward()
+    return {k: v.grad for k, v in params.items()}, fp8fn.observations(observed)
+
+
+def _train(fn, params, state, loss, route, steps=2):
+    """Per step (grads, obs) of `steps` SGD steps of `loss(fn, params, state)`."""
+    out = []
+    for _ in range(steps):
+        grads, obs = _grads_and_obs(lambda p, s: loss(fn, p, s), params, state, route)
+        out.append((grads, obs))
+        state = fp8fn.update(state, obs)
+        params = {k: v - 0.1 * grads[k] for k, v in params.items()}
+    return out
+
+
+# HF transformers decoder layers: the KV cache ----------------------------------------------------
+
+
+def _hf_decoder(kind: str, use_cache: bool):
+    """A tiny HF causal LM (2 layers, hidden 32, vocab 64) and its decoder-layer class."""
+    transformers = pytest.importorskip("transformers")
+    common = dict(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=32,
+    )
+    if kind == "llama":
+        config = transformers.LlamaConfig(**common, num_key_value_heads=2)
+        cls, layer = transformers.LlamaForCausalLM, "LlamaDecoderLayer"
+    elif kind == "mistral":
+        config = transformers.MistralConfig(**common, num_key_value_heads=2)
+        cls, layer = transformers.MistralForCausalLM, "MistralDecoderLayer"
+    else:  # GPT-2's default dropout stays on: the recompute must draw the same masks
+        config = transformers.GPT2Config(
+            n_layer=2, n_head=2, n_embd=32, vocab_size=64, n_positions=32, bos_token_id=0,
+            eos_token_id=0,
+        )  # fmt: skip
+        cls, layer = transformers.GPT2LMHeadModel, "GPT2Block"
+    assert config.use_cache  # the default the models are trained with, unless told
+    config.use_cache = use_cache
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = cls(config).train()
+    return model, layer
+
+
+def _hf_loss(ids):
+    return lambda fn, p, s: fn.apply(p, s, ids, labels=ids).loss
+
+
+HF_DECODERS = {"llama": "model.layers.0", "gpt2": "transformer.h.0", "mistral": "model.layers.0"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("kind", list(HF_DECODERS))
+def test_hf_decoder_layers_with_kv_cache_are_refused(kind, route):
+    model, layer = _hf_decoder(kind, use_cache=True)
+    fn = fp8fn.transform(model, DELAYED, checkpoint_fn=lambda n, m: type(m).__name__ == layer)
+    assert fn.checkpointed == [HF_DECODERS[kind], HF_DECODERS[kind][:-1] + "1"]
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    state = fn.init(ids)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    match = (
+        rf"^fp8fn\.apply: expected no KV cache in the inputs of module '{HF_DECODERS[kind]}' "
+        r"\(chosen by `checkpoint_fn`\), got a DynamicCache: .* pass `use_cache=False`"
+    )
+    with pytest.raises(ValueError, match=match):
+        _train(fn, params, state, _hf_loss(ids), route, steps=1)
+    # Without gradients there is no recompute: the cache is updated once, as without fp8fn.
+    plain = fp8fn.transform(model, DELAYED)
+    with torch.no_grad():
+        torch.manual_seed(2)  # GPT-2's dropout
+        want = plain.apply(params, state, ids)
+        torch.manual_seed(2)
+        got = fn.apply(params, state, ids)
+    assert_bit_identical(got.logits, want.logits)
+    assert got.past_key_values.get_seq_length() == want.past_key_values.get_seq_length() == 8
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("kind", list(HF_DECODERS))
+def test_hf_decoder_layers_without_kv_cache_are_bit_identical(kind, route):
+    model, layer = _hf_decoder(kind, use_cache=False)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    runs = []
+    for checkpoint_fn in (None, lambda n, m: type(m).__name__ == layer):
+        fn = fp8fn.transform(model, DELAYED, checkpoint_fn=checkpoint_fn)
+        torch.manual_seed(2)  # GPT-2's dropout
+        runs.append(_train(fn, params, fn.init(ids), _hf_loss(ids), route))
+    assert len(fn.checkpointed) == 2
+    assert_bit_identical(runs[1], runs[0])
+    obs = runs[0][-1][1]
+    assert bool((obs.amax_history[..., 0] > 0).all())  # every site observed, once
+
+
+def test_checkpoint_refuses_a_kv_cache_argument():
+    transformers = pytest.importorskip("transformers")
+    cache = transformers.DynamicCache()
+    x = torch.randn(2, 3, requires_grad=True)
+    with pytest.raises(ValueError, match=r"^fp8fn\.checkpoint: expected no KV cache in the inpu"):
+        fp8fn.checkpoint(lambda x, kw: x * 2, x, {"past_key_values": cache})
+    with torch.no_grad():  # no recompute, nothing to refuse
+        assert torch.equal(fp8fn.checkpoint(lambda x, c: x * 2, x, cache), x * 2)
+
+
+# Inputs modified in place ------------------------------------------------------------------------
+
+
+def _counted(w, x, calls):
+    """Modifies `calls`, an integer input, in place: a recompute would see it incremented."""
+    return torch.tanh(x @ w) * calls.add_(1)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_checkpoint_refuses_f_modifying_an_input_in_place(route):
+    w, x = torch.randn(3, 3), torch.randn(2, 3)
+    calls = torch.zeros((), dtype=torch.int64)
+    match = r"^fp8fn\.checkpoint: expected `f` to leave its inputs as they are, got one modified"
+    with pytest.raises(RuntimeError, match=match):
+        if route == "func":
+            torch.func.grad(lambda w: fp8fn.checkpoint(_counted, w, x, calls).sum())(w)
+        else:
+            fp8fn.checkpoint(_counted, w.requires_grad_(), x, calls).sum().backward()
+
+
+class _Doubling(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.fc(x.mul_(2))
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_checkpoint_fn_refuses_a_module_modifying_its_input_in_place(route):
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), _Doubling())
+    fn = fp8fn.transform(model, DELAYED, checkpoint_fn=lambda n, m: n == "1")
+    x = torch.randn(4, 8)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    match = r"^fp8fn\.apply: expected module '1' \(chosen by `checkpoint_fn`\) to leave its input"
+    with pytest.raises(RuntimeError, match=match):
+        _grads_and_obs(lambda p, s: fn.apply(p, s, x).sum(), params, fn.init(x), route)
