@@ -3,9 +3,25 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 
 import torch
+from torch import nn
 from torch.utils import _pytree as pytree
+
+from ._torch_private import (
+    differentiated,
+    differentiated_by_transform,
+    functorch_level,
+    unwrapped,
+)
+
+_PASS_AS_ARGUMENTS = (
+    "Pass it as an argument (`fp8fn.checkpoint(lambda w, x: x @ w, w, x)`, not "
+    "`fp8fn.checkpoint(lambda x: x @ w, x)`), or pass a module itself as `f` "
+    "(`fp8fn.checkpoint(block, x)`): its parameters are then arguments."
+)
 
 
 def _is_hf_cache(x) -> bool:
@@ -57,12 +73,26 @@ class _Checkpoint(torch.autograd.Function):
         grads = [None] * len(tensors)
         if not diff:
             return (None, None, *grads)
+        # Plain autograd, no graph of the backward: the recompute runs on detached inputs, so
+        # a tensor in it that requires grad was read from outside `f`'s arguments.
+        plain = functorch_level() is None and not torch.is_grad_enabled()
+        if plain:
+            tensors = tuple(t.detach() for t in tensors)
 
         def run_diff(*diff_tensors):
             args = list(tensors)
             for i, t in zip(diff, diff_tensors):
                 args[i] = t
-            return tuple(ctx.run(*args))
+            outputs = tuple(ctx.run(*args))
+            if plain and any(unwrapped(o).requires_grad for o in outputs):
+                api, subject = ctx.run.names
+                raise RuntimeError(
+                    f"fp8fn.{api}: expected {subject} to take every tensor it differentiates "
+                    "through as an argument, got its recompute reading one that requires grad "
+                    "from elsewhere (a module's parameter, a global): its gradient would be "
+                    f"lost. {_PASS_AS_ARGUMENTS}"
+                )
+            return outputs
 
         def contracted(*diff_tensors):
             # sum(<output, cotangent>): its gradient is the vjp, bit for bit (the backward of
@@ -108,17 +138,24 @@ def checkpoint(f, *args):
     Works under `torch.func.grad` / `vjp` / `grad_and_value` (where `torch.utils.checkpoint`
     raises) and under plain autograd. `f` must be a pure function of its arguments: everything
     it differentiates through — parameters and fp8fn scaling state included — must be passed in
-    `args`, not read from a module or a closure, since the recompute runs after the forward
-    has returned. The recompute sees the forward's RNG state, so dropout masks agree. Under
-    fp8fn scaling, a recompute casts bit-identically to the forward and observes nothing twice.
+    `args`, not read from a closure, since the recompute runs after the forward has returned.
+    An `nn.Module` (or a bound method of one) may be `f`: its parameters and buffers at the call
+    are then arguments too, and a `functools.partial`'s bound arguments are arguments. A tensor
+    `f` closes over (or holds as a default) that a differentiation tracks is refused with an
+    error, and so is, under plain autograd, a recompute that reads one from elsewhere. The
+    recompute sees the forward's RNG state, so dropout masks agree. Under fp8fn scaling, a
+    recompute casts bit-identically to the forward and observes nothing twice.
 
     Args:
       f: a function of pytrees of tensors (dicts, lists, tuples, NamedTuples; non-tensor
-        leaves are passed through unchanged) returning a pytree of tensors.
+        leaves are passed through unchanged) returning a pytree of tensors, or an `nn.Module`.
       *args: its arguments.
 
     Returns:
       `f(*args)`.
+
+    Raises:
+      ValueError: when `f` closes over a tensor being differentiated.
 
     Example:
       >>> import torch, fp8fn
@@ -128,7 +165,123 @@ def checkpoint(f, *args):
       >>> torch.equal(g["w"], torch.func.grad(f)(params, x)["w"])
       True
     """
-    return checkpoint_with_constants(lambda _, *args: f(*args), args, ())
+    call, bound, keywords = f, (), {}
+    while isinstance(call, functools.partial):  # its bound arguments become arguments
+        bound, keywords = (*call.args, *bound), {**call.keywords, **keywords}
+        call = call.func
+    module = call.__self__ if inspect.ismethod(call) else call
+    if not isinstance(module, nn.Module):
+        if torch.is_grad_enabled():
+            _refuse_closed_over(call, (bound, keywords, args))
+        return checkpoint_with_constants(
+            lambda _, b, kw, a: call(*b, *a, **kw), (bound, keywords, args), ()
+        )
+    names, params, buffers = _module_tensors(module)
+    holder = _Holder(module, call)
+    if torch.is_grad_enabled():
+        _refuse_closed_over(call, (params, bound, keywords, args))
+
+    def run(buffers, params, b, kw, a):
+        tensors = {**buffers, **params}
+        swapped = {"m." + n: tensors[first] for n, first in names.items()}
+        return torch.func.functional_call(
+            holder, swapped, (*b, *a), kw, tie_weights=False, strict=False
+        )
+
+    return checkpoint_with_constants(run, (params, bound, keywords, args), buffers)
+
+
+class _Holder(nn.Module):
+    """`call` (a module, or a bound method of one) as a module holding that module under `m.`:
+    `functional_call` on it swaps in the tensors of the checkpoint's arguments."""
+
+    def __init__(self, module, call):
+        super().__init__()
+        self.m, self._call = module, (call,)  # in a tuple: a module call is not a submodule
+
+    def forward(self, *args, **kwargs):
+        return self._call[0](*args, **kwargs)
+
+
+def _module_tensors(module):
+    """`module`'s tensors, for `functional_call`: `{name: first}` for each place it holds one
+    (a submodule registered twice holds them once), `first` the first name of that tensor (tied
+    tensors are one); the parameters and the buffers a differentiation tracks, `{first: t}`;
+    the other buffers, `{first: t}` (constants)."""
+    names, firsts, slots, params, buffers = {}, {}, set(), {}, {}
+    named = [(n, t, True) for n, t in module.named_parameters(remove_duplicate=False)]
+    named += [(n, t, False) for n, t in module.named_buffers(remove_duplicate=False)]
+    for name, t, is_parameter in named:
+        path, _, attr = name.rpartition(".")
+        slot = (id(module.get_submodule(path)), attr)
+        if slot in slots:
+            continue
+        slots.add(slot)
+        first = names[name] = firsts.setdefault(id(t), name)
+        if first == name:
+            (params if is_parameter or differentiated(t) else buffers)[name] = t
+    return names, params, buffers
+
+
+def _closed_over(f):
+    """`(name, tensor, held_by_module)` for the tensors `f` reads besides its arguments: in its
+    closure, its defaults, its `__self__`, inside dicts, lists, tuples, fp8fn States and
+    modules there, and in the functions found there (followed, up to a bound)."""
+    pending, seen = [("f", f)], set()
+    while pending and len(seen) < 1000:
+        name, value = pending.pop()
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        if isinstance(value, torch.Tensor):
+            yield name, value, False
+        elif isinstance(value, nn.Module):
+            for n, t in (*value.named_parameters(), *value.named_buffers()):
+                yield f"{name}.{n}", t, True
+        elif isinstance(value, functools.partial):
+            pending += [(name, value.func), (name, value.args), (name, value.keywords)]
+        elif inspect.ismethod(value):
+            pending += [(name, value.__func__), (name, value.__self__)]
+        elif inspect.isfunction(value):
+            code, cells = value.__code__, value.__closure__ or ()
+            for var, cell in zip(code.co_freevars, cells):
+                with contextlib.suppress(ValueError):  # an empty cell
+                    pending.append((var, cell.cell_contents))
+            pending += [(name, value.__defaults__ or ()), (name, value.__kwdefaults__ or {})]
+        else:  # a container (a pytree node: dict, list, tuple, fp8fn.State, ...), or nothing
+            leaves = pytree.tree_leaves(value)
+            if leaves != [value]:
+                pending += [(name, leaf) for leaf in leaves]
+
+
+def _refuse_closed_over(f, args) -> None:
+    """Raise if `f` reads a tensor a differentiation tracks from outside `args` (see `checkpoint`).
+
+    A module's own parameters are refused when a torch.func transform tracks them (the module
+    runs under `functional_call`), or, under plain autograd, when no argument requires grad; a
+    recompute that reads them is refused in the backward (they may be unused: `f` may swap in
+    its arguments with `functional_call`).
+    """
+    given = [t for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor)]
+    passed = {id(t) for t in given}
+    plain = functorch_level() is None
+    for name, t, held_by_module in _closed_over(f):
+        if id(t) in passed:
+            continue
+        if held_by_module:
+            tracked = differentiated_by_transform(t) or (
+                plain and t.requires_grad and not any(differentiated(g) for g in given)
+            )
+        else:
+            tracked = differentiated(t)
+        if tracked:
+            raise ValueError(
+                "fp8fn.checkpoint: expected `f` to take every tensor it differentiates through "
+                f"as an argument, got `{name}` (shape {tuple(t.shape)}) from outside them (its "
+                "closure, a default, a bound object), which requires grad or is differentiated "
+                "by torch.func: the recompute in the backward cannot differentiate it, so its "
+                f"gradient would be lost. {_PASS_AS_ARGUMENTS}"
+            )
 
 
 def refuse_compile() -> None:
@@ -193,6 +346,6 @@ def checkpoint_with_constants(
 
     tensors = [x for x, t in zip(leaves, is_tensor) if t]
     diff = tuple(i for i, t in enumerate(tensors) if t.is_floating_point())
-    run.rng_state = _rng_state()
+    run.rng_state, run.names = _rng_state(), (api, subject)
     outputs = _Checkpoint.apply(run, diff, *tensors)
     return pytree.tree_unflatten(list(outputs), out_spec[0])

@@ -6,9 +6,12 @@ outputs that hold None: each either bit-identical to the run without checkpointi
 torch.func route and plain autograd, or refused with an fp8fn error that says what to do.
 """
 
+import functools
+
 import pytest
 import torch
 from _helpers import assert_bit_identical
+from _models import MLP, Block
 
 import fp8fn
 
@@ -171,3 +174,181 @@ def test_checkpoint_fn_refuses_a_module_modifying_its_input_in_place(route):
     match = r"^fp8fn\.apply: expected module '1' \(chosen by `checkpoint_fn`\) to leave its input"
     with pytest.raises(RuntimeError, match=match):
         _grads_and_obs(lambda p, s: fn.apply(p, s, x).sum(), params, fn.init(x), route)
+
+
+# Tensors read from outside `f`'s arguments ------------------------------------------------------
+
+
+def _block(dropout=0.1):
+    """A transformer block with dropout in training mode (the recompute draws the same masks)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return Block(8, 2, dropout=dropout).train()
+
+
+class _Tied(torch.nn.Module):
+    """`fc` registered twice (`fc`, `again`), and `out` sharing `fc`'s weight, transposed."""
+
+    def __init__(self):
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            self.fc = self.again = torch.nn.Linear(8, 8)
+            self.out = torch.nn.Linear(8, 8, bias=False)
+        self.out.weight = self.fc.weight
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.again(torch.relu(self.fc(x)))))
+
+
+class _Outer(torch.nn.Module):
+    """Runs `inner` through `call(inner, h)` between two linears."""
+
+    def __init__(self, inner, call):
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(1)
+            self.first, self.last = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+        self.inner, self._call = inner, call
+
+    def forward(self, x):
+        return self.last(self._call(self.inner, self.first(x)))
+
+
+MODULE_CALLS = {
+    "module": lambda inner, h: inner(h),
+    "checkpoint(module)": lambda inner, h: fp8fn.checkpoint(inner, h),
+    "checkpoint(bound method)": lambda inner, h: fp8fn.checkpoint(inner.forward, h),
+    "checkpoint(partial)": lambda inner, h: fp8fn.checkpoint(functools.partial(inner), h),
+}
+
+
+def _module_grads(inner, call, route):
+    """Gradients of every parameter and of the input, with `inner` run through `call`."""
+    model = _Outer(inner, call)
+    x = torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(2))
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    torch.manual_seed(3)  # dropout
+    if route == "func":
+
+        def loss(p, x):
+            return torch.func.functional_call(model, p, (x,)).square().sum()
+
+        return torch.func.grad(loss, argnums=(0, 1))(params, x)
+    x = x.requires_grad_()
+    model.zero_grad(set_to_none=True)
+    model(x).square().sum().backward()
+    return {k: v.grad for k, v in model.named_parameters()}, x.grad
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("call", list(MODULE_CALLS)[1:])
+@pytest.mark.parametrize("inner", [_block, _Tied], ids=["block", "tied"])
+def test_checkpoint_of_a_module_differentiates_its_parameters(inner, call, route):
+    want = _module_grads(inner(), MODULE_CALLS["module"], route)
+    got = _module_grads(inner(), MODULE_CALLS[call], route)
+    assert all(g is not None and bool(g.any()) for g in [*got[0].values(), got[1]])
+    assert_bit_identical(got, want)
+
+
+def _mlp_problem():
+    model = MLP([8, 16, 8])
+    fn = fp8fn.transform(model, DELAYED)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    return fn, params, fn.init(x), x
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_checkpoint_refuses_tensors_f_closes_over(route):
+    fn, params, state, x = _mlp_problem()
+    w = torch.randn(8, 8)
+    match = r"^fp8fn\.checkpoint: expected `f` to take every tensor it differentiates through as an"
+
+    def closures(p, s, w):
+        def nested(z):
+            return fn.apply(p, s, z)
+
+        return {
+            "closure": lambda z: fn.apply(p, s, z),
+            "nested function": lambda z: nested(z),
+            "default": lambda z, w=w: z @ w,
+            "partial of a closure": functools.partial(lambda z, k: fn.apply(p, s, z) * k, k=2),
+        }
+
+    names = list(closures(params, state, w))
+    for name in names:
+
+        def loss(p, s, w, name=name):
+            return fp8fn.checkpoint(closures(p, s, w)[name], x).sum()
+
+        with pytest.raises(ValueError, match=match):
+            _grads_and_obs(lambda p, s: loss(p, s, p["layers.0.weight"]), params, state, route)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_checkpoint_refuses_a_closed_over_module_being_differentiated(route):
+    def call(inner, h):
+        return fp8fn.checkpoint(lambda z: inner(z), h)
+
+    if route == "func":  # the module runs under functional_call: its tensors are tracked
+        with pytest.raises(ValueError, match=r"^fp8fn\.checkpoint: .* got `inner\.ln1\.weight`"):
+            _module_grads(_block(), call, route)
+    else:  # read only by the recompute: refused there
+        with pytest.raises(RuntimeError, match=r"^fp8fn\.checkpoint: .* got its recompute readi"):
+            _module_grads(_block(), call, route)
+        inner = _block()  # nothing else requires grad: refused in the forward
+        x = torch.randn(2, 4, 8)
+        with pytest.raises(ValueError, match=r"^fp8fn\.checkpoint: .* got `inner\.ln1\.weight`"):
+            fp8fn.checkpoint(lambda z: inner(z), x)
+        with torch.no_grad():  # no gradient recorded: nothing to lose
+            assert fp8fn.checkpoint(lambda z: inner(z), x).shape == x.shape
+
+
+_GLOBAL_WEIGHT = torch.randn(8, 8, requires_grad=True)
+
+
+def test_checkpoint_refuses_a_recompute_reading_a_global_that_requires_grad():
+    x = torch.randn(2, 8, requires_grad=True)
+    out = fp8fn.checkpoint(lambda z: z @ _GLOBAL_WEIGHT, x)
+    with pytest.raises(RuntimeError, match=r"^fp8fn\.checkpoint: .* got its recompute reading"):
+        out.sum().backward()
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_checkpoint_of_partial_and_of_functional_call_over_a_closed_over_module(route):
+    fn, params, state, x = _mlp_problem()
+    runs = []
+    for apply in (
+        fn.apply,
+        lambda p, s, z: fp8fn.checkpoint(fn.apply, p, s, z),
+        lambda p, s, z: fp8fn.checkpoint(functools.partial(fn.apply, p, s), z),
+        lambda p, s, z: fp8fn.checkpoint(functools.partial(fn.apply, p), s, z),
+    ):
+        runs.append(
+            _grads_and_obs(lambda p, s: apply(p, s, x).square().sum(), params, state, route)
+        )
+    for run in runs[1:]:
+        assert_bit_identical(run, runs[0])
+    # `f` closes over a module whose parameters require grad, but swaps in its arguments.
+    inner = _block()
+    h = torch.randn(2, 4, 8)
+
+    def f(p, z):
+        return torch.func.functional_call(inner, p, (z,))
+
+    results = []
+    for checkpointed in (False, True):
+
+        def loss(p, checkpointed=checkpointed):
+            return (fp8fn.checkpoint(f, p, h) if checkpointed else f(p, h)).square().sum()
+
+        params = {k: v.detach().clone() for k, v in inner.named_parameters()}
+        torch.manual_seed(3)
+        if route == "func":
+            results.append(torch.func.grad(loss)(params))
+        else:
+            params = {k: v.requires_grad_() for k, v in params.items()}
+            loss(params).backward()
+            results.append({k: v.grad for k, v in params.items()})
+    assert_bit_identical(results[1], results[0])
