@@ -13,6 +13,7 @@ from torch.utils import _pytree as pytree
 from ._torch_private import (
     differentiated,
     differentiated_by_transform,
+    function_modes,
     functorch_level,
     unwrapped,
 )
@@ -132,6 +133,30 @@ def _restored_rng(state):
         yield
 
 
+def _autocast_state(tensors):
+    """The autocast settings in effect for the devices of `tensors` and for the CPU."""
+    devices = dict.fromkeys(["cpu", *(t.device.type for t in tensors)])
+    settings = [
+        (d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
+        for d in devices
+        if torch.amp.is_autocast_available(d)
+    ]
+    return settings, torch.is_autocast_cache_enabled()
+
+
+@contextlib.contextmanager
+def _restored_autocast(state):
+    """Autocast as `_autocast_state` recorded it (on, with its dtype, or off), whatever is in
+    effect now (the backward usually runs outside the forward's autocast)."""
+    settings, cache = state
+    with contextlib.ExitStack() as stack:
+        for device, enabled, dtype in settings:
+            stack.enter_context(
+                torch.autocast(device, dtype=dtype, enabled=enabled, cache_enabled=cache)
+            )
+        yield
+
+
 def checkpoint(f, *args):
     """`f(*args)`, recomputed in the backward instead of saving its activations.
 
@@ -143,8 +168,10 @@ def checkpoint(f, *args):
     are then arguments too, and a `functools.partial`'s bound arguments are arguments. A tensor
     `f` closes over (or holds as a default) that a differentiation tracks is refused with an
     error, and so is, under plain autograd, a recompute that reads one from elsewhere. The
-    recompute sees the forward's RNG state, so dropout masks agree. Under fp8fn scaling, a
-    recompute casts bit-identically to the forward and observes nothing twice.
+    recompute sees the forward's RNG state and autocast settings, so dropout masks and dtypes
+    agree. Under fp8fn scaling, a recompute casts bit-identically to the forward and observes
+    nothing twice. Inside a model that `fp8fn.apply` runs, choose the module with
+    `checkpoint_fn` instead (there `fp8fn.checkpoint` is refused while recording gradients).
 
     Args:
       f: a function of pytrees of tensors (dicts, lists, tuples, NamedTuples; non-tensor
@@ -156,6 +183,7 @@ def checkpoint(f, *args):
 
     Raises:
       ValueError: when `f` closes over a tensor being differentiated.
+      RuntimeError: inside a model that `fp8fn.apply` runs, while recording gradients.
 
     Example:
       >>> import torch, fp8fn
@@ -165,6 +193,15 @@ def checkpoint(f, *args):
       >>> torch.equal(g["w"], torch.func.grad(f)(params, x)["w"])
       True
     """
+    if torch.is_grad_enabled() and any(
+        type(m).__module__.partition(".")[0] == "fp8fn" for m in function_modes()
+    ):
+        raise RuntimeError(
+            "fp8fn.checkpoint: expected to run outside fp8fn.apply, got a call inside the "
+            "model it runs: the recompute in the backward would run outside fp8fn.apply, "
+            "without its float8 casts (silently wrong gradients and observations). Checkpoint "
+            "the module with `checkpoint_fn=lambda name, module: ...` in fp8fn.transform."
+        )
     call, bound, keywords = f, (), {}
     while isinstance(call, functools.partial):  # its bound arguments become arguments
         bound, keywords = (*call.args, *bound), {**call.keywords, **keywords}
@@ -303,9 +340,9 @@ def checkpoint_with_constants(
     and happen once, in the forward). `api` and `subject` name the caller and `f` in errors.
 
     The recompute must see what the forward saw, and mutate nothing the forward already did:
-    recording gradients, a HF KV cache among `args` is refused (the recompute would update it
-    again), and so is `f` modifying a tensor of `args` in place (the recompute would start from
-    the modified value).
+    it runs with the forward's RNG state and autocast settings; recording gradients, a HF KV
+    cache among `args` is refused (the recompute would update it again), and so is `f`
+    modifying a tensor of `args` in place (the recompute would start from the modified value).
     """
     refuse_compile()
     if torch.is_grad_enabled():
@@ -326,9 +363,10 @@ def checkpoint_with_constants(
         forward = not recomputing
         recomputing.append(True)
         versions = [t._version for t in tensors] if forward else None
-        outputs = f(
-            pytree.tree_unflatten(consts, const_spec), *pytree.tree_unflatten(filled, in_spec)
-        )
+        with contextlib.nullcontext() if forward else _restored_autocast(autocast):
+            outputs = f(
+                pytree.tree_unflatten(consts, const_spec), *pytree.tree_unflatten(filled, in_spec)
+            )
         if forward and versions != [t._version for t in tensors]:
             raise RuntimeError(
                 f"fp8fn.{api}: expected {subject} to leave its inputs as they are, got one "
@@ -345,6 +383,7 @@ def checkpoint_with_constants(
         return out_leaves
 
     tensors = [x for x, t in zip(leaves, is_tensor) if t]
+    autocast = _autocast_state(tensors)
     diff = tuple(i for i, t in enumerate(tensors) if t.is_floating_point())
     run.rng_state, run.names = _rng_state(), (api, subject)
     outputs = _Checkpoint.apply(run, diff, *tensors)

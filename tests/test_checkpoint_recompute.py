@@ -11,7 +11,7 @@ import functools
 import pytest
 import torch
 from _helpers import assert_bit_identical
-from _models import MLP, Block
+from _models import MLP, Block, Transformer
 
 import fp8fn
 
@@ -352,3 +352,81 @@ def test_checkpoint_of_partial_and_of_functional_call_over_a_closed_over_module(
             loss(params).backward()
             results.append({k: v.grad for k, v in params.items()})
     assert_bit_identical(results[1], results[0])
+
+
+# The forward's context: autocast, fp8fn.apply --------------------------------------------------
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_checkpoint_fn_recomputes_under_the_forwards_autocast(route):
+    model = Transformer(32, 16, 2, 2, 8, dropout=0.1)
+    ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1))
+
+    def loss(fn, p, s):
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # the backward runs outside it
+            logits = fn.apply(p, s, ids)
+        assert logits.dtype == torch.bfloat16
+        return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), ids.flatten())
+
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    runs = []
+    for checkpoint_fn in (None, lambda n, m: isinstance(m, Block)):
+        fn = fp8fn.transform(model, DELAYED, checkpoint_fn=checkpoint_fn)
+        torch.manual_seed(2)  # dropout
+        runs.append(_train(fn, params, fn.init(ids), loss, route))
+    assert fn.checkpointed == ["blocks.0", "blocks.1"]
+    assert_bit_identical(runs[1], runs[0])
+
+
+def _mixed(w, x):
+    return torch.tanh(x @ w) @ w  # matmuls: bfloat16 under autocast
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("forward", ["autocast", "float32"])
+def test_checkpoint_recomputes_under_the_forwards_autocast(forward, route):
+    w, x = torch.randn(8, 8), torch.randn(4, 8)
+    on = forward == "autocast"
+    results = []
+    for checkpointed in (False, True):
+
+        def loss(w, checkpointed=checkpointed):
+            # The forward under its autocast; the backward under the other setting.
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=on):
+                out = fp8fn.checkpoint(_mixed, w, x) if checkpointed else _mixed(w, x)
+            assert out.dtype == (torch.bfloat16 if on else torch.float32)
+            return out.float().square().sum()
+
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=not on):
+            if route == "func":
+                results.append(torch.func.grad(loss)(w))
+            else:
+                leaf = w.clone().requires_grad_()
+                loss(leaf).backward()
+                results.append(leaf.grad)
+    assert_bit_identical(results[1], results[0])
+
+
+class _CheckpointsInside(torch.nn.Module):
+    """Calls `fp8fn.checkpoint` on its second linear inside its forward."""
+
+    def __init__(self):
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return fp8fn.checkpoint(self.b, torch.relu(self.a(x)))
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("checkpoint_fn", [None, lambda n, m: n == "0"], ids=["model", "block"])
+def test_checkpoint_inside_fp8fn_apply_is_refused(checkpoint_fn, route):
+    model = torch.nn.Sequential(_CheckpointsInside(), torch.nn.Linear(8, 4))
+    fn = fp8fn.transform(model, DELAYED, checkpoint_fn=checkpoint_fn)
+    x = torch.randn(4, 8)
+    state = fn.init(x)  # no gradient recorded: no recompute, nothing to refuse
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    with pytest.raises(RuntimeError, match=r"^fp8fn\.checkpoint: expected to run outside fp8fn\.a"):
+        _grads_and_obs(lambda p, s: fn.apply(p, s, x).sum(), params, state, route)
