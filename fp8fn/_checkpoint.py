@@ -175,7 +175,8 @@ def checkpoint(f, *args):
 
     Args:
       f: a function of pytrees of tensors (dicts, lists, tuples, NamedTuples; non-tensor
-        leaves are passed through unchanged) returning a pytree of tensors, or an `nn.Module`.
+        leaves are passed through unchanged) returning a pytree of tensors (None leaves, as in
+        HF layers' outputs, are returned as None), or an `nn.Module`.
       *args: its arguments.
 
     Returns:
@@ -374,17 +375,28 @@ def checkpoint_with_constants(
                 "value. Make the in-place op out of place (e.g. `x = x * 2`, not `x.mul_(2)`)."
             )
         out_leaves, spec = pytree.tree_flatten(outputs)
-        if not all(isinstance(o, torch.Tensor) for o in out_leaves):
+        present = [o is not None for o in out_leaves]  # None leaves are kept as they are
+        if not any(present) or not all(
+            isinstance(o, torch.Tensor) for o in out_leaves if o is not None
+        ):
             raise TypeError(
-                f"fp8fn.{api}: expected {subject} to return a pytree of tensors, got leaves of "
-                f"types {sorted({type(o).__name__ for o in out_leaves})}."
+                f"fp8fn.{api}: expected {subject} to return a pytree of tensors (None leaves "
+                "allowed, at least one tensor), got leaves of types "
+                f"{sorted({type(o).__name__ for o in out_leaves})}."
             )
-        out_spec[:] = [spec]
-        return out_leaves
+        if out_spec and out_spec[0] != (spec, present):
+            raise RuntimeError(
+                f"fp8fn.{api}: expected {subject} to return the same structure when recomputed "
+                f"in the backward, got {out_spec[0][0]} in the forward and {spec} then. Make it "
+                "depend on its arguments only."
+            )
+        out_spec[:] = [(spec, present)]
+        return [o for o in out_leaves if o is not None]
 
     tensors = [x for x, t in zip(leaves, is_tensor) if t]
     autocast = _autocast_state(tensors)
     diff = tuple(i for i, t in enumerate(tensors) if t.is_floating_point())
     run.rng_state, run.names = _rng_state(), (api, subject)
-    outputs = _Checkpoint.apply(run, diff, *tensors)
-    return pytree.tree_unflatten(list(outputs), out_spec[0])
+    outputs = iter(_Checkpoint.apply(run, diff, *tensors))
+    spec, present = out_spec[0]
+    return pytree.tree_unflatten([next(outputs) if p else None for p in present], spec)

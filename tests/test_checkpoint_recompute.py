@@ -430,3 +430,141 @@ def test_checkpoint_inside_fp8fn_apply_is_refused(checkpoint_fn, route):
     params = {k: v.detach() for k, v in model.named_parameters()}
     with pytest.raises(RuntimeError, match=r"^fp8fn\.checkpoint: expected to run outside fp8fn\.a"):
         _grads_and_obs(lambda p, s: fn.apply(p, s, x).sum(), params, state, route)
+
+
+# Outputs holding None (HF layers' outputs) -------------------------------------------------------
+
+
+def _with_nones(w, x):
+    h = torch.tanh(x @ w)
+    return h, None, {"attention": None, "out": (h @ w).sin()}
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_checkpoint_returns_none_leaves_as_none(route):
+    w, x = torch.randn(8, 8), torch.randn(4, 8)
+    results = []
+    for checkpointed in (False, True):
+
+        def loss(w, checkpointed=checkpointed):
+            out = fp8fn.checkpoint(_with_nones, w, x) if checkpointed else _with_nones(w, x)
+            assert out[1] is None and out[2]["attention"] is None
+            return out[0].sum() + out[2]["out"].square().sum()
+
+        if route == "func":
+            results.append(torch.func.grad(loss)(w))
+        else:
+            leaf = w.clone().requires_grad_()
+            loss(leaf).backward()
+            results.append(leaf.grad)
+    assert_bit_identical(results[1], results[0])
+
+
+def test_checkpoint_refuses_a_recompute_returning_another_structure():
+    calls = []
+
+    def f(x):
+        calls.append(1)
+        return (x * 2, None) if len(calls) == 1 else (x * 2, x * 3)
+
+    out, _ = fp8fn.checkpoint(f, torch.randn(3, requires_grad=True))
+    with pytest.raises(RuntimeError, match=r"^fp8fn\.checkpoint: expected `f` to return the same"):
+        out.sum().backward()
+
+
+class _Labelled(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.fc(x), None, "label"
+
+
+def test_checkpoint_fn_refuses_a_module_returning_other_non_tensors():
+    model = torch.nn.Sequential(_Labelled())
+    fn = fp8fn.transform(model, DELAYED, checkpoint_fn=lambda n, m: n == "0")
+    x = torch.randn(4, 8)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    match = r"^fp8fn\.apply: expected module '0' \(chosen by `checkpoint_fn`\) to return a pytree"
+    with pytest.raises(TypeError, match=match + r".*\['NoneType', 'Tensor', 'str'\]"):
+        fn.apply(params, fn.init(x), x)
+
+
+def _t5(use_cache: bool):
+    """A tiny HF T5ForConditionalGeneration (2 layers, d_model 32, vocab 64)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.T5Config(
+        vocab_size=64, d_model=32, d_kv=16, d_ff=64, num_layers=2, num_heads=2,
+        decoder_start_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    assert config.use_cache and config.dropout_rate > 0  # the recompute draws the same masks
+    config.use_cache = use_cache
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return transformers.T5ForConditionalGeneration(config).train()
+
+
+# The decoder blocks' cross-attention reads the encoder output twice each (keys, values). Without
+# checkpointing, autograd adds the four contributions to its gradient one by one; a checkpointed
+# block hands back its two already added: the same sum, associated differently (float rounding,
+# as for a layer reused across a checkpoint in test_checkpoint.py), which no checkpoint can
+# avoid. So the encoder's gradients, and the shared embedding's, agree to rounding (and its
+# output-gradient amaxes may differ in the last bit); the rest of the step is bit-identical.
+def _encoder_side(name: str) -> bool:
+    return name.startswith("encoder.") or name == "shared.weight"
+
+
+def _sqnr(ref, x) -> float:
+    return float(20 * torch.log10(ref.norm() / (ref - x).norm()))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("route", ROUTES)
+def test_checkpoint_fn_t5_blocks_match_without_checkpointing(route):
+    gen = torch.Generator().manual_seed(1)
+    ids, labels = (
+        torch.randint(1, 64, (2, 8), generator=gen),
+        torch.randint(1, 64, (2, 6), generator=gen),
+    )
+    losses = []
+
+    def loss(fn, p, s):
+        value = fn.apply(p, s, ids, labels=labels).loss
+        losses.append(float(value))  # exact: a float32 in a double
+        return value
+
+    def is_block(name, module):
+        return type(module).__name__ == "T5Block"
+
+    model = _t5(use_cache=False)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    runs = []
+    for checkpoint_fn in (None, is_block):
+        fn = fp8fn.transform(model, DELAYED, checkpoint_fn=checkpoint_fn)
+        state = fn.init(ids, labels=labels)
+        torch.manual_seed(2)  # dropout
+        runs.append(_train(fn, params, state, loss, route, steps=3))
+    assert fn.checkpointed == [f"{s}.block.{i}" for s in ("encoder", "decoder") for i in (0, 1)]
+    assert losses[3] == losses[0]  # the first forward, bit for bit
+    assert losses[2] < losses[1] < losses[0] and losses[5] < losses[4] < losses[3]  # it trains
+    torch.testing.assert_close(losses[3:], losses[:3], rtol=1e-6, atol=0)
+    (want, want_obs), (got, got_obs) = runs[0][0], runs[1][0]  # the first step
+    assert bool((want_obs.amax_history[..., 0] > 0).all())  # every site observed
+    encoder = [i for i, site in enumerate(want_obs.sites) if _encoder_side(site)]
+    decoder = [i for i in range(len(want_obs.sites)) if i not in encoder]
+    assert len(encoder) == 2 * 6 and len(decoder) == 2 * 10 + 1  # and lm_head
+    assert_bit_identical(got_obs.amax_history[:, :2], want_obs.amax_history[:, :2])
+    assert_bit_identical(got_obs.amax_history[decoder], want_obs.amax_history[decoder])
+    torch.testing.assert_close(got_obs.amax_history, want_obs.amax_history, rtol=1e-6, atol=0)
+    assert_bit_identical(
+        {k: v for k, v in got.items() if not _encoder_side(k)},
+        {k: v for k, v in want.items() if not _encoder_side(k)},
+    )
+    assert min(_sqnr(want[k], got[k]) for k in want if _encoder_side(k)) > 120
+    # With the cache on (T5's default), the decoder blocks' KV cache is refused.
+    model = _t5(use_cache=True)
+    fn = fp8fn.transform(model, DELAYED, checkpoint_fn=is_block)
+    match = r"^fp8fn\.apply: .* of module 'decoder\.block\.0' .* got a EncoderDecoderCache"
+    with pytest.raises(ValueError, match=match):
+        _train(fn, params, fn.init(ids, labels=labels), loss, route, steps=1)
