@@ -26,10 +26,12 @@ _PASS_AS_ARGUMENTS = (
 
 
 def _is_hf_cache(x) -> bool:
-    """A HF transformers KV cache (`DynamicCache`, `EncoderDecoderCache`, ...): a mutable object
-    a layer updates in place. Duck-typed, so that transformers stays an optional dependency."""
+    """A HF transformers cache (`DynamicCache`, `EncoderDecoderCache`, and the models' own that
+    do not derive from `Cache`, e.g. `ReformerDynamicCache`): a mutable object a layer updates
+    in place. Duck-typed, so that transformers stays an optional dependency."""
     return any(
-        c.__name__ == "Cache" and c.__module__.startswith("transformers") for c in type(x).__mro__
+        c.__name__.endswith("Cache") and c.__module__.startswith("transformers")
+        for c in type(x).__mro__
     )
 
 

@@ -126,11 +126,16 @@ def test_hf_decoder_layers_without_kv_cache_are_bit_identical(kind, route):
     assert bool((obs.amax_history[..., 0] > 0).all())  # every site observed, once
 
 
-def test_checkpoint_refuses_a_kv_cache_argument():
+@pytest.mark.parametrize("kind", ["DynamicCache", "ReformerDynamicCache"])
+def test_checkpoint_refuses_a_kv_cache_argument(kind):
     transformers = pytest.importorskip("transformers")
-    cache = transformers.DynamicCache()
+    if kind == "DynamicCache":
+        cache = transformers.DynamicCache()
+    else:  # a model's own cache, not derived from transformers' Cache
+        cache = transformers.models.reformer.modeling_reformer.ReformerDynamicCache()
     x = torch.randn(2, 3, requires_grad=True)
-    with pytest.raises(ValueError, match=r"^fp8fn\.checkpoint: expected no KV cache in the inpu"):
+    match = rf"^fp8fn\.checkpoint: expected no KV cache in the inputs of `f`, got a {kind}: "
+    with pytest.raises(ValueError, match=match):
         fp8fn.checkpoint(lambda x, kw: x * 2, x, {"past_key_values": cache})
     with torch.no_grad():  # no recompute, nothing to refuse
         assert torch.equal(fp8fn.checkpoint(lambda x, c: x * 2, x, cache), x * 2)
