@@ -50,6 +50,26 @@ def tracked_below(t: torch.Tensor) -> bool:
     return _functorch.is_gradtrackingtensor(t) or t.requires_grad
 
 
+def differentiated(t: torch.Tensor) -> bool:
+    """Whether a differentiation tracks `t`: a running torch.func transform, at any level, or
+    plain autograd (`requires_grad` of the tensor under the transforms' wrappers)."""
+    return differentiated_by_transform(t) or unwrapped(t).requires_grad
+
+
+def differentiated_by_transform(t: torch.Tensor) -> bool:
+    """Whether a running torch.func transform (at any level) tracks `t`, plain autograd aside."""
+    while _functorch.is_functorch_wrapped_tensor(t):
+        if t.requires_grad:  # a wrapper's requires_grad: tracked at the wrapper's level
+            return True
+        t = _functorch.get_unwrapped(t)
+    return False
+
+
+def function_modes() -> list:
+    """The `TorchFunctionMode`s in effect, outermost first."""
+    return torch.overrides._get_current_function_mode_stack()
+
+
 def saved_tensor_hooks_active() -> bool:
     """Whether `torch.autograd.graph.saved_tensors_hooks` are in effect (e.g. the non-reentrant
     `torch.utils.checkpoint`, or offloading to CPU)."""

@@ -412,7 +412,13 @@ class _Call(TorchFunctionMode):
 
         self.passive = True
         try:
-            out = checkpoint_with_constants(run, (params, self.state, args, kwargs), buffers)
+            out = checkpoint_with_constants(
+                run,
+                (params, self.state, args, kwargs),
+                buffers,
+                api="apply",
+                subject=f"module {path!r} (chosen by `checkpoint_fn`)",
+            )
         finally:
             self.passive = False
         self.counts.update(end)
