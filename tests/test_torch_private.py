@@ -110,3 +110,36 @@ def test_attention_forward_is_multi_head_attention_forward_without_dispatch():
     with Mode():
         private.attention_forward(*args, need_weights=False)
     assert seen.count(torch.nn.functional.linear) == 2  # the copy: in_proj and out_proj
+
+
+def test_differentiated_sees_autograd_and_every_transform_level():
+    assert private.differentiated(torch.ones(2, requires_grad=True))
+    assert not private.differentiated(torch.ones(2))
+    assert not private.differentiated_by_transform(torch.ones(2, requires_grad=True))
+    seen = {}
+
+    def inner(y, x):
+        seen["x"] = (private.differentiated(x), private.differentiated_by_transform(x))
+        seen["fresh"] = private.differentiated(torch.ones(2))
+        return y.sum()
+
+    def outer(x):
+        return torch.func.grad(inner)(x * 2, x)  # x: tracked by the outer level only
+
+    torch.func.grad(lambda x: outer(x).sum())(torch.ones(2))
+    assert seen == {"x": (True, True), "fresh": False}
+    torch.func.vmap(lambda x: inner(x, x))(torch.ones(3, 2))  # batched, not differentiated
+    assert seen["x"] == (False, False)
+
+
+def test_function_modes_lists_the_modes_in_effect_outermost_first():
+    class A(torch.overrides.TorchFunctionMode):
+        pass
+
+    class B(torch.overrides.TorchFunctionMode):
+        pass
+
+    assert private.function_modes() == []
+    with A() as a, B() as b:
+        assert private.function_modes() == [a, b]
+    assert private.function_modes() == []
