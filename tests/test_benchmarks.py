@@ -23,6 +23,7 @@ HELPER = ROOT / "benchmarks" / "_common.py"
 OPTIONAL = ("torchao",)
 # A line each script's table must print (its header); other scripts need some table row.
 HEADERS = {
+    "import_time.py": re.compile(r"^import\s+heavy modules loaded\s+median s", re.M),
     "memory.py": re.compile(r"^run\s+all saved\s+new memory", re.M),
     "overhead.py": re.compile(r"^route\s+forward\s+backward\s+total", re.M),
     "step.py": re.compile(r"^variant\s+MLP", re.M),
