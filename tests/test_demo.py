@@ -214,3 +214,31 @@ def test_main_cuda_without_a_gpu_is_an_argparse_error(capsys):
     with pytest.raises(SystemExit, match="2"):
         demo.main(["--device", "cuda"])
     assert "no CUDA device is available" in capsys.readouterr().err
+
+
+def test_plot_without_matplotlib_is_an_argparse_error_before_training(
+    monkeypatch, capsys, tmp_path
+):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    monkeypatch.setattr(demo, "train", lambda *a, **k: pytest.fail("trained before the check"))
+    with pytest.raises(SystemExit, match="2"):
+        demo.main([*TINY, "--plot", str(tmp_path / "curves.png")])
+    err = capsys.readouterr().err
+    assert "--plot: needs matplotlib, which is not installed: pip install matplotlib" in err
+
+
+def test_plot_into_a_missing_folder_is_an_argparse_error(capsys, tmp_path):
+    with pytest.raises(SystemExit, match="2"):
+        demo.main([*TINY, "--plot", str(tmp_path / "no-such-folder" / "curves.png")])
+    assert "--plot: expected a path in an existing folder" in capsys.readouterr().err
+
+
+def test_the_table_is_printed_before_the_plot(monkeypatch, capsys, tmp_path):
+    def failing_plot(*args):
+        raise RuntimeError("the plot failed")
+
+    monkeypatch.setattr(demo, "plot", failing_plot)
+    argv = [*TINY, "--steps", "2", "--sample-chars", "0", "--plot", str(tmp_path / "c.png")]
+    with pytest.raises(RuntimeError, match="the plot failed"):
+        demo.main(argv)
+    assert _table(capsys.readouterr().out).keys() == {"float32", "fp8"}  # the run is not lost
