@@ -77,6 +77,7 @@ def test_benchmark_helper_imports_neither_fp8fn_nor_the_tests():
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.stem)
 def test_benchmark_quick_run_prints_its_table(script):
     result = subprocess.run(

@@ -44,6 +44,7 @@ def test_notebook_is_saved_with_its_outputs(path):
         assert len(image.data["image/png"]) < 200_000  # base64 bytes: modest figures
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_executes_from_a_clean_state(path, monkeypatch):
     nb = nbformat.read(path, as_version=4)
