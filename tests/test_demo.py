@@ -242,3 +242,75 @@ def test_the_table_is_printed_before_the_plot(monkeypatch, capsys, tmp_path):
     with pytest.raises(RuntimeError, match="the plot failed"):
         demo.main(argv)
     assert _table(capsys.readouterr().out).keys() == {"float32", "fp8"}  # the run is not lost
+
+
+# --- every documented flag, in combination: a tiny model, 2 steps -----------------------------
+
+RECIPE_CLASSES = {
+    "delayed": fp8fn.DelayedScaling,
+    "current": fp8fn.CurrentScaling,
+    "rowwise": fp8fn.RowwiseScaling,
+    "blockwise": fp8fn.BlockwiseScaling,
+    "mx": fp8fn.MXScaling,
+}
+FLAG_CASES = [  # each recipe with and without checkpointing, --compile with and without it;
+    # --quiet, --plot and --seed spread over them
+    ["--recipe", "delayed", "--plot"],
+    ["--recipe", "delayed", "--no-checkpoint", "--quiet", "--seed", "3"],
+    ["--recipe", "current", "--quiet"],
+    ["--recipe", "current", "--no-checkpoint", "--plot", "--seed", "1"],
+    ["--recipe", "rowwise", "--seed", "2"],
+    ["--recipe", "rowwise", "--no-checkpoint", "--quiet"],
+    ["--recipe", "blockwise", "--quiet", "--plot"],
+    ["--recipe", "blockwise", "--no-checkpoint"],
+    ["--recipe", "mx"],
+    ["--recipe", "mx", "--no-checkpoint", "--quiet", "--plot"],
+    ["--compile"],  # checkpointed blocks run eagerly, the rest compiled
+    ["--compile", "--recipe", "current", "--seed", "5"],
+]  # --compile --no-checkpoint: test_main_compile_matches_eager_on_the_first_steps
+SMALL = [a for a in TINY if a != "--quiet"]
+SMALL = [*SMALL, "--steps", "2", "--sample-chars", "8"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags", FLAG_CASES, ids=lambda f: " ".join(f).replace("--", ""))
+def test_flag_combination_trains_and_reports(flags, tmp_path, capsys):
+    argv = [*SMALL, *(a if a != "--plot" else f"--plot={tmp_path / 'c.png'}" for a in flags)]
+    results = demo.main(argv)
+    out = capsys.readouterr().out
+    recipe = flags[flags.index("--recipe") + 1] if "--recipe" in flags else "delayed"
+    assert isinstance(results["recipe"], RECIPE_CLASSES[recipe])
+    assert results["checkpointed"] == ([] if "--no-checkpoint" in flags else ["blocks.0"])
+    assert len(results["fp8"]["state"]) == (4 if recipe == "delayed" else 0)  # stateless: none
+    fp8_curve, hp_curve = results["fp8"]["train_curve"], results["float32"]["train_curve"]
+    assert len(fp8_curve) == len(hp_curve) == 2 and all(map(math.isfinite, fp8_curve + hp_curve))
+    assert fp8_curve[0] != hp_curve[0]  # the same weights and batch, cast to float8
+    assert fp8_curve == pytest.approx(hp_curve, abs=0.05)
+    rows = _table(out)  # the table: both runs' losses as printed
+    for name in ("float32", "fp8"):
+        run = results[name]
+        assert rows[name] == (round(run["train_loss"], 4), round(run["val_loss"], 4))
+    lines = out.strip().splitlines()
+    if "--quiet" in flags:
+        assert len(lines) == 6 and lines[0].startswith("2 steps of 8 sequences")
+    else:
+        assert lines[0].startswith("char-level GPT:") and "sample from the fp8 model:" in out
+        assert results["sample"].startswith("The ") and len(results["sample"]) == 4 + 8
+    if "--plot" in flags:
+        assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    if "--compile" in flags:  # the first step's losses match eager (same weights and batch)
+        eager = demo.main([a for a in argv if a != "--compile" and "--plot" not in a])
+        for name in ("float32", "fp8"):
+            got, want = results[name]["train_curve"], eager[name]["train_curve"]
+            assert got[0] == pytest.approx(want[0], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_seed_gives_the_same_run_and_another_seed_another():
+    argv = [*TINY, "--steps", "2", "--sample-chars", "8"]
+    a, b, c = (demo.main([*argv, "--seed", s]) for s in ("7", "7", "8"))
+    for name in ("float32", "fp8"):
+        assert a[name]["train_curve"] == b[name]["train_curve"]  # bit for bit
+        assert a[name]["train_curve"] != c[name]["train_curve"]
+    assert a["sample"] == b["sample"]
+    assert torch.equal(a["fp8"]["state"].amax_history, b["fp8"]["state"].amax_history)
