@@ -27,6 +27,7 @@ def tiny_results(tmp_path_factory):
     return demo.main([*TINY, "--plot", str(plot)]), plot
 
 
+@pytest.mark.slow
 def test_main_returns_both_runs_and_gaps(tiny_results):
     results, _ = tiny_results
     assert results["fp8_layers"] == [
@@ -49,6 +50,7 @@ def test_main_returns_both_runs_and_gaps(tiny_results):
     assert results["sample"].startswith("The ") and len(results["sample"]) == 4 + 12
 
 
+@pytest.mark.slow
 def test_main_losses_decrease(tiny_results):
     results, _ = tiny_results
     log_vocab = math.log(len(demo.Corpus.load().chars))
@@ -60,6 +62,7 @@ def test_main_losses_decrease(tiny_results):
         assert run["val_loss"] < log_vocab - 0.5
 
 
+@pytest.mark.slow
 def test_main_updates_fp8_state_and_leaves_baseline_stateless(tiny_results):
     results, _ = tiny_results
     assert isinstance(results["float32"]["state"], fp8fn.State)
@@ -78,6 +81,7 @@ def test_main_updates_fp8_state_and_leaves_baseline_stateless(tiny_results):
     assert qkv.scale.item() == torch.tensor(448.0 / qkv.amax_history.max().item()).item()
 
 
+@pytest.mark.slow
 def test_main_plot_is_a_png_with_the_gap_panel(tiny_results):
     _, plot = tiny_results
     data = plot.read_bytes()
@@ -92,6 +96,7 @@ def test_every_flag_has_help():
     assert all(a.help and a.help.strip() for a in actions), [a.dest for a in actions if not a.help]
 
 
+@pytest.mark.slow
 def test_main_current_recipe_without_checkpoint_has_no_state():
     results = demo.main([*TINY, "--steps", "6", "--recipe", "current", "--no-checkpoint"])
     assert results["checkpointed"] == []
@@ -99,6 +104,7 @@ def test_main_current_recipe_without_checkpoint_has_no_state():
     assert results["fp8"]["train_curve"][-1] < results["fp8"]["train_curve"][0]
 
 
+@pytest.mark.slow
 def test_main_compile_matches_eager_on_the_first_steps():
     # --compile trains with torch.compile(fp8fn.value_and_grad(...)); the first step starts
     # from the same weights and scales, so its loss matches eager to float tolerance.
@@ -122,6 +128,7 @@ def test_main_compile_matches_eager_on_the_first_steps():
         ("mx", fp8fn.MXScaling),
     ],
 )
+@pytest.mark.slow
 def test_main_stateless_recipes_train_and_quiet_prints_only_the_table(recipe, cls, capsys):
     # d-model 32: blockwise casts partial 128-tiles, MX a 32-block per row.
     results = demo.main([*TINY, "--steps", "2", "--sample-chars", "0", "--recipe", recipe])
@@ -149,6 +156,7 @@ def _table(out: str) -> dict:
     return rows
 
 
+@pytest.mark.slow
 def test_torchrun_two_ranks_train_data_parallel():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -176,6 +184,7 @@ def test_torchrun_two_ranks_train_data_parallel():
         assert two[name] == pytest.approx(want, abs=2e-3 if name == "float32" else 1e-2)
 
 
+@pytest.mark.slow
 def test_main_prints_the_table(capsys):
     argv = [a for a in TINY if a != "--quiet"]
     demo.main([*argv, "--steps", "3", "--sample-chars", "5"])
@@ -233,6 +242,7 @@ def test_plot_into_a_missing_folder_is_an_argparse_error(capsys, tmp_path):
     assert "--plot: expected a path in an existing folder" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_the_table_is_printed_before_the_plot(monkeypatch, capsys, tmp_path):
     def failing_plot(*args):
         raise RuntimeError("the plot failed")
