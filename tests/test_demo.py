@@ -283,7 +283,7 @@ SMALL = [*SMALL, "--steps", "2", "--sample-chars", "8"]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("flags", FLAG_CASES, ids=lambda f: " ".join(f).replace("--", ""))
+@pytest.mark.parametrize("flags", FLAG_CASES, ids=lambda f: "-".join(a.lstrip("-") for a in f))
 def test_flag_combination_trains_and_reports(flags, tmp_path, capsys):
     argv = [*SMALL, *(a if a != "--plot" else f"--plot={tmp_path / 'c.png'}" for a in flags)]
     results = demo.main(argv)
