@@ -14,13 +14,12 @@ import argparse
 import datetime
 import os
 import socket
-import statistics
 import tempfile
-import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _common import median_times, print_table
 from torch.distributed.tensor.debug import CommDebugMode
 
 import fp8fn
@@ -72,17 +71,11 @@ class _Bytes:
         dist.all_reduce = self._original
 
 
-def measure(reduce, obs: fp8fn.State, repeats: int) -> tuple[int, int, float]:
-    """(collectives, bytes, median ms) of one call of `reduce(obs)`."""
+def count(reduce, obs: fp8fn.State) -> tuple[int, int]:
+    """(collectives, bytes) of one call of `reduce(obs)`."""
     with CommDebugMode() as comm, _Bytes() as sent:
         reduce(obs)
-    times = []
-    for _ in range(repeats):
-        dist.barrier()
-        start = time.perf_counter()
-        reduce(obs)
-        times.append((time.perf_counter() - start) * 1e3)
-    return comm.get_total_counts(), sent.bytes, statistics.median(times)
+    return comm.get_total_counts(), sent.bytes
 
 
 def worker(rank: int, port: int, sizes, history_len: int, repeats: int, out: str) -> None:
@@ -99,9 +92,12 @@ def worker(rank: int, port: int, sizes, history_len: int, repeats: int, out: str
         obs = observation(n, history_len, rank)
         packed, naive = fp8fn.all_reduce(obs), naive_all_reduce(obs)
         assert torch.equal(packed.amax_history[..., 0], naive.amax_history[..., 0])
-        methods = (("fp8fn.all_reduce", fp8fn.all_reduce), ("per-site", naive_all_reduce))
-        for name, reduce in methods:
-            rows.append((n, name, *measure(reduce, obs, repeats)))
+        methods = {"fp8fn.all_reduce": fp8fn.all_reduce, "per-site": naive_all_reduce}
+        calls = {name: (lambda reduce=reduce: reduce(obs)) for name, reduce in methods.items()}
+        # every timed call starts with the ranks together
+        seconds = median_times(calls, repeats, before=dist.barrier)
+        for name, reduce in methods.items():
+            rows.append((n, name, *count(reduce, obs), seconds[name] * 1e3))
     if rank == 0:
         with open(out, "w") as f:
             f.writelines(f"{n}\t{name}\t{c}\t{b}\t{ms}\n" for n, name, c, b, ms in rows)
@@ -132,10 +128,12 @@ def main() -> None:
         )
         with open(out) as f:
             rows = [line.rstrip("\n").split("\t") for line in f]
-    print(f"{WORLD} gloo ranks on CPU, history_len {args.history_len}, median of {repeats}")
-    print(f"{'sites':<6}  {'method':<17} {'collectives':>11} {'bytes/rank':>11} {'ms':>9}")
-    for n, name, count, nbytes, ms in rows:
-        print(f"{n:<6}  {name:<17} {count:>11} {nbytes:>11} {float(ms):>9.3f}")
+    print_table(
+        ["sites", "method", "collectives", "bytes/rank", "ms"],
+        [[n, name, c, nbytes, f"{float(ms):.3f}"] for n, name, c, nbytes, ms in rows],
+        title=f"{WORLD} gloo ranks on CPU, history_len {args.history_len}, median of {repeats}",
+        left=2,
+    )
 
 
 if __name__ == "__main__":

@@ -578,6 +578,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--d-model ({args.d_model}) must be divisible by --heads ({args.heads})")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device is available")
+    if args.plot:  # checked before training, which a failing plot would throw away
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            p.error("--plot: needs matplotlib, which is not installed: pip install matplotlib")
+        folder = os.path.dirname(os.path.abspath(args.plot))
+        if not os.path.isdir(folder):
+            p.error(f"--plot: expected a path in an existing folder, got {args.plot}")
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     if args.batch_size % world_size:
         p.error(
@@ -666,15 +674,15 @@ def _main(cfg, ranks: Ranks, device: torch.device) -> dict:
         cfg.seed,
         device,
     )
-    if cfg.plot and ranks.is_main:
-        plot(cfg.plot, cfg, results)
     if not cfg.quiet:
         say()
-    say(report(cfg, results))
+    say(report(cfg, results), flush=True)  # the table first: a failing plot cannot lose it
     if not cfg.quiet:
         say()
         say(f"sample from the fp8 model:\n{results['sample']}")
-        if cfg.plot:
+    if cfg.plot and ranks.is_main:
+        plot(cfg.plot, cfg, results)
+        if not cfg.quiet:
             say(f"\nloss curves saved to {cfg.plot}")
     return results
 

@@ -377,6 +377,7 @@ def test_apply_model_own_torch_checkpoint_without_fp8_layers_is_never_silently_w
         autograd_route(*runs[1], x, y)
 
 
+@pytest.mark.slow
 def test_transform_checkpoint_under_compile_is_eager_or_refused():
     model = Transformer(VOCAB, D, HEADS, BLOCKS, SEQ)
     fn = fp8fn.transform(model, fp8fn.DelayedScaling(history_len=4), checkpoint_fn=is_block)

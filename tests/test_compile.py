@@ -17,6 +17,7 @@ import fp8fn
 import fp8fn._linear
 from fp8fn._tensorwise import _Fp8Linear
 
+pytestmark = pytest.mark.slow  # torch.compile: tens of seconds a test on 2 cores
 DELAYED = fp8fn.DelayedScaling(history_len=4, backend="emulated")
 CURRENT = fp8fn.CurrentScaling(backend="emulated")
 RECIPES = pytest.mark.parametrize("recipe", [DELAYED, CURRENT], ids=["delayed", "current"])

@@ -61,6 +61,7 @@ def results(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scenario", [s.__name__ for s in workers.SCENARIOS])
 def test_distributed_scenario(results, scenario):
     for rank, outcome in results.items():

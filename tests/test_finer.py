@@ -670,6 +670,7 @@ def test_finer_linear_output_shape_and_dtypes(recipe):
         assert all(math.isfinite(t.float().sum().item()) for t in (y, x.grad, w.grad, b.grad))
 
 
+@pytest.mark.slow
 def test_quantizers_compiled_are_bit_identical_to_eager():
     # Inductor generates its own log2/exp2 and casts: they must round as eager does.
     def quantize_all(x):

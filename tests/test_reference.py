@@ -434,6 +434,7 @@ def test_training_matches_reference_model(case, route, margin, amax_compute, che
     assert all(not s["grad_output"].empty() for s in ref.sites.values())
 
 
+@pytest.mark.slow
 def test_compiled_apply_with_backward_matches_reference_model():
     """`torch.compile(fn.apply)` and `.backward()`: against the reference model, each step from
     the same parameters. Bit for bit except the bias gradients, whose float32 sum inductor

@@ -345,6 +345,7 @@ def test_each_cast_is_one_dispatched_op_of_one_or_two_launches(monkeypatch):
         assert len(launched) == launches
 
 
+@pytest.mark.slow
 def test_delayed_cast_compiles_without_graph_breaks():
     # Under the interpreter the ops are opaque custom ops (an interpreted kernel cannot be traced
     # into the graph); with CUDA they are triton_ops whose kernels Inductor sees. Either way the
