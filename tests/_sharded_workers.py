@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from _helpers import assert_bit_identical
-from _models import _seeded
+from _models import Tied, _seeded
 from torch import nn
 
 import fp8fn
@@ -272,6 +272,58 @@ def fsdp_finer_recipe_layer_gathers_in_high_precision(rank):
     state = fp8fn.update(state, ref_obs)
     out = fn.apply(params, state, idx[mine])
     assert_bit_identical(out, fn.apply(ref_params, state, idx)[mine])
+
+
+def fsdp_tied_weights(rank):
+    """Tied weights (two layers sharing one; a head tied to the embedding) are gathered in high
+    precision and cast by the layers as plain weights: forward rows bitwise the one process's,
+    gradients (summed over the ties, then reduce-scattered) as its."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    idx = torch.randint(0, 16, (8, 3), generator=torch.Generator().manual_seed(2))
+    mine = slice(rank * 8 // world, (rank + 1) * 8 // world)
+    model = Tied(16, 32, seed=4)
+    fn = fp8fn.transform(model, RECIPE)
+    ref_params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    params = {k: distribute_tensor(v.clone(), mesh, [Shard(0)]) for k, v in ref_params.items()}
+    cold = fn.init(idx)
+    ref_loss = lambda p, s: fn.apply(p, s, idx).square().mean()  # noqa: E731
+    loss = lambda p, s: fn.apply(p, s, idx[mine]).square().mean()  # noqa: E731
+    ref_obs = torch.func.grad(ref_loss, argnums=(0, 1))(ref_params, cold)[1]
+    state, ref_state = _warmed(cold, ref_obs, world), fp8fn.update(cold, ref_obs)
+    assert_bit_identical(
+        fn.apply(params, state, idx[mine]), fn.apply(ref_params, ref_state, idx)[mine]
+    )
+    grads, obs = torch.func.grad(loss, argnums=(0, 1))(params, state)
+    ref_grads, ref_obs = torch.func.grad(ref_loss, argnums=(0, 1))(ref_params, ref_state)
+    for k, g in grads.items():
+        assert _measure("fsdp_tied_grad_rel_err", _rel(g, ref_grads[k])) < 1e-6, k
+    _check_obs(fp8fn.all_reduce(obs), ref_obs, world, True, "fsdp_tied_obs")
+
+
+def torch_private_dtensor_helpers(rank):
+    """The fenced DTensor internals (`fp8fn/_torch_private.py`) behave as relied on."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from fp8fn import _torch_private as private
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    whole = torch.arange(12.0).reshape(6, 2)
+    d = distribute_tensor(whole, mesh, [Shard(0)])
+    assert private.dtensor_local(d) is d._local_tensor and torch.equal(
+        d.to_local(), d._local_tensor
+    )
+    spec = private.dtensor_spec(d)
+    assert spec.placements == (Shard(0),) and spec.shape == (6, 2) and spec.mesh == mesh
+    made = private.new_dtensor_spec(mesh, [Shard(0)], (6, 2), torch.float32)
+    assert made == spec  # placements, global shape, stride, dtype
+    again = private.make_dtensor(d.to_local() * 2, made)
+    assert type(again) is type(d) and torch.equal(again.full_tensor(), whole * 2)
+    assert not again.requires_grad
 
 
 def fsdp_errors(rank):
@@ -529,6 +581,8 @@ SCENARIOS = {
         fsdp_functional_routes_and_steps,
         fsdp_finer_recipe_layer_gathers_in_high_precision,
         fsdp_errors,
+        fsdp_tied_weights,
+        torch_private_dtensor_helpers,
         tp_colwise_rowwise,
         tp_sequence_parallel,
         two_d_tp_and_fsdp2,
