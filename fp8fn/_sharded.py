@@ -79,7 +79,10 @@ def as_dtensor(t):
 
 
 def sharded_operands(*tensors) -> bool:
-    """Whether any of `tensors` is a DTensor (the sharded route of `fn.apply`)."""
+    """Whether any of `tensors` is a DTensor (the sharded route of `fn.apply`). A dict lookup
+    while `torch.distributed.tensor` has not been imported."""
+    if sys.modules.get("torch.distributed.tensor") is None:
+        return False
     if torch.compiler.is_compiling():
         return any(type(t).__name__ == "DTensor" for t in tensors)
     return any(as_dtensor(t) is not None for t in tensors)

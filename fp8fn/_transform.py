@@ -614,10 +614,18 @@ class Transformed:
 
         The module runs as it is now: its buffers, dtype, device, training flags and hooks.
 
+        Sharded parameters (DTensors; see `fp8fn/_sharded.py`): functional FSDP gives `params`
+        as `distribute_tensor(p, mesh, [Shard(0)])` for a plain module (torch.func or plain
+        autograd; float8 weights are all-gathered in float8, the others in high precision;
+        gradients come back sharded, averaged over the ranks); a tensor-parallel module
+        (`parallelize_module`, optionally inside FSDP2) takes `dict(model.named_parameters())`
+        under plain autograd. Every rank must hold the same `state` (`fp8fn.all_reduce`).
+
         Args:
           params: `{name: tensor}` keyed like `module.named_parameters()`; it may also give
             buffers (keyed like `module.named_buffers()`). A name it leaves out is the module's
-            own tensor, as in `torch.func.functional_call` (e.g. a frozen base model).
+            own tensor, as in `torch.func.functional_call` (e.g. a frozen base model). Whether
+            they are DTensors is read from the first entry.
           state: the `fp8fn.State` from `init` (or `update`).
           *args, **kwargs: the module's inputs.
 

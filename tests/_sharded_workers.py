@@ -523,6 +523,44 @@ def tp_sequence_parallel(rank):
     _check_obs(fp8fn.all_reduce(fp8fn.observations(observed)), ref_obs, 1, False, "sp_obs")
 
 
+def current_scaling_sharded(rank):
+    """CurrentScaling (stateless) on DTensor operands: every cast takes the amax of the whole
+    logical tensor. Functional FSDP: the weight's (one all-reduce per weight per forward), the
+    rank's own rows for the input: the forward is one process's on those rows, bit for bit.
+    Tensor parallel: outputs and gradients as one process's on the whole batch."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    current = fp8fn.CurrentScaling()
+    _, _, params, ref_params, _, _, (idx, mine) = _fsdp_setup()
+    fn = fp8fn.transform(FsdpNet(), current)
+    state = fn.init(idx)
+    with _Counting() as counted:
+        out = fn.apply(params, state, idx[mine])
+    assert_bit_identical(out, fn.apply(ref_params, state, idx[mine]))
+    assert [c[0] for c in counted.calls].count("all_reduce") == 2
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
+    x, t = _tp_data()
+    ref = TPNet()
+    model = copy.deepcopy(ref)
+    parallelize_module(model, mesh, {"net.0": ColwiseParallel(), "net.2": RowwiseParallel()})
+    fn, ref_fn = fp8fn.transform(model, current), fp8fn.transform(ref, current)
+    state = fn.init(x)
+    out = fn.apply(dict(model.named_parameters()), state, x)
+    (out - t).square().mean().backward()
+    ref_params = dict(ref.named_parameters())
+    ref_out = ref_fn.apply(ref_params, state, x)
+    ref_grads = _ref_step(ref_fn, ref_params, state, x, t)[0]
+    assert _measure("tp_current_output_rel_err", _rel(out, ref_out)) < 1e-6
+    for k, p in model.named_parameters():
+        assert _measure("tp_current_grad_rel_err", _rel(p.grad, ref_grads[k])) < 1e-6, k
+
+
 # --- 2-D: TP inside, FSDP2 over the data-parallel mesh dim -------------------------------------
 
 
@@ -585,6 +623,7 @@ SCENARIOS = {
         torch_private_dtensor_helpers,
         tp_colwise_rowwise,
         tp_sequence_parallel,
+        current_scaling_sharded,
         two_d_tp_and_fsdp2,
     )
 }

@@ -31,6 +31,7 @@ RUNS = {
         "torch_private_dtensor_helpers",
         "tp_colwise_rowwise",
         "tp_sequence_parallel",
+        "current_scaling_sharded",
     ],
     4: [
         "fsdp_step1_weight_cast_with_whole_amax",
