@@ -134,8 +134,18 @@ def _max_over(t: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
+_HIGHER_ORDER = (
+    "fp8fn.apply: higher-order derivatives over sharded (DTensor) parameters are not "
+    "supported: the gradient's collectives are differentiated once. Differentiate once, or "
+    "take the higher-order part with whole parameters."
+)
+
+# The Functions below run only inside backward passes (gathering the float8 weight again,
+# reducing gradients, making them DTensors): their own backward is a second derivative.
+
+
 class _AllGather(torch.autograd.Function):
-    """A dim-0 shard -> the whole tensor of `rows` rows; backward: reduce-scatter (sum)."""
+    """A dim-0 shard -> the whole tensor of `rows` rows (inside a backward)."""
 
     @staticmethod
     def forward(local, group, rows):
@@ -143,15 +153,15 @@ class _AllGather(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.group = inputs[1]
+        pass
 
     @staticmethod
     def backward(ctx, grad):
-        return _ReduceScatter.apply(grad, ctx.group), None, None
+        raise RuntimeError(_HIGHER_ORDER)
 
 
 class _ReduceScatter(torch.autograd.Function):
-    """The whole tensor -> this rank's dim-0 shard of the sum over the ranks; backward: gather."""
+    """The whole tensor -> this rank's dim-0 shard of the sum over the ranks (in a backward)."""
 
     @staticmethod
     def forward(full, group):
@@ -159,16 +169,16 @@ class _ReduceScatter(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.group, ctx.rows = inputs[1], inputs[0].shape[0]
+        pass
 
     @staticmethod
     def backward(ctx, grad):
-        return _AllGather.apply(grad, ctx.group, ctx.rows), None
+        raise RuntimeError(_HIGHER_ORDER)
 
 
 class _FromLocal(torch.autograd.Function):
     """A local shard -> the DTensor of `spec` holding it (`DTensor.from_local` without a check,
-    usable under torch.func); backward: the gradient's local shard."""
+    usable under torch.func; in a backward)."""
 
     @staticmethod
     def forward(local, spec):
@@ -180,24 +190,7 @@ class _FromLocal(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _ToLocal.apply(grad), None
-
-
-class _ToLocal(torch.autograd.Function):
-    """A DTensor -> its local shard; backward: the gradient as a DTensor of the input's spec."""
-
-    @staticmethod
-    def forward(d):
-        local = dtensor_local(d)
-        return local.view_as(local)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.spec = dtensor_spec(unwrapped(inputs[0]))
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _FromLocal.apply(grad, ctx.spec)
+        raise RuntimeError(_HIGHER_ORDER)
 
 
 class _GatherParam(torch.autograd.Function):

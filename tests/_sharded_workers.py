@@ -326,6 +326,36 @@ def torch_private_dtensor_helpers(rank):
     assert not again.requires_grad
 
 
+def fsdp_checkpoint_fn_and_higher_order(rank):
+    """A `checkpoint_fn` layer recomputed in the backward gathers its float8 weight again:
+    gradients and observations bitwise those without recompute. A gradient of a gradient is
+    refused with fp8fn's errors: the op's, or the sharded gather's."""
+    _, fn, params, _, loss, _, (idx, mine) = _fsdp_setup()
+    state = fn.init(idx)
+    recomputed = fp8fn.transform(FsdpNet(), RECIPE, checkpoint_fn=lambda name, m: name == "fc2")
+
+    def loss_recomputed(p, s):
+        return (recomputed.apply(p, s, idx[mine]) - 1.0).square().mean()
+
+    def loss_plain(p, s):
+        return (fn.apply(p, s, idx[mine]) - 1.0).square().mean()
+
+    grads, obs = torch.func.grad(loss_recomputed, argnums=(0, 1))(params, state)
+    want, want_obs = torch.func.grad(loss_plain, argnums=(0, 1))(params, state)
+    for k, g in grads.items():
+        assert torch.equal(g.to_local(), want[k].to_local()), k
+    assert_bit_identical(obs, want_obs)
+
+    def grad_of_grad(name):
+        inner = lambda p: torch.func.grad(loss, argnums=0)(p, state)[name].sum()  # noqa: E731
+        return torch.func.grad(inner)(params)
+
+    with pytest.raises(RuntimeError, match=r"^fp8fn\.linear: higher-order derivatives"):
+        grad_of_grad("fc1.weight")  # through the float8 op
+    with pytest.raises(RuntimeError, match=r"^fp8fn\.apply: higher-order derivatives over sha"):
+        grad_of_grad("ln.weight")  # through the high-precision gather only
+
+
 def fsdp_errors(rank):
     """Clear errors: a DTensor param that is not Shard(0) for a plain module; a `params` dict
     whose first entry is plain but other entries DTensors (torch's 'got mixed' error)."""
@@ -619,6 +649,7 @@ SCENARIOS = {
         fsdp_functional_routes_and_steps,
         fsdp_finer_recipe_layer_gathers_in_high_precision,
         fsdp_errors,
+        fsdp_checkpoint_fn_and_higher_order,
         fsdp_tied_weights,
         torch_private_dtensor_helpers,
         tp_colwise_rowwise,
