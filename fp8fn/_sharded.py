@@ -462,7 +462,7 @@ def _placements():
     return placements
 
 
-def _tp_plan(api, xd, wd, bd, unobserved) -> _TPPlan:
+def _tp_plan(api, xd, wd, bias, bd, unobserved) -> _TPPlan:
     """The `_TPPlan` of a tensor-parallel call, or a clear error for another layout.
 
     The roles split over the ranks (Colwise: weight, output gradient; Rowwise: input, weight)
@@ -472,7 +472,8 @@ def _tp_plan(api, xd, wd, bd, unobserved) -> _TPPlan:
     x_place, w_place = (xd.placements[0], wd.placements[0]) if wd is not None else (None, None)
     colwise = x_place == p.Replicate() and w_place == p.Shard(0)
     rowwise = type(x_place) is p.Shard and x_place.dim % xd.dim() == last and w_place == p.Shard(1)
-    bias_ok = bd is None or tuple(bd.placements) == ((p.Shard(0),) if colwise else (p.Replicate(),))
+    bias_place = (p.Shard(0),) if colwise else (p.Replicate(),)
+    bias_ok = bias is None or (bd is not None and tuple(bd.placements) == bias_place)
     one_mesh = wd is not None and wd.device_mesh.ndim == 1 and xd.device_mesh == wd.device_mesh
     if not (one_mesh and (colwise or rowwise) and bias_ok):
         raise ValueError(
@@ -505,7 +506,7 @@ def _tp_plan(api, xd, wd, bd, unobserved) -> _TPPlan:
 def _tp_linear(api, x, xd, weight, wd, bias, bd, scaling, unobserved):
     if functorch_level() is not None:
         raise RuntimeError(_TP_UNDER_FUNC)
-    plan = _tp_plan(api, xd, wd, bd, unobserved)
+    plan = _tp_plan(api, xd, wd, bias, bd, unobserved)
     with no_autocast(x):
         return _TPLinear.apply(x, weight, bias, *scaling, plan)[0]
 

@@ -505,6 +505,13 @@ def tp_colwise_rowwise(rank):
     # torch.func inside torch's parallel styles: refused with fp8fn's error
     with pytest.raises(RuntimeError, match=r"^fp8fn\.apply: expected plain autograd for a tens"):
         torch.func.grad(loss, argnums=(0, 1))(dict(model.named_parameters()), state)
+    # a DTensor input with a plain weight (the next layer not parallelized)
+    half = copy.deepcopy(ref)
+    parallelize_module(half, mesh, {"net.0": ColwiseParallel(use_local_output=False)})
+    with pytest.raises(
+        ValueError, match=r"^fp8fn\.apply: layer 'net\.2': expected a tensor-parallel call as"
+    ):
+        fp8fn.transform(half, RECIPE).apply(dict(half.named_parameters()), state, x)
     # a finer recipe does not take DTensor operands
     rowwise_fn = fp8fn.transform(model, fp8fn.RowwiseScaling())
     with pytest.raises(ValueError, match=r"fp8fn\.apply: layer 'net\.0': expected a per-tensor"):
