@@ -420,10 +420,10 @@ def sharded_linear(call, layer, site, x, weight, bias, newest, stored):
             f"DTensor operands, got {type(recipe).__name__}. Give this layer a per-tensor "
             "recipe, or None (high precision), through a recipe function."
         )
-    if newest is not None and newest.dim() != 1:
+    if newest is not None and unwrapped(call.state.amax_history).dim() != 3:
         raise ValueError(
-            f"{api}: expected an unbatched state for DTensor operands, got one of shape "
-            f"{tuple(call.state.amax_history.shape)} (vmap over sharded models is not supported)."
+            f"{api}: expected an unbatched state for DTensor operands, got a stacked or "
+            "vmapped one (vmap over sharded models is not supported)."
         )
     xd, wd, bd = as_dtensor(x), as_dtensor(weight), as_dtensor(bias)
     device = (wd if wd is not None else xd).device
