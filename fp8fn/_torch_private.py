@@ -117,3 +117,36 @@ def _attention_forward():
 
 
 attention_forward = _attention_forward()
+
+
+# -- DTensor internals (sharded parameters, `fp8fn/_sharded.py`) -----------------------------------
+# Inside an autograd.Function's `forward` torch.func has unwrapped its inputs, and there fp8fn
+# reads a DTensor's local shard and builds DTensors of given placements without a collective.
+# The public `to_local` / `from_local` are autograd.Functions without `setup_context`, which
+# torch.func refuses; these are what they do underneath.
+
+
+def dtensor_local(d: torch.Tensor) -> torch.Tensor:
+    """The local shard of the DTensor `d` (not a differentiable view: no autograd node)."""
+    return d._local_tensor
+
+
+def dtensor_spec(d: torch.Tensor):
+    """The `DTensorSpec` of the DTensor `d`: its mesh, placements and global shape."""
+    return d._spec
+
+
+def new_dtensor_spec(mesh, placements, shape, dtype):
+    """A `DTensorSpec` for a contiguous tensor of global `shape` and `dtype` placed on `mesh`."""
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    shape = torch.Size(shape)
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(shape, stride, dtype))
+
+
+def make_dtensor(local: torch.Tensor, spec) -> torch.Tensor:
+    """A DTensor of `spec` whose local shard is `local` (no collective, no check)."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor(local, spec, requires_grad=False)

@@ -27,6 +27,8 @@ from ._distributed import ddp_parameter, refuse_ddp_inner_module
 from ._guards import check_operands
 from ._linear import fp8_linear
 from ._recipe import RECIPES, DelayedScaling
+from ._sharded import explain_error as explain_sharded_error
+from ._sharded import gather_params, sharded_linear, sharded_operands
 from ._state import (
     State,
     check_scales,
@@ -367,12 +369,6 @@ class _Call(TorchFunctionMode):
 
     def _linear(self, layer, x, weight, bias):
         name = self._count(layer)
-        if type(weight).__name__ == "DTensor" or type(x).__name__ == "DTensor":
-            raise ValueError(
-                f"fp8fn.apply: layer {layer.path!r} got a DTensor (tensor parallel or sharded "
-                "parameters), which fp8fn.apply does not take yet. FSDP2's `fully_shard` "
-                "works: its hooks unshard each block for its forward."
-            )
         newest = stored = None
         if isinstance(layer.recipe, DelayedScaling):
             i = self.state._positions().get(name)
@@ -386,6 +382,8 @@ class _Call(TorchFunctionMode):
                 self._rows = (self.state.amax_history[..., 0].unbind(0), self.state.scale.unbind(0))
             newest, stored = self._rows[0][i], self._rows[1][i]
         check_operands(f"apply: layer {layer.path!r}", x, weight, bias)
+        if sharded_operands(x, weight):  # functional FSDP, tensor parallel
+            return sharded_linear(self, layer, name, x, weight, bias, newest, stored)
         return fp8_linear(x, weight, bias, newest, stored, layer.recipe)
 
     def checkpoint(self, module, path, forward, args, kwargs):
@@ -661,10 +659,18 @@ class Transformed:
 
         The module runs as it is now: its buffers, dtype, device, training flags and hooks.
 
+        Sharded parameters (DTensors; see `fp8fn/_sharded.py`): functional FSDP gives `params`
+        as `distribute_tensor(p, mesh, [Shard(0)])` for a plain module (torch.func or plain
+        autograd; float8 weights are all-gathered in float8, the others in high precision;
+        gradients come back sharded, averaged over the ranks); a tensor-parallel module
+        (`parallelize_module`, optionally inside FSDP2) takes `dict(model.named_parameters())`
+        under plain autograd. Every rank must hold the same `state` (`fp8fn.all_reduce`).
+
         Args:
           params: `{name: tensor}` keyed like `module.named_parameters()`; it may also give
             buffers (keyed like `module.named_buffers()`). A name it leaves out is the module's
-            own tensor, as in `torch.func.functional_call` (e.g. a frozen base model).
+            own tensor, as in `torch.func.functional_call` (e.g. a frozen base model). Whether
+            they are DTensors is read from the first entry.
           state: the `fp8fn.State` from `init` (or `update`).
           *args, **kwargs: the module's inputs.
 
@@ -678,21 +684,27 @@ class Transformed:
         """
         self._check(params, state)
         claim(state.amax_history, "apply", "state")
-        call = _Call(self, params, state)
+        tensors = params
+        if params and sharded_operands(next(iter(params.values()))):  # the first tells
+            tensors = gather_params(self, params)
+        call = _Call(self, tensors, state)
         try:
             if self._checkpointed_modules:
                 refuse_compile()
                 with self._exclusive(), call, _activated(call):
                     with _checkpoint_forwards(self._checkpointed_modules):
-                        return _functional_call(self.module, self._slots, params, args, kwargs)
+                        return _functional_call(self.module, self._slots, tensors, args, kwargs)
             with self._exclusive(), call:
-                return _functional_call(self.module, self._slots, params, args, kwargs)
+                return _functional_call(self.module, self._slots, tensors, args, kwargs)
         except TypeError as e:
             bad = {n: type(v).__name__ for n, v in params.items() if not torch.is_tensor(v)}
             if bad:
                 raise TypeError(f"fp8fn.apply: expected tensors in `params`, got {bad}.") from e
             raise
         except RuntimeError as e:
+            sharded = explain_sharded_error(e, self.module)
+            if sharded is not None:
+                raise sharded from e
             message = str(e)
             if any(m in message for m in _TORCH_CHECKPOINT_UNDER_FUNC):
                 raise RuntimeError(
