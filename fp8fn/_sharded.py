@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from ._backend import fp8_mm, resolve_backend, scaled_mm_supported
 from ._guards import no_autocast
-from ._quantize import E4M3, E4M3_MAX, E5M2, FP8_MAX, amax, cast_to_fp8
+from ._quantize import E4M3, E5M2, FP8_MAX, amax, cast_to_fp8
 from ._recipe import CurrentScaling, DelayedScaling
 from ._tensorwise import _FirstOrderOnly, _scales
 from ._torch_private import (
@@ -249,7 +249,9 @@ class _FsdpLinear(torch.autograd.Function):
         w_local = dtensor_local(weight)
         x_amax, w_amax = amax(x), amax(w_local)
         w_whole = _max_over(w_amax, group) if whole_amax else w_amax
-        scales = _scales(torch.stack([x_amax, w_whole, w_whole]), newest, stored, margin, E4M3_MAX)
+        scales = _scales(
+            torch.stack([x_amax, w_whole, w_whole]), newest, stored, margin, FP8_MAX[E4M3]
+        )
         x_scale, w_scale, _ = scales.unbind()
         x_fp8, w_fp8_local = cast_to_fp8(x, x_scale, E4M3), cast_to_fp8(w_local, w_scale, E4M3)
         w_fp8 = _all_gather_rows(w_fp8_local, group, spec.shape[0])  # 1 byte per element
@@ -325,7 +327,9 @@ class _TPLinear(torch.autograd.Function):
         x_amax, w_amax = amax(rows), amax(w_local)
         x_whole = _max_over(x_amax, plan.group) if plan.whole[0] else x_amax
         w_whole = _max_over(w_amax, plan.group) if plan.whole[1] else w_amax
-        scales = _scales(torch.stack([x_whole, w_whole, w_whole]), newest, stored, margin, E4M3_MAX)
+        scales = _scales(
+            torch.stack([x_whole, w_whole, w_whole]), newest, stored, margin, FP8_MAX[E4M3]
+        )
         x_scale, w_scale, _ = scales.unbind()
         x_fp8, w_fp8 = cast_to_fp8(rows, x_scale, E4M3), cast_to_fp8(w_local, w_scale, E4M3)
         x_inv, w_inv = x_scale.reciprocal(), w_scale.reciprocal()
