@@ -232,6 +232,18 @@ MUTATIONS = [
         ),
     ),
     Mutation(
+        "update-scale-float32-divided-twice",
+        "update computes fp8_max / amax / 2**margin in float32 instead of float64",
+        "_update.py",
+        (
+            (
+                "new_scale = scale_from_amax(window.amax(dim=-1), ROLE_FP8_MAX, state.margin)",
+                "new_scale = (torch.tensor(ROLE_FP8_MAX) / window.amax(dim=-1) / "
+                "2.0**state.margin).clamp(2.0**-149, 3.4028234663852886e38)",
+            ),
+        ),
+    ),
+    Mutation(
         "stale-scale",
         "update pushes the amax but keeps the old scale",
         "_update.py",
@@ -298,6 +310,13 @@ MUTATIONS = [
         "a second time)",
         "_checkpoint.py",
         (("        if recomputing:", "        if False:"),),
+    ),
+    Mutation(
+        "forward-on-buffer-copies",
+        "under checkpoint_fn the forward too runs on copies of the buffers (batch-norm "
+        "statistics never updated)",
+        "_checkpoint.py",
+        (("        if recomputing:", "        if True:"),),
     ),
     Mutation(
         "observe-second-backward",
@@ -390,7 +409,7 @@ def check_import(root: Path) -> None:
         )
 
 
-_FAILED = re.compile(r"^(FAILED|ERROR) (\S+)(?: - (.*))?$", re.MULTILINE)
+_FAILED = re.compile(r"^(FAILED|ERROR) (.+?)(?: - (.*))?$", re.MULTILINE)  # ids may hold spaces
 
 
 def resolve_tests(tests: list) -> list[Path]:
