@@ -42,11 +42,11 @@ DEFAULT_TESTS = [
     "tests/test_state.py",
     "tests/test_routes.py",
     "tests/test_linear.py",
-    "tests/test_reference.py",
+    "tests/test_live_model.py",
     "tests/test_compositions.py",
     "tests/test_checkpoint.py",
     "tests/test_finer.py",
-    "tests/test_live_model.py",
+    "tests/test_reference.py",
     "tests/test_transform.py",
 ]
 QUICK_TESTS = ["tests/test_reference.py"]
