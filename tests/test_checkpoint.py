@@ -300,6 +300,55 @@ def _saved_bytes(fn, params, state, x):
     return activations, saved
 
 
+class _BatchNormBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.norm = nn.Linear(8, 8), nn.BatchNorm1d(8)
+
+    def forward(self, x):
+        return self.norm(torch.relu(self.fc(x)))
+
+
+def _batch_norm_step(checkpointed: bool, route: str):
+    """The batch norm's buffers after one training step of a fresh model, and the gradients."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_BatchNormBlock(), nn.Linear(8, 4)).train()
+    chosen = (lambda name, module: name == "0") if checkpointed else None
+    fn = fp8fn.transform(model, fp8fn.DelayedScaling(history_len=4), checkpoint_fn=chosen)
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(1))
+    state = fn.init(x)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def loss(p, s):
+        return fn.apply(p, s, x).square().sum()
+
+    if route == "func":
+        grads = torch.func.grad(loss, argnums=(0, 1))(params, state)
+    elif route == "value_and_grad":
+        grads = fp8fn.value_and_grad(loss, argnums=(0, 1))(params, state)[1]
+    else:
+        leaves = {k: v.clone().requires_grad_() for k, v in params.items()}
+        observed = fp8fn.observe(state)
+        loss(leaves, observed).backward()
+        grads = ({k: v.grad for k, v in leaves.items()}, fp8fn.observations(observed))
+    return dict(model[0].norm.named_buffers()), grads
+
+
+@pytest.mark.parametrize("route", ["autograd", "value_and_grad", "func"])
+def test_checkpoint_fn_updates_batch_norm_statistics_once(route):
+    # The recompute in the backward runs the block's forward again; the running statistics
+    # must be those of one forward, bit for bit: as without checkpoint_fn.
+    buffers, grads = _batch_norm_step(True, route)
+    # (torch.func refuses batch norm's in-place update without checkpoint_fn: the reference is
+    # plain autograd, which gives torch.func's numbers elsewhere.)
+    want, want_grads = _batch_norm_step(False, "autograd" if route == "func" else route)
+    assert int(buffers["num_batches_tracked"]) == 1
+    assert not torch.equal(want["running_mean"], torch.zeros(8))  # the step moved them
+    assert not torch.equal(want["running_var"], torch.ones(8))
+    assert_bit_identical(buffers, want)
+    assert_bit_identical(grads, want_grads)
+
+
 def test_transform_checkpoint_saves_only_block_inputs():
     recipe = fp8fn.DelayedScaling(history_len=4)
     model = nn.Sequential(*(Block(D, HEADS) for _ in range(BLOCKS)))

@@ -488,6 +488,23 @@ def test_finer_linear_under_autocast_casts_the_input_first(recipe):
     assert same(got, fp8fn.linear(x.bfloat16(), w, b, None, recipe))
 
 
+@pytest.mark.parametrize("recipe", RECIPES, ids=IDS)
+def test_finer_bias_gradient_is_a_float32_sum_under_autocast(recipe):
+    # Under bf16 autocast the input (so the output and its gradient) is bf16 and the bias
+    # float32: its gradient is `grad.float().sum(0)` in float32 (DESIGN), exactly, never a
+    # float32 sum rounded through the input's dtype.
+    x, linear, g = _case((256, 64), 32, torch.float32, seed=3)
+    g = g.bfloat16()
+    want = g.float().sum(0)
+    assert not torch.equal(want.bfloat16().float(), want)  # the data tells the two apart
+    w, b = linear.weight.detach().requires_grad_(), linear.bias.detach().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = fp8fn.linear(x, w, b, None, recipe)
+    assert y.dtype == torch.bfloat16
+    (y * g).sum().backward()
+    assert b.grad.dtype == torch.float32 and same(b.grad, want)
+
+
 def test_finer_linear_vmap_matches_loop():
     x, linear, _ = _case((3, 32, 64), 32, torch.float32)
     w, b = linear.weight.detach(), linear.bias.detach()

@@ -438,6 +438,23 @@ def test_cast_round_trip_bound_is_tight():
     assert (back - x).abs().tolist() == [2**-4, 2**-10]
 
 
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_cast_saturates_finite_values_and_keeps_inf_and_nan_visible(dtype):
+    # An overflow must stay visible (DESIGN v0.3): inf and NaN give NaN in float8 (a positive
+    # one), finite values beyond the format clamp to +-max; the finer recipes' torchao
+    # arithmetic (keep_nonfinite=False) clamps inf too.
+    fp8_max = torch.finfo(dtype).max
+    x = torch.tensor([math.inf, -math.inf, math.nan, 1e30, -1e30, 3.0, -0.0])
+    got = cast_to_fp8(x, torch.tensor(1.0), dtype)
+    assert got.dtype == dtype
+    assert got[:3].float().isnan().all() and not got[:3].float().signbit().any()
+    assert got[3:].float().tolist() == [fp8_max, -fp8_max, 3.0, -0.0]
+    assert got[6].float().signbit()
+    clamped = cast_to_fp8(x, torch.tensor(1.0), dtype, keep_nonfinite=False).float()
+    assert clamped[[0, 1, 3, 4]].tolist() == [fp8_max, -fp8_max, fp8_max, -fp8_max]
+    assert clamped[2].isnan()
+
+
 @settings(max_examples=15, deadline=None)
 @given(row=st.integers(0, 7), col=st.integers(0, 31), grad_amax=st.floats(0.5, 100))
 def test_linear_nan_input_observed_as_nan_and_ignored(row, col, grad_amax):
