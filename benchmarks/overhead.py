@@ -208,7 +208,9 @@ def time_update(sizes, repeats) -> dict:
         state = fp8fn.init_state(recipe, [f"l{i}" for i in range(n)])
         history = torch.rand(state.amax_history.shape, generator=gen)
         state = state._replace(amax_history=history)
-        obs = state._replace(amax_history=torch.rand(history.shape, generator=gen))
+        seen = torch.zeros_like(history)
+        seen[..., 0] = torch.rand(history.shape[:-1], generator=gen)  # an observation
+        obs = state._replace(amax_history=seen)
         calls[n] = lambda state=state, obs=obs: fp8fn.update(state, obs)
     return median_times(calls, repeats)
 

@@ -18,9 +18,9 @@ import torch.utils.checkpoint
 _functorch = torch._C._functorch
 
 
-def functorch_level() -> int | None:
-    """The innermost running torch.func transform's level, or None outside transforms."""
-    return _functorch.maybe_current_level()
+# The innermost running torch.func transform's level, or None outside transforms. (The C
+# function itself: a Python wrapper is a frame that torch.compile would make a graph of.)
+functorch_level = _functorch.maybe_current_level
 
 
 def tracked_by_outer_differentiation(t: torch.Tensor) -> bool:

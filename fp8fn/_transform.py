@@ -685,7 +685,7 @@ class Transformed:
         self._check(params, state)
         claim(state.amax_history, "apply", "state")
         tensors = params
-        if params and sharded_operands(next(iter(params.values()))):  # the first tells
+        if params and sharded_operands([*params.values()][0]):  # the first tells
             tensors = gather_params(self, params)
         call = _Call(self, tensors, state)
         try:

@@ -83,7 +83,8 @@ def all_reduce_is_merge_over_ranks(rank):
 
 
 def all_reduce_one_collective(rank):
-    """One `all_reduce` call for 512 sites (and for a stacked ensemble), whatever the sites."""
+    """One `all_reduce` call for 512 sites (and for a stacked ensemble), whatever the sites:
+    the observation and a 4-float tag of its structure, the same collective on every call."""
     calls = []
     original = dist.all_reduce
 
@@ -97,17 +98,42 @@ def all_reduce_one_collective(rank):
         base = torch.rand(512, 3, 4, generator=torch.Generator().manual_seed(0))
         obs = state._replace(amax_history=base * (rank + 1))
         out = fp8fn.all_reduce(obs)
+        out = fp8fn.all_reduce(obs)
         stacked = state._replace(
             amax_history=torch.rand(3, 512, 3, 4), scale=torch.zeros(3, 512, 3)
         )
         out_stacked = fp8fn.all_reduce(stacked)
     finally:
         dist.all_reduce = original
-    assert len(calls) == 2, calls
-    assert calls[0] == ((512 * 3 * 4 + 512 * 3,), dist.ReduceOp.MAX), calls
+    packed = ((512 * 3 * 4 + 512 * 3 + 4,), dist.ReduceOp.MAX)
+    stacked_packed = ((3 * (512 * 3 * 4 + 512 * 3) + 4,), dist.ReduceOp.MAX)
+    assert calls == [packed, packed, stacked_packed], calls
     assert out_stacked.amax_history.shape == (3, 512, 3, 4)
     assert out_stacked.scale.shape == (3, 512, 3)
     assert torch.equal(out.amax_history, base * 2)  # rank 1's
+
+
+def all_reduce_structure_mismatch(rank):
+    """Ranks whose observations differ in structure (site order, margin, amax_compute) get a
+    clear error on every rank, instead of maxima of unrelated sites, also where one rank has
+    reduced its structure before; the ranks reduce normally afterwards. (Shapes that differ
+    make buffers of other sizes: the backend refuses those itself.)"""
+    import pytest
+
+    seen = fp8fn.init_state(RECIPE, ["a", "b"])
+    fp8fn.all_reduce(observation(seen))  # agreed once on both ranks
+    for state in (
+        fp8fn.init_state(RECIPE, ["a", "b"] if rank == 0 else ["b", "a"]),
+        fp8fn.init_state(fp8fn.DelayedScaling(history_len=4, margin=rank), ["a", "b"]),
+        fp8fn.init_state(
+            fp8fn.DelayedScaling(history_len=4, amax_compute=("max", "most_recent")[rank]),
+            ["a", "b"],
+        ),
+    ):
+        with pytest.raises(ValueError, match="same structure on every rank"):
+            fp8fn.all_reduce(observation(state))
+    out = fp8fn.all_reduce(seen._replace(amax_history=torch.full((2, 3, 4), rank + 1.0)))
+    assert torch.equal(out.amax_history, torch.full((2, 3, 4), 2.0))
 
 
 def all_reduce_errors(rank):
@@ -391,6 +417,7 @@ def fsdp2_sharded_params_fail(rank):
 SCENARIOS = [
     all_reduce_is_merge_over_ranks,
     all_reduce_one_collective,
+    all_reduce_structure_mismatch,
     all_reduce_errors,
     all_reduce_subgroup,
     functional_data_parallel,
