@@ -23,7 +23,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from ._checkpoint import checkpoint_with_constants, refuse_compile
-from ._distributed import ddp_parameter, refuse_ddp_inner_module
+from ._distributed import ddp_parameter, is_dtensor, refuse_ddp_inner_module
 from ._guards import check_operands
 from ._linear import fp8_linear
 from ._recipe import RECIPES, DelayedScaling
@@ -328,7 +328,7 @@ class _Call(TorchFunctionMode):
 
     def _linear(self, layer, x, weight, bias):
         name = self._count(layer)
-        if type(weight).__name__ == "DTensor" or type(x).__name__ == "DTensor":
+        if is_dtensor(weight) or is_dtensor(x):
             raise ValueError(
                 f"fp8fn.apply: layer {layer.path!r} got a DTensor (tensor parallel or sharded "
                 "parameters), which fp8fn.apply does not take yet. FSDP2's `fully_shard` "
@@ -591,11 +591,14 @@ class Transformed:
             return memo[id(t)]
 
         with torch.random.fork_rng(devices=[]):  # discovery must not consume the RNG
-            try:
-                meta = {k: to_meta(v) for k, v in tensors.items()}
-                return self._run_discovery(meta, pytree.tree_map(to_meta, (args, kwargs)))
-            except Exception:  # data-dependent control flow, or an op without a meta kernel
-                pass
+            # Sharded (DTensor) parameters: FSDP2's lazy init would adopt meta tensors as its
+            # shards, so such a model runs for real (FSDP2 all-gathers: every rank calls init).
+            if not any(is_dtensor(t) for t in tensors.values()):
+                try:
+                    meta = {k: to_meta(v) for k, v in tensors.items()}
+                    return self._run_discovery(meta, pytree.tree_map(to_meta, (args, kwargs)))
+                except Exception:  # data-dependent control flow, or an op without a meta kernel
+                    pass
             try:
                 return self._run_discovery({}, (args, kwargs))
             except Exception as e:
