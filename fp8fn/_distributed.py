@@ -145,6 +145,18 @@ def is_dtensor(t) -> bool:
     return module is not None and isinstance(t, module.DTensor)
 
 
+def reshard_fsdp(module) -> None:
+    """Reshard every FSDP2 module in `module`: after a forward without backward (`fn.init`),
+    FSDP2 leaves the root unsharded, and an optimizer made then would hold the unsharded
+    tensors instead of the shards."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is None:
+        return
+    for m in module.modules():
+        if isinstance(m, fsdp.FSDPModule):
+            m.reshard()
+
+
 def _is_ddp(module) -> bool:
     return isinstance(module, nn.parallel.DistributedDataParallel)
 

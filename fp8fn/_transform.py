@@ -23,7 +23,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from ._checkpoint import checkpoint_with_constants, refuse_compile
-from ._distributed import ddp_parameter, is_dtensor, refuse_ddp_inner_module
+from ._distributed import ddp_parameter, is_dtensor, refuse_ddp_inner_module, reshard_fsdp
 from ._guards import check_operands
 from ._linear import fp8_linear
 from ._recipe import RECIPES, DelayedScaling
@@ -600,12 +600,15 @@ class Transformed:
                 except Exception:  # data-dependent control flow, or an op without a meta kernel
                     pass
             try:
-                return self._run_discovery({}, (args, kwargs))
+                sites = self._run_discovery({}, (args, kwargs))
             except Exception as e:
                 raise RuntimeError(
                     f"fp8fn.init: the model raised on the example inputs ({type(e).__name__}: "
                     f"{e}). Call fn.init with inputs the model accepts."
                 ) from e
+        if any(p is not tensors[n] for n, p in self.module.named_parameters()):
+            reshard_fsdp(self.module)  # FSDP2 keeps the root unsharded after a forward
+        return sites
 
     def _run_discovery(self, tensors, args_kwargs) -> list[str]:
         args, kwargs = args_kwargs

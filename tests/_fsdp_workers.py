@@ -1,0 +1,253 @@
+"""Scenarios that `tests/test_fsdp.py` runs on 2 gloo ranks: FSDP2 (not a test module).
+
+`main(rank, world_size, port, out_dir, names)` initializes the process group, runs the scenarios
+named in `names` in order (the ranks must call the same collectives), and writes
+`out_dir/rank{rank}.json`: `{scenario: "ok" | traceback}` plus `"_measured"` numbers.
+
+The reference for "one process on the global batch" is one process that runs the global batch as
+`WORLD` microbatches, the rank shards, in order: each microbatch's loss is its own mean (as each
+rank's loss is), observations are merged (max, as `all_reduce`), and the accumulated gradient is
+divided by `WORLD` (FSDP2 averages over the ranks). Every rank then sees exactly the output
+gradients and weights of the reference, so states are compared bit for bit. (With one GEMM over
+the whole batch, a mean loss would give each rank `WORLD` x the output gradient, and the weight
+gradient's float32 sums would run in another order.)
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from _helpers import assert_bit_identical
+from _models import _seeded
+from torch import nn
+
+import fp8fn
+
+WORLD = 2
+BATCH = 8  # global batch; each rank gets BATCH // WORLD rows
+RECIPE = fp8fn.DelayedScaling(history_len=4)
+LR = 0.1
+MEASURED: dict = {}  # scenario -> numbers, written to the report
+
+
+class Block(nn.Module):
+    """x + fc2(gelu(fc1(ln(x)))); sites `fc1`, `fc2`."""
+
+    def __init__(self, d: int, hidden: int):
+        super().__init__()
+        self.ln, self.fc1, self.fc2 = nn.LayerNorm(d), nn.Linear(d, hidden), nn.Linear(hidden, d)
+
+    def forward(self, x):
+        return x + self.fc2(F.gelu(self.fc1(self.ln(x))))
+
+
+class Net(nn.Module):
+    """`n_blocks` residual MLP blocks and a head; sites `blocks.{i}.fc1`, `blocks.{i}.fc2`,
+    `head`. Input `(batch, d)`, output `(batch, out)`."""
+
+    def __init__(self, seed=1, d=16, hidden=32, out=8, n_blocks=3):
+        super().__init__()
+        with _seeded(seed):
+            self.blocks = nn.ModuleList(Block(d, hidden) for _ in range(n_blocks))
+            self.head = nn.Linear(d, out)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _fully_shard(model, **kwargs):
+    """FSDP2 the usual way: each block, then the root (which holds the head)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.blocks:
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def _batch(step: int, d: int = 16):
+    """The global batch of `step`, `(BATCH, d)`, with an outlier in rank 1's rows."""
+    g = torch.Generator().manual_seed(100 + step)
+    x = torch.randn(BATCH, d, generator=g)
+    x[BATCH - 2, 3] = 20.0 + step
+    return x
+
+
+def _shard(x, rank):
+    return x.chunk(WORLD)[rank]
+
+
+def _same_on_all_ranks(t: torch.Tensor) -> bool:
+    gathered = [torch.empty_like(t) for _ in range(WORLD)]
+    dist.all_gather(gathered, t.contiguous())
+    return all(torch.equal(gathered[0], g) for g in gathered[1:])
+
+
+def _assert_state_same_on_all_ranks(state: fp8fn.State) -> None:
+    assert _same_on_all_ranks(state.amax_history), "amax histories differ across ranks"
+    assert _same_on_all_ranks(state.scale), "scales differ across ranks"
+
+
+def _full(t):
+    """The whole tensor of a (possibly sharded) parameter, detached."""
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach()
+
+
+def _loss(out):
+    return out.square().mean()  # each rank's own mean, as data-parallel trainers write it
+
+
+def rank_step(model, fn, state, x, opt=None, probe=None):
+    """One step on this rank's rows: observe, apply with the module's own (sharded) parameters,
+    backward (FSDP2 reduce-scatters), `fp8fn.all_reduce`, optimizer step, `update`."""
+    observed = fp8fn.observe(state)
+    params = dict(model.named_parameters())
+    given = dict(params)
+    out = fn.apply(params, observed, x)
+    assert all(params[k] is t for k, t in given.items()), "apply changed the caller's dict"
+    if probe is not None:
+        probe(params)
+    _loss(out).backward()
+    obs = fp8fn.all_reduce(fp8fn.observations(observed))
+    if opt is not None:
+        opt.step()
+    model.zero_grad()
+    return fp8fn.update(state, obs)
+
+
+def reference_step(model, fn, state, x, opt=None):
+    """One step of the single process on the global batch `x` (see the module docstring)."""
+    obs = None
+    for part in x.chunk(WORLD):
+        observed = fp8fn.observe(state)
+        _loss(fn.apply(dict(model.named_parameters()), observed, part)).backward()
+        seen = fp8fn.observations(observed)
+        obs = seen if obs is None else fp8fn.merge(obs, seen)
+    if opt is not None:
+        for p in model.parameters():
+            p.grad /= WORLD  # FSDP2 averages over the ranks (exact: a power of two)
+        opt.step()
+    model.zero_grad()
+    return fp8fn.update(state, obs)
+
+
+def _reference(steps, recipe=RECIPE, **net):
+    """(params, states): the single process after warming and after each of `steps` steps."""
+    model = Net(**net)
+    fn = fp8fn.transform(model, recipe)
+    state = fn.init(_batch(0, model.head.in_features))
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    state = reference_step(model, fn, state, _batch(0, model.head.in_features))  # warm
+    states = [state]
+    for step in range(steps):
+        state = reference_step(model, fn, state, _batch(1 + step, model.head.in_features), opt)
+        states.append(state)
+    return {k: v.detach().clone() for k, v in model.named_parameters()}, states
+
+
+# --- 1. FSDP2 the usual way --------------------------------------------------------------------
+
+
+def fsdp2_the_usual_way(rank):
+    """fully_shard per block and root, transform, fn.init, torch.optim, observe/observations,
+    `fn.apply(dict(model.named_parameters()), observed, x)`, no manual unshard. FSDP2's hooks
+    unshard each block just in time and reshard it after; after 3 steps the params match one
+    process and the states are bit-identical on every rank and to one process."""
+    from torch.distributed.tensor import DTensor
+
+    ref_params, ref_states = _reference(3)
+    model = _fully_shard(Net())
+    fn = fp8fn.transform(model, RECIPE)
+    assert type(model.blocks[0].fc1.weight) is DTensor
+    assert model.blocks[0].fc1.weight.to_local().shape == (16, 16)  # half the rows per rank
+    state = fn.init(_shard(_batch(0), rank))  # runs the model for real (FSDP2 all-gathers)
+    assert list(state) == list(ref_states[0])
+    # init leaves every parameter sharded (FSDP2 alone would keep the root unsharded after a
+    # forward without backward, and an optimizer made now would hold the unsharded tensors)
+    assert all(type(p) is DTensor for p in model.parameters())
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+
+    # What each layer holds while the model runs: the first block is resharded (its weight a
+    # DTensor shard again, the unsharded weight's storage freed) by the time the last block and
+    # the head run.
+    seen, unsharded = [], []
+
+    def record(name):
+        def hook(module, args):
+            first = model.blocks[0].fc1.weight
+            if name == "blocks.0":
+                unsharded.append(first)
+            own = module.fc1.weight if isinstance(module, Block) else module.weight
+            freed = unsharded[0].untyped_storage().nbytes() == 0
+            seen.append((name, type(first), type(own), freed))
+
+        return hook
+
+    handles = [
+        b.register_forward_pre_hook(record(f"blocks.{i}")) for i, b in enumerate(model.blocks)
+    ]
+    handles.append(model.head.register_forward_pre_hook(record("head")))
+
+    def probe(params):  # the optimizer's parameters are the shards (FSDP2 reshards the root
+        assert all(type(p) is DTensor for p in params.values())  # after the backward)
+
+    state = rank_step(model, fn, state, _shard(_batch(0), rank))  # warm
+    assert_bit_identical(state, ref_states[0])
+    for h in handles:
+        h.remove()
+    assert [s[0] for s in seen] == ["blocks.0", "blocks.1", "blocks.2", "head"], seen
+    assert seen[0][1:] == (nn.Parameter, nn.Parameter, False), seen  # block 0 unsharded for itself
+    assert seen[2][1:] == (DTensor, nn.Parameter, True), seen  # resharded when the last one runs
+    assert seen[3][1:] == (DTensor, nn.Parameter, True), seen  # (the root: unsharded)
+
+    for step in range(3):
+        state = rank_step(model, fn, state, _shard(_batch(1 + step), rank), opt, probe)
+        assert type(model.blocks[0].fc1.weight) is DTensor
+        _assert_state_same_on_all_ranks(state)
+        assert_bit_identical(state, ref_states[1 + step])
+    worst, exact = 0.0, True
+    for name, p in model.named_parameters():
+        full, want = _full(p), ref_params[name]
+        worst = max(worst, ((full - want).norm() / want.norm()).item())
+        exact = exact and torch.equal(full, want)
+    MEASURED["fsdp2_params_worst_rel_diff_3_steps"] = worst
+    MEASURED["fsdp2_params_bit_identical_3_steps"] = exact
+    assert worst < 1e-5, worst
+
+
+SCENARIOS = [fsdp2_the_usual_way]
+
+
+def main(rank: int, world_size: int, port: int, out_dir: str, names=None) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=60),  # a hung collective raises instead of hanging
+    )
+    results = {}
+    try:
+        for scenario in SCENARIOS:
+            if names is not None and scenario.__name__ not in names:
+                continue
+            try:
+                scenario(rank)
+                results[scenario.__name__] = "ok"
+            except Exception:
+                results[scenario.__name__] = traceback.format_exc()
+            dist.barrier()
+    finally:
+        results["_measured"] = MEASURED
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(results, f)
+        dist.destroy_process_group()
