@@ -24,9 +24,10 @@ from torch.utils import _pytree as pytree
 
 from ._checkpoint import checkpoint_with_constants, refuse_compile
 from ._distributed import ddp_parameter, is_dtensor, refuse_ddp_inner_module, reshard_fsdp
+from ._fsdp import SCALES, Float8GatheredWeight, ScalesForCall, is_float8_gathered, weight_scales
 from ._guards import check_operands
 from ._linear import fp8_linear
-from ._recipe import RECIPES, DelayedScaling
+from ._recipe import RECIPES, CurrentScaling, DelayedScaling
 from ._state import (
     State,
     check_scales,
@@ -505,6 +506,54 @@ class Transformed:
         self._checkpointed_modules = [module.get_submodule(p) for p in self.checkpointed]
         self._block_slots = {id(m): _Slots(m) for m in self._checkpointed_modules}
         self._known_sites = None  # the `state.sites` last checked by `apply`
+        self._gathered = self._float8_gathered_layers()  # float8_all_gather's, under FSDP2
+
+    def _float8_gathered_layers(self) -> list[_Layer]:
+        """The layers whose weights FSDP2 all-gathers in float8 (`fp8fn.float8_all_gather`);
+        raises unless each runs in float8 with a per-tensor recipe and is sharded."""
+        gathered = [m for m in self._layers if is_float8_gathered(m.module.weight)]
+        layer_weights = {id(m.module.weight) for m in gathered}
+        for name, p in self.module.named_parameters():
+            if is_float8_gathered(p) and id(p) not in layer_weights:
+                raise ValueError(
+                    f"fp8fn.transform: parameter {name!r} is all-gathered in float8 "
+                    "(fp8fn.float8_all_gather), but its layer does not run in float8 under this "
+                    "transform (left out by `filter_fn` or its recipe). Give float8_all_gather "
+                    "the same `filter_fn` as fp8fn.transform."
+                )
+        for m in gathered:
+            if not isinstance(m.recipe, (DelayedScaling, CurrentScaling)):
+                raise ValueError(
+                    f"fp8fn.transform: expected layer {m.path!r}, whose weight is all-gathered in "
+                    "float8 (fp8fn.float8_all_gather), to use DelayedScaling or CurrentScaling, "
+                    f"got {type(m.recipe).__name__}. Leave it out of float8_all_gather."
+                )
+            if not (
+                is_dtensor(m.module.weight) or isinstance(m.module.weight, Float8GatheredWeight)
+            ):
+                raise ValueError(
+                    f"fp8fn.transform: expected the float8_all_gather weight of layer {m.path!r} "
+                    "to be sharded by FSDP2, got an unsharded weight. Call fully_shard after "
+                    "fp8fn.float8_all_gather and before fp8fn.transform."
+                )
+        return gathered
+
+    def _weight_scales(self, state) -> ScalesForCall:
+        """The weight scales of this call's float8 all-gathers (see `fp8fn._fsdp`)."""
+        if any(not is_dtensor(m.module._parameters["weight"]) for m in self._gathered):
+            # A weight still gathered from an earlier forward without backward (FSDP2 keeps the
+            # root unsharded) holds that call's scale: reshard, so it is gathered again.
+            reshard_fsdp(self.module)
+        positions = state._positions()
+        entries = [
+            (
+                m.module,
+                positions[site_name(m.path, 0)] if isinstance(m.recipe, DelayedScaling) else None,
+                getattr(m.recipe, "margin", 0),
+            )
+            for m in self._gathered
+        ]
+        return ScalesForCall(weight_scales(entries, state))
 
     def _delayed_recipe(self) -> DelayedScaling | None:
         """The one DelayedScaling config of the stateful layers (they share one packed state)."""
@@ -613,8 +662,13 @@ class Transformed:
     def _run_discovery(self, tensors, args_kwargs) -> list[str]:
         args, kwargs = args_kwargs
         call = _Call(self, tensors, None)
-        with torch.no_grad(), self._exclusive(), call:
-            _functional_call(self.module, self._slots, tensors, args, kwargs)
+        token = SCALES.set(ScalesForCall(None)) if self._gathered else None
+        try:
+            with torch.no_grad(), self._exclusive(), call:
+                _functional_call(self.module, self._slots, tensors, args, kwargs)
+        finally:
+            if token is not None:
+                SCALES.reset(token)
         return call.sites
 
     def apply(self, params: dict, state: State, *args, **kwargs):
@@ -640,6 +694,7 @@ class Transformed:
         self._check(params, state)
         claim(state.amax_history, "apply", "state")
         call = _Call(self, params, state)
+        token = SCALES.set(self._weight_scales(state)) if self._gathered else None
         try:
             if self._checkpointed_modules:
                 refuse_compile()
@@ -676,6 +731,9 @@ class Transformed:
                     "fp8fn.observe and loss.backward()), or put the module in eval mode."
                 ) from e
             raise
+        finally:
+            if token is not None:
+                SCALES.reset(token)
 
     def _check(self, params, state):
         if not isinstance(params, dict):
