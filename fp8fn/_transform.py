@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import sys
 import threading
 import warnings
 import weakref
@@ -506,7 +507,44 @@ class Transformed:
         self._checkpointed_modules = [module.get_submodule(p) for p in self.checkpointed]
         self._block_slots = {id(m): _Slots(m) for m in self._checkpointed_modules}
         self._known_sites = None  # the `state.sites` last checked by `apply`
+        self._fsdp_slots = self._fsdp_managed()  # {name: (module, attr, shard)} under FSDP2
         self._gathered = self._float8_gathered_layers()  # float8_all_gather's, under FSDP2
+
+    def _fsdp_managed(self) -> dict:
+        """`{name: (submodule, attribute, sharded parameter)}` of the parameters FSDP2 manages.
+
+        FSDP2's hooks put each module's unsharded parameters on it for its forward and its
+        sharded ones back after, so `apply` must leave these slots to FSDP2 (a swap by
+        `functional_call` would be undone on its exit, leaving the module holding shards
+        while FSDP2 counts it unsharded). Empty without FSDP2.
+        """
+        fsdp = sys.modules.get("torch.distributed.fsdp")
+        if fsdp is None or not any(isinstance(m, fsdp.FSDPModule) for m in self.module.modules()):
+            return {}
+        reshard_fsdp(self.module)  # all shards in place (a forward may have left the root not)
+        managed = {}
+        for prefix, sub in self.module.named_modules():
+            if not isinstance(sub, fsdp.FSDPModule):
+                continue
+            for name, p in sub.named_parameters():
+                if is_dtensor(p):
+                    full = f"{prefix}.{name}" if prefix else name
+                    path, _, attr = full.rpartition(".")
+                    managed.setdefault(full, (self.module.get_submodule(path), attr, p))
+        return managed
+
+    def _without_fsdp_params(self, params: dict) -> dict:
+        """`params` without the FSDP2-managed parameters, which must be the model's own."""
+        for name, (module, attr, shard) in self._fsdp_slots.items():
+            given = params.get(name)
+            if given is not None and given is not shard and given is not module._parameters[attr]:
+                raise ValueError(
+                    f"fp8fn.apply: expected `params[{name!r}]` to be the model's own parameter, "
+                    f"which FSDP2 shards and gathers, got another tensor "
+                    f"({type(given).__name__}). Pass `dict(model.named_parameters())`: under "
+                    "FSDP2 the module's parameters are the ones that train."
+                )
+        return {k: v for k, v in params.items() if k not in self._fsdp_slots}
 
     def _float8_gathered_layers(self) -> list[_Layer]:
         """The layers whose weights FSDP2 all-gathers in float8 (`fp8fn.float8_all_gather`);
@@ -693,6 +731,8 @@ class Transformed:
         """
         self._check(params, state)
         claim(state.amax_history, "apply", "state")
+        if self._fsdp_slots:
+            params = self._without_fsdp_params(params)
         call = _Call(self, params, state)
         token = SCALES.set(self._weight_scales(state)) if self._gathered else None
         try:
