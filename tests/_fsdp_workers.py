@@ -454,12 +454,89 @@ def fp8_all_gather_current_scaling(rank):
     assert worst < 1e-5, worst
 
 
+def fp8_all_gather_eval_between_steps(rank):
+    """An evaluation between steps (a plain `model(x)`, which runs on the gathered float8
+    weights dequantized, and `fn.apply` under no_grad) leaves training bit-identical to one
+    process: FSDP2 keeps the root gathered, with the last apply's scale, after a forward without
+    backward, and the next `apply` gathers it again with its own scale."""
+    from torch.distributed.tensor import DTensor
+
+    _, ref_states = _reference(3)
+    model = _gathered_model()
+    fn = fp8fn.transform(model, RECIPE)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    state = fn.init(_shard(_batch(0), rank))
+    state = rank_step(model, fn, state, _shard(_batch(0), rank))
+    for step in range(3):
+        state = rank_step(model, fn, state, _shard(_batch(1 + step), rank), opt)
+        assert_bit_identical(state, ref_states[1 + step])
+        x = _shard(_batch(1 + step), rank)  # amaxes within the histories: no saturation
+        with torch.no_grad():  # the plain forward gathers with the last apply's scales
+            plain = model(x)
+            assert type(model.head.weight) is not DTensor  # FSDP2 keeps the root gathered
+            evaluated = fn.apply(dict(model.named_parameters()), state, x)
+        error = (plain - evaluated).norm() / evaluated.norm()
+        assert error < 0.1, error  # float8 weights (and inputs, in apply)
+
+
+def fp8_all_gather_errors(rank):
+    """Misuse raises a clear fp8fn error, the same on every rank (no rank left waiting in a
+    collective)."""
+    import pytest
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    with pytest.raises(
+        ValueError,
+        match=r"^fp8fn\.float8_all_gather: expected layer 'blocks.0.fc1' to hold a plain weight "
+        r"Parameter, got DTensor\. Call float8_all_gather before fully_shard",
+    ):
+        fp8fn.float8_all_gather(_fully_shard(Net()))
+    with pytest.raises(ValueError, match=r"^fp8fn\.float8_all_gather: expected at least one nn.L"):
+        fp8fn.float8_all_gather(Net(), filter_fn=lambda name, module: False)
+    with pytest.raises(TypeError, match=r"^fp8fn\.float8_all_gather: expected `model` to be an "):
+        fp8fn.float8_all_gather([nn.Linear(2, 2)])
+
+    model = _gathered_model()
+    with pytest.raises(ValueError, match=r"^fp8fn\.transform: parameter 'head.weight' is all-ga"):
+        fp8fn.transform(model, RECIPE, filter_fn=lambda name, module: name != "head")
+    with pytest.raises(ValueError, match=r"^fp8fn\.transform: expected layer 'blocks.0.fc1', wh"):
+        fp8fn.transform(model, fp8fn.RowwiseScaling())
+    unsharded = fp8fn.float8_all_gather(Net())
+    with pytest.raises(ValueError, match=r"to be sharded by FSDP2, got an unsharded weight\. Ca"):
+        fp8fn.transform(unsharded, RECIPE)
+
+    # a plain forward before any apply: no scale yet
+    with pytest.raises(RuntimeError, match=r"'head' was all-gathered outside fp8fn's apply befo"):
+        model(_shard(_batch(0), rank))
+
+    # FSDP2-managed parameters must be the model's own
+    model = _gathered_model()
+    fn = fp8fn.transform(model, RECIPE)
+    state = fn.init(_shard(_batch(0), rank))
+    params = dict(model.named_parameters())
+    params["blocks.1.fc2.bias"] = params["blocks.1.fc2.bias"].detach().clone()
+    with pytest.raises(ValueError, match=r"^fp8fn\.apply: expected `params\['blocks.1.fc2.bias'"):
+        fn.apply(params, state, _shard(_batch(0), rank))
+
+    # weights sharded along another dim
+    model = fp8fn.float8_all_gather(Net())
+    for block in model.blocks:
+        fully_shard(block, shard_placement_fn=lambda p: Shard(p.dim() - 1))
+    fully_shard(model)
+    fn = fp8fn.transform(model, RECIPE)
+    with pytest.raises(RuntimeError, match=r"expected 'blocks.0.fc1' sharded along dim 0, got a "):
+        fn.init(_shard(_batch(0), rank))
+
+
 SCENARIOS = [
     fsdp2_the_usual_way,
     fp8_all_gather_delayed,
     fp8_all_gather_bytes_and_collectives,
     fp8_all_gather_uneven,
     fp8_all_gather_current_scaling,
+    fp8_all_gather_eval_between_steps,
+    fp8_all_gather_errors,
 ]
 
 
@@ -482,7 +559,11 @@ def main(rank: int, world_size: int, port: int, out_dir: str, names=None) -> Non
                 results[scenario.__name__] = "ok"
             except Exception:
                 results[scenario.__name__] = traceback.format_exc()
-            dist.barrier()
+            try:
+                dist.barrier()
+            except RuntimeError:  # another rank failed inside a collective: the group is gone
+                results["_aborted_after"] = scenario.__name__
+                break
     finally:
         results["_measured"] = MEASURED
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
