@@ -529,6 +529,77 @@ def fp8_all_gather_errors(rank):
         fn.init(_shard(_batch(0), rank))
 
 
+# --- 7. checkpoints ----------------------------------------------------------------------------
+
+WORKDIR = None  # set by `main`: where the checkpoint and the uninterrupted run's results go
+
+
+def _dcp_setup(rank, seed):
+    model = _gathered_model(seed=seed)
+    fn = fp8fn.transform(model, RECIPE)
+    state = fn.init(_shard(_batch(0), rank))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model, fn, state, opt
+
+
+def _dcp_dict(model, opt, state):
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, opt)
+    return {"model": model_sd, "optim": optim_sd, "fp8fn": fp8fn.flatten_state(state)}
+
+
+def dcp_save(rank):
+    """Warm, 2 steps, `torch.distributed.checkpoint.save` of the sharded model, AdamW and the
+    fp8fn state; then the uninterrupted 3rd step, kept for `dcp_resume`."""
+    import torch.distributed.checkpoint as dcp
+
+    model, fn, state, opt = _dcp_setup(rank, seed=1)
+    state = rank_step(model, fn, state, _shard(_batch(0), rank))
+    for step in range(2):
+        state = rank_step(model, fn, state, _shard(_batch(1 + step), rank), opt)
+    dcp.save(_dcp_dict(model, opt, state), checkpoint_id=os.path.join(WORKDIR, "ckpt"))
+    state = rank_step(model, fn, state, _shard(_batch(3), rank), opt)
+    params = {k: _full(p) for k, p in model.named_parameters()}
+    torch.save({"params": params, "state": state}, os.path.join(WORKDIR, f"truth{rank}.pt"))
+
+
+def dcp_resume(rank):
+    """In fresh processes: a model built from other weights loads the checkpoint and takes the
+    3rd step: params and state bit-identical to the uninterrupted run. The checkpoint holds plain
+    tensors (torch.load(weights_only=True) reads it without fp8fn's classes registered), so a
+    model without float8_all_gather loads the same weights."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    from fp8fn._fsdp import Float8ShardWeight
+
+    path = os.path.join(WORKDIR, "ckpt")
+    model, fn, state, opt = _dcp_setup(rank, seed=7)  # everything must come from the checkpoint
+    loaded = _dcp_dict(model, opt, state)
+    dcp.load(loaded, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+    assert type(model.blocks[0].fc1.weight.to_local()) is Float8ShardWeight  # still opted in
+    at_load = {k: _full(p) for k, p in model.named_parameters()}
+    state = fp8fn.unflatten_state(loaded["fp8fn"], RECIPE)
+    state = rank_step(model, fn, state, _shard(_batch(3), rank), opt)
+    truth = torch.load(os.path.join(WORKDIR, f"truth{rank}.pt"), weights_only=False)
+    assert_bit_identical(state, truth["state"])
+    for name, p in model.named_parameters():
+        assert torch.equal(_full(p), truth["params"][name]), name
+
+    # DCP's reader unpickles with torch.load(weights_only=True); fp8fn's weight class is not an
+    # allowed global here, so the load above shows the checkpoint holds plain tensors
+    assert Float8ShardWeight not in torch.serialization.get_safe_globals()
+    plain = _fully_shard(Net(seed=7))  # no float8_all_gather: the same weights load
+    weights = {"model": plain.state_dict()}
+    dcp.load(weights, checkpoint_id=path)
+    plain.load_state_dict(weights["model"])
+    for name, p in plain.named_parameters():
+        assert type(p.to_local()) is torch.Tensor, name
+        assert torch.equal(_full(p), at_load[name]), name
+
+
 SCENARIOS = [
     fsdp2_the_usual_way,
     fp8_all_gather_delayed,
@@ -540,7 +611,12 @@ SCENARIOS = [
 ]
 
 
+CHECKPOINT = [dcp_save, dcp_resume]  # run by name, each in its own spawn
+
+
 def main(rank: int, world_size: int, port: int, out_dir: str, names=None) -> None:
+    global WORKDIR
+    WORKDIR = out_dir
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",
@@ -551,8 +627,8 @@ def main(rank: int, world_size: int, port: int, out_dir: str, names=None) -> Non
     )
     results = {}
     try:
-        for scenario in SCENARIOS:
-            if names is not None and scenario.__name__ not in names:
+        for scenario in SCENARIOS + CHECKPOINT:
+            if scenario.__name__ not in (names or [s.__name__ for s in SCENARIOS]):
                 continue
             try:
                 scenario(rank)

@@ -15,8 +15,8 @@ from _spawn import run_ranks
 _TIMEOUT_S = 300
 
 
-def _spawn_main(rank, world_size, port, out_dir):
-    workers.main(rank, world_size, port, out_dir)
+def _spawn_main(rank, world_size, port, out_dir, names=None):
+    workers.main(rank, world_size, port, out_dir, names)
 
 
 @pytest.fixture(scope="module")
@@ -33,3 +33,16 @@ def results(tmp_path_factory):
 def test_fsdp_scenario(results, scenario):
     for rank, outcome in results.items():
         assert outcome.get(scenario) == "ok", f"rank {rank}:\n{outcome.get(scenario)}"
+
+
+@pytest.mark.slow
+def test_checkpoint_resume_on_the_same_ranks_is_bit_identical(tmp_path):
+    """A run saved after 2 steps with torch.distributed.checkpoint and resumed in fresh processes
+    takes a 3rd step bit-identical to the uninterrupted run (see `_fsdp_workers.dcp_resume`)."""
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    for scenario in workers.CHECKPOINT:
+        name = scenario.__name__
+        results = run_ranks(_spawn_main, workers.WORLD, tmp_path, _TIMEOUT_S, [name])
+        for rank, outcome in results.items():
+            assert outcome.get(name) == "ok", f"{name}, rank {rank}:\n{outcome.get(name)}"
