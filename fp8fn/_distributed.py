@@ -145,15 +145,18 @@ def is_dtensor(t) -> bool:
     return module is not None and isinstance(t, module.DTensor)
 
 
+def is_fsdp_module(module) -> bool:
+    """Whether `module` is an FSDP2 module (`fully_shard` was called on it)."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and isinstance(module, fsdp.FSDPModule)
+
+
 def reshard_fsdp(module) -> None:
     """Reshard every FSDP2 module in `module`: after a forward without backward (`fn.init`),
     FSDP2 leaves the root unsharded, and an optimizer made then would hold the unsharded
     tensors instead of the shards."""
-    fsdp = sys.modules.get("torch.distributed.fsdp")
-    if fsdp is None:
-        return
     for m in module.modules():
-        if isinstance(m, fsdp.FSDPModule):
+        if is_fsdp_module(m):
             m.reshard()
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-import sys
 import threading
 import warnings
 import weakref
@@ -24,7 +23,13 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from ._checkpoint import checkpoint_with_constants, refuse_compile
-from ._distributed import ddp_parameter, is_dtensor, refuse_ddp_inner_module, reshard_fsdp
+from ._distributed import (
+    ddp_parameter,
+    is_dtensor,
+    is_fsdp_module,
+    refuse_ddp_inner_module,
+    reshard_fsdp,
+)
 from ._fsdp import SCALES, Float8GatheredWeight, ScalesForCall, is_float8_gathered, weight_scales
 from ._guards import check_operands
 from ._linear import fp8_linear
@@ -518,13 +523,12 @@ class Transformed:
         `functional_call` would be undone on its exit, leaving the module holding shards
         while FSDP2 counts it unsharded). Empty without FSDP2.
         """
-        fsdp = sys.modules.get("torch.distributed.fsdp")
-        if fsdp is None or not any(isinstance(m, fsdp.FSDPModule) for m in self.module.modules()):
+        if not any(is_fsdp_module(m) for m in self.module.modules()):
             return {}
         reshard_fsdp(self.module)  # all shards in place (a forward may have left the root not)
         managed = {}
         for prefix, sub in self.module.named_modules():
-            if not isinstance(sub, fsdp.FSDPModule):
+            if not is_fsdp_module(sub):
                 continue
             for name, p in sub.named_parameters():
                 if is_dtensor(p):
@@ -731,6 +735,8 @@ class Transformed:
         """
         self._check(params, state)
         claim(state.amax_history, "apply", "state")
+        if not self._fsdp_slots and is_fsdp_module(self.module):  # fully_shard after transform
+            self._fsdp_slots = self._fsdp_managed()
         if self._fsdp_slots:
             params = self._without_fsdp_params(params)
         call = _Call(self, params, state)

@@ -225,6 +225,23 @@ def fsdp2_the_usual_way(rank):
     assert worst < 1e-5, worst
 
 
+def fsdp2_transform_before_fully_shard(rank):
+    """transform, then fully_shard: apply finds FSDP2 at its first call and leaves its slots to
+    it, so an evaluation without backward (the root stays gathered) and the next step work;
+    states stay bit-identical to one process."""
+    _, ref_states = _reference(1)
+    model = Net()
+    fn = fp8fn.transform(model, RECIPE)
+    _fully_shard(model)
+    state = fn.init(_shard(_batch(0), rank))
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    state = rank_step(model, fn, state, _shard(_batch(0), rank))
+    with torch.no_grad():
+        fn.apply(dict(model.named_parameters()), state, _shard(_batch(1), rank))
+    state = rank_step(model, fn, state, _shard(_batch(1), rank), opt)
+    assert_bit_identical(state, ref_states[1])
+
+
 # --- 2. float8 weight all-gather ---------------------------------------------------------------
 
 
@@ -602,6 +619,7 @@ def dcp_resume(rank):
 
 SCENARIOS = [
     fsdp2_the_usual_way,
+    fsdp2_transform_before_fully_shard,
     fp8_all_gather_delayed,
     fp8_all_gather_bytes_and_collectives,
     fp8_all_gather_uneven,
