@@ -647,7 +647,9 @@ class Transformed:
         """Find every fp8 call site and return the initial scaling state.
 
         The model runs once, on the meta device when it can (no real activations are
-        computed), else for real without autograd and with the global RNG left as it was.
+        computed), else for real without autograd and with the global RNG left as it was. A
+        model with sharded (DTensor) parameters, as under FSDP2, always runs for real (FSDP2
+        all-gathers, so every rank calls `init`), and its FSDP2 modules are resharded after.
         Sites are the stateful (DelayedScaling) layers' calls, in the order of the module tree
         (`fn.layers`), each layer's calls in turn: `path`, then `path#k` for its k-th further
         call. A layer the example did not call (a branch not taken) has its `path` site too. So
@@ -721,7 +723,9 @@ class Transformed:
         Args:
           params: `{name: tensor}` keyed like `module.named_parameters()`; it may also give
             buffers (keyed like `module.named_buffers()`). A name it leaves out is the module's
-            own tensor, as in `torch.func.functional_call` (e.g. a frozen base model).
+            own tensor, as in `torch.func.functional_call` (e.g. a frozen base model). Under
+            FSDP2 (`fully_shard`), the parameters it manages must be the module's own
+            (`dict(model.named_parameters())`): FSDP2's hooks gather and reshard them.
           state: the `fp8fn.State` from `init` (or `update`).
           *args, **kwargs: the module's inputs.
 
