@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from ._backend import fp8_mm, scaled_mm_supported
+from ._fsdp import Float8GatheredWeight
 from ._guards import no_autocast
 from ._quantize import E4M3, E5M2, amax, cast_to_fp8, scale_from_amax
 from ._torch_private import tracked_below, tracked_by_outer_differentiation
@@ -31,7 +32,11 @@ def _scales(amaxes, newest, stored, margin: int, fp8_max: float):
 
 def _cast_operands(x, weight, newest, stored, margin: int, backend: str):
     """The forward's casts: `(x_fp8, w_fp8, x_scale, w_scale, x_amax, w_amax)`, e4m3 copies of
-    `x` and `weight`, the float32 `()` scales used and the observed amaxes."""
+    `x` and `weight`, the float32 `()` scales used and the observed amaxes. A weight that FSDP2
+    gathered in float8 (`float8_all_gather`) comes cast: its bytes, scale and amax are used."""
+    if isinstance(weight, Float8GatheredWeight):
+        x_fp8, x_scale, x_amax = _cast_input(x, newest, stored, margin, backend)
+        return x_fp8, weight._data, x_scale, weight._scale, x_amax, weight._amax
     if backend == "triton":  # one pass over each tensor at step >= 2
         (xn, wn, _), (xs, ws, _) = (None,) * 3, (None,) * 3
         if newest is not None:
@@ -47,6 +52,18 @@ def _cast_operands(x, weight, newest, stored, margin: int, backend: str):
     x_scale, w_scale, _ = scales.unbind()
     x_fp8, w_fp8 = cast_to_fp8(x, x_scale, E4M3), cast_to_fp8(weight, w_scale, E4M3)
     return x_fp8, w_fp8, x_scale, w_scale, x_amax, w_amax
+
+
+def _cast_input(x, newest, stored, margin: int, backend: str):
+    """The forward's cast of `x` alone: `(x_fp8, x_scale, x_amax)`."""
+    xn = xs = None
+    if newest is not None:
+        xn, xs = newest[0], stored[0]
+    if backend == "triton":
+        return TritonCast.apply(x, xn, xs, margin, E4M3)
+    x_amax = amax(x)
+    x_scale = _scales(x_amax, xn, xs, margin, 448.0)
+    return cast_to_fp8(x, x_scale, E4M3), x_scale, x_amax
 
 
 def _cast_grad_output(grad_out, newest, stored, ctx):

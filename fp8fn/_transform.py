@@ -23,10 +23,16 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from ._checkpoint import checkpoint_with_constants, refuse_compile
-from ._distributed import ddp_parameter, refuse_ddp_inner_module
+from ._distributed import (
+    ddp_parameter,
+    is_fsdp_module,
+    refuse_ddp_inner_module,
+    reshard_fsdp,
+)
+from ._fsdp import SCALES, Float8GatheredWeight, ScalesForCall, is_float8_gathered, weight_scales
 from ._guards import check_operands
 from ._linear import fp8_linear
-from ._recipe import RECIPES, DelayedScaling
+from ._recipe import RECIPES, CurrentScaling, DelayedScaling
 from ._sharded import explain_error as explain_sharded_error
 from ._sharded import gather_params, sharded_linear, sharded_operands
 from ._state import (
@@ -548,6 +554,89 @@ class Transformed:
         self._checkpointed_modules = [module.get_submodule(p) for p in self.checkpointed]
         self._block_slots = {id(m): _Slots(m) for m in self._checkpointed_modules}
         self._known_sites = None  # the `state.sites` last checked by `apply`
+        self._fsdp_slots = self._fsdp_managed()  # {name: (module, attr, shard)} under FSDP2
+        self._gathered = self._float8_gathered_layers()  # float8_all_gather's, under FSDP2
+
+    def _fsdp_managed(self) -> dict:
+        """`{name: (submodule, attribute, sharded parameter)}` of the parameters FSDP2 manages.
+
+        FSDP2's hooks put each module's unsharded parameters on it for its forward and its
+        sharded ones back after, so `apply` must leave these slots to FSDP2 (a swap by
+        `functional_call` would be undone on its exit, leaving the module holding shards
+        while FSDP2 counts it unsharded). Empty without FSDP2.
+        """
+        if not any(is_fsdp_module(m) for m in self.module.modules()):
+            return {}
+        reshard_fsdp(self.module)  # all shards in place (a forward may have left the root not)
+        managed = {}
+        for prefix, sub in self.module.named_modules():
+            if not is_fsdp_module(sub):
+                continue
+            for name, p in sub.named_parameters():
+                if sharded_operands(p):
+                    full = f"{prefix}.{name}" if prefix else name
+                    path, _, attr = full.rpartition(".")
+                    managed.setdefault(full, (self.module.get_submodule(path), attr, p))
+        return managed
+
+    def _without_fsdp_params(self, params: dict) -> dict:
+        """`params` without the FSDP2-managed parameters, which must be the model's own."""
+        for name, (module, attr, shard) in self._fsdp_slots.items():
+            given = params.get(name)
+            if given is not None and given is not shard and given is not module._parameters[attr]:
+                raise ValueError(
+                    f"fp8fn.apply: expected `params[{name!r}]` to be the model's own parameter, "
+                    f"which FSDP2 shards and gathers, got another tensor "
+                    f"({type(given).__name__}). Pass `dict(model.named_parameters())`: under "
+                    "FSDP2 the module's parameters are the ones that train."
+                )
+        return {k: v for k, v in params.items() if k not in self._fsdp_slots}
+
+    def _float8_gathered_layers(self) -> list[_Layer]:
+        """The layers whose weights FSDP2 all-gathers in float8 (`fp8fn.float8_all_gather`);
+        raises unless each runs in float8 with a per-tensor recipe and is sharded."""
+        gathered = [m for m in self._layers if is_float8_gathered(m.module.weight)]
+        layer_weights = {id(m.module.weight) for m in gathered}
+        for name, p in self.module.named_parameters():
+            if is_float8_gathered(p) and id(p) not in layer_weights:
+                raise ValueError(
+                    f"fp8fn.transform: parameter {name!r} is all-gathered in float8 "
+                    "(fp8fn.float8_all_gather), but its layer does not run in float8 under this "
+                    "transform (left out by `filter_fn` or its recipe). Give float8_all_gather "
+                    "the same `filter_fn` as fp8fn.transform."
+                )
+        for m in gathered:
+            if not isinstance(m.recipe, (DelayedScaling, CurrentScaling)):
+                raise ValueError(
+                    f"fp8fn.transform: expected layer {m.path!r}, whose weight is all-gathered in "
+                    "float8 (fp8fn.float8_all_gather), to use DelayedScaling or CurrentScaling, "
+                    f"got {type(m.recipe).__name__}. Leave it out of float8_all_gather."
+                )
+            weight = m.module.weight
+            if not (sharded_operands(weight) or isinstance(weight, Float8GatheredWeight)):
+                raise ValueError(
+                    f"fp8fn.transform: expected the float8_all_gather weight of layer {m.path!r} "
+                    "to be sharded by FSDP2, got an unsharded weight. Call fully_shard after "
+                    "fp8fn.float8_all_gather and before fp8fn.transform."
+                )
+        return gathered
+
+    def _weight_scales(self, state) -> ScalesForCall:
+        """The weight scales of this call's float8 all-gathers (see `fp8fn._fsdp`)."""
+        if any(not sharded_operands(m.module._parameters["weight"]) for m in self._gathered):
+            # A weight still gathered from an earlier forward without backward (FSDP2 keeps the
+            # root unsharded) holds that call's scale: reshard, so it is gathered again.
+            reshard_fsdp(self.module)
+        positions = state._positions()
+        entries = [
+            (
+                m.module,
+                positions[site_name(m.path, 0)] if isinstance(m.recipe, DelayedScaling) else None,
+                getattr(m.recipe, "margin", 0),
+            )
+            for m in self._gathered
+        ]
+        return ScalesForCall(weight_scales(entries, state))
 
     def _delayed_recipe(self) -> DelayedScaling | None:
         """The one DelayedScaling config of the stateful layers (they share one packed state)."""
@@ -599,7 +688,9 @@ class Transformed:
         """Find every fp8 call site and return the initial scaling state.
 
         The model runs once, on the meta device when it can (no real activations are
-        computed), else for real without autograd and with the global RNG left as it was.
+        computed), else for real without autograd and with the global RNG left as it was. A
+        model with sharded (DTensor) parameters, as under FSDP2, always runs for real (FSDP2
+        all-gathers, so every rank calls `init`), and its FSDP2 modules are resharded after.
         Sites are the stateful (DelayedScaling) layers' calls, in the order of the module tree
         (`fn.layers`), each layer's calls in turn: `path`, then `path#k` for its k-th further
         call. A layer the example did not call (a branch not taken) has its `path` site too. So
@@ -634,24 +725,35 @@ class Transformed:
             return memo[id(t)]
 
         with torch.random.fork_rng(devices=[]):  # discovery must not consume the RNG
+            # Sharded (DTensor) parameters: FSDP2's lazy init would adopt meta tensors as its
+            # shards, so such a model runs for real (FSDP2 all-gathers: every rank calls init).
+            if not any(sharded_operands(t) for t in tensors.values()):
+                try:
+                    meta = {k: to_meta(v) for k, v in tensors.items()}
+                    return self._run_discovery(meta, pytree.tree_map(to_meta, (args, kwargs)))
+                except Exception:  # data-dependent control flow, or an op without a meta kernel
+                    pass
             try:
-                meta = {k: to_meta(v) for k, v in tensors.items()}
-                return self._run_discovery(meta, pytree.tree_map(to_meta, (args, kwargs)))
-            except Exception:  # data-dependent control flow, or an op without a meta kernel
-                pass
-            try:
-                return self._run_discovery({}, (args, kwargs))
+                sites = self._run_discovery({}, (args, kwargs))
             except Exception as e:
                 raise RuntimeError(
                     f"fp8fn.init: the model raised on the example inputs ({type(e).__name__}: "
                     f"{e}). Call fn.init with inputs the model accepts."
                 ) from e
+        if any(p is not tensors[n] for n, p in self.module.named_parameters()):
+            reshard_fsdp(self.module)  # FSDP2 keeps the root unsharded after a forward
+        return sites
 
     def _run_discovery(self, tensors, args_kwargs) -> list[str]:
         args, kwargs = args_kwargs
         call = _Call(self, tensors, None)
-        with torch.no_grad(), self._exclusive(), call:
-            _functional_call(self.module, self._slots, tensors, args, kwargs)
+        token = SCALES.set(ScalesForCall(None)) if self._gathered else None
+        try:
+            with torch.no_grad(), self._exclusive(), call:
+                _functional_call(self.module, self._slots, tensors, args, kwargs)
+        finally:
+            if token is not None:
+                SCALES.reset(token)
         return call.sites
 
     def apply(self, params: dict, state: State, *args, **kwargs):
@@ -670,7 +772,9 @@ class Transformed:
           params: `{name: tensor}` keyed like `module.named_parameters()`; it may also give
             buffers (keyed like `module.named_buffers()`). A name it leaves out is the module's
             own tensor, as in `torch.func.functional_call` (e.g. a frozen base model). Whether
-            they are DTensors is read from the first entry.
+            they are DTensors is read from the first entry. Under FSDP2 (`fully_shard`), the
+            parameters it manages must be the module's own (`dict(model.named_parameters())`):
+            FSDP2's hooks gather and reshard them.
           state: the `fp8fn.State` from `init` (or `update`).
           *args, **kwargs: the module's inputs.
 
@@ -684,10 +788,15 @@ class Transformed:
         """
         self._check(params, state)
         claim(state.amax_history, "apply", "state")
+        if not self._fsdp_slots and is_fsdp_module(self.module):  # fully_shard after transform
+            self._fsdp_slots = self._fsdp_managed()
+        if self._fsdp_slots:
+            params = self._without_fsdp_params(params)
         tensors = params
         if params and sharded_operands([*params.values()][0]):  # the first tells
             tensors = gather_params(self, params)
         call = _Call(self, tensors, state)
+        token = SCALES.set(self._weight_scales(state)) if self._gathered else None
         try:
             if self._checkpointed_modules:
                 refuse_compile()
@@ -727,6 +836,9 @@ class Transformed:
                     "fp8fn.observe and loss.backward()), or put the module in eval mode."
                 ) from e
             raise
+        finally:
+            if token is not None:
+                SCALES.reset(token)
 
     def _check(self, params, state):
         if not isinstance(params, dict):

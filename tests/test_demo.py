@@ -185,6 +185,34 @@ def test_torchrun_two_ranks_train_data_parallel():
 
 
 @pytest.mark.slow
+def test_torchrun_two_ranks_fsdp2_trains_with_float8_all_gathers():
+    """`torchrun --nproc-per-node 2 -m fp8fn.demo --fsdp`: FSDP2 per block and root, float8
+    weight all-gathers, torch.optim; it says so, and matches one process on the whole batch
+    (up to float32 summation order and torch.optim's AdamW against the demo's)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = [a for a in TINY if a != "--quiet"]
+    argv = [*argv, "--steps", "3", "--sample-chars", "5"]
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    env["OMP_NUM_THREADS"] = "1"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    command += ["--master-port", str(port), "-m", "fp8fn.demo", "--fsdp", *argv]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    where = "FSDP2 on 2 ranks (gloo) with float8 all-gathers"
+    assert out.count(f"3 steps of 8 sequences x 16 chars (cpu, {where})") == 1, out
+    assert out.count(f"{where}: 4 sequences per rank and step") == 1, out
+    assert "checkpointed: none" in out
+    one = demo.main([*argv, "--quiet", "--no-checkpoint"])
+    two = _table(out)
+    for name in ("float32", "fp8"):
+        want = (one[name]["train_loss"], one[name]["val_loss"])
+        assert two[name] == pytest.approx(want, abs=2e-3 if name == "float32" else 1e-2)
+
+
+@pytest.mark.slow
 def test_main_prints_the_table(capsys):
     argv = [a for a in TINY if a != "--quiet"]
     demo.main([*argv, "--steps", "3", "--sample-chars", "5"])
@@ -203,6 +231,7 @@ def test_main_prints_the_table(capsys):
         (["--device", "tpu"], "invalid choice: 'tpu'"),
         (["--sample-chars", "-1"], "expected an integer >= 0, got -1"),
         (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+        (["--fsdp"], "--fsdp: expected to run under torchrun, got one process"),
     ],
 )
 def test_main_bad_flags_exit_with_argparse_errors(argv, message, capsys):
@@ -216,6 +245,13 @@ def test_main_batch_not_divisible_by_the_ranks_is_an_argparse_error(capsys, monk
     with pytest.raises(SystemExit, match="2"):
         demo.main(["--batch-size", "8"])
     assert "must be divisible by the number of ranks (3)" in capsys.readouterr().err
+
+
+def test_main_fsdp_with_compile_is_an_argparse_error(capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun sets it; checked before joining a group
+    with pytest.raises(SystemExit, match="2"):
+        demo.main(["--fsdp", "--compile"])
+    assert "--fsdp: --compile is not available with FSDP2" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
