@@ -74,8 +74,7 @@ def _structure_tag(key) -> torch.Tensor:
 def _check_same_structure(obs: State, tag: torch.Tensor, reduced: torch.Tensor) -> None:
     """Raise unless every rank reduced observations of one structure (sites in one order, static
     config, shapes): the reduce pairs sites by position, so another structure would mix them.
-    `reduced` is `tag` after the MAX, read back on every call (4 floats, a host sync), so that
-    every rank raises, whatever it reduced before."""
+    `reduced` is `tag` after the MAX, read back (4 floats, a host sync)."""
     if not torch.equal(reduced.cpu(), tag):
         raise ValueError(
             "fp8fn.all_reduce: expected observations of the same structure on every rank of "
@@ -83,6 +82,11 @@ def _check_same_structure(obs: State, tag: torch.Tensor, reduced: torch.Tensor) 
             f"{obs!r}, another differs. Build the state the same way on every rank (fn.init of "
             "one transform; a layer called a different number of times has other sites)."
         )
+
+
+# ids of the groups whose first reduce has run. Every rank of a group calls `all_reduce` on it
+# equally often, so "first" means the same call on every rank.
+_STARTED: set[int] = set()
 
 
 def all_reduce(obs: State, group=None) -> State:
@@ -95,7 +99,9 @@ def all_reduce(obs: State, group=None) -> State:
     the result is `fp8fn.merge` of the ranks' observations. Pure: `obs` is not modified. Every
     rank of `group` must call it, with observations of the same structure (the same model
     and `fn.init`): a 4-float tag of the structure rides in the collective and is read back
-    (one host sync), so ranks that disagree all raise instead of mixing sites.
+    (one host sync), so ranks that disagree all raise instead of mixing sites. The first call on
+    a group reduces the tag alone before (one more tiny collective), so that observations of
+    other sizes raise too instead of aborting the collective.
 
     Merge microbatches first (`fp8fn.merge`), then reduce over the ranks, then `fp8fn.update`:
     every rank then holds the same state, bit for bit.
@@ -130,6 +136,13 @@ def all_reduce(obs: State, group=None) -> State:
     _check_device(history.device, group)
     n, m = history.numel(), scale.numel()
     tag = _structure_tag((obs.static, tuple(history.shape)))
+    if id(group) not in _STARTED:
+        # The first reduce on a group checks the tag alone: buffers of other sizes (another
+        # number of sites, history_len) would abort the collective itself.
+        reduced = tag.to(history.device, copy=True)  # (on CPU `.to` would alias `tag`)
+        dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=group)
+        _check_same_structure(obs, tag, reduced)
+        _STARTED.add(id(group))
     with torch.no_grad():
         pieces = [observed_only(history).flatten(), scale.detach().flatten()]
         packed = torch.cat([*pieces, tag.to(history.device)])

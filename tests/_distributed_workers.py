@@ -115,24 +115,31 @@ def all_reduce_one_collective(rank):
 
 
 def all_reduce_structure_mismatch(rank):
-    """Ranks whose observations differ in structure (site order, margin, amax_compute) get a
-    clear error on every rank, instead of maxima of unrelated sites, also where one rank has
-    reduced its structure before; the ranks reduce normally afterwards. (Shapes that differ
-    make buffers of other sizes: the backend refuses those itself.)"""
+    """Ranks whose observations differ in structure get a clear error on every rank, instead of
+    maxima of unrelated sites or an aborted collective: other sizes (site count, history_len)
+    on a group's first reduce, and the same size (site order, margin, amax_compute) on any
+    reduce, also where every rank has reduced its structure before. The ranks reduce normally
+    afterwards."""
     import pytest
 
-    seen = fp8fn.init_state(RECIPE, ["a", "b"])
-    fp8fn.all_reduce(observation(seen))  # agreed once on both ranks
-    for state in (
-        fp8fn.init_state(RECIPE, ["a", "b"] if rank == 0 else ["b", "a"]),
-        fp8fn.init_state(fp8fn.DelayedScaling(history_len=4, margin=rank), ["a", "b"]),
-        fp8fn.init_state(
-            fp8fn.DelayedScaling(history_len=4, amax_compute=("max", "most_recent")[rank]),
-            ["a", "b"],
-        ),
+    def other(i, **config):
+        return fp8fn.init_state(fp8fn.DelayedScaling(history_len=4, **config), ["a", "b", "c"][:i])
+
+    for mine in (
+        other(2 + rank),
+        fp8fn.init_state(fp8fn.DelayedScaling(history_len=4 + rank), ["a"]),
     ):
         with pytest.raises(ValueError, match="same structure on every rank"):
-            fp8fn.all_reduce(observation(state))
+            fp8fn.all_reduce(observation(mine), group=dist.new_group([0, 1]))
+    seen = other(2)
+    fp8fn.all_reduce(observation(seen))  # agreed on both ranks
+    for mine in (
+        fp8fn.init_state(RECIPE, ["a", "b"] if rank == 0 else ["b", "a"]),
+        other(2, margin=rank),
+        other(2, amax_compute=("max", "most_recent")[rank]),
+    ):
+        with pytest.raises(ValueError, match="same structure on every rank"):
+            fp8fn.all_reduce(observation(mine))
     out = fp8fn.all_reduce(seen._replace(amax_history=torch.full((2, 3, 4), rank + 1.0)))
     assert torch.equal(out.amax_history, torch.full((2, 3, 4), 2.0))
 

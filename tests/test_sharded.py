@@ -10,14 +10,10 @@ fails the tests and is killed.
 
 from __future__ import annotations
 
-import json
-import socket
-import time
-
 import _sharded_workers as workers
 import pytest
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _spawn import run_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -43,12 +39,6 @@ RUNS = {
 _TIMEOUT_S = {2: 300, 4: 420}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn_main(rank, world_size, port, out_dir, names):
     workers.main(rank, world_size, port, out_dir, names)
 
@@ -57,23 +47,7 @@ def _run(world: int, out_dir) -> dict:
     """`{rank: {scenario: "ok" | traceback}}` from one spawn of `world` ranks."""
     if not dist.is_available():
         pytest.skip("torch.distributed is not available")
-    context = mp.start_processes(
-        _spawn_main,
-        args=(world, _free_port(), str(out_dir), RUNS[world]),
-        nprocs=world,
-        join=False,
-        start_method="spawn",
-    )
-    deadline = time.monotonic() + _TIMEOUT_S[world]
-    try:
-        while not context.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                pytest.fail(f"the {world} ranks did not finish within {_TIMEOUT_S[world]} s")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-    return {r: json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world)}
+    return run_ranks(_spawn_main, world, out_dir, _TIMEOUT_S[world], RUNS[world])
 
 
 @pytest.fixture(scope="module")
