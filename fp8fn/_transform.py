@@ -79,9 +79,13 @@ class _Layer:
     module: nn.Module = dataclasses.field(repr=False)  # the module holding the weight
     attrs: tuple = ("weight", "bias")  # the weight's and the bias's names on `module`
 
+    def held(self):
+        """The weight the module holds now (FSDP2 swaps its shard and the unsharded weight)."""
+        return self.module._parameters.get(self.attrs[0])
+
     def holds(self, weight) -> bool:
-        """Whether `weight` is what the module holds now (FSDP2 swaps in unsharded weights)."""
-        return self.module._parameters.get(self.attrs[0]) is weight
+        """Whether `weight` is what the module holds now."""
+        return self.held() is weight
 
     def own(self, tensors: dict):
         """`(weight, bias)` this layer runs with: from `tensors`, else the module's own."""
@@ -595,8 +599,8 @@ class Transformed:
     def _float8_gathered_layers(self) -> list[_Layer]:
         """The layers whose weights FSDP2 all-gathers in float8 (`fp8fn.float8_all_gather`);
         raises unless each runs in float8 with a per-tensor recipe and is sharded."""
-        gathered = [m for m in self._layers if is_float8_gathered(m.module.weight)]
-        layer_weights = {id(m.module.weight) for m in gathered}
+        gathered = [m for m in self._layers if is_float8_gathered(m.held())]
+        layer_weights = {id(m.held()) for m in gathered}
         for name, p in self.module.named_parameters():
             if is_float8_gathered(p) and id(p) not in layer_weights:
                 raise ValueError(
@@ -612,7 +616,7 @@ class Transformed:
                     "float8 (fp8fn.float8_all_gather), to use DelayedScaling or CurrentScaling, "
                     f"got {type(m.recipe).__name__}. Leave it out of float8_all_gather."
                 )
-            weight = m.module.weight
+            weight = m.held()
             if not (sharded_operands(weight) or isinstance(weight, Float8GatheredWeight)):
                 raise ValueError(
                     f"fp8fn.transform: expected the float8_all_gather weight of layer {m.path!r} "
@@ -623,7 +627,7 @@ class Transformed:
 
     def _weight_scales(self, state) -> ScalesForCall:
         """The weight scales of this call's float8 all-gathers (see `fp8fn._fsdp`)."""
-        if any(not sharded_operands(m.module._parameters["weight"]) for m in self._gathered):
+        if any(not sharded_operands(m.held()) for m in self._gathered):
             # A weight still gathered from an earlier forward without backward (FSDP2 keeps the
             # root unsharded) holds that call's scale: reshard, so it is gathered again.
             reshard_fsdp(self.module)
