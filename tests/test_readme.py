@@ -146,3 +146,27 @@ def test_shown_blocks_are_python(path):
     # ```py blocks (several ranks, a GPU) are not run, but must be valid Python
     for block in _blocks(path, "py"):
         compile(block, str(path), "exec")
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a markdown heading."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+@pytest.mark.parametrize(
+    "path",
+    [README, *DOCS, ROOT / "benchmarks" / "README.md"],
+    ids=lambda p: str(p.relative_to(ROOT)),
+)
+def test_links_point_at_what_exists(path):
+    # relative links name files that exist, and #anchors headings of the file they point at
+    links = re.findall(r"\]\(([^)\s]+)\)", path.read_text())
+    for link in links:
+        if link.startswith(("http://", "https://")):
+            continue
+        target, _, anchor = link.partition("#")
+        file = (path.parent / target).resolve() if target else path
+        assert file.exists(), f"{path.name}: {link}"
+        if anchor:
+            headings = re.findall(r"^#+ (.*)$", file.read_text(), flags=re.M)
+            assert anchor in {_slug(h) for h in headings}, f"{path.name}: {link}"
