@@ -1,4 +1,8 @@
-"""The README's Python examples run as written."""
+"""The README's and docs/*.md's Python examples run as written.
+
+Blocks fenced ```python run, each file's in order in one namespace; blocks fenced ```py (several
+ranks, a GPU) are shown only, and are checked to be valid Python.
+"""
 
 import pathlib
 import re
@@ -8,32 +12,51 @@ import torch
 
 import fp8fn
 
-README = pathlib.Path(__file__).parent.parent / "README.md"
+ROOT = pathlib.Path(__file__).parent.parent
+README = ROOT / "README.md"
+DOCS = sorted((ROOT / "docs").glob("*.md"))
 
 
-def _blocks():
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
-    assert len(blocks) >= 3
-    return blocks
+def _blocks(path, fence="python"):
+    return re.findall(rf"```{fence}\n(.*?)```", path.read_text(), flags=re.S)
 
 
-def _run(blocks):
+def _run(path, blocks):
     namespace = {}
     for block in blocks:
-        exec(compile(block, str(README), "exec"), namespace)
+        exec(compile(block, str(path), "exec"), namespace)
     return namespace
 
 
+def _readme_block(marker):
+    (block,) = [b for b in _blocks(README) if marker in b]
+    return block
+
+
+def _amaxes_pushed(state):
+    return torch.count_nonzero(state.amax_history, dim=-1)
+
+
+def test_readme_blocks_are_the_ones_tested():
+    # every ```python block of the README is run by one of the tests below
+    markers = ("torch.func.grad(loss_fn", "loss_fn(params, observed", "torch.compile(fp8fn.value")
+    markers += ("opt = torch.optim.AdamW", "transformers.GPT2Config")
+    assert len(_blocks(README)) == len(markers)
+    for marker in markers:
+        _readme_block(marker)
+
+
 def test_readme_examples_run():
-    # the example, then the plain-autograd continuation
-    namespace = _run(_blocks()[:2])
+    # the torch.func example, then the plain-autograd continuation
+    blocks = [_readme_block(m) for m in ("torch.func.grad(", "loss_fn(params, observed")]
+    namespace = _run(README, blocks)
     state = namespace["state"]
     assert isinstance(state, fp8fn.State)
     assert list(state) == ["0", "2"]
     assert state.amax_history.shape == (2, 3, 16) and state.scale.shape == (2, 3)
     assert not state.amax_history.requires_grad  # update returns plain data
     # ten torch.func steps, then one plain-autograd step: eleven amaxes pushed per role
-    assert torch.equal(torch.count_nonzero(state.amax_history, dim=-1), torch.full((2, 3), 11))
+    assert torch.equal(_amaxes_pushed(state), torch.full((2, 3), 11))
     # the views read the packed tensors, and each scale follows its history
     for i, site in enumerate(state):
         for r, role in enumerate(("input", "weight", "grad_output")):
@@ -49,17 +72,101 @@ def test_readme_examples_run():
 def test_readme_value_and_grad_example_runs():
     # the compiled torch.func-style step, after the example
     torch._dynamo.reset()
-    blocks = _blocks()
-    namespace = _run([blocks[0], blocks[2]])
+    blocks = [_readme_block(m) for m in ("torch.func.grad(", "torch.compile(fp8fn.value")]
+    namespace = _run(README, blocks)
     state, grads = namespace["state"], namespace["grads"]
-    assert torch.equal(torch.count_nonzero(state.amax_history, dim=-1), torch.full((2, 3), 11))
+    assert torch.equal(_amaxes_pushed(state), torch.full((2, 3), 11))
     assert set(grads) == {"0.weight", "0.bias", "2.weight", "2.bias"}
     torch._dynamo.reset()
 
 
-def test_readme_per_layer_recipe_example_runs():
-    (block,) = [b for b in _blocks() if "def recipe(name, layer)" in b]
-    namespace = _run([block])
+@pytest.mark.slow
+def test_readme_usual_loop_runs():
+    namespace = _run(README, [_readme_block("opt = torch.optim.AdamW")])
+    state, losses, model = namespace["state"], namespace["losses"], namespace["model"]
+    assert list(state) == ["0", "2", "4"]
+    # 100 steps fill every history (16 entries), and the model's own parameters were trained
+    assert torch.equal(_amaxes_pushed(state), torch.full((3, 3), 16))
+    assert namespace["params"]["0.weight"] is model[0].weight
+    assert len(losses) == 100 and losses[-1] < 0.5 * losses[0]
+
+
+@pytest.mark.slow
+def test_readme_hugging_face_example_runs():
+    pytest.importorskip("transformers")
+    namespace = _run(README, [_readme_block("transformers.GPT2Config")])
+    fn, state, logits = namespace["fn"], namespace["state"], namespace["logits"]
+    convs = [f"transformer.h.{i}.{n}" for i in range(2) for n in ("attn.c_attn", "attn.c_proj")]
+    convs += [f"transformer.h.{i}.{n}" for i in range(2) for n in ("mlp.c_fc", "mlp.c_proj")]
+    assert sorted(fn.layers) == sorted(convs) and "lm_head" not in fn.layers
+    assert fn.checkpointed == ["transformer.h.0", "transformer.h.1"]
+    assert sorted(state) == sorted(convs)
+    assert torch.equal(_amaxes_pushed(state), torch.ones(8, 3, dtype=torch.int64))
+    assert logits.shape == (4, 32, 128)
+
+
+# What each docs file's ```python blocks leave behind, checked after they ran.
+def _check_semantics(namespace):
+    assert namespace["state"]["fc1"].input.scale == 56.0
+
+
+def _check_compile(namespace):
+    assert torch.equal(_amaxes_pushed(namespace["state"]), torch.full((2, 3), 2))
+
+
+def _check_recipes(namespace):
     fn, state = namespace["fn"], namespace["state"]
     assert list(state) == ["mlp"] and fn.layers == ["attn", "mlp"]
     assert isinstance(fn.recipes["attn"], fp8fn.RowwiseScaling)
+
+
+CHECKS = {"semantics.md": _check_semantics, "compile.md": _check_compile}
+CHECKS["recipes.md"] = _check_recipes
+SLOW = {"compile.md"}  # torch.compile
+
+
+def test_docs_python_blocks_are_checked():
+    assert {p.name for p in DOCS if _blocks(p)} == set(CHECKS)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in sorted(CHECKS)],
+)
+def test_docs_python_blocks_run(name):
+    path = ROOT / "docs" / name
+    torch._dynamo.reset()
+    namespace = _run(path, _blocks(path))
+    torch._dynamo.reset()
+    CHECKS[name](namespace)
+
+
+@pytest.mark.parametrize("path", [README, *DOCS], ids=lambda p: p.name)
+def test_shown_blocks_are_python(path):
+    # ```py blocks (several ranks, a GPU) are not run, but must be valid Python
+    for block in _blocks(path, "py"):
+        compile(block, str(path), "exec")
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a markdown heading."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+@pytest.mark.parametrize(
+    "path",
+    [README, *DOCS, ROOT / "benchmarks" / "README.md"],
+    ids=lambda p: str(p.relative_to(ROOT)),
+)
+def test_links_point_at_what_exists(path):
+    # relative links name files that exist, and #anchors headings of the file they point at
+    links = re.findall(r"\]\(([^)\s]+)\)", path.read_text())
+    for link in links:
+        if link.startswith(("http://", "https://")):
+            continue
+        target, _, anchor = link.partition("#")
+        file = (path.parent / target).resolve() if target else path
+        assert file.exists(), f"{path.name}: {link}"
+        if anchor:
+            headings = re.findall(r"^#+ (.*)$", file.read_text(), flags=re.M)
+            assert anchor in {_slug(h) for h in headings}, f"{path.name}: {link}"
