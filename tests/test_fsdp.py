@@ -7,12 +7,10 @@ spawns of their own. Below them, the pieces of `float8_all_gather` in one proces
 
 from __future__ import annotations
 
-import io
-
 import _fsdp_workers as workers
 import pytest
 import torch
-from _helpers import assert_bit_identical
+from _helpers import assert_bit_identical, saved_and_loaded
 from _spawn import all_scenarios_results, assert_ok, spawn_results
 
 import fp8fn
@@ -83,10 +81,7 @@ def test_float8_all_gather_wraps_the_linear_weights_only():
     fp8fn.float8_all_gather(model)  # again: nothing changes
     assert model.blocks[0].fc1.weight is weights[0]
     # state dicts and checkpoints see plain tensors with the same values
-    buffer = io.BytesIO()
-    torch.save(model.state_dict(), buffer)
-    buffer.seek(0)
-    loaded = torch.load(buffer, weights_only=True)
+    loaded = saved_and_loaded(model.state_dict())
     assert all(type(v) is torch.Tensor for v in loaded.values())
     assert all(torch.equal(loaded[k], v) for k, v in before.items())
 
