@@ -43,14 +43,13 @@ from ._backend import fp8_mm, resolve_backend, scaled_mm_supported
 from ._guards import no_autocast
 from ._quantize import E4M3, E5M2, FP8_MAX, amax, cast_to_fp8
 from ._recipe import CurrentScaling, DelayedScaling
-from ._tensorwise import _FirstOrderOnly, _scales
+from ._tensorwise import _first_order_only, _fp8_gemm, _scales
 from ._torch_private import (
     dtensor_local,
     dtensor_spec,
     functorch_level,
     make_dtensor,
     new_dtensor_spec,
-    tracked_by_outer_differentiation,
     unwrapped,
 )
 
@@ -140,57 +139,44 @@ _HIGHER_ORDER = (
     "take the higher-order part with whole parameters."
 )
 
-# The Functions below run only inside backward passes (gathering the float8 weight again,
-# reducing gradients, making them DTensors): their own backward is a second derivative.
+
+class _InBackward(torch.autograd.Function):
+    """A Function that runs only inside backward passes (gathering the float8 weight again,
+    reducing gradients, making them DTensors): its own backward, a second derivative, raises.
+    Subclasses define `forward`."""
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(_HIGHER_ORDER)
 
 
-class _AllGather(torch.autograd.Function):
+class _AllGather(_InBackward):
     """A dim-0 shard -> the whole tensor of `rows` rows (inside a backward)."""
 
     @staticmethod
     def forward(local, group, rows):
         return _all_gather_rows(local, group, rows)
 
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        pass
 
-    @staticmethod
-    def backward(ctx, grad):
-        raise RuntimeError(_HIGHER_ORDER)
-
-
-class _ReduceScatter(torch.autograd.Function):
+class _ReduceScatter(_InBackward):
     """The whole tensor -> this rank's dim-0 shard of the sum over the ranks (in a backward)."""
 
     @staticmethod
     def forward(full, group):
         return _reduce_scatter_rows(full, group)
 
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        pass
 
-    @staticmethod
-    def backward(ctx, grad):
-        raise RuntimeError(_HIGHER_ORDER)
-
-
-class _FromLocal(torch.autograd.Function):
+class _FromLocal(_InBackward):
     """A local shard -> the DTensor of `spec` holding it (`DTensor.from_local` without a check,
     usable under torch.func; in a backward)."""
 
     @staticmethod
     def forward(local, spec):
         return make_dtensor(local.view_as(local), spec)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        pass
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise RuntimeError(_HIGHER_ORDER)
 
 
 class _GatherParam(torch.autograd.Function):
@@ -223,13 +209,6 @@ def _grad_output_scale(g_amax, newest, stored, margin: int):
     return scale if newest is None else scale[..., 2]
 
 
-def _first_order_only(grads: list, x_amax) -> list:
-    """The first four gradients made to raise when differentiated again (see _tensorwise)."""
-    if torch.is_grad_enabled() and tracked_by_outer_differentiation(x_amax):
-        grads[:4] = _FirstOrderOnly.apply(x_amax, *grads[:4])
-    return grads
-
-
 class _FsdpLinear(torch.autograd.Function):
     """`x @ weight.T + bias`, float8 operands, `weight` a `Shard(0)` DTensor over the ranks.
 
@@ -255,10 +234,7 @@ class _FsdpLinear(torch.autograd.Function):
         x_scale, w_scale, _ = scales.unbind()
         x_fp8, w_fp8_local = cast_to_fp8(x, x_scale, E4M3), cast_to_fp8(w_local, w_scale, E4M3)
         w_fp8 = _all_gather_rows(w_fp8_local, group, spec.shape[0])  # 1 byte per element
-        x_inv, w_inv = x_scale.reciprocal(), w_scale.reciprocal()
-        out = fp8_mm(x_fp8, w_fp8, x_inv, w_inv, x.dtype, backend)
-        if bias is not None:
-            out = out + bias.to(out.dtype)
+        out, x_inv, w_inv = _fp8_gemm(x_fp8, w_fp8, x_scale, w_scale, bias, x.dtype, backend)
         return out, x_fp8, w_fp8_local, x_inv, w_inv, w_amax, x_amax
 
     @staticmethod
@@ -332,10 +308,8 @@ class _TPLinear(torch.autograd.Function):
         )
         x_scale, w_scale, _ = scales.unbind()
         x_fp8, w_fp8 = cast_to_fp8(rows, x_scale, E4M3), cast_to_fp8(w_local, w_scale, E4M3)
-        x_inv, w_inv = x_scale.reciprocal(), w_scale.reciprocal()
-        out = fp8_mm(x_fp8, w_fp8, x_inv, w_inv, rows.dtype, backend)
-        if bias is not None and plan.add_bias:
-            out = out + dtensor_local(bias).to(out.dtype)
+        b_local = dtensor_local(bias) if bias is not None and plan.add_bias else None
+        out, x_inv, w_inv = _fp8_gemm(x_fp8, w_fp8, x_scale, w_scale, b_local, rows.dtype, backend)
         out = make_dtensor(out.reshape(*x_local.shape[:-1], out.shape[-1]), plan.out_spec)
         return out, x_fp8, w_fp8, x_inv, w_inv, w_amax, x_amax
 

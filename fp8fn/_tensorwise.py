@@ -105,6 +105,34 @@ class _FirstOrderOnly(torch.autograd.Function):
         raise RuntimeError(_HIGHER_ORDER)
 
 
+def _first_order_only(grads: list, x_amax) -> list:
+    """`grads` (a backward's results), the first four made to raise when differentiated again
+    where an outer differentiation records this backward (`x_amax`, the forward's float32 `()`
+    input amax, is tracked by it); else `grads` as they are."""
+    if torch.is_grad_enabled() and tracked_by_outer_differentiation(x_amax):
+        grads[:4] = _FirstOrderOnly.apply(x_amax, *grads[:4])
+    return grads
+
+
+def _fp8_gemm(x_fp8, w_fp8, x_scale, w_scale, bias, out_dtype, backend: str):
+    """The forward's float8 GEMM with its dequantization and bias: `(out, x_inv, w_inv)`.
+
+    Args:
+      x_fp8: e4m3 `(m, k)`. w_fp8: e4m3 `(n, k)`. x_scale, w_scale: the float32 `()` scales
+        they were cast with. bias: `(n,)`, added in `out_dtype`, or None. out_dtype: the
+        output's dtype (the input's). backend: `fp8_mm`'s backend.
+
+    Returns:
+      `out = (x_fp8 @ w_fp8.T) * x_inv * w_inv (+ bias)`, `(m, n)` of `out_dtype`, and the
+      float32 `()` reciprocal scales `x_inv`, `w_inv` (saved for the backward's GEMMs).
+    """
+    x_inv, w_inv = x_scale.reciprocal(), w_scale.reciprocal()
+    out = fp8_mm(x_fp8, w_fp8, x_inv, w_inv, out_dtype, backend)
+    if bias is not None:
+        out = out + bias.to(out.dtype)
+    return out, x_inv, w_inv
+
+
 class _Fp8LinearOp(torch.autograd.Function):
     """y = x @ weight.T + bias with float8 operands. x (m, k), weight (n, k), bias (n,) or None.
 
@@ -120,10 +148,7 @@ class _Fp8LinearOp(torch.autograd.Function):
         x_fp8, w_fp8, x_scale, w_scale, x_amax, w_amax = _cast_operands(
             x, weight, newest, stored, margin, backend
         )
-        x_inv, w_inv = x_scale.reciprocal(), w_scale.reciprocal()
-        out = fp8_mm(x_fp8, w_fp8, x_inv, w_inv, x.dtype, backend)
-        if bias is not None:
-            out = out + bias.to(out.dtype)
+        out, x_inv, w_inv = _fp8_gemm(x_fp8, w_fp8, x_scale, w_scale, bias, x.dtype, backend)
         return out, x_fp8, w_fp8, x_inv, w_inv, w_amax, x_amax
 
     @staticmethod
@@ -152,10 +177,7 @@ class _Fp8LinearOp(torch.autograd.Function):
                 grads[2] = grad_out.float().sum(0).to(b_dtype)
             if needs[3]:  # [x_amax, w_amax, g_amax], made here: at the backward's level
                 grads[3] = torch.stack([x_amax, w_amax, g_amax])
-        if torch.is_grad_enabled() and tracked_by_outer_differentiation(x_amax):
-            # An outer differentiation records this backward: make its use raise.
-            grads[:4] = _FirstOrderOnly.apply(x_amax, *grads[:4])
-        return tuple(grads)
+        return tuple(_first_order_only(grads, x_amax))
 
 
 class _Fp8Linear(_Fp8LinearOp):

@@ -8,16 +8,12 @@ Single-process references are computed on each rank itself, without collectives.
 
 from __future__ import annotations
 
-import datetime
-import json
-import os
-import traceback
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from _helpers import assert_bit_identical, bits, observation
 from _models import MLP, _seeded
+from _spawn import assert_state_same_on_all_ranks, run_scenarios, same_on_all_ranks
 from torch import nn
 
 import fp8fn
@@ -39,17 +35,6 @@ def _data(seed: int = 0, outlier_row: int = 6):
 def _shard(x, rank):
     n = x.shape[0] // WORLD
     return x[rank * n : (rank + 1) * n]
-
-
-def _same_on_all_ranks(t: torch.Tensor) -> bool:
-    gathered = [torch.empty_like(t) for _ in range(WORLD)]
-    dist.all_gather(gathered, t.contiguous())
-    return all(torch.equal(gathered[0], g) for g in gathered[1:])
-
-
-def _assert_state_same_on_all_ranks(state: fp8fn.State) -> None:
-    assert _same_on_all_ranks(state.amax_history), "amax histories differ across ranks"
-    assert _same_on_all_ranks(state.scale), "scales differ across ranks"
 
 
 def _sq_loss(out, n_global):
@@ -79,7 +64,7 @@ def all_reduce_is_merge_over_ranks(rank):
     assert out.amax_history.data_ptr() != obs.amax_history.data_ptr()
     assert out.static == obs.static and type(out) is fp8fn.State
     # it composes: update gives the same state on every rank
-    _assert_state_same_on_all_ranks(fp8fn.update(state, out))
+    assert_state_same_on_all_ranks(fp8fn.update(state, out))
 
 
 def all_reduce_one_collective(rank):
@@ -235,9 +220,9 @@ def functional_data_parallel(rank):
         state, ref_state = fp8fn.update(state, obs), fp8fn.update(ref_state, obs_ref)
         params = {k: p - lr * grads[k].view_as(p) for k, p in params.items()}
         ref_params = {k: p - lr * grads_ref[k] for k, p in ref_params.items()}
-        _assert_state_same_on_all_ranks(state)
+        assert_state_same_on_all_ranks(state)
         for p in params.values():
-            assert _same_on_all_ranks(p)
+            assert same_on_all_ranks(p)
     diff = max((params[k] - ref_params[k]).abs().max().item() for k in params)
     MEASURED["functional_params_max_abs_diff_3_steps"] = diff
     assert diff < 1e-5
@@ -259,7 +244,7 @@ def _train_autograd(module, fn, x, state, steps, n_global, reduce=False, unshard
         obs = fp8fn.observations(observed)
         if reduce:
             obs = fp8fn.all_reduce(obs)
-            _assert_state_same_on_all_ranks(fp8fn.update(state, obs))
+            assert_state_same_on_all_ranks(fp8fn.update(state, obs))
         opt.step()
         opt.zero_grad()
         state = fp8fn.update(state, obs)
@@ -299,9 +284,9 @@ def ddp_transform_of_ddp_module(rank):
         assert len(list(ddp.parameters())) == len(list(model.parameters()))  # state: no param
         state = state if cold else _warm(state, obs0)
         state = _train_autograd(ddp, fn, _shard(x, rank), state, 4, BATCH, reduce=True)
-        _assert_state_same_on_all_ranks(state)
+        assert_state_same_on_all_ranks(state)
         for p in model.parameters():
-            assert _same_on_all_ranks(p.detach())
+            assert same_on_all_ranks(p.detach())
         diff = max((p - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
         MEASURED[f"ddp_params_max_abs_diff_4_steps_{'cold' if cold else 'warm'}"] = diff
         # cold: the first step casts each shard with its own amax (current scaling)
@@ -393,7 +378,7 @@ def fsdp2_unshard_route_still_trains(rank):
     state = _train_autograd(
         model, fn, _shard(x, rank), _warm(state, ref_obs), 3, BATCH, True, unshard
     )
-    _assert_state_same_on_all_ranks(state)
+    assert_state_same_on_all_ranks(state)
     full = [p.full_tensor() for p in model.parameters()]
     diff = max((p - q).abs().max().item() for p, q in zip(full, ref.parameters()))
     MEASURED["fsdp2_params_max_abs_diff_3_steps_warm"] = diff
@@ -415,25 +400,4 @@ SCENARIOS = [
 
 
 def main(rank: int, world_size: int, port: int, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=30),  # a hung collective raises instead of hanging
-    )
-    results = {}
-    try:
-        for scenario in SCENARIOS:
-            try:
-                scenario(rank)
-                results[scenario.__name__] = "ok"
-            except Exception:
-                results[scenario.__name__] = traceback.format_exc()
-            dist.barrier()
-    finally:
-        results["_measured"] = MEASURED
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(results, f)
-        dist.destroy_process_group()
+    run_scenarios(rank, world_size, port, out_dir, SCENARIOS, MEASURED, group_timeout_s=30)

@@ -15,16 +15,13 @@ gradient's float32 sums would run in another order.)
 
 from __future__ import annotations
 
-import datetime
-import json
 import os
-import traceback
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from _helpers import assert_bit_identical
 from _models import _seeded
+from _spawn import assert_state_same_on_all_ranks, run_scenarios
 from torch import nn
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -87,20 +84,22 @@ def _shard(x, rank):
     return x.chunk(WORLD)[rank]
 
 
-def _same_on_all_ranks(t: torch.Tensor) -> bool:
-    gathered = [torch.empty_like(t) for _ in range(WORLD)]
-    dist.all_gather(gathered, t.contiguous())
-    return all(torch.equal(gathered[0], g) for g in gathered[1:])
-
-
-def _assert_state_same_on_all_ranks(state: fp8fn.State) -> None:
-    assert _same_on_all_ranks(state.amax_history), "amax histories differ across ranks"
-    assert _same_on_all_ranks(state.scale), "scales differ across ranks"
-
-
 def _full(t):
     """The whole tensor of a (possibly sharded) parameter, detached."""
     return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach()
+
+
+def _params_worst_rel_diff(model, ref_params, label: str) -> float:
+    """The worst relative difference of the model's whole parameters from `ref_params` (the
+    one process's after 3 steps), recorded with whether all are bit-identical under `label`."""
+    worst, exact = 0.0, True
+    for name, p in model.named_parameters():
+        full, want = _full(p), ref_params[name]
+        worst = max(worst, ((full - want).norm() / want.norm()).item())
+        exact = exact and torch.equal(full, want)
+    MEASURED[f"{label}_params_worst_rel_diff_3_steps"] = worst
+    MEASURED[f"{label}_params_bit_identical_3_steps"] = exact
+    return worst
 
 
 def _loss(out):
@@ -213,15 +212,9 @@ def fsdp2_the_usual_way(rank):
     for step in range(3):
         state = rank_step(model, fn, state, _shard(_batch(1 + step), rank), opt, probe)
         assert type(model.blocks[0].fc1.weight) is DTensor
-        _assert_state_same_on_all_ranks(state)
+        assert_state_same_on_all_ranks(state)
         assert_bit_identical(state, ref_states[1 + step])
-    worst, exact = 0.0, True
-    for name, p in model.named_parameters():
-        full, want = _full(p), ref_params[name]
-        worst = max(worst, ((full - want).norm() / want.norm()).item())
-        exact = exact and torch.equal(full, want)
-    MEASURED["fsdp2_params_worst_rel_diff_3_steps"] = worst
-    MEASURED["fsdp2_params_bit_identical_3_steps"] = exact
+    worst = _params_worst_rel_diff(model, ref_params, "fsdp2")
     assert worst < 1e-5, worst
 
 
@@ -328,15 +321,9 @@ def fp8_all_gather_delayed(rank):
             assert torch.equal(whole_amax, full[path].abs().max())
             if path != "head":  # the root stays gathered for the backward
                 assert_bit_identical(backward.pop(path), forward[path])
-        _assert_state_same_on_all_ranks(state)
+        assert_state_same_on_all_ranks(state)
         assert_bit_identical(state, ref_states[1 + step])
-    worst, exact = 0.0, True
-    for name, p in model.named_parameters():
-        full, want = _full(p), ref_params[name]
-        worst = max(worst, ((full - want).norm() / want.norm()).item())
-        exact = exact and torch.equal(full, want)
-    MEASURED["fp8_gather_params_worst_rel_diff_3_steps"] = worst
-    MEASURED["fp8_gather_params_bit_identical_3_steps"] = exact
+    worst = _params_worst_rel_diff(model, ref_params, "fp8_gather")
     assert worst < 1e-5, worst
 
 
@@ -426,13 +413,9 @@ def fp8_all_gather_uneven(rank):
     assert_bit_identical(state, ref_states[0])
     for step in range(3):
         state = rank_step(model, fn, state, _shard(_batch(1 + step), rank), opt)
-        _assert_state_same_on_all_ranks(state)
+        assert_state_same_on_all_ranks(state)
         assert_bit_identical(state, ref_states[1 + step])
-    worst = max(
-        ((_full(p) - ref_params[n]).norm() / ref_params[n].norm()).item()
-        for n, p in model.named_parameters()
-    )
-    MEASURED["uneven_params_worst_rel_diff_3_steps"] = worst
+    worst = _params_worst_rel_diff(model, ref_params, "uneven")
     assert worst < 1e-5, worst
 
 
@@ -461,13 +444,7 @@ def fp8_all_gather_current_scaling(rank):
             "_reduce_scatter_base_",
             "allreduce_",
         }
-    worst, exact = 0.0, True
-    for name, p in model.named_parameters():
-        full, want = _full(p), ref_params[name]
-        worst = max(worst, ((full - want).norm() / want.norm()).item())
-        exact = exact and torch.equal(full, want)
-    MEASURED["current_scaling_params_worst_rel_diff_3_steps"] = worst
-    MEASURED["current_scaling_params_bit_identical_3_steps"] = exact
+    worst = _params_worst_rel_diff(model, ref_params, "current_scaling")
     assert worst < 1e-5, worst
 
 
@@ -635,31 +612,7 @@ CHECKPOINT = [dcp_save, dcp_resume]  # run by name, each in its own spawn
 def main(rank: int, world_size: int, port: int, out_dir: str, names=None) -> None:
     global WORKDIR
     WORKDIR = out_dir
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=60),  # a hung collective raises instead of hanging
-    )
-    results = {}
-    try:
-        for scenario in SCENARIOS + CHECKPOINT:
-            if scenario.__name__ not in (names or [s.__name__ for s in SCENARIOS]):
-                continue
-            try:
-                scenario(rank)
-                results[scenario.__name__] = "ok"
-            except Exception:
-                results[scenario.__name__] = traceback.format_exc()
-            try:
-                dist.barrier()
-            except RuntimeError:  # another rank failed inside a collective: the group is gone
-                results["_aborted_after"] = scenario.__name__
-                break
-    finally:
-        results["_measured"] = MEASURED
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(results, f)
-        dist.destroy_process_group()
+    chosen = SCENARIOS
+    if names is not None:
+        chosen = [s for s in SCENARIOS + CHECKPOINT if s.__name__ in names]
+    run_scenarios(rank, world_size, port, out_dir, chosen, MEASURED, group_timeout_s=60)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -38,6 +40,15 @@ _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 def bits(t: torch.Tensor) -> torch.Tensor:
     """`t`'s bits as integers of its width (so NaN == NaN and -0 != 0 when comparing)."""
     return t.contiguous().view(_INT_OF_SIZE[t.element_size()])
+
+
+def saved_and_loaded(obj):
+    """`obj` written with `torch.save` (to memory) and read back with
+    `torch.load(weights_only=True)`, as a checkpoint loader that refuses arbitrary pickles."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
 
 
 def assert_bit_identical(a, b) -> None:

@@ -17,6 +17,30 @@ import torch.utils.checkpoint
 from torch import nn
 
 
+def tiny_hf_config(kind: str, **fields):
+    """A tiny HF causal-LM config: 2 layers, 2 heads, hidden 32, vocab 64, 32 positions.
+
+    Args:
+      kind: `"llama"`, `"mistral"` (2 key-value heads, MLP width 64) or `"gpt2"` (token id 0 as
+        BOS and EOS; its dropouts at their defaults).
+      **fields: config fields that replace or add to these.
+
+    Skips the calling test where transformers is not installed.
+    """
+    import pytest
+
+    transformers = pytest.importorskip("transformers")
+    if kind == "gpt2":
+        base = dict(n_layer=2, n_head=2, n_embd=32, vocab_size=64, n_positions=32,
+                    bos_token_id=0, eos_token_id=0)  # fmt: skip
+        return transformers.GPT2Config(**{**base, **fields})
+    base = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=2, intermediate_size=64,
+                max_position_embeddings=32)  # fmt: skip
+    config_cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig}[kind]
+    return config_cls(**{**base, **fields})
+
+
 @contextlib.contextmanager
 def _seeded(seed: int):
     """Run the body with the CPU RNG seeded with `seed`, restoring the global RNG after."""

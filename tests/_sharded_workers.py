@@ -28,10 +28,6 @@ be, as follows.
 from __future__ import annotations
 
 import copy
-import datetime
-import json
-import os
-import traceback
 
 import pytest
 import torch
@@ -39,6 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from _helpers import assert_bit_identical
 from _models import Tied, _seeded
+from _spawn import assert_state_same_on_all_ranks, run_scenarios, same_on_all_ranks
 from torch import nn
 
 import fp8fn
@@ -60,13 +57,6 @@ def _full(t):
 def _measure(key: str, value: float) -> float:
     MEASURED[key] = max(MEASURED.get(key, 0.0), value)
     return value
-
-
-def _same_on_all_ranks(t: torch.Tensor, group=None) -> bool:
-    world = dist.get_world_size(group)
-    gathered = [torch.empty_like(t) for _ in range(world)]
-    dist.all_gather(gathered, t.contiguous(), group=group)
-    return all(torch.equal(gathered[0], g) for g in gathered[1:])
 
 
 def _warmed(state: fp8fn.State, obs: fp8fn.State, dp: int) -> fp8fn.State:
@@ -251,7 +241,7 @@ def fsdp_functional_routes_and_steps(rank):
         ref_state = fp8fn.update(ref_state, ref_obs)
         p = {k: v - LR * grads[k] for k, v in p.items()}
         rp = {k: v - LR * ref_grads[k] for k, v in rp.items()}
-    assert _same_on_all_ranks(state.amax_history) and _same_on_all_ranks(state.scale)
+    assert_state_same_on_all_ranks(state)
     for k, v in p.items():
         assert isinstance(v, DTensor) and v.placements == (Shard(0),)
         assert _measure(f"fsdp_w{world}_params_rel_err_3_steps", _rel(v, rp[k])) < 1e-6, k
@@ -498,7 +488,7 @@ def tp_colwise_rowwise(rank):
         opt.zero_grad()
         ref_params = {k: v - LR * ref_grads[k] for k, v in ref_params.items()}
         state, ref_state = fp8fn.update(state, obs), fp8fn.update(ref_state, ref_obs)
-    assert _same_on_all_ranks(state.amax_history)
+    assert same_on_all_ranks(state.amax_history)
     for k, p in model.named_parameters():
         assert _measure("tp_params_rel_err_3_steps", _rel(p, ref_params[k])) < 1e-6, k
 
@@ -644,7 +634,7 @@ def two_d_tp_and_fsdp2(rank):
         opt.zero_grad()
         ref_params = {k: v - LR * ref_grads[k] for k, v in ref_params.items()}
         state, ref_state = fp8fn.update(state, obs), fp8fn.update(ref_state, ref_obs)
-    assert _same_on_all_ranks(state.amax_history) and _same_on_all_ranks(state.scale)
+    assert_state_same_on_all_ranks(state)
     for k, p in model.named_parameters():
         assert _measure("2d_params_rel_err_3_steps", _rel(p, ref_params[k])) < 1e-6, k
 
@@ -668,25 +658,5 @@ SCENARIOS = {
 
 
 def main(rank: int, world_size: int, port: int, out_dir: str, names: list) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=60),  # a hung collective raises instead of hanging
-    )
-    results = {}
-    try:
-        for name in names:
-            try:
-                SCENARIOS[name](rank)
-                results[name] = "ok"
-            except Exception:
-                results[name] = traceback.format_exc()
-            dist.barrier()
-    finally:
-        results["_measured"] = MEASURED
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(results, f, default=str)
-        dist.destroy_process_group()
+    scenarios = [SCENARIOS[name] for name in names]
+    run_scenarios(rank, world_size, port, out_dir, scenarios, MEASURED, group_timeout_s=60)

@@ -11,7 +11,7 @@ import functools
 import pytest
 import torch
 from _helpers import assert_bit_identical
-from _models import MLP, Block, Transformer
+from _models import MLP, Block, Transformer, tiny_hf_config
 
 import fp8fn
 
@@ -27,6 +27,16 @@ def _grads_and_obs(loss, params, state, route):
     observed = fp8fn.observe(state)
     loss(params, observed).backward()
     return {k: v.grad for k, v in params.items()}, fp8fn.observations(observed)
+
+
+def _grad(loss, w, route):
+    """The gradient of the scalar `loss(w)` at the tensor `w`, with torch.func.grad or
+    `backward()` of a leaf copy."""
+    if route == "func":
+        return torch.func.grad(loss)(w)
+    leaf = w.clone().requires_grad_()
+    loss(leaf).backward()
+    return leaf.grad
 
 
 def _train(fn, params, state, loss, route, steps=2):
@@ -46,26 +56,13 @@ def _train(fn, params, state, loss, route, steps=2):
 def _hf_decoder(kind: str, use_cache: bool):
     """A tiny HF causal LM (2 layers, hidden 32, vocab 64) and its decoder-layer class."""
     transformers = pytest.importorskip("transformers")
-    common = dict(
-        vocab_size=64,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=32,
-    )
-    if kind == "llama":
-        config = transformers.LlamaConfig(**common, num_key_value_heads=2)
-        cls, layer = transformers.LlamaForCausalLM, "LlamaDecoderLayer"
-    elif kind == "mistral":
-        config = transformers.MistralConfig(**common, num_key_value_heads=2)
-        cls, layer = transformers.MistralForCausalLM, "MistralDecoderLayer"
-    else:  # GPT-2's default dropout stays on: the recompute must draw the same masks
-        config = transformers.GPT2Config(
-            n_layer=2, n_head=2, n_embd=32, vocab_size=64, n_positions=32, bos_token_id=0,
-            eos_token_id=0,
-        )  # fmt: skip
-        cls, layer = transformers.GPT2LMHeadModel, "GPT2Block"
+    # GPT-2's default dropout stays on: the recompute must draw the same masks
+    config = tiny_hf_config(kind)
+    cls, layer = {
+        "llama": (transformers.LlamaForCausalLM, "LlamaDecoderLayer"),
+        "mistral": (transformers.MistralForCausalLM, "MistralDecoderLayer"),
+        "gpt2": (transformers.GPT2LMHeadModel, "GPT2Block"),
+    }[kind]
     assert config.use_cache  # the default the models are trained with, unless told
     config.use_cache = use_cache
     with torch.random.fork_rng(devices=[]):
@@ -403,12 +400,7 @@ def test_checkpoint_recomputes_under_the_forwards_autocast(forward, route):
             return out.float().square().sum()
 
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=not on):
-            if route == "func":
-                results.append(torch.func.grad(loss)(w))
-            else:
-                leaf = w.clone().requires_grad_()
-                loss(leaf).backward()
-                results.append(leaf.grad)
+            results.append(_grad(loss, w, route))
     assert_bit_identical(results[1], results[0])
 
 
@@ -456,12 +448,7 @@ def test_checkpoint_returns_none_leaves_as_none(route):
             assert out[1] is None and out[2]["attention"] is None
             return out[0].sum() + out[2]["out"].square().sum()
 
-        if route == "func":
-            results.append(torch.func.grad(loss)(w))
-        else:
-            leaf = w.clone().requires_grad_()
-            loss(leaf).backward()
-            results.append(leaf.grad)
+        results.append(_grad(loss, w, route))
     assert_bit_identical(results[1], results[0])
 
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _helpers import assert_bit_identical, sqnr
+from _models import tiny_hf_config
 
 import fp8fn
 
@@ -14,18 +15,7 @@ transformers = pytest.importorskip("transformers")
 
 
 def _gpt2(seed=0):
-    config = transformers.GPT2Config(
-        n_layer=2,
-        n_head=2,
-        n_embd=32,
-        vocab_size=64,
-        n_positions=16,
-        bos_token_id=0,
-        eos_token_id=0,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-    )
+    config = tiny_hf_config("gpt2", n_positions=16, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     torch.manual_seed(seed)
     return transformers.GPT2LMHeadModel(config)
 

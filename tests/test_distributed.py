@@ -1,8 +1,7 @@
 """fp8fn.all_reduce and data-parallel training on torch.distributed: 2 gloo ranks on CPU.
 
-One spawn of 2 processes runs every scenario of `_distributed_workers.SCENARIOS` (spawning is the
-expensive part); each test here checks the outcome of one scenario on both ranks. A worker that
-hangs fails the tests after `_TIMEOUT_S` instead of hanging the run.
+`test_distributed_scenario` checks, on both ranks, one scenario of `_distributed_workers`, all
+run in one spawn within 150 s (see `_spawn.all_scenarios_results`).
 """
 
 from __future__ import annotations
@@ -11,31 +10,17 @@ import _distributed_workers as workers
 import pytest
 import torch
 import torch.distributed as dist
-from _spawn import run_ranks
+from _spawn import all_scenarios_results, assert_ok
 
 import fp8fn
 
-_TIMEOUT_S = 150
-
-
-def _spawn_main(rank, world_size, port, out_dir):
-    workers.main(rank, world_size, port, out_dir)
-
-
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    """`{rank: {scenario: "ok" | traceback}}` from one run of all scenarios on 2 ranks."""
-    if not dist.is_available():
-        pytest.skip("torch.distributed is not available")
-    out_dir = tmp_path_factory.mktemp("distributed")
-    return run_ranks(_spawn_main, workers.WORLD, out_dir, _TIMEOUT_S)
+results = all_scenarios_results(workers, timeout_s=150)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("scenario", [s.__name__ for s in workers.SCENARIOS])
 def test_distributed_scenario(results, scenario):
-    for rank, outcome in results.items():
-        assert outcome.get(scenario) == "ok", f"rank {rank}:\n{outcome.get(scenario)}"
+    assert_ok(results, scenario)
 
 
 def test_all_reduce_refuses_without_process_group():

@@ -1,20 +1,17 @@
 """FSDP2 (`fully_shard`) with fp8fn on 2 gloo ranks on CPU, against one process.
 
-One spawn of 2 processes runs every scenario of `_fsdp_workers.SCENARIOS` (spawning is the
-expensive part); each test here checks the outcome of one scenario on both ranks. A rank that
-hangs fails the tests after `_TIMEOUT_S` instead of hanging the run.
+`test_fsdp_scenario` checks, on both ranks, one scenario of `_fsdp_workers`, all run in one
+spawn within `_TIMEOUT_S` (see `_spawn.all_scenarios_results`); the checkpoint scenarios run in
+spawns of their own. Below them, the pieces of `float8_all_gather` in one process.
 """
 
 from __future__ import annotations
 
-import io
-
 import _fsdp_workers as workers
 import pytest
 import torch
-import torch.distributed as dist
-from _helpers import assert_bit_identical
-from _spawn import run_ranks
+from _helpers import assert_bit_identical, saved_and_loaded
+from _spawn import all_scenarios_results, assert_ok, spawn_results
 
 import fp8fn
 from fp8fn._fsdp import SCALES, Float8GatheredWeight, Float8ShardWeight, ScalesForCall
@@ -23,37 +20,23 @@ from fp8fn._quantize import cast_to_fp8
 _TIMEOUT_S = 300
 
 
-def _spawn_main(rank, world_size, port, out_dir, names=None):
-    workers.main(rank, world_size, port, out_dir, names)
-
-
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    """`{rank: {scenario: "ok" | traceback}}` from one run of all scenarios on 2 ranks."""
-    if not dist.is_available():
-        pytest.skip("torch.distributed is not available")
-    out_dir = tmp_path_factory.mktemp("fsdp")
-    return run_ranks(_spawn_main, workers.WORLD, out_dir, _TIMEOUT_S)
+results = all_scenarios_results(workers, _TIMEOUT_S)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("scenario", [s.__name__ for s in workers.SCENARIOS])
 def test_fsdp_scenario(results, scenario):
-    for rank, outcome in results.items():
-        assert outcome.get(scenario) == "ok", f"rank {rank}:\n{outcome.get(scenario)}"
+    assert_ok(results, scenario)
 
 
 @pytest.mark.slow
 def test_checkpoint_resume_on_the_same_ranks_is_bit_identical(tmp_path):
     """A run saved after 2 steps with torch.distributed.checkpoint and resumed in fresh processes
     takes a 3rd step bit-identical to the uninterrupted run (see `_fsdp_workers.dcp_resume`)."""
-    if not dist.is_available():
-        pytest.skip("torch.distributed is not available")
     for scenario in workers.CHECKPOINT:
         name = scenario.__name__
-        results = run_ranks(_spawn_main, workers.WORLD, tmp_path, _TIMEOUT_S, [name])
-        for rank, outcome in results.items():
-            assert outcome.get(name) == "ok", f"{name}, rank {rank}:\n{outcome.get(name)}"
+        results = spawn_results(workers.main, workers.WORLD, tmp_path, _TIMEOUT_S, [name])
+        assert_ok(results, name, f"{name}, ")
 
 
 # --- the pieces of float8_all_gather, in one process ----------------------------------------------
@@ -98,10 +81,7 @@ def test_float8_all_gather_wraps_the_linear_weights_only():
     fp8fn.float8_all_gather(model)  # again: nothing changes
     assert model.blocks[0].fc1.weight is weights[0]
     # state dicts and checkpoints see plain tensors with the same values
-    buffer = io.BytesIO()
-    torch.save(model.state_dict(), buffer)
-    buffer.seek(0)
-    loaded = torch.load(buffer, weights_only=True)
+    loaded = saved_and_loaded(model.state_dict())
     assert all(type(v) is torch.Tensor for v in loaded.values())
     assert all(torch.equal(loaded[k], v) for k, v in before.items())
 

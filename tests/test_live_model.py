@@ -39,6 +39,21 @@ def _warm_state(fn, params, x):
     return fp8fn.update(state, torch.func.grad(_loss(fn), argnums=1)(params, state, x))
 
 
+def _own_params_warmed(fn, model, x):
+    """The module's own parameters, as a dict, and a state warmed on `x`."""
+    params = dict(model.named_parameters())
+    return params, _warm_state(fn, params, x)
+
+
+def _transformed_and_warmed():
+    """`(model, fn, x, params, state)`: `_model()`, its transform, an input `(8, 16)`, the
+    module's own parameters and a state warmed on `x`."""
+    model = _model()
+    fn = fp8fn.transform(model, DELAYED)
+    x = torch.randn(8, 16)
+    return (model, fn, x, *_own_params_warmed(fn, model, x))
+
+
 def _snapshot(model):
     """What must not change: classes, attributes, hooks, tensors (by identity and value)."""
     return [
@@ -71,11 +86,7 @@ def _assert_unchanged(model, snapshot):
 
 
 def test_a_reassigned_buffer_is_what_apply_sees():
-    model = _model()
-    fn = fp8fn.transform(model, DELAYED)
-    x = torch.randn(8, 16)
-    params = dict(model.named_parameters())
-    state = _warm_state(fn, params, x)
+    model, fn, x, params, state = _transformed_and_warmed()
     before = fn.apply(params, state, x)
     # What load_state_dict(assign=True), to_empty() and checkpoint loaders do.
     model[1].running_mean = torch.full((32,), 0.25)
@@ -99,8 +110,7 @@ def test_load_state_dict_assign_and_to_empty_are_what_apply_sees():
     fn = fp8fn.transform(model, DELAYED)
     x = torch.randn(8, 16)
     model.load_state_dict(other.state_dict(), assign=True)  # new Parameter objects
-    params = dict(model.named_parameters())
-    state = _warm_state(fn, params, x)
+    params, state = _own_params_warmed(fn, model, x)
     assert_bit_identical(
         _step(fn, params, state, x),
         _step(fp8fn.transform(other, DELAYED), dict(other.named_parameters()), state, x),
@@ -119,8 +129,7 @@ def test_a_dtype_move_after_transform_is_what_apply_sees():
     fn = fp8fn.transform(model, DELAYED)
     model.to(torch.bfloat16)
     x = torch.randn(8, 16, dtype=torch.bfloat16)
-    params = dict(model.named_parameters())
-    state = _warm_state(fn, params, x)
+    params, state = _own_params_warmed(fn, model, x)
     out, (grads, obs) = _step(fn, params, state, x)
     assert out.dtype == torch.bfloat16 and grads["0.weight"].dtype == torch.bfloat16
     assert_bit_identical(
@@ -129,11 +138,7 @@ def test_a_dtype_move_after_transform_is_what_apply_sees():
 
 
 def test_hooks_added_after_transform_fire_in_apply():
-    model = _model()
-    fn = fp8fn.transform(model, DELAYED)
-    x = torch.randn(8, 16)
-    params = dict(model.named_parameters())
-    state = _warm_state(fn, params, x)
+    model, fn, x, params, state = _transformed_and_warmed()
     plain = fn.apply(params, state, x)
     seen = []
     model[0].register_forward_pre_hook(lambda m, args: (args[0] * 2,))
@@ -158,8 +163,7 @@ def test_a_weight_swapped_in_by_the_module_runs_in_fp8():
 
     fn = fp8fn.transform(model, DELAYED)
     x = torch.randn(8, 16)
-    params = dict(model.named_parameters())
-    state = _warm_state(fn, params, x)
+    params, state = _own_params_warmed(fn, model, x)
     original = model[3].weight
     handle = model[3].register_forward_pre_hook(swap_in)
     try:
@@ -194,11 +198,7 @@ def test_apply_leaves_the_module_as_it_was_even_when_it_raises():
 
 
 def test_params_may_leave_out_frozen_tensors():
-    model = _model()
-    fn = fp8fn.transform(model, DELAYED)
-    x = torch.randn(8, 16)
-    params = dict(model.named_parameters())
-    state = _warm_state(fn, params, x)
+    model, fn, x, params, state = _transformed_and_warmed()
     trainable = {k: v.detach().clone() for k, v in params.items() if k.startswith("3.")}
     grads = torch.func.grad(_loss(fn))(trainable, state, x)
     assert grads.keys() == trainable.keys()

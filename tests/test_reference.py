@@ -50,6 +50,13 @@ def _recipe(margin=0, amax_compute="max", history_len=HISTORY_LEN, backend="emul
     )
 
 
+def _fc_site(margin=0, amax_compute="max", backend="emulated"):
+    """`(recipe, state, site)` of one call site "fc": `_recipe(...)`, fp8fn's fresh state of
+    it and the reference's empty site with the same history length, amax rule and margin."""
+    recipe = _recipe(margin, amax_compute, backend=backend)
+    return recipe, fp8fn.init_state(recipe, ["fc"]), R.Site(HISTORY_LEN, amax_compute, margin)
+
+
 def _triton_available() -> bool:
     try:
         import triton  # noqa: F401
@@ -155,9 +162,7 @@ X_FACTOR, W_FACTOR, G_FACTOR = (1.0, 3.0, 0.5, 8.0), (1.0, 1.1, 1.2, 1.3), (1.0,
 def test_linear_matches_reference_over_steps(backend, route, margin, amax_compute, dtype):
     """Forward, three gradients, observations, histories and scales, for 4 steps from an empty
     state (step 1 casts with current scaling, margin included), with stale stored scales."""
-    recipe = _recipe(margin, amax_compute, backend=backend)
-    state = fp8fn.init_state(recipe, ["fc"])
-    site = R.Site(HISTORY_LEN, amax_compute, margin)
+    recipe, state, site = _fc_site(margin, amax_compute, backend)
     gen = torch.Generator().manual_seed(1)
     w0 = torch.randn(40, 48, generator=gen, dtype=torch.float64) * 0.2
     b = (torch.randn(40, generator=gen) * 0.1).to(dtype)
@@ -183,9 +188,7 @@ def test_casts_are_exposed_elementwise_by_an_identity_weight(backend, stepped, m
     dequantized output-gradient cast, element by element (one product per sum): a wrong scale,
     margin or format shows on every element, also below the normal range (where a power of
     two in the scale is not exact) and at saturation."""
-    recipe = _recipe(margin, backend=backend)
-    state = fp8fn.init_state(recipe, ["fc"])
-    site = R.Site(HISTORY_LEN, "max", margin)
+    recipe, state, site = _fc_site(margin, backend=backend)
     gen = torch.Generator().manual_seed(2)
     w = torch.eye(64, dtype=dtype)
     b = torch.zeros(64, dtype=dtype)
@@ -240,9 +243,7 @@ def test_bias_gradient_is_a_float32_sum_under_autocast():
 def test_non_finite_amaxes_are_observed_and_not_pushed():
     """An inf in the input and a NaN in the output gradient: observed as such, histories of
     those roles unchanged, and the saturating casts keep the rest finite."""
-    recipe = _recipe(margin=1)
-    state = fp8fn.init_state(recipe, ["fc"])
-    site = R.Site(HISTORY_LEN, "max", 1)
+    recipe, state, site = _fc_site(margin=1)
     gen = torch.Generator().manual_seed(5)
     w, b = torch.randn(16, 32, generator=gen), torch.randn(16, generator=gen)
     for step in range(3):
@@ -265,9 +266,7 @@ def test_non_finite_amaxes_are_observed_and_not_pushed():
 def test_vmap_over_the_batch_is_the_whole_batch_call(stepped):
     """`vmap` over the batch inside `grad`, with one unbatched state: one amax over the whole
     batch (the reference on the flattened batch), not a sum of per-member observations."""
-    recipe = _recipe()
-    state = fp8fn.init_state(recipe, ["fc"])
-    site = R.Site(HISTORY_LEN)
+    recipe, state, site = _fc_site()
     gen = torch.Generator().manual_seed(6)
     w, b = torch.randn(16, 32, generator=gen), torch.randn(16, generator=gen)
     if stepped:
@@ -289,9 +288,7 @@ def test_vmap_over_the_batch_is_the_whole_batch_call(stepped):
 def test_microbatches_merge_by_max_over_steps():
     """Two microbatches per step, observations merged with `fp8fn.merge`: the histories are
     the reference's max over the microbatches, never a sum."""
-    recipe = _recipe(margin=1)
-    state = fp8fn.init_state(recipe, ["fc"])
-    site = R.Site(HISTORY_LEN, "max", 1)
+    recipe, state, site = _fc_site(margin=1)
     gen = torch.Generator().manual_seed(7)
     w, b = torch.randn(16, 32, generator=gen), torch.randn(16, generator=gen)
     for step in range(3):

@@ -1,4 +1,3 @@
-import io
 import math
 import sys
 
@@ -14,6 +13,7 @@ from _helpers import (
     bits,
     expected_scale,
     observation,
+    saved_and_loaded,
 )
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -481,9 +481,6 @@ def test_state_flat_dict_round_trip(stepped):
 
 
 def test_state_torch_save_load_weights_only(stepped):
-    buffer = io.BytesIO()
-    torch.save(stepped, buffer)
-    buffer.seek(0)
-    loaded = torch.load(buffer, weights_only=True)
+    loaded = saved_and_loaded(stepped)
     assert type(loaded) is fp8fn.State and loaded.static == stepped.static
     assert_bit_identical(loaded, stepped)

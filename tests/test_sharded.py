@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import _sharded_workers as workers
 import pytest
-import torch.distributed as dist
-from _spawn import run_ranks
+from _spawn import assert_ok, spawn_results
 
 pytestmark = pytest.mark.slow
 
@@ -39,15 +38,9 @@ RUNS = {
 _TIMEOUT_S = {2: 300, 4: 420}
 
 
-def _spawn_main(rank, world_size, port, out_dir, names):
-    workers.main(rank, world_size, port, out_dir, names)
-
-
 def _run(world: int, out_dir) -> dict:
     """`{rank: {scenario: "ok" | traceback}}` from one spawn of `world` ranks."""
-    if not dist.is_available():
-        pytest.skip("torch.distributed is not available")
-    return run_ranks(_spawn_main, world, out_dir, _TIMEOUT_S[world], RUNS[world])
+    return spawn_results(workers.main, world, out_dir, _TIMEOUT_S[world], RUNS[world])
 
 
 @pytest.fixture(scope="module")
@@ -66,5 +59,4 @@ def results(tmp_path_factory):
     "world, scenario", [(w, s) for w, names in RUNS.items() for s in names], ids=str
 )
 def test_sharded_scenario(results, world, scenario):
-    for rank, outcome in results(world).items():
-        assert outcome.get(scenario) == "ok", f"rank {rank} of {world}:\n{outcome.get(scenario)}"
+    assert_ok(results(world), scenario, f"{world} ranks, ")

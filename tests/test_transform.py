@@ -2,13 +2,12 @@
 
 import concurrent.futures
 import copy
-import io
 
 import optree
 import pytest
 import torch
 import torch.nn.functional as F
-from _helpers import sqnr
+from _helpers import saved_and_loaded, sqnr
 from _models import Branchy, ReusedLayer, Tied, Transformer
 from torch import nn
 from torch.utils import _pytree as pytree
@@ -83,6 +82,20 @@ def _zero_obs(state):
 
 def _loss(fn):
     return lambda p, s, x: fn.apply(p, s, x).square().mean()
+
+
+def _transformed_mlp(batch: int):
+    """`(model, fn, x, params, state)`: `_mlp()`, its DELAYED transform, an input
+    `(batch, 16)`, detached copies of its parameters and `fn.init(x)`."""
+    model = _mlp()
+    fn = fp8fn.transform(model, DELAYED)
+    x = torch.randn(batch, 16)
+    return model, fn, x, _params(model), fn.init(x)
+
+
+def _stepped(fn, params, state, x):
+    """`state` updated with the observation of one torch.func.grad of `_loss(fn)` on `x`."""
+    return fp8fn.update(state, torch.func.grad(_loss(fn), argnums=1)(params, state, x))
 
 
 def _autograd_step(fn, params, state, x, loss=None):
@@ -217,11 +230,8 @@ def test_init_names_a_module_whose_name_contains_hash_apart_from_repeated_calls(
 
 
 def test_apply_is_pure():
-    model = _mlp()
-    fn = fp8fn.transform(model, DELAYED)
-    x = torch.randn(4, 16)
-    params, state = _params(model), fn.init(x)
-    state = fp8fn.update(state, torch.func.grad(_loss(fn), argnums=1)(params, state, x))
+    model, fn, x, params, state = _transformed_mlp(batch=4)
+    state = _stepped(fn, params, state, x)
     snapshot = copy.deepcopy((params, state, x))
     assert type(snapshot[1]) is fp8fn.State and snapshot[1].static == state.static
     out1, out2 = fn.apply(params, state, x), fn.apply(params, state, x)
@@ -362,7 +372,7 @@ def test_reusing_one_observed_state_is_refused_and_copies_merge_by_max():
     fn = fp8fn.transform(model, DELAYED)
     x1, x2 = torch.randn(8, 16), 3 * torch.randn(8, 16)
     params, state = _params(model), fn.init(x1)
-    state = fp8fn.update(state, torch.func.grad(_loss(fn), argnums=1)(params, state, x1))
+    state = _stepped(fn, params, state, x1)
 
     def two_views(p, s, x1, x2):
         return _loss(fn)(p, s, x1) + _loss(fn)(p, s, x2)
@@ -412,10 +422,7 @@ def test_reusing_one_observed_state_is_refused_and_copies_merge_by_max():
 
 
 def test_higher_order_derivatives_through_apply_are_refused():
-    model = _mlp()
-    fn = fp8fn.transform(model, DELAYED)
-    x = torch.randn(8, 16)
-    params, state = _params(model), fn.init(x)
+    model, fn, x, params, state = _transformed_mlp(batch=8)
 
     def gradient_penalty(p, s, x):
         return torch.func.grad(lambda x: _loss(fn)(p, s, x))(x).square().sum()
@@ -479,15 +486,9 @@ def test_vmap_over_an_ensemble_gives_each_member_its_own_state():
 
 
 def test_state_round_trips_through_torch_save_and_flat_dicts():
-    model = _mlp()
-    fn = fp8fn.transform(model, DELAYED)
-    x = torch.randn(4, 16)
-    params, state = _params(model), fn.init(x)
-    state = fp8fn.update(state, torch.func.grad(_loss(fn), argnums=1)(params, state, x))
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    buffer.seek(0)
-    loaded = torch.load(buffer, weights_only=True)
+    model, fn, x, params, state = _transformed_mlp(batch=4)
+    state = _stepped(fn, params, state, x)
+    loaded = saved_and_loaded(state)
     assert type(loaded) is fp8fn.State and loaded.static == state.static
     _assert_trees_equal(loaded, state)
     assert type(loaded["0"]) is fp8fn.SiteState
@@ -510,10 +511,7 @@ def test_state_round_trips_through_torch_save_and_flat_dicts():
     _assert_trees_equal(state, snapshot)
     flat["0.input.amax_history"].sub_(1.0)
     # The flat dict itself saves and loads with weights_only=True.
-    buffer = io.BytesIO()
-    torch.save(flat, buffer)
-    buffer.seek(0)
-    flat = torch.load(buffer, weights_only=True)
+    flat = saved_and_loaded(flat)
     unflat = fp8fn.unflatten_state(flat, DELAYED)
     assert unflat.static == state.static
     _assert_trees_equal(unflat, state)
@@ -672,10 +670,7 @@ def test_recipe_function_errors_name_the_problem():
 
 
 def test_apply_errors_name_the_problem():
-    model = _mlp()
-    fn = fp8fn.transform(model, DELAYED)
-    x = torch.randn(4, 16)
-    params, state = _params(model), fn.init(x)
+    model, fn, x, params, state = _transformed_mlp(batch=4)
     with pytest.raises(ValueError, match=r"fp8fn.apply: .*unexpected \['extra'\]\. If the model"):
         fn.apply({**params, "extra": torch.ones(1)}, state, x)
     with pytest.raises(TypeError, match=r"expected tensors in `params`, got \{'0.bias': 'list'\}"):
