@@ -3,6 +3,7 @@ unbiasedness of stochastic rounding, and randomness as data (the key in the stat
 
 from __future__ import annotations
 
+import dataclasses
 import io
 
 import optree
@@ -596,3 +597,90 @@ def test_vmap_over_a_batch_and_over_an_ensemble_of_states():
         for k in params:
             assert torch.equal(ensemble[k][i], grad(params, states[i], xs[0])[k])
     assert not torch.equal(ensemble["layers.0.weight"][0], ensemble["layers.0.weight"][1])
+
+
+# -- user errors ----------------------------------------------------------------------------------
+
+
+def test_recipe_defaults_frozen_and_invalid():
+    r = NVFP4Scaling()
+    assert (r.stochastic_rounding, r.hadamard, r.weight_2d, r.backend) == (True, True, True, "auto")
+    assert r.random and not NVFP4Scaling(stochastic_rounding=False, hadamard=False).random
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        r.hadamard = False
+    for field in ("stochastic_rounding", "hadamard", "weight_2d"):
+        with pytest.raises(
+            TypeError, match=rf"^fp8fn\.NVFP4Scaling: expected `{field}` to be a bool, got int 1\."
+        ):
+            NVFP4Scaling(**{field: 1})
+    with pytest.raises(ValueError, match=r"^fp8fn\.NVFP4Scaling: expected `backend` in .*'triton'"):
+        NVFP4Scaling(backend="triton")
+
+
+_X, _W = torch.randn(4, 32), torch.randn(8, 32)
+
+
+@pytest.mark.parametrize(
+    "site_state, error, match",
+    [
+        (None, TypeError, r"`site_state` to be a pair `\(key, site\)` under NVFP4Scaling\(.*got "),
+        ((_key(1),), TypeError, r"`site_state` to be a pair `\(key, site\)` .*got tuple\."),
+        ((1, "fc"), TypeError, r"the key of `site_state` to be a float64 \(\) tensor, got int\."),
+        (
+            (torch.tensor(1), "fc"),
+            TypeError,
+            r"the key of `site_state` to be a float64 \(\) tensor, got torch\.int64 \(\)\.",
+        ),
+        (
+            (torch.zeros(2, dtype=torch.float64), "fc"),
+            TypeError,
+            r"the key of `site_state` to be a float64 \(\) tensor, got torch\.float64 \(2,\)\.",
+        ),
+        ((_key(1), 3), TypeError, r"the site of `site_state` to be a str, got int\."),
+        (
+            (_key(1).to("meta"), "fc"),
+            ValueError,
+            r"the key on the device of `x`, cpu, got meta\. Move the state",
+        ),
+    ],
+)
+def test_linear_site_state_errors(site_state, error, match):
+    with pytest.raises(error, match=r"^fp8fn\.linear: expected " + match):
+        fp8fn.linear(_X, _W, None, site_state, ALL_ON)
+
+
+def test_linear_without_randomness_takes_no_site_state_and_refuses_empty():
+    plain = NVFP4Scaling(stochastic_rounding=False, hadamard=False)
+    out = fp8fn.linear(_X, _W, None, None, plain)
+    assert torch.equal(out, fp8fn.linear(_X, _W, None, (_key(3), "fc"), plain))
+    with pytest.raises(ValueError, match=r"^fp8fn\.linear: expected non-empty `x` and `weight` "):
+        fp8fn.linear(torch.randn(0, 32), _W, None, None, plain)
+
+
+def test_init_apply_update_merge_errors():
+    model, x = _model_and_data()
+    fn = fp8fn.transform(model, ALL_ON)
+    params = dict(model.named_parameters())
+    with pytest.raises(TypeError, match=r"^fp8fn\.init: expected `seed` to be an int, got float"):
+        fn.init(x, seed=1.0)
+    with pytest.raises(TypeError, match=r"^fp8fn\.init: expected `seed` to be an int, got bool"):
+        fn.init(x, seed=True)
+    state = fn.init(x)
+    keyless = fp8fn.transform(model, fp8fn.CurrentScaling()).init(x)
+    with pytest.raises(ValueError, match=r"^fp8fn\.apply: expected `state` with a random key"):
+        fn.apply(params, keyless, x)
+    with pytest.raises(TypeError, match=r"^fp8fn\.apply: expected `state\.key` to be float64"):
+        fn.apply(params, state._replace(key=torch.tensor(1)), x)
+    with pytest.raises(ValueError, match=r"^fp8fn\.apply: expected `state\.key` of shape \(\)"):
+        fn.apply(params, state._replace(key=torch.zeros(2, dtype=torch.float64)), x)
+    with pytest.raises(TypeError, match=r"^fp8fn\.State\._replace: expected fields amax_history"):
+        state._replace(seed=1)
+    _, obs = _func_grads(fn, params, state, x)
+    with pytest.raises(ValueError, match=r"^fp8fn\.update: `obs` has a random key .* `state` has"):
+        fp8fn.update(keyless, obs)
+    with pytest.raises(ValueError, match=r"^fp8fn\.merge: `obs_a` has a random key .* `obs_b`"):
+        fp8fn.merge(obs, keyless)
+    with pytest.raises(ValueError, match=r"^fp8fn\.update: expected `obs` an observation .* key"):
+        fp8fn.update(state, state)
+    with pytest.raises(ValueError, match=r"^fp8fn\.update: expected `obs` an observation .* key"):
+        fp8fn.update(state, fp8fn.update(state, obs))  # a state where the observation belongs
