@@ -684,3 +684,100 @@ def test_init_apply_update_merge_errors():
         fp8fn.update(state, state)
     with pytest.raises(ValueError, match=r"^fp8fn\.update: expected `obs` an observation .* key"):
         fp8fn.update(state, fp8fn.update(state, obs))  # a state where the observation belongs
+
+
+# -- torch.compile --------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_compiled_apply_and_value_and_grad_equal_eager_over_steps():
+    # One graph across steps (the key is a tensor input, not a constant), the same bits as eager.
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    model = MLP((32, 32, 32), seed=0)
+    x = torch.randn(40, 32)
+    params = dict(model.named_parameters())
+    fn = fp8fn.transform(model, ALL_ON)
+    state = fn.init(x, seed=1)
+    forward = torch.compile(fn.apply, fullgraph=True)
+    assert torch.equal(bits(forward(params, state, x)), bits(fn.apply(params, state, x)))
+    counter = CompileCounterWithBackend("inductor")
+    step = torch.compile(fp8fn.value_and_grad(_loss_of(fn), argnums=(0, 1)), backend=counter)
+    eager = fp8fn.value_and_grad(_loss_of(fn), argnums=(0, 1))
+    previous = None
+    for _ in range(2):
+        loss, (grads, obs) = step(params, state, x)
+        want_loss, (want, want_obs) = eager(params, state, x)
+        assert loss.item() == pytest.approx(want_loss.item(), rel=1e-6)
+        assert_bit_identical(grads, want)
+        assert obs.key.item() == want_obs.key.item() == 0.0
+        assert previous is None or not torch.equal(grads["layers.0.weight"], previous)
+        previous = grads["layers.0.weight"]
+        state = fp8fn.update(state, obs)
+    assert counter.frame_count == 1
+
+
+# -- data parallel: 2 gloo ranks ------------------------------------------------------------------
+
+
+def _dp_setup():
+    """A model whose last layer is delayed (sites to all_reduce), the rest NVFP4; data."""
+    model = MLP((32, 48, 16), seed=0)
+    delayed = fp8fn.DelayedScaling()
+    fn = fp8fn.transform(model, lambda n, m: delayed if n == "layers.1" else ALL_ON)
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(5))
+    return model, fn, x
+
+
+def _dp_worker(rank, world_size, port, out_dir):
+    import datetime
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=30),
+    )
+    try:
+        model, fn, x = _dp_setup()
+        params = dict(model.named_parameters())
+        state = fn.init(x, seed=0)
+        shard = x[rank * 8 : (rank + 1) * 8]
+        for _ in range(2):  # two steps: the key advances in lockstep
+            grads, obs = _func_grads(fn, params, state, shard)
+            state = fp8fn.update(state, fp8fn.all_reduce(obs))
+        same, _ = _func_grads(fn, params, state, x)  # the same data on both ranks
+        torch.save({"shard": grads, "same": same, "state": state}, f"{out_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_data_parallel_ranks_keep_one_key_and_round_independently(tmp_path, monkeypatch):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_dp_worker, args=(2, port, str(tmp_path)), nprocs=2, start_method="spawn")
+    got = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    # The state is the same on both ranks after all_reduce and update, the key advanced twice.
+    assert_bit_identical(got[0]["state"], got[1]["state"])
+    assert got[0]["state"].key.item() == op.seed_key(0) + 2
+    # On the same data the ranks round the gradients independently ...
+    same = [g["same"] for g in got]
+    assert not torch.equal(same[0]["layers.0.weight"], same[1]["layers.0.weight"])
+    assert torch.equal(same[0]["layers.1.bias"], same[1]["layers.1.bias"])  # nothing rounded
+    # ... exactly as documented: rank r draws what a single process with rank r draws.
+    model, fn, x = _dp_setup()
+    params = dict(model.named_parameters())
+    for rank in range(2):
+        monkeypatch.setattr(op, "process_rank", lambda: rank)
+        want, _ = _func_grads(fn, params, got[rank]["state"], x)
+        assert_bit_identical(same[rank], want)
