@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from ._nvfp4 import (
     NVFP4,
-    dequantize_nvfp4,
+    e2m1_to_float32,
     hadamard_signs,
     make_key,
     pack_e2m1,
@@ -110,7 +110,7 @@ def _pack(q: NVFP4) -> tuple:
 def _unpack(saved: tuple, k: int) -> torch.Tensor:
     """The float32 values of an operand saved by `_pack`, with last dim `k`."""
     packed, block_scale, tensor_scale = saved
-    return dequantize_nvfp4(unpack_e2m1(packed)[..., :k], block_scale, tensor_scale)
+    return _dequantize(unpack_e2m1(packed)[..., :k], block_scale, tensor_scale)
 
 
 def _hadamard(t, key, site, recipe):
@@ -137,8 +137,22 @@ def _x_for_grad_weight(x, key, site, recipe) -> NVFP4:
     return quantize_nvfp4(_hadamard(x.t(), key, site, recipe))
 
 
+# The float32 value of each E2M1 code (code 8 is -0.0), for a gather instead of arithmetic.
+_E2M1_VALUES = e2m1_to_float32(torch.arange(16, dtype=torch.uint8))
+
+
+def _dequantize(codes, block_scale, tensor_scale) -> torch.Tensor:
+    """`dequantize_nvfp4` bit for bit (the same values times the same float32 scales), with
+    the codes' values gathered from a table: ~3x faster on CPU."""
+    k = codes.shape[-1]
+    values = _E2M1_VALUES.to(codes.device)[codes.long()]
+    values = F.pad(values, (0, -k % 16)).unflatten(-1, (-1, 16))
+    scale = tensor_scale * block_scale.float()
+    return (values * scale.unsqueeze(-1)).flatten(-2)[..., :k]
+
+
 def _deq(q: NVFP4) -> torch.Tensor:
-    return dequantize_nvfp4(*q)
+    return _dequantize(*q)
 
 
 # -- the op ---------------------------------------------------------------------------------------
