@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ._guards import no_autocast
 from ._nvfp4 import (
     NVFP4,
     e2m1_to_float32,
@@ -44,6 +45,8 @@ from ._nvfp4 import (
     unpack_e2m1,
 )
 from ._recipe import NVFP4Scaling
+from ._tensorwise import _FirstOrderOnly
+from ._torch_private import tracked_by_outer_differentiation
 
 # Roles of the random draws (`random_bits`' `role`): the output gradient of the grad_input
 # GEMM, and of the grad_weight GEMM (whose Hadamard signs are stream 1 of the same role).
@@ -160,7 +163,12 @@ def _deq(q: NVFP4) -> torch.Tensor:
 
 class _NVFP4Linear(torch.autograd.Function):
     """y = x @ weight.T + bias under NVFP4. x (m, k), weight (n, k), bias (n,) or None; `key`
-    `()` int64 or None (a recipe without randomness), `site` int, `rank` int (static)."""
+    `()` int64 or None (a recipe without randomness), `site` int, `rank` int (static).
+
+    Returns `(y, anchor)`: `anchor` a `()` zero whose only use is to tell the backward whether
+    an outer differentiation records it (then using its results raises: higher-order
+    derivatives through the casts are not defined).
+    """
 
     generate_vmap_rule = True
 
@@ -171,11 +179,12 @@ class _NVFP4Linear(torch.autograd.Function):
         out = torch.mm(_deq(x_q), _deq(w_q).t())
         if bias is not None:
             out = out + bias.float()
-        return out.to(x.dtype)
+        return out.to(x.dtype), x.new_zeros((), dtype=torch.float32)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         x, weight, bias, key, recipe, site, rank = inputs
+        ctx.set_materialize_grads(False)  # the anchor gets no gradient: no zeros made
         needs = ctx.needs_input_grad
         ctx.recipe, ctx.site, ctx.rank = recipe, site, rank
         ctx.shapes = (x.shape[0], weight.shape[0], weight.shape[1])
@@ -185,15 +194,25 @@ class _NVFP4Linear(torch.autograd.Function):
         w_saved = _pack(_weight_for_grad_input(weight, recipe)) if needs[0] else ()
         x_saved = _pack(_x_for_grad_weight(x, key, site, recipe)) if needs[1] else ()
         ctx.counts = (len(w_saved), len(x_saved))
-        ctx.save_for_backward(*w_saved, *x_saved, key)
+        ctx.save_for_backward(*w_saved, *x_saved, key, output[1])
 
     @staticmethod
-    def backward(ctx, grad_out):
-        *saved, key = ctx.saved_tensors
+    def backward(ctx, grad_out, _):
+        *saved, key, anchor = ctx.saved_tensors
+        with no_autocast(grad_out):
+            grads = _NVFP4Linear._grads(ctx, grad_out, saved, key)
+        if torch.is_grad_enabled() and tracked_by_outer_differentiation(anchor):
+            # An outer differentiation records this backward: make its use raise.
+            grads = _FirstOrderOnly.apply(anchor, *grads)
+        return (*grads, None, None, None, None)
+
+    @staticmethod
+    def _grads(ctx, grad_out, saved, key):
+        """`(grad_x, grad_w, grad_b)`, None where not needed."""
         n_w, _ = ctx.counts
         w_saved, x_saved = tuple(saved[:n_w]), tuple(saved[n_w:])
         recipe, site, rank = ctx.recipe, ctx.site, ctx.rank
-        m, n, k = ctx.shapes
+        _, n, k = ctx.shapes
         x_dtype, w_dtype, b_dtype = ctx.dtypes
         needs = ctx.needs_input_grad
         grad_x = grad_w = grad_b = None
@@ -213,7 +232,7 @@ class _NVFP4Linear(torch.autograd.Function):
             grad_w = torch.mm(_deq(g_q), _unpack(x_saved, g_t.shape[1]).t()).to(w_dtype)
         if needs[2]:
             grad_b = g.sum(0).to(b_dtype)
-        return grad_x, grad_w, grad_b, None, None, None, None
+        return grad_x, grad_w, grad_b
 
 
 def check_nvfp4(x, weight) -> None:
@@ -276,7 +295,7 @@ def nvfp4_linear(x, weight, bias, recipe: NVFP4Scaling, random):
     if key is not None:
         key = key.detach().to(torch.int64)
         site = site_id(site)
-    out = _NVFP4Linear.apply(
+    out, _ = _NVFP4Linear.apply(
         x.reshape(-1, x.shape[-1]), weight, bias, key, recipe, site, process_rank()
     )
     return out.reshape(*x.shape[:-1], weight.shape[0])

@@ -155,7 +155,8 @@ def test_op_saves_quantized_operands_not_high_precision():
         fp8fn.linear(x, w, b, (_key(1), "fc"), ALL_ON)
     assert (torch.float32, (64, 48)) not in saved and (torch.float32, (32, 48)) not in saved
     # weight tiles (32, 48) packed two codes a byte, x.T (48, 64) along the tokens, with their
-    # e4m3 block scales and float32 tensor scales; and the key.
+    # e4m3 block scales and float32 tensor scales; the key; and the `()` anchor that tells the
+    # backward whether an outer differentiation records it.
     assert sorted(saved, key=str) == sorted(
         [
             (torch.uint8, (32, 24)),
@@ -165,6 +166,7 @@ def test_op_saves_quantized_operands_not_high_precision():
             (torch.float8_e4m3fn, (48, 4)),
             (torch.float32, ()),
             (torch.int64, ()),
+            (torch.float32, ()),
         ],
         key=str,
     )
@@ -781,3 +783,43 @@ def test_data_parallel_ranks_keep_one_key_and_round_independently(tmp_path, monk
         monkeypatch.setattr(op, "process_rank", lambda: rank)
         want, _ = _func_grads(fn, params, got[rank]["state"], x)
         assert_bit_identical(same[rank], want)
+
+
+def test_higher_order_derivatives_are_refused():
+    x, w, _, _ = _data()
+    site = (_key(1), "fc")
+
+    def first(w, x):
+        return fp8fn.linear(x, w, None, site, ALL_ON).square().sum()
+
+    want = torch.func.grad(first)(w, x)
+    with pytest.raises(RuntimeError, match=r"^fp8fn\.linear: higher-order derivatives"):
+        torch.func.grad(lambda w: torch.func.grad(first)(w, x).sum())(w)
+    wr = w.detach().clone().requires_grad_()
+    (gw,) = torch.autograd.grad(first(wr, x), wr, create_graph=True)
+    # The first-order result under create_graph is the plain one, bit for bit.
+    assert_bit_identical(gw.detach(), want)
+    with pytest.raises(RuntimeError, match=r"^fp8fn\.linear: higher-order derivatives"):
+        gw.sum().backward()
+    # A linear loss: the output gradient is constant, and still the weight gradient's
+    # dependence on x is not defined through the casts.
+    xr, wr = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    loss = fp8fn.linear(xr, wr, None, site, ALL_ON).sum()
+    (gw,) = torch.autograd.grad(loss, wr, create_graph=True)
+    plain = torch.func.grad(lambda w: fp8fn.linear(x, w, None, site, ALL_ON).sum())(w)
+    assert_bit_identical(gw.detach(), plain)
+    with pytest.raises(RuntimeError, match=r"^fp8fn\.linear: higher-order derivatives"):
+        torch.autograd.grad(gw.sum(), xr)
+
+
+def test_autocast_routes_agree_and_the_op_keeps_its_precision():
+    model, x = _model_and_data()
+    params = dict(model.named_parameters())
+    fn = fp8fn.transform(model, ALL_ON)
+    state = fn.init(x, seed=2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        func, _ = _func_grads(fn, params, state, x)
+        plain, _ = _autograd_grads(fn, params, state, x)
+        out = fn.apply(params, state, x)
+    assert out.dtype == torch.bfloat16
+    assert_bit_identical(func, plain)
