@@ -1,27 +1,45 @@
-"""Benchmark `fp8fn.all_reduce` against a naive per-site loop: collectives, bytes and time a step.
+"""Benchmark fp8fn on torch.distributed: `all_reduce` of observations, and FSDP2's traffic and
+memory with float8 weight all-gathers.
 
 Standalone: `python benchmarks/distributed.py [--sizes 8 512] [--repeats N] [--quick]`. The
-package never imports it. It spawns 2 gloo ranks on CPU. `fp8fn.all_reduce` reduces the packed
-observation of all sites in one `all_reduce(MAX)`; the naive loop reduces each site's observed
-amax of each role with its own `all_reduce` (3 per site), as a design with one state per tensor
-would. Collectives are counted with torch's `CommDebugMode`, bytes (per rank, sent into the
-collective) by wrapping `torch.distributed.all_reduce`; both results are checked to agree.
+package never imports it. It spawns 2 gloo ranks on CPU and prints two tables.
+
+1. `fp8fn.all_reduce` against a naive per-site loop: `fp8fn.all_reduce` reduces the packed
+   observation of all sites in one `all_reduce(MAX)`; the naive loop reduces each site's
+   observed amax of each role with its own `all_reduce` (3 per site), as a design with one state
+   per tensor would. Collectives are counted with torch's `CommDebugMode`, bytes (per rank, sent
+   into the collective) by wrapping `torch.distributed.all_reduce`; both results are checked to
+   agree.
+2. One model (residual MLP blocks and a head, `fully_shard` per block and on the root), one
+   training step after warming, routes side by side: FSDP2 in float32; fp8fn DelayedScaling
+   with float32 all-gathers and with `fp8fn.float8_all_gather`; fp8fn CurrentScaling with
+   float8 all-gathers; torchao 0.18 tensorwise (`emulate=True`) with
+   `enable_fsdp_float8_all_gather`, with and without `precompute_float8_dynamic_scale_for_fsdp`;
+   and fp8fn 0.2's route, `unshard()` of every FSDP module before the step. For each: the
+   collectives of the step (c10d ops seen by a dispatch mode, FSDP2's and the route's own) and
+   the bytes this rank sends into them, and the peak parameter memory per rank (the shards plus
+   the unsharded parameters alive, sampled at every op of the step). torchao rows are left out
+   when torchao is not installed.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import socket
-import statistics
 import tempfile
-import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import torch.nn.functional as F
+from _common import median_times, print_table
+from torch import nn
 from torch.distributed.tensor.debug import CommDebugMode
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import fp8fn
 
@@ -72,20 +90,14 @@ class _Bytes:
         dist.all_reduce = self._original
 
 
-def measure(reduce, obs: fp8fn.State, repeats: int) -> tuple[int, int, float]:
-    """(collectives, bytes, median ms) of one call of `reduce(obs)`."""
+def count(reduce, obs: fp8fn.State) -> tuple[int, int]:
+    """(collectives, bytes) of one call of `reduce(obs)`."""
     with CommDebugMode() as comm, _Bytes() as sent:
         reduce(obs)
-    times = []
-    for _ in range(repeats):
-        dist.barrier()
-        start = time.perf_counter()
-        reduce(obs)
-        times.append((time.perf_counter() - start) * 1e3)
-    return comm.get_total_counts(), sent.bytes, statistics.median(times)
+    return comm.get_total_counts(), sent.bytes
 
 
-def worker(rank: int, port: int, sizes, history_len: int, repeats: int, out: str) -> None:
+def worker(rank: int, port: int, sizes, history_len: int, repeats: int, shape, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",
@@ -99,13 +111,207 @@ def worker(rank: int, port: int, sizes, history_len: int, repeats: int, out: str
         obs = observation(n, history_len, rank)
         packed, naive = fp8fn.all_reduce(obs), naive_all_reduce(obs)
         assert torch.equal(packed.amax_history[..., 0], naive.amax_history[..., 0])
-        methods = (("fp8fn.all_reduce", fp8fn.all_reduce), ("per-site", naive_all_reduce))
-        for name, reduce in methods:
-            rows.append((n, name, *measure(reduce, obs, repeats)))
+        methods = {"fp8fn.all_reduce": fp8fn.all_reduce, "per-site": naive_all_reduce}
+        calls = {name: (lambda reduce=reduce: reduce(obs)) for name, reduce in methods.items()}
+        # every timed call starts with the ranks together
+        seconds = median_times(calls, repeats, before=dist.barrier)
+        for name, reduce in methods.items():
+            rows.append((n, name, *count(reduce, obs), seconds[name] * 1e3))
     if rank == 0:
         with open(out, "w") as f:
             f.writelines(f"{n}\t{name}\t{c}\t{b}\t{ms}\n" for n, name, c, b, ms in rows)
+    fsdp_rows = fsdp_table(rank, shape)
+    if rank == 0:
+        with open(out + ".fsdp.json", "w") as f:
+            json.dump(fsdp_rows, f)
     dist.destroy_process_group()
+
+
+# --- FSDP2: bytes, collectives and parameter memory per step --------------------------------------
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, hidden: int):
+        super().__init__()
+        self.ln, self.fc1, self.fc2 = nn.LayerNorm(d), nn.Linear(d, hidden), nn.Linear(hidden, d)
+
+    def forward(self, x):
+        return x + self.fc2(F.gelu(self.fc1(self.ln(x))))
+
+
+class Net(nn.Module):
+    """`n_blocks` residual MLP blocks and a head; linear weights dominate the parameters."""
+
+    def __init__(self, d: int, hidden: int, n_blocks: int):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(Block(d, hidden) for _ in range(n_blocks))
+        self.head = nn.Linear(d, d)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _storages(t) -> list:
+    """The storages holding `t`'s data (a tensor subclass: its inner tensors')."""
+    if type(t) is torch.Tensor or type(t) is nn.Parameter:
+        return [t.untyped_storage()]
+    local = getattr(t, "_local_tensor", None)
+    if local is not None:
+        return _storages(local)
+    names, _ = t.__tensor_flatten__()
+    return [s for name in names for s in _storages(getattr(t, name))]
+
+
+class StepMeter(TorchDispatchMode):
+    """Inside: the c10d collectives (`[(op, bytes this rank sends)]`) and, sampled at every op,
+    the peak bytes of parameter storage: the modules' parameters as they hold them then (FSDP2
+    swaps unsharded ones in and out) and the shards of every FSDP2 parameter."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model, self.collectives, self.peak = model, [], 0
+        self.shards = {id(p): p for p in model.parameters()}  # the optimizer's (sharded) ones
+
+    def _parameter_bytes(self) -> int:
+        seen = {}
+        held = [p for m in self.model.modules() for p in m._parameters.values() if p is not None]
+        for p in [*self.shards.values(), *held]:
+            for storage in _storages(p):
+                seen[storage.data_ptr()] = storage.nbytes()
+        return sum(seen.values())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if any(t is not torch.Tensor and t is not nn.Parameter for t in types):
+            # A tensor subclass (DTensor, float8 weights) first: the collectives it runs inside
+            # (DTensor's redistributions, torchao's amax all-reduces) then come here too.
+            return NotImplemented
+        namespace, name = func.namespace, func.__name__.split(".")[0]
+        collective = any(word in name for word in ("gather", "reduce", "broadcast", "all_to_all"))
+        if namespace in ("c10d", "_c10d_functional") and collective:
+            tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            if name in ("_allgather_base_", "_reduce_scatter_base_"):  # (output, input)
+                sent = tensors[1].nbytes
+            else:  # in place (allreduce_), or the functional collectives' input
+                sent = sum(t.nbytes for t in tensors)
+            self.collectives.append((name.lstrip("_").rstrip("_"), sent))
+        out = func(*args, **kwargs)
+        self.peak = max(self.peak, self._parameter_bytes())
+        return out
+
+
+def _fsdp_route(name: str, rank: int, d: int, hidden: int, n_blocks: int, batch: int):
+    """(collectives, peak parameter bytes) of the 3rd training step of route `name`."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    model = Net(d, hidden, n_blocks)
+    torchao = name.startswith("torchao")
+    if torchao:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        config = Float8LinearConfig(enable_fsdp_float8_all_gather=True, emulate=True)
+        convert_to_float8_training(model, config=config)
+    if "fp8 gather" in name and not torchao:
+        fp8fn.float8_all_gather(model)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(rank)
+    fn = state = None
+    if name.startswith("fp8fn"):
+        recipe = fp8fn.CurrentScaling() if "current" in name else fp8fn.DelayedScaling()
+        fn = fp8fn.transform(model, recipe)
+        state = fn.init(torch.randn(batch, d, generator=gen))
+    precompute = name.endswith("precompute")
+    unshard = "unshard" in name
+
+    def step():
+        nonlocal state
+        if unshard:
+            for m in model.modules():
+                if isinstance(m, FSDPModule):
+                    m.unshard()
+        x = torch.randn(batch, d, generator=gen)
+        if fn is None:
+            model(x).square().mean().backward()
+        else:
+            observed = fp8fn.observe(state) if len(state) else state
+            fn.apply(dict(model.named_parameters()), observed, x).square().mean().backward()
+            if len(state):
+                state = fp8fn.update(state, fp8fn.all_reduce(fp8fn.observations(observed)))
+        opt.step()
+        opt.zero_grad()
+        if precompute:
+            from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+            precompute_float8_dynamic_scale_for_fsdp(model)
+
+    for _ in range(2):
+        step()
+    with StepMeter(model) as meter:
+        step()
+    return meter.collectives, meter.peak
+
+
+FSDP_ROUTES = (
+    "float32",
+    "fp8fn delayed",
+    "fp8fn delayed, fp8 gather",
+    "fp8fn current, fp8 gather",
+    "torchao tensorwise, fp8 gather",
+    "torchao tensorwise, fp8 gather, precompute",
+    "fp8fn delayed, unshard() (0.2)",
+)
+
+
+def fsdp_table(rank: int, shape) -> list:
+    """`[(route, {op: (count, bytes)}, peak parameter bytes)]` of every route."""
+    try:
+        import torchao.float8  # noqa: F401
+    except ImportError:
+        routes = [r for r in FSDP_ROUTES if not r.startswith("torchao")]
+    else:
+        routes = list(FSDP_ROUTES)
+    rows = []
+    for name in routes:
+        collectives, peak = _fsdp_route(name, rank, *shape)
+        counts: dict = {}
+        for op, sent in collectives:
+            c, b = counts.get(op, (0, 0))
+            counts[op] = (c + 1, b + sent)
+        rows.append((name, counts, peak))
+    return rows
+
+
+def print_fsdp(rows, shape) -> None:
+    d, hidden, n_blocks, batch = shape
+    print(
+        f"\nFSDP2, {WORLD} gloo ranks: {n_blocks} blocks (Linear {d}->{hidden}->{d}, LayerNorm) + "
+        f"head, fully_shard per block and root, batch {batch} per rank; the 3rd step, per rank"
+    )
+    base = next(c for n, c, _ in rows if n == "float32")["allgather_base"][1]
+    head = ("route", "all-gathers", "bytes", "vs fp32", "reduce-scatters", "bytes", "all-reduces",
+            "bytes", "collectives", "peak param KiB")  # fmt: skip
+    table = []
+    for name, counts, peak in rows:
+        ag = counts.get("allgather_base", (0, 0))
+        rs = counts.get("reduce_scatter_base", (0, 0))
+        ar = [v for k, v in counts.items() if "all_reduce" in k or k == "allreduce"]
+        ar = (sum(c for c, _ in ar), sum(b for _, b in ar))
+        total = sum(c for c, _ in counts.values())
+        table.append((name, ag[0], ag[1], f"{ag[1] / base:.3f}x", rs[0], rs[1], *ar, total,
+                      f"{peak / 1024:.1f}"))  # fmt: skip
+    print_table(head, table)
+    print(
+        "(bytes: sent by this rank into the collectives; collectives: FSDP2's all-gathers and "
+        "reduce-scatters, and the route's all-reduces: fp8fn.all_reduce of the observations, "
+        "fp8fn's batched weight amaxes under CurrentScaling, torchao's amaxes; peak param: "
+        "shards plus the unsharded parameters alive, sampled at every op)"
+    )
 
 
 def free_port() -> int:
@@ -119,23 +325,37 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[8, 512])
     parser.add_argument("--history-len", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--fsdp-shape",
+        type=int,
+        nargs=4,
+        default=[256, 1024, 4, 32],
+        metavar=("D", "HIDDEN", "BLOCKS", "BATCH"),
+        help="the FSDP2 model: width, hidden width, blocks, batch per rank",
+    )
     parser.add_argument("--quick", action="store_true", help="tiny sizes, a few seconds")
     args = parser.parse_args()
     sizes, repeats = ([4, 16], 2) if args.quick else (args.sizes, args.repeats)
+    shape = (64, 256, 2, 8) if args.quick else tuple(args.fsdp_shape)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.tsv")
         mp.spawn(
             worker,
-            args=(free_port(), sizes, args.history_len, repeats, out),
+            args=(free_port(), sizes, args.history_len, repeats, shape, out),
             nprocs=WORLD,
             join=True,
         )
         with open(out) as f:
             rows = [line.rstrip("\n").split("\t") for line in f]
-    print(f"{WORLD} gloo ranks on CPU, history_len {args.history_len}, median of {repeats}")
-    print(f"{'sites':<6}  {'method':<17} {'collectives':>11} {'bytes/rank':>11} {'ms':>9}")
-    for n, name, count, nbytes, ms in rows:
-        print(f"{n:<6}  {name:<17} {count:>11} {nbytes:>11} {float(ms):>9.3f}")
+        with open(out + ".fsdp.json") as f:
+            fsdp_rows = json.load(f)
+    print_table(
+        ["sites", "method", "collectives", "bytes/rank", "ms"],
+        [[n, name, c, nbytes, f"{float(ms):.3f}"] for n, name, c, nbytes, ms in rows],
+        title=f"{WORLD} gloo ranks on CPU, history_len {args.history_len}, median of {repeats}",
+        left=2,
+    )
+    print_fsdp(fsdp_rows, shape)
 
 
 if __name__ == "__main__":

@@ -24,33 +24,21 @@ by side in one run (warmup, then rounds that call each variant in turn; the medi
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 
 import torch
 import torch.nn.functional as F
+from _common import cuda_clock, median_times, print_table, ratio
 from torch import nn
 
 DEVICE = "cuda"
 
 
 def _time(fns: dict, repeats: int, inner: int) -> dict:
-    """Median milliseconds per call of each function, timed in interleaved rounds."""
-    for fn in fns.values():  # warmup (and compilation)
-        for _ in range(3):
-            fn()
-    torch.cuda.synchronize()
-    times: dict = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(inner):
-                fn()
-            end.record()
-            end.synchronize()
-            times[name].append(start.elapsed_time(end) / inner)
-    return {name: statistics.median(t) for name, t in times.items()}
+    """Median milliseconds per call of each function, timed with CUDA events in interleaved
+    rounds (3 warmup rounds, then `repeats` rounds of `inner` calls each)."""
+    seconds = median_times(fns, repeats, warmup=3, inner=inner, clock=cuda_clock)
+    return {name: t * 1e3 for name, t in seconds.items()}
 
 
 class SwiGLU(nn.Module):
@@ -119,13 +107,6 @@ def _layer_variants(make_module, x: torch.Tensor, grad: torch.Tensor) -> dict:
     return variants
 
 
-def _print_table(title: str, rows: list, columns: list) -> None:
-    print(f"\n{title}")
-    widths = [max(len(str(r[i])) for r in [columns, *rows]) for i in range(len(columns))]
-    for r in [columns, *rows]:
-        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)))
-
-
 def bench_layers(sizes: dict, repeats: int) -> None:
     m, k, n, d, hidden = (sizes[key] for key in ("m", "k", "n", "d", "hidden"))
     cases = {
@@ -142,8 +123,9 @@ def bench_layers(sizes: dict, repeats: int) -> None:
 
         ms = _time(_layer_variants(make_module, x, grad), repeats, inner=1)
         for name, t in ms.items():
-            rows.append((case, name, f"{t:.3f}", f"{t / ms['bf16']:.2f}x"))
-    _print_table("fwd + bwd (ms, ratio to bf16)", rows, ["case", "variant", "ms", "ratio"])
+            rows.append((case, name, f"{t:.3f}", ratio(t, ms["bf16"])))
+    print()
+    print_table(["case", "variant", "ms", "ratio"], rows, "fwd + bwd (ms, ratio to bf16)", left=2)
 
 
 def _reference(hp, scale, dtype, transpose):
@@ -194,11 +176,12 @@ def bench_casts(sizes: dict, repeats: int) -> None:
         ref = ms["torch eager"]
         gb = hp.numel() * (2 + (2 if transpose else 1)) / 1e9  # bf16 read, float8 write(s)
         row = [f"{name} {tuple(shape)}"]
-        row += [f"{ms[v] * 1e3:.0f} ({ref / ms[v]:.2f}x)" for v in fns]
+        row += [f"{ms[v] * 1e3:.0f} ({ratio(ref, ms[v])})" for v in fns]
         row += [f"{gb / (ms['delayed step>=2'] / 1e3):.0f}", "yes" if exact else "NO"]
         rows.append(row)
     columns = ["tensor", *fns, "GB/s step>=2", "bits"]
-    _print_table("casts: us per call (speedup over torch eager)", rows, columns)
+    print()
+    print_table(columns, rows, "casts: us per call (speedup over torch eager)")
 
 
 def main() -> int:

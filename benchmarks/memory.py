@@ -1,7 +1,8 @@
 """Bytes saved for the backward by a small GPT: float32, fp8fn, fp8fn + per-block checkpointing.
 
 Standalone: `python benchmarks/memory.py [--d-model 256 --seq 128 --batch 32 --blocks 4]
-[--quick]`. The package never imports it; the model is `Transformer` from `tests/_models.py`.
+[--quick]`. The package never imports it; the model is the demo's character-level GPT
+(`fp8fn.demo.GPT`).
 
 Accounting. Every tensor autograd saves during the forward and the loss (plain autograd;
 saved-tensor hooks do not run under torch.func) is recorded by
@@ -35,18 +36,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from _common import print_table, ratio
 from torch import nn
 from torch.utils import _pytree as pytree
 
 import fp8fn
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from _models import Block, Transformer  # noqa: E402
+from fp8fn.demo import GPT, Block
 
 
 class Recorder:
@@ -134,7 +132,7 @@ def main(argv=None):
         quick = {"vocab": 64, "d_model": 32, "heads": 2, "blocks": 2, "seq": 16, "batch": 4}
         vars(args).update(quick)
 
-    model = Transformer(args.vocab, args.d_model, args.heads, args.blocks, args.seq).eval()
+    model = GPT(args.vocab, args.seq, args.d_model, args.blocks, args.heads).eval()
     gen = torch.Generator().manual_seed(0)
     x = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen)
     y = x.roll(-1, dims=1)
@@ -147,14 +145,17 @@ def main(argv=None):
     base = runs["(a) float32"]
     columns = list(base)
     print(
-        f"Transformer: vocab {args.vocab}, d_model {args.d_model}, {args.heads} heads, "
-        f"{args.blocks} blocks, seq {args.seq}, batch {args.batch}; eval mode (no dropout)"
+        f"GPT (fp8fn.demo): vocab {args.vocab}, d_model {args.d_model}, {args.heads} heads, "
+        f"{args.blocks} blocks, seq {args.seq}, batch {args.batch}; eval mode"
     )
-    print("bytes saved for the backward, MiB (ratio to (a)); storages deduplicated")
-    print(f"{'run':<24}" + "".join(f"{c:>24}" for c in columns))
-    for name, run in runs.items():
-        cells = (f"{run[c] / 2**20:9.3f} ({run[c] / base[c]:5.3f}x)" for c in columns)
-        print(f"{name:<24}" + "".join(f"{c:>24}" for c in cells))
+    print_table(
+        ["run", *columns],
+        [
+            [name, *(f"{run[c] / 2**20:.3f} ({ratio(run[c], base[c], 3)})" for c in columns)]
+            for name, run in runs.items()
+        ],
+        title="bytes saved for the backward, MiB (ratio to (a)); storages deduplicated",
+    )
     b, c = runs["(b) fp8fn"], runs["(c) fp8fn + checkpoint"]
     goals = [
         (
@@ -182,9 +183,11 @@ def main(argv=None):
         + ", ".join(f"{name} {mib:.3f}" for name, mib in resident.items())
     )
     print()
+    rows = []
     for label, value, op, bar in goals:
         met = value <= bar if op == "<=" else value >= bar
-        print(f"{label:<56} {value:6.3f}x  {'met' if met else 'MISSED'}")
+        rows.append([label, f"{value:.3f}x", "met" if met else "MISSED"])
+    print_table(["goal", "measured", ""], rows)
 
 
 if __name__ == "__main__":

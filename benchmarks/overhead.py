@@ -23,12 +23,11 @@ import argparse
 import collections
 import importlib.util
 import logging
-import statistics
-import time
 import warnings
 
 import torch
 import torch.nn.functional as F
+from _common import median_times, print_table, ratio
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -195,14 +194,7 @@ def time_tiny_sites(n_layers, repeats, warmup=3) -> dict:
             ao(x).backward(g)
 
         variants["torchao"] = torchao
-    times = {name: [] for name in variants}
-    for i in range(warmup + repeats):  # interleaved, so that drift falls on all alike
-        for name, run in variants.items():
-            start = time.perf_counter()
-            run()
-            if i >= warmup:
-                times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
+    return median_times(variants, repeats, warmup=warmup)
 
 
 # ------------------------------------------------------------------ update scaling
@@ -210,38 +202,20 @@ def time_tiny_sites(n_layers, repeats, warmup=3) -> dict:
 
 def time_update(sizes, repeats) -> dict:
     recipe = fp8fn.DelayedScaling(history_len=16)
-    out = {}
+    calls = {}
     for n in sizes:
         gen = torch.Generator().manual_seed(n)
         state = fp8fn.init_state(recipe, [f"l{i}" for i in range(n)])
         history = torch.rand(state.amax_history.shape, generator=gen)
         state = state._replace(amax_history=history)
-        obs = state._replace(amax_history=torch.rand(history.shape, generator=gen))
-        fp8fn.update(state, obs)
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            fp8fn.update(state, obs)
-            times.append(time.perf_counter() - start)
-        out[n] = statistics.median(times)
-    return out
+        seen = torch.zeros_like(history)
+        seen[..., 0] = torch.rand(history.shape[:-1], generator=gen)  # an observation
+        obs = state._replace(amax_history=seen)
+        calls[n] = lambda state=state, obs=obs: fp8fn.update(state, obs)
+    return median_times(calls, repeats)
 
 
 # ------------------------------------------------------------------ main
-
-
-def _table(header, rows, widths):
-    print(
-        "".join(
-            f"{h:<{w}}" if i == 0 else f"{h:>{w}}" for i, (h, w) in enumerate(zip(header, widths))
-        )
-    )
-    for row in rows:
-        print(
-            "".join(
-                f"{c:<{w}}" if i == 0 else f"{c:>{w}}" for i, (c, w) in enumerate(zip(row, widths))
-            )
-        )
 
 
 def main(argv=None) -> None:
@@ -270,10 +244,10 @@ def main(argv=None) -> None:
     )
     header = ["route", "forward", "backward", "total", "x float32", "x torchao"]
     rows = [
-        [name, f, b, f + b, f"{(f + b) / sum(base):.2f}", f"{(f + b) / sum(ao):.2f}" if ao else "-"]
+        [name, f, b, f + b, ratio(f + b, sum(base)), ratio(f + b, sum(ao)) if ao else "-"]
         for name, (f, b) in ops.items()
     ]
-    _table(header, rows, [34, 9, 9, 7, 11, 11])
+    print_table(header, rows)
 
     print(
         f"\n2. time per tiny site: {args.layers} chained 16x16 linears, forward + backward, "
@@ -285,16 +259,16 @@ def main(argv=None) -> None:
             name,
             f"{t * 1e3:.2f}",
             f"{t / args.layers * 1e6:.1f}",
-            f"{t / tiny['float32']:.2f}",
-            f"{t / ref:.2f}" if ref else "-",
+            ratio(t, tiny["float32"]),
+            ratio(t, ref) if ref else "-",
         ]
         for name, t in tiny.items()
     ]
-    _table(["route", "step ms", "us/site", "x float32", "x torchao"], rows, [20, 10, 10, 11, 11])
+    print_table(["route", "step ms", "us/site", "x float32", "x torchao"], rows)
 
     print("\n3. fp8fn.update on the packed state, eager, history_len 16")
-    rows = [[f"{n}", f"{t * 1e3:.3f}", f"{t / update[sizes[0]]:.2f}"] for n, t in update.items()]
-    _table(["sites", "ms", "x 8 sites"], rows, [8, 10, 11])
+    rows = [[n, f"{t * 1e3:.3f}", ratio(t, update[sizes[0]])] for n, t in update.items()]
+    print_table(["sites", "ms", "x 8 sites"], rows)
 
 
 if __name__ == "__main__":

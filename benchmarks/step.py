@@ -9,6 +9,7 @@ route, eager (`torch.func.grad_and_value`) and compiled (`torch.compile(fp8fn.va
 torchao `Float8Linear` (emulate=True, tensorwise dynamic scaling), eager and compiled. Goals
 (issue 5): fp8fn eager <= 0.8x torchao eager; compiled fp8fn <= 1.3x compiled float32.
 `--quick` runs a tiny MLP, two warmups and two repeats (a smoke run, numbers meaningless).
+The transformer is the demo's character-level GPT (`fp8fn.demo.GPT`).
 """
 
 from __future__ import annotations
@@ -17,25 +18,29 @@ import argparse
 import copy
 import importlib.util
 import logging
-import statistics
-import sys
-import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from _common import median_times, print_table, ratio
+from torch import nn
 
 import fp8fn
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from _models import MLP, Transformer  # noqa: E402
+from fp8fn.demo import GPT
 
 HAS_TORCHAO = importlib.util.find_spec("torchao") is not None
 
 
+def _mlp(width, n_layers=4):
+    """`n_layers` `width x width` linear layers with ReLUs between them."""
+    layers = [nn.Linear(width, width)]
+    for _ in range(n_layers - 1):
+        layers += [nn.ReLU(), nn.Linear(width, width)]
+    return nn.Sequential(*layers)
+
+
 def _mlp_case(quick, width):
     width, batch = (32, 16) if quick else (width, 256)
-    model = MLP((width,) * 5)  # 4 layers
+    model = _mlp(width)
     x, y = torch.randn(batch, width), torch.randint(0, width, (batch,))
     return model, (x, y), F.cross_entropy
 
@@ -43,7 +48,7 @@ def _mlp_case(quick, width):
 def _gpt_case(quick):
     d, seq, batch = (64, 32, 2) if quick else (256, 128, 8)
     vocab = 256
-    model = Transformer(vocab=vocab, d_model=d, n_heads=4, n_blocks=2, seq=seq)
+    model = GPT(vocab, seq, d_model=d, n_layers=2, n_heads=4)
     x, y = (torch.randint(0, vocab, (batch, seq)) for _ in range(2))
     return model, (x, y), lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten())
 
@@ -132,15 +137,13 @@ def variants(model, x):
 def measure(case, repeats, warmup):
     model, (x, y), loss_fn = case
     steps = variants(model, x)
-    times = {name: [] for name in steps}
-    for i in range(warmup + repeats):
-        for name, (step, bf16) in steps.items():
-            args = (x.to(torch.bfloat16) if bf16 and x.is_floating_point() else x, y, loss_fn)
-            t0 = time.perf_counter()
-            step(*args)
-            if i >= warmup:
-                times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    x_bf16 = x.to(torch.bfloat16) if x.is_floating_point() else x
+
+    def call(step, bf16):
+        return lambda: step(x_bf16 if bf16 else x, y, loss_fn)
+
+    fns = {name: call(step, bf16) for name, (step, bf16) in steps.items()}
+    return median_times(fns, repeats, warmup=warmup)
 
 
 def main(argv=None):
@@ -158,65 +161,42 @@ def main(argv=None):
     logging.getLogger("torch").setLevel(logging.ERROR)
     torch.manual_seed(0)
     cases = {"MLP": _mlp_case(args.quick, args.mlp_width)}
-    if not (
-        args.quick or args.mlp_only
-    ):  # quick: the MLP only (compiling the transformer takes minutes)
+    if not (args.quick or args.mlp_only):  # --quick: the MLP only (compiling the GPT takes minutes)
         cases["transformer"] = _gpt_case(args.quick)
     results = {name: measure(case, args.repeats, args.warmup) for name, case in cases.items()}
     names = list(next(iter(results.values())))
-    print(f"median step time (ms) of {args.repeats} repeats, {args.threads} threads")
-    print(f"{'variant':<24}" + "".join(f"{c:>14}" for c in results))
-    for name in names:
-        print(f"{name:<24}" + "".join(f"{r[name] * 1e3:>14.2f}" for r in results.values()))
-    ratios = [
-        (
-            "fp8fn delayed eager / torchao eager (goal <= 0.8)",
-            "fp8fn delayed eager",
-            "torchao eager",
-        ),
-        (
-            "fp8fn current eager / torchao eager (goal <= 0.8)",
-            "fp8fn current eager",
-            "torchao eager",
-        ),
-        (
-            "fp8fn delayed compiled / float32 compiled (<= 1.3)",
-            "fp8fn delayed compiled",
-            "float32 compiled",
-        ),
-        (
-            "fp8fn current compiled / float32 compiled (<= 1.3)",
-            "fp8fn current compiled",
-            "float32 compiled",
-        ),
-        ("fp8fn delayed compiled / torchao compiled", "fp8fn delayed compiled", "torchao compiled"),
-        ("fp8fn func compiled / fp8fn func eager", "fp8fn func compiled", "fp8fn func eager"),
-        (
-            "fp8fn func compiled / fp8fn delayed compiled",
-            "fp8fn func compiled",
-            "fp8fn delayed compiled",
-        ),
-        ("fp8fn func eager / fp8fn delayed eager", "fp8fn func eager", "fp8fn delayed eager"),
-        (
-            "fp8fn func compiled / torchao compiled (<= 1.0)",
-            "fp8fn func compiled",
-            "torchao compiled",
-        ),
-        (
-            "fp8fn func compiled / float32 compiled (<= 1.3)",
-            "fp8fn func compiled",
-            "float32 compiled",
-        ),
-        ("fp8fn delayed eager / float32 eager", "fp8fn delayed eager", "float32 eager"),
-        ("torchao eager / float32 eager", "torchao eager", "float32 eager"),
-        ("bfloat16 eager / float32 eager", "bfloat16 eager", "float32 eager"),
+    print_table(
+        ["variant", *results],
+        [[name, *(f"{r[name] * 1e3:.2f}" for r in results.values())] for name in names],
+        title=f"median step time (ms) of {args.repeats} repeats, {args.threads} threads",
+    )
+    ratios = [  # (numerator, denominator, goal)
+        ("fp8fn delayed eager", "torchao eager", "goal <= 0.8"),
+        ("fp8fn current eager", "torchao eager", "goal <= 0.8"),
+        ("fp8fn delayed compiled", "float32 compiled", "<= 1.3"),
+        ("fp8fn current compiled", "float32 compiled", "<= 1.3"),
+        ("fp8fn delayed compiled", "torchao compiled", ""),
+        ("fp8fn func compiled", "fp8fn func eager", ""),
+        ("fp8fn func compiled", "fp8fn delayed compiled", ""),
+        ("fp8fn func eager", "fp8fn delayed eager", ""),
+        ("fp8fn func compiled", "torchao compiled", "<= 1.0"),
+        ("fp8fn func compiled", "float32 compiled", "<= 1.3"),
+        ("fp8fn delayed eager", "float32 eager", ""),
+        ("torchao eager", "float32 eager", ""),
+        ("bfloat16 eager", "float32 eager", ""),
     ]
     print()
-    print(f"{'ratio':<52}" + "".join(f"{c:>14}" for c in results))
-    for label, a, b in ratios:
-        if a not in names or b not in names:
-            continue
-        print(f"{label:<52}" + "".join(f"{r[a] / r[b]:>14.2f}" for r in results.values()))
+    print_table(
+        ["ratio", *results],
+        [
+            [
+                f"{a} / {b}" + (f" ({goal})" if goal else ""),
+                *(ratio(r[a], r[b]) for r in results.values()),
+            ]
+            for a, b, goal in ratios
+            if a in names and b in names
+        ],
+    )
 
 
 if __name__ == "__main__":

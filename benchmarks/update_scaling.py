@@ -10,11 +10,9 @@ as a per-site state would, and is checked to give bit-identical results.
 from __future__ import annotations
 
 import argparse
-import random
-import statistics
-import time
 
 import torch
+from _common import median_times, print_table, ratio
 
 import fp8fn
 
@@ -56,16 +54,6 @@ def naive_update(state: fp8fn.State, obs: fp8fn.State) -> fp8fn.State:
     )
 
 
-def time_once(fn, *args) -> float:
-    """Milliseconds of one call, after an untimed call that warms caches for this size."""
-    fn(*args)
-    start = time.perf_counter()
-    out = fn(*args)
-    elapsed = (time.perf_counter() - start) * 1e3
-    del out  # freeing the result is not part of the call
-    return elapsed
-
-
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=30)
@@ -77,39 +65,39 @@ def main(argv=None) -> None:
     repeats = 3 if args.quick else args.repeats
     naive_repeats = min(repeats, args.naive_repeats)
     torch.set_num_threads(1)
-    random.seed(0)
     recipe = fp8fn.DelayedScaling(history_len=args.history_len)
     cases = {n: make_state(n, recipe) for n in sizes}
     for n, (state, obs) in cases.items():  # warm up, and check the two agree exactly
         got, want = fp8fn.update(state, obs), naive_update(state, obs)
         assert torch.equal(got.amax_history, want.amax_history), n
         assert torch.equal(got.scale.view(torch.int32), want.scale.view(torch.int32)), n
-    times = {n: {"update": [], "naive": []} for n in sizes}
-    order = list(sizes)
-    for i in range(repeats):  # interleave sizes, in a new order each time, so that drift
-        random.shuffle(order)  # and the after-effects of a large case fall on all sizes alike
-        for n in order:
-            state, obs = cases[n]
-            times[n]["update"].append(time_once(fp8fn.update, state, obs))
-            if i < naive_repeats:
-                times[n]["naive"].append(time_once(naive_update, state, obs))
-    med = {n: {k: statistics.median(v) for k, v in t.items()} for n, t in times.items()}
-    base, naive_base = med[sizes[0]]["update"], med[sizes[0]]["naive"]
-    print(
-        f"fp8fn.update on the packed state, eager, 1 thread, history_len={args.history_len}; "
-        f"median of {repeats} (naive loop: of {naive_repeats})"
+    # Sizes interleaved, in a new order every round, so that drift and the after-effects of a
+    # large case fall on all sizes alike; each call after an untimed one that warms caches for
+    # its size.
+    timing = {"warmup": 0, "shuffle": 0, "rewarm": True}
+    update = median_times(
+        {n: (lambda c=cases[n]: fp8fn.update(*c)) for n in sizes}, repeats, **timing
     )
-    header = ("sites", "update ms", "x 8 sites", "naive ms", "naive x 8", "naive/update")
-    print("".join(f"{h:>14}" for h in header))
+    naive = median_times(
+        {n: (lambda c=cases[n]: naive_update(*c)) for n in sizes}, naive_repeats, **timing
+    )
+    rows = []
     for n in sizes:
-        u, v = med[n]["update"], med[n]["naive"]
-        cells = (f"{n}", f"{u:.3f}", f"{u / base:.2f}", f"{v:.3f}", f"{v / naive_base:.2f}",
-                 f"{v / u:.1f}")  # fmt: skip
-        print("".join(f"{c:>14}" for c in cells))
+        u, v = update[n] * 1e3, naive[n] * 1e3
+        base, naive_base = update[sizes[0]] * 1e3, naive[sizes[0]] * 1e3
+        rows.append(
+            [n, f"{u:.3f}", ratio(u, base), f"{v:.3f}", ratio(v, naive_base), ratio(v, u, 1)]
+        )
+    print_table(
+        ["sites", "update ms", "x 8 sites", "naive ms", "naive x 8", "naive/update"],
+        rows,
+        title=f"fp8fn.update on the packed state, eager, 1 thread, "
+        f"history_len={args.history_len}; median of {repeats} (naive loop: of {naive_repeats})",
+    )
     largest = sizes[-1]
-    ratio = med[largest]["update"] / base
-    verdict = "met" if ratio < 8 else "MISSED"
-    print(f"\ngoal: update of {largest} sites < 8x of {sizes[0]} sites: {ratio:.2f}x  {verdict}")
+    growth = update[largest] / update[sizes[0]]
+    verdict = "met" if growth < 8 else "MISSED"
+    print(f"\ngoal: update of {largest} sites < 8x of {sizes[0]} sites: {growth:.2f}x  {verdict}")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from ._checkpoint import checkpoint
 from ._distributed import all_reduce
+from ._fsdp import float8_all_gather
 from ._linear import linear
 from ._quantize import compute_scale
 from ._recipe import (
@@ -32,6 +33,7 @@ __all__ = [
     "checkpoint",
     "compute_scale",
     "flatten_state",
+    "float8_all_gather",
     "init_state",
     "linear",
     "merge",

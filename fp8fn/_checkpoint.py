@@ -4,10 +4,49 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import sys
 
 import torch
+from torch import nn
 from torch.utils import _pytree as pytree
+
+from ._torch_private import (
+    differentiated,
+    differentiated_by_transform,
+    function_modes,
+    functorch_level,
+    unwrapped,
+)
+
+_PASS_AS_ARGUMENTS = (
+    "Pass it as an argument (`fp8fn.checkpoint(lambda w, x: x @ w, w, x)`, not "
+    "`fp8fn.checkpoint(lambda x: x @ w, x)`), or pass a module itself as `f` "
+    "(`fp8fn.checkpoint(block, x)`): its parameters are then arguments."
+)
+
+
+def _is_hf_cache(x) -> bool:
+    """A HF transformers cache (`DynamicCache`, `EncoderDecoderCache`, and the models' own that
+    do not derive from `Cache`, e.g. `ReformerDynamicCache`): a mutable object a layer updates
+    in place. Duck-typed, so that transformers stays an optional dependency."""
+    return any(
+        c.__name__.endswith("Cache") and c.__module__.startswith("transformers")
+        for c in type(x).__mro__
+    )
+
+
+def _refuse_cache(args, api: str, subject: str) -> None:
+    """Raise if `args` carry a HF KV cache: the recompute would update it a second time."""
+    leaves = pytree.tree_leaves(args, is_leaf=_is_hf_cache)  # kept whole if registered
+    cache = next((x for x in leaves if _is_hf_cache(x)), None)
+    if cache is not None:
+        raise ValueError(
+            f"fp8fn.{api}: expected no KV cache in the inputs of {subject}, got a "
+            f"{type(cache).__name__}: the recompute in the backward would update it a second "
+            "time (silently wrong gradients). Train without the cache: pass `use_cache=False` "
+            "to the model, or set `model.config.use_cache = False` (HF transformers)."
+        )
 
 
 class _Checkpoint(torch.autograd.Function):
@@ -38,12 +77,26 @@ class _Checkpoint(torch.autograd.Function):
         grads = [None] * len(tensors)
         if not diff:
             return (None, None, *grads)
+        # Plain autograd, no graph of the backward: the recompute runs on detached inputs, so
+        # a tensor in it that requires grad was read from outside `f`'s arguments.
+        plain = functorch_level() is None and not torch.is_grad_enabled()
+        if plain:
+            tensors = tuple(t.detach() for t in tensors)
 
         def run_diff(*diff_tensors):
             args = list(tensors)
             for i, t in zip(diff, diff_tensors):
                 args[i] = t
-            return tuple(ctx.run(*args))
+            outputs = tuple(ctx.run(*args))
+            if plain and any(unwrapped(o).requires_grad for o in outputs):
+                api, subject = ctx.run.names
+                raise RuntimeError(
+                    f"fp8fn.{api}: expected {subject} to take every tensor it differentiates "
+                    "through as an argument, got its recompute reading one that requires grad "
+                    "from elsewhere (a module's parameter, a global): its gradient would be "
+                    f"lost. {_PASS_AS_ARGUMENTS}"
+                )
+            return outputs
 
         def contracted(*diff_tensors):
             # sum(<output, cotangent>): its gradient is the vjp, bit for bit (the backward of
@@ -102,23 +155,58 @@ def _restored_rng(state):
         yield
 
 
+def _autocast_state(tensors):
+    """The autocast settings in effect for the devices of `tensors` and for the CPU."""
+    devices = dict.fromkeys(["cpu", *(t.device.type for t in tensors)])
+    settings = [
+        (d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
+        for d in devices
+        if torch.amp.is_autocast_available(d)
+    ]
+    return settings, torch.is_autocast_cache_enabled()
+
+
+@contextlib.contextmanager
+def _restored_autocast(state):
+    """Autocast as `_autocast_state` recorded it (on, with its dtype, or off), whatever is in
+    effect now (the backward usually runs outside the forward's autocast)."""
+    settings, cache = state
+    with contextlib.ExitStack() as stack:
+        for device, enabled, dtype in settings:
+            stack.enter_context(
+                torch.autocast(device, dtype=dtype, enabled=enabled, cache_enabled=cache)
+            )
+        yield
+
+
 def checkpoint(f, *args):
     """`f(*args)`, recomputed in the backward instead of saving its activations.
 
     Works under `torch.func.grad` / `vjp` / `grad_and_value` (where `torch.utils.checkpoint`
     raises) and under plain autograd. `f` must be a pure function of its arguments: everything
     it differentiates through — parameters and fp8fn scaling state included — must be passed in
-    `args`, not read from a module or a closure, since the recompute runs after the forward
-    has returned. The recompute sees the forward's RNG state, so dropout masks agree. Under
-    fp8fn scaling, a recompute casts bit-identically to the forward and observes nothing twice.
+    `args`, not read from a closure, since the recompute runs after the forward has returned.
+    An `nn.Module` (or a bound method of one) may be `f`: its parameters and buffers at the call
+    are then arguments too, and a `functools.partial`'s bound arguments are arguments. A tensor
+    `f` closes over (or holds as a default) that a differentiation tracks is refused with an
+    error, and so is, under plain autograd, a recompute that reads one from elsewhere. The
+    recompute sees the forward's RNG state and autocast settings, so dropout masks and dtypes
+    agree. Under fp8fn scaling, a recompute casts bit-identically to the forward and observes
+    nothing twice. Inside a model that `fp8fn.apply` runs, choose the module with
+    `checkpoint_fn` instead (there `fp8fn.checkpoint` is refused while recording gradients).
 
     Args:
       f: a function of pytrees of tensors (dicts, lists, tuples, NamedTuples; non-tensor
-        leaves are passed through unchanged) returning a pytree of tensors.
+        leaves are passed through unchanged) returning a pytree of tensors (None leaves, as in
+        HF layers' outputs, are returned as None), or an `nn.Module`.
       *args: its arguments.
 
     Returns:
       `f(*args)`.
+
+    Raises:
+      ValueError: when `f` closes over a tensor being differentiated.
+      RuntimeError: inside a model that `fp8fn.apply` runs, while recording gradients.
 
     Example:
       >>> import torch, fp8fn
@@ -128,7 +216,132 @@ def checkpoint(f, *args):
       >>> torch.equal(g["w"], torch.func.grad(f)(params, x)["w"])
       True
     """
-    return checkpoint_with_constants(lambda _, *args: f(*args), args, ())
+    if torch.is_grad_enabled() and any(
+        type(m).__module__.partition(".")[0] == "fp8fn" for m in function_modes()
+    ):
+        raise RuntimeError(
+            "fp8fn.checkpoint: expected to run outside fp8fn.apply, got a call inside the "
+            "model it runs: the recompute in the backward would run outside fp8fn.apply, "
+            "without its float8 casts (silently wrong gradients and observations). Checkpoint "
+            "the module with `checkpoint_fn=lambda name, module: ...` in fp8fn.transform."
+        )
+    call, bound, keywords = f, (), {}
+    while isinstance(call, functools.partial):  # its bound arguments become arguments
+        bound, keywords = (*call.args, *bound), {**call.keywords, **keywords}
+        call = call.func
+    module = call.__self__ if inspect.ismethod(call) else call
+    if not isinstance(module, nn.Module):
+        if torch.is_grad_enabled():
+            _refuse_closed_over(call, (bound, keywords, args))
+        return checkpoint_with_constants(
+            lambda _, b, kw, a: call(*b, *a, **kw), (bound, keywords, args), ()
+        )
+    names, params, buffers = _module_tensors(module)
+    holder = _Holder(module, call)
+    if torch.is_grad_enabled():
+        _refuse_closed_over(call, (params, bound, keywords, args))
+
+    def run(buffers, params, b, kw, a):
+        tensors = {**buffers, **params}
+        swapped = {"m." + n: tensors[first] for n, first in names.items()}
+        return torch.func.functional_call(
+            holder, swapped, (*b, *a), kw, tie_weights=False, strict=False
+        )
+
+    return checkpoint_with_constants(run, (params, bound, keywords, args), buffers)
+
+
+class _Holder(nn.Module):
+    """`call` (a module, or a bound method of one) as a module holding that module under `m.`:
+    `functional_call` on it swaps in the tensors of the checkpoint's arguments."""
+
+    def __init__(self, module, call):
+        super().__init__()
+        self.m, self._call = module, (call,)  # in a tuple: a module call is not a submodule
+
+    def forward(self, *args, **kwargs):
+        return self._call[0](*args, **kwargs)
+
+
+def _module_tensors(module):
+    """`module`'s tensors, for `functional_call`: `{name: first}` for each place it holds one
+    (a submodule registered twice holds them once), `first` the first name of that tensor (tied
+    tensors are one); the parameters and the buffers a differentiation tracks, `{first: t}`;
+    the other buffers, `{first: t}` (constants)."""
+    names, firsts, slots, params, buffers = {}, {}, set(), {}, {}
+    named = [(n, t, True) for n, t in module.named_parameters(remove_duplicate=False)]
+    named += [(n, t, False) for n, t in module.named_buffers(remove_duplicate=False)]
+    for name, t, is_parameter in named:
+        path, _, attr = name.rpartition(".")
+        slot = (id(module.get_submodule(path)), attr)
+        if slot in slots:
+            continue
+        slots.add(slot)
+        first = names[name] = firsts.setdefault(id(t), name)
+        if first == name:
+            (params if is_parameter or differentiated(t) else buffers)[name] = t
+    return names, params, buffers
+
+
+def _closed_over(f):
+    """`(name, tensor, held_by_module)` for the tensors `f` reads besides its arguments: in its
+    closure, its defaults, its `__self__`, inside dicts, lists, tuples, fp8fn States and
+    modules there, and in the functions found there (followed, up to a bound)."""
+    pending, seen = [("f", f)], set()
+    while pending and len(seen) < 1000:
+        name, value = pending.pop()
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        if isinstance(value, torch.Tensor):
+            yield name, value, False
+        elif isinstance(value, nn.Module):
+            for n, t in (*value.named_parameters(), *value.named_buffers()):
+                yield f"{name}.{n}", t, True
+        elif isinstance(value, functools.partial):
+            pending += [(name, value.func), (name, value.args), (name, value.keywords)]
+        elif inspect.ismethod(value):
+            pending += [(name, value.__func__), (name, value.__self__)]
+        elif inspect.isfunction(value):
+            code, cells = value.__code__, value.__closure__ or ()
+            for var, cell in zip(code.co_freevars, cells):
+                with contextlib.suppress(ValueError):  # an empty cell
+                    pending.append((var, cell.cell_contents))
+            pending += [(name, value.__defaults__ or ()), (name, value.__kwdefaults__ or {})]
+        else:  # a container (a pytree node: dict, list, tuple, fp8fn.State, ...), or nothing
+            leaves = pytree.tree_leaves(value)
+            if leaves != [value]:
+                pending += [(name, leaf) for leaf in leaves]
+
+
+def _refuse_closed_over(f, args) -> None:
+    """Raise if `f` reads a tensor a differentiation tracks from outside `args` (see `checkpoint`).
+
+    A module's own parameters are refused when a torch.func transform tracks them (the module
+    runs under `functional_call`), or, under plain autograd, when no argument requires grad; a
+    recompute that reads them is refused in the backward (they may be unused: `f` may swap in
+    its arguments with `functional_call`).
+    """
+    given = [t for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor)]
+    passed = {id(t) for t in given}
+    plain = functorch_level() is None
+    for name, t, held_by_module in _closed_over(f):
+        if id(t) in passed:
+            continue
+        if held_by_module:
+            tracked = differentiated_by_transform(t) or (
+                plain and t.requires_grad and not any(differentiated(g) for g in given)
+            )
+        else:
+            tracked = differentiated(t)
+        if tracked:
+            raise ValueError(
+                "fp8fn.checkpoint: expected `f` to take every tensor it differentiates through "
+                f"as an argument, got `{name}` (shape {tuple(t.shape)}) from outside them (its "
+                "closure, a default, a bound object), which requires grad or is differentiated "
+                "by torch.func: the recompute in the backward cannot differentiate it, so its "
+                f"gradient would be lost. {_PASS_AS_ARGUMENTS}"
+            )
 
 
 def refuse_compile() -> None:
@@ -141,12 +354,22 @@ def refuse_compile() -> None:
         )
 
 
-def checkpoint_with_constants(f, args: tuple, constants):
+def checkpoint_with_constants(
+    f, args: tuple, constants, api: str = "checkpoint", subject: str = "`f`"
+):
     """`checkpoint(f, *args)` where `f` also reads `constants`, a pytree of tensors that are not
     differentiated: `f(constants, *args)`. The recompute gets fresh copies of their values at
     the forward (so in-place updates in it, e.g. batch-norm statistics, touch only the copies
-    and happen once, in the forward)."""
+    and happen once, in the forward). `api` and `subject` name the caller and `f` in errors.
+
+    The recompute must see what the forward saw, and mutate nothing the forward already did:
+    it runs with the forward's RNG state and autocast settings; recording gradients, a HF KV
+    cache among `args` is refused (the recompute would update it again), and so is `f`
+    modifying a tensor of `args` in place (the recompute would start from the modified value).
+    """
     refuse_compile()
+    if torch.is_grad_enabled():
+        _refuse_cache(args, api, subject)
     const_leaves, const_spec = pytree.tree_flatten(constants)
     snapshot = [t.detach().clone() if isinstance(t, torch.Tensor) else t for t in const_leaves]
     leaves, in_spec = pytree.tree_flatten(args)
@@ -160,23 +383,44 @@ def checkpoint_with_constants(f, args: tuple, constants):
         consts = const_leaves
         if recomputing:  # fresh copies of the forward's values, made at the recompute's level
             consts = [t.clone() if isinstance(t, torch.Tensor) else t for t in snapshot]
+        forward = not recomputing
         recomputing.append(True)
-        outputs = f(
-            pytree.tree_unflatten(consts, const_spec), *pytree.tree_unflatten(filled, in_spec)
-        )
-        out_leaves, spec = pytree.tree_flatten(outputs)
-        if not all(isinstance(o, torch.Tensor) for o in out_leaves):
-            raise TypeError(
-                "fp8fn.checkpoint: expected `f` to return a pytree of tensors, got leaves of "
-                f"types {sorted({type(o).__name__ for o in out_leaves})}."
+        versions = [t._version for t in tensors] if forward else None
+        with contextlib.nullcontext() if forward else _restored_autocast(autocast):
+            outputs = f(
+                pytree.tree_unflatten(consts, const_spec), *pytree.tree_unflatten(filled, in_spec)
             )
-        out_spec[:] = [spec]
-        return out_leaves
+        if forward and versions != [t._version for t in tensors]:
+            raise RuntimeError(
+                f"fp8fn.{api}: expected {subject} to leave its inputs as they are, got one "
+                "modified in place: the recompute in the backward would start from the modified "
+                "value. Make the in-place op out of place (e.g. `x = x * 2`, not `x.mul_(2)`)."
+            )
+        out_leaves, spec = pytree.tree_flatten(outputs)
+        present = [o is not None for o in out_leaves]  # None leaves are kept as they are
+        if not any(present) or not all(
+            isinstance(o, torch.Tensor) for o in out_leaves if o is not None
+        ):
+            raise TypeError(
+                f"fp8fn.{api}: expected {subject} to return a pytree of tensors (None leaves "
+                "allowed, at least one tensor), got leaves of types "
+                f"{sorted({type(o).__name__ for o in out_leaves})}."
+            )
+        if out_spec and out_spec[0] != (spec, present):
+            raise RuntimeError(
+                f"fp8fn.{api}: expected {subject} to return the same structure when recomputed "
+                f"in the backward, got {out_spec[0][0]} in the forward and {spec} then. Make it "
+                "depend on its arguments only."
+            )
+        out_spec[:] = [(spec, present)]
+        return [o for o in out_leaves if o is not None]
 
     tensors = [x for x, t in zip(leaves, is_tensor) if t]
+    autocast = _autocast_state(tensors)
     diff = tuple(i for i, t in enumerate(tensors) if t.is_floating_point())
-    run.rng_state = _rng_state()
+    run.rng_state, run.names = _rng_state(), (api, subject)
     # Without dynamo imported nothing is being compiled, and dynamo need not be imported.
     function = _eager_checkpoint() if "torch._dynamo" in sys.modules else _Checkpoint
-    outputs = function.apply(run, diff, *tensors)
-    return pytree.tree_unflatten(list(outputs), out_spec[0])
+    outputs = iter(function.apply(run, diff, *tensors))
+    spec, present = out_spec[0]
+    return pytree.tree_unflatten([next(outputs) if p else None for p in present], spec)

@@ -1,13 +1,15 @@
 """Observations across ranks: `all_reduce`, the max of every observed amax in one collective.
 
 The packed state makes this one `torch.distributed.all_reduce(op=MAX)` whatever the number of
-sites: the observation's two tensors are copied into one flat buffer, reduced, and viewed back.
+sites: the observation's two tensors, and a 4-float tag of their structure (sites, config,
+shapes), are copied into one flat buffer, reduced, and viewed back.
 """
 
 from __future__ import annotations
 
 import gc
 import hashlib
+import sys
 
 import torch
 import torch.distributed as dist
@@ -60,29 +62,27 @@ def _check_device(device: torch.device, group) -> None:
     )
 
 
-# (group, static, shape) of the observations the ranks were found to agree on.
-_AGREED: set = set()
+def _structure_tag(key) -> torch.Tensor:
+    """A hash of `key` as two 24-bit integers (exact in float32), each next to its negation:
+    after a MAX over the ranks the tag is unchanged exactly when every rank sent the same one
+    (max(a) = a and max(-a) = -a mean min(a) = max(a)). float32 `(4,)`."""
+    digest = hashlib.blake2b(repr(key).encode(), digest_size=6).digest()
+    a, b = int.from_bytes(digest[:3], "little"), int.from_bytes(digest[3:], "little")
+    return torch.tensor([a, -a, b, -b], dtype=torch.float32)
 
 
-def _check_same_structure(obs: State, group) -> None:
-    """Raise on every rank unless all ranks of `group` reduce observations of one structure
-    (sites in one order, static config, shapes): the reduce pairs them by position, so another
-    structure would mix sites, or abort the collective. One tiny collective, the first time."""
-    key = (id(group), obs.static, tuple(obs.amax_history.shape))
-    if key in _AGREED:
-        return
-    digest = hashlib.blake2b(repr(key[1:]).encode(), digest_size=7).digest()
-    fingerprint = int.from_bytes(digest, "little")
-    both = torch.tensor([fingerprint, -fingerprint], device=obs.amax_history.device)
-    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-    if both.tolist() != [fingerprint, -fingerprint]:
+def _check_same_structure(obs: State, tag: torch.Tensor, reduced: torch.Tensor) -> None:
+    """Raise unless every rank reduced observations of one structure (sites in one order, static
+    config, shapes): the reduce pairs sites by position, so another structure would mix them.
+    `reduced` is `tag` after the MAX, read back on every call (4 floats, a host sync), so that
+    every rank raises, whatever it reduced before."""
+    if not torch.equal(reduced.cpu(), tag):
         raise ValueError(
             "fp8fn.all_reduce: expected observations of the same structure on every rank of "
             f"`group` (sites, in order, history_len, amax_compute, margin); this rank has "
             f"{obs!r}, another differs. Build the state the same way on every rank (fn.init of "
             "one transform; a layer called a different number of times has other sites)."
         )
-    _AGREED.add(key)
 
 
 def all_reduce(obs: State, group=None) -> State:
@@ -94,7 +94,8 @@ def all_reduce(obs: State, group=None) -> State:
     respect to the scales, zeros on fp8fn's routes) is reduced by max in the same collective, so
     the result is `fp8fn.merge` of the ranks' observations. Pure: `obs` is not modified. Every
     rank of `group` must call it, with observations of the same structure (the same model
-    and `fn.init`).
+    and `fn.init`): a 4-float tag of the structure rides in the collective and is read back
+    (one host sync), so ranks that disagree all raise instead of mixing sites.
 
     Merge microbatches first (`fp8fn.merge`), then reduce over the ranks, then `fp8fn.update`:
     every rank then holds the same state, bit for bit.
@@ -112,8 +113,8 @@ def all_reduce(obs: State, group=None) -> State:
 
     Raises:
       RuntimeError: when torch.distributed is not initialized.
-      ValueError: when `group` does not hold this rank, or its backend cannot reduce tensors
-        on `obs`'s device.
+      ValueError: when `group` does not hold this rank, its backend cannot reduce tensors
+        on `obs`'s device, or the ranks' observations differ in structure.
 
     Example (on every rank, after `torch.distributed.init_process_group`)::
 
@@ -127,14 +128,31 @@ def all_reduce(obs: State, group=None) -> State:
     group = _check_group(group)
     history, scale = obs.amax_history, obs.scale
     _check_device(history.device, group)
-    _check_same_structure(obs, group)
-    n = history.numel()
+    n, m = history.numel(), scale.numel()
+    tag = _structure_tag((obs.static, tuple(history.shape)))
     with torch.no_grad():
-        packed = torch.cat([observed_only(history).flatten(), scale.detach().flatten()])
+        pieces = [observed_only(history).flatten(), scale.detach().flatten()]
+        packed = torch.cat([*pieces, tag.to(history.device)])
         dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
+    _check_same_structure(obs, tag, packed[n + m :])
     return obs._replace(
-        amax_history=packed[:n].view(history.shape), scale=packed[n:].view(scale.shape)
+        amax_history=packed[:n].view(history.shape), scale=packed[n : n + m].view(scale.shape)
     )
+
+
+def is_fsdp_module(module) -> bool:
+    """Whether `module` is an FSDP2 module (`fully_shard` was called on it)."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and isinstance(module, fsdp.FSDPModule)
+
+
+def reshard_fsdp(module) -> None:
+    """Reshard every FSDP2 module in `module`: after a forward without backward (`fn.init`),
+    FSDP2 leaves the root unsharded, and an optimizer made then would hold the unsharded
+    tensors instead of the shards."""
+    for m in module.modules():
+        if is_fsdp_module(m):
+            m.reshard()
 
 
 def _is_ddp(module) -> bool:
@@ -149,16 +167,25 @@ def ddp_parameter(module):
     return next(iter(module.named_parameters()), None)
 
 
+def _ddp_owns(owner, modules: dict) -> bool:
+    """Whether `owner` is a DDP whose `_modules` is `modules`, or the instance dict of one
+    (Python 3.11 keeps an instance's attributes inline: the referrer is then its `__dict__`)."""
+    if _is_ddp(owner):
+        return owner.__dict__.get("_modules") is modules
+    return (
+        isinstance(owner, dict)
+        and owner.get("_modules") is modules
+        and any(_is_ddp(o) and o.__dict__ is owner for o in gc.get_referrers(owner))
+    )
+
+
 def refuse_ddp_inner_module(module) -> None:
     """Refuse the module inside a DistributedDataParallel: transforming it bypasses DDP's
     forward, and loss.backward() then leaves the gradients unaveraged (a documented trap)."""
     if not (dist.is_available() and dist.is_initialized()) or _is_ddp(module):
         return
     for holder in gc.get_referrers(module):  # DDP holds it in its `_modules` dict
-        if isinstance(holder, dict) and any(
-            _is_ddp(owner) and owner.__dict__.get("_modules") is holder
-            for owner in gc.get_referrers(holder)
-        ):
+        if isinstance(holder, dict) and any(_ddp_owns(o, holder) for o in gc.get_referrers(holder)):
             raise ValueError(
                 "fp8fn.transform: `module` is the module inside a DistributedDataParallel, whose "
                 "forward fp8fn would bypass, so loss.backward() would not average the gradients "

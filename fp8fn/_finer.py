@@ -122,6 +122,18 @@ _GEMMS = {
 # -- the op -------------------------------------------------------------------------------------
 
 
+def _gemm(fn, a, b, recipe, backend, shape, dtype):
+    """`fn(a, b, recipe, backend)`, or float zeros of `shape` in `dtype` when `a` or `b` is empty.
+
+    An empty operand means an empty result or a sum over nothing (no tokens: the weight
+    gradient; no features: the output before the bias): zeros, as the per-tensor op gives,
+    without a quantizer reducing over an empty dim.
+    """
+    if a.numel() == 0 or b.numel() == 0:
+        return torch.zeros(shape, dtype=dtype, device=a.device)
+    return fn(a, b, recipe, backend)
+
+
 class _FinerLinear(torch.autograd.Function):
     """y = x @ weight.T + bias. x (m, k), weight (n, k), bias (n,) or None; stateless recipes.
 
@@ -134,7 +146,8 @@ class _FinerLinear(torch.autograd.Function):
     @staticmethod
     def forward(x, weight, bias, recipe, backend):
         # (called by fp8fn.linear with autocast off, as the per-tensor op)
-        out = _GEMMS[type(recipe)][0](x, weight, recipe, backend)
+        output = _GEMMS[type(recipe)][0]
+        out = _gemm(output, x, weight, recipe, backend, (x.shape[0], weight.shape[0]), x.dtype)
         if bias is not None:
             out = out + bias.to(out.dtype)
         return out
@@ -156,9 +169,11 @@ class _FinerLinear(torch.autograd.Function):
         with no_autocast(grad_out):
             g = grad_out.contiguous()
             if needs[0]:
-                grad_x = grad_input(g, weight, ctx.recipe, ctx.backend).to(x_dtype)
+                grad_x = _gemm(grad_input, g, weight, ctx.recipe, ctx.backend, x.shape, g.dtype)
+                grad_x = grad_x.to(x_dtype)
             if needs[1]:
-                grad_w = grad_weight(g, x, ctx.recipe, ctx.backend).to(w_dtype)
+                grad_w = _gemm(grad_weight, g, x, ctx.recipe, ctx.backend, weight.shape, g.dtype)
+                grad_w = grad_w.to(w_dtype)
             if needs[2]:
                 grad_b = g.float().sum(0).to(b_dtype)
         return grad_x, grad_w, grad_b, None, None
@@ -166,11 +181,6 @@ class _FinerLinear(torch.autograd.Function):
 
 def check_finer(x, weight, recipe) -> None:
     """The checks a finer recipe adds to `check_operands`'."""
-    if x.numel() == 0 or weight.numel() == 0:
-        raise ValueError(
-            f"fp8fn.linear: expected non-empty `x` and `weight` under {type(recipe).__name__}, "
-            f"got x {tuple(x.shape)} and weight {tuple(weight.shape)}."
-        )
     if isinstance(recipe, MXScaling) and torch.float16 in (x.dtype, weight.dtype):
         raise TypeError(
             "fp8fn.linear: expected `x` and `weight` in float32 or bfloat16 under MXScaling, "
@@ -186,7 +196,9 @@ def finer_linear(x, weight, bias, recipe, backend):
     granularity: per row (`RowwiseScaling`), per 1 x 128 tile and 128 x 128 weight block
     (`BlockwiseScaling`) or per 32-element MX block (`MXScaling`). The bias gradient is
     `grad.float().sum(0)` in the bias dtype. Bit-identical on CPU to torchao 0.18's
-    emulated `Float8Linear` ("rowwise", "rowwise_with_gw_hp") and `MXFP8Linear`.
+    emulated `Float8Linear` ("rowwise", "rowwise_with_gw_hp") and `MXFP8Linear`. An empty
+    operand (no tokens, e.g. an uneven data-parallel shard) gives an empty output and exact
+    zeros for the weight gradient, as under the per-tensor recipes; no features, the bias.
 
     Args:
       x: `(..., in_features)` in float32, bfloat16 or float16 (not float16 under MX).
@@ -198,5 +210,6 @@ def finer_linear(x, weight, bias, recipe, backend):
     Returns:
       `(..., out_features)` in `x.dtype`.
     """
-    out = _FinerLinear.apply(x.reshape(-1, x.shape[-1]), weight, bias, recipe, backend)
+    rows = x.reshape(x.shape[:-1].numel(), x.shape[-1])  # (not -1: x may have no elements)
+    out = _FinerLinear.apply(rows, weight, bias, recipe, backend)
     return out.reshape(*x.shape[:-1], weight.shape[0])

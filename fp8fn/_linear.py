@@ -16,17 +16,21 @@ from ._tensorwise import tensorwise_linear
 def linear(x, weight, bias, site_state, recipe):
     """`x @ weight.T + bias` with both operands in float8, and float8 gradients.
 
-    The forward casts `x` and `weight` to `float8_e4m3fn`, the backward casts the output
-    gradient to `float8_e5m2`, each with saturation; `grad_input` and `grad_weight` come from the
-    float8 operands, the bias gradient is taken in high precision. Only the float8 copies of `x`
-    and `weight` (1 byte per element) and scalars are saved for the backward. Under autocast,
-    `x` is first cast to the autocast dtype (as torchao does) and the op itself is not
-    re-autocast, so every route gives the same bits.
+    Every GEMM (the output, `grad_input`, `grad_weight`) runs on float8 operands; the bias
+    gradient is taken in high precision. Casts saturate finite values and keep inf and NaN
+    visible (as NaN). Under autocast, `x` is first cast to the autocast dtype (as torchao does)
+    and the op itself is not re-autocast, so every route gives the same bits.
 
-    Under `DelayedScaling`, each cast uses the scale stored in `site_state` (or the tensor's own
-    amax while that role's history is empty). The gradient with respect to `site_state` is the
-    observation: `amax_history[:, 0]` holds the amaxes of input, weight and output gradient seen
-    in this call. Higher-order derivatives are refused.
+    * Per tensor (`DelayedScaling`, `CurrentScaling`): the forward casts `x` and `weight` to
+      `float8_e4m3fn`, the backward casts the output gradient to `float8_e5m2`; only the float8
+      copies of `x` and `weight` (1 byte per element) and scalars are saved for the backward.
+      Under `DelayedScaling`, each cast uses the scale stored in `site_state` (or the tensor's
+      own amax while that role's history is empty). The gradient with respect to `site_state`
+      is the observation: `amax_history[:, 0]` holds the amaxes of input, weight and output
+      gradient seen in this call. Higher-order derivatives are refused.
+    * Finer (`RowwiseScaling`, `BlockwiseScaling`, `MXScaling`): each GEMM quantizes both of
+      its operands from high precision along its contraction dim, so `x` and `weight` are
+      saved in high precision.
 
     Under `NVFP4Scaling` the operands are NVFP4 instead (see the recipe), and `site_state` is
     the pair `(key, site)` from which the random bits are drawn: `key` a float64 `()` tensor
@@ -39,9 +43,10 @@ def linear(x, weight, bias, site_state, recipe):
       x: `(..., in_features)` in float32, bfloat16 or float16.
       weight: `(out_features, in_features)`, floating.
       bias: `(out_features,)` or None.
-      site_state: `state[site]` of an `fp8fn.State` for `DelayedScaling`; `(key, site)` for
-        `NVFP4Scaling`; None otherwise.
-      recipe: an fp8fn recipe.
+      site_state: `state[site]` of an `fp8fn.State` for `DelayedScaling` (made for this recipe:
+        its config is checked); `(key, site)` for `NVFP4Scaling`; None otherwise.
+      recipe: an fp8fn recipe (`DelayedScaling`, `CurrentScaling`, `RowwiseScaling`,
+        `BlockwiseScaling`, `MXScaling`, `NVFP4Scaling`).
 
     Returns:
       `(..., out_features)` in `x.dtype` (the autocast dtype under autocast).

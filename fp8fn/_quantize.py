@@ -28,12 +28,14 @@ import torch.nn.functional as F
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
 FP8_MAX = {E4M3: torch.finfo(E4M3).max, E5M2: torch.finfo(E5M2).max}  # 448.0, 57344.0
-E4M3_MAX = FP8_MAX[E4M3]
 ROLE_DTYPE = (E4M3, E4M3, E5M2)  # input, weight, grad_output
 ROLE_FP8_MAX = tuple(FP8_MAX[d] for d in ROLE_DTYPE)
-EPS = 1e-12
 _E8M0_BIAS = 127
 _E8M0_NAN = 255
+# e4m3's largest value, 448.0, and the amax floor, 1e-12, are written as literals where used:
+# under torch.compile(dynamic=True) dynamo turns a float module global into a symbolic float,
+# and two layers' autograd.Function subgraphs sharing it fail dynamo's assertion
+# `lift_tracked_freevar_to_input should not be called on root SubgraphTracer`.
 
 # -- per tensor ---------------------------------------------------------------------------------
 
@@ -52,7 +54,7 @@ def saturate(hp32: torch.Tensor, dtype: torch.dtype, keep_nonfinite: bool = True
     """float32 `hp32` in float8 `dtype`: finite values clamped to +-max; inf and NaN give NaN
     (a positive one), so that an overflow stays visible (torch's own conversion would make inf
     448 in e4m3fn). `keep_nonfinite=False` clamps inf to +-max (torchao's finer recipes)."""
-    fp8_max = FP8_MAX[dtype]
+    fp8_max = 448.0 if dtype == E4M3 else 57344.0  # literals (see the module's top)
     if keep_nonfinite:
         nan = float("nan")
         hp32 = hp32.nan_to_num(nan=nan, posinf=nan, neginf=nan)
@@ -74,6 +76,17 @@ def cast_to_fp8(
       Tensor of `hp`'s shape in `dtype`; finite values beyond the format's max become +-max.
     """
     return saturate(hp.float() * scale, dtype, keep_nonfinite)
+
+
+def check_margin(api: str, margin) -> None:
+    """The one check of a margin: an int (TypeError otherwise) from 0 to 64 (ValueError)."""
+    if isinstance(margin, bool) or not isinstance(margin, int):
+        raise TypeError(
+            f"fp8fn.{api}: expected `margin` an int from 0 to 64, got "
+            f"{type(margin).__name__} {margin!r}."
+        )
+    if not 0 <= margin <= 64:
+        raise ValueError(f"fp8fn.{api}: expected `margin` an int from 0 to 64, got {margin}.")
 
 
 def compute_scale(amax: torch.Tensor, fp8_max: float, margin: int = 0) -> torch.Tensor:
@@ -103,10 +116,7 @@ def compute_scale(amax: torch.Tensor, fp8_max: float, margin: int = 0) -> torch.
         )
     if isinstance(fp8_max, bool) or not isinstance(fp8_max, (int, float)) or not fp8_max > 0:
         raise ValueError(f"fp8fn.compute_scale: expected `fp8_max` a float > 0, got {fp8_max!r}.")
-    if isinstance(margin, bool) or not isinstance(margin, int) or not 0 <= margin <= 64:
-        raise ValueError(
-            f"fp8fn.compute_scale: expected `margin` an int from 0 to 64, got {margin!r}."
-        )
+    check_margin("compute_scale", margin)
     return torch.where(amax > 0, scale_from_amax(amax, float(fp8_max), margin), 1.0)
 
 
@@ -136,7 +146,7 @@ def scale_from_amax(amax: torch.Tensor, fp8_max, margin: int) -> torch.Tensor:
 
 def _fp8_scale(amax: torch.Tensor) -> torch.Tensor:
     """float32 `448 / clamp(amax, 1e-12)`, computed in float64 (any shape)."""
-    return (amax.double().clamp(min=EPS).reciprocal() * E4M3_MAX).float()
+    return (amax.double().clamp(min=1e-12).reciprocal() * 448.0).float()
 
 
 def _pad_last(hp: torch.Tensor, block: int) -> torch.Tensor:
@@ -202,7 +212,7 @@ def _mx_exponent_rceil(amax: torch.Tensor) -> torch.Tensor:
 
     `amax` float32. NaN gives 255, inf gives 254.
     """
-    descale = amax / E4M3_MAX
+    descale = amax / 448.0
     exponent = torch.ceil(torch.log2(descale)).clamp(-_E8M0_BIAS, _E8M0_BIAS) + _E8M0_BIAS
     exponent = torch.where(torch.isinf(descale), 254, exponent.to(torch.uint8))
     return torch.where(torch.isnan(descale), _E8M0_NAN, exponent).to(torch.uint8)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from ._quantize import check_margin
+
 _BACKENDS = ("auto", "emulated", "scaled_mm")
 _TENSORWISE_BACKENDS = (*_BACKENDS, "triton")  # fused Triton casts: per-tensor recipes only
 _AMAX_COMPUTE = ("max", "most_recent")
@@ -56,15 +58,7 @@ class DelayedScaling:
                 f"fp8fn.DelayedScaling: expected `amax_compute` in {_AMAX_COMPUTE}, "
                 f"got {self.amax_compute!r}."
             )
-        if isinstance(self.margin, bool) or not isinstance(self.margin, int):
-            raise TypeError(
-                f"fp8fn.DelayedScaling: expected `margin` to be an int, "
-                f"got {type(self.margin).__name__} {self.margin!r}."
-            )
-        if not 0 <= self.margin <= 64:
-            raise ValueError(
-                f"fp8fn.DelayedScaling: expected `margin` from 0 to 64, got {self.margin}."
-            )
+        check_margin("DelayedScaling", self.margin)
         _check_backend("DelayedScaling", self.backend, _TENSORWISE_BACKENDS)
 
 

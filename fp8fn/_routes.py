@@ -109,13 +109,16 @@ def value_and_grad(f, argnums=0, has_aux=False):
         )
 
     def wrapped(*args, **kwargs):
-        if functorch_level() is not None:
+        # Dynamo cannot trace these queries (graph breaks); compiled, torch's own errors at
+        # torch.autograd.grad say it.
+        compiling = torch.compiler.is_compiling()
+        if not compiling and functorch_level() is not None:
             raise RuntimeError(
                 "fp8fn.value_and_grad: it differentiates with torch.autograd.grad, which "
                 "torch.func transforms (vmap, grad) do not allow inside them. Under torch.vmap "
                 "use torch.func.grad_and_value (fp8fn gives the same numbers on that route)."
             )
-        if torch.is_inference_mode_enabled():
+        if not compiling and torch.is_inference_mode_enabled():
             raise RuntimeError(
                 "fp8fn.value_and_grad: no gradient can be computed inside "
                 "torch.inference_mode(). Call it outside; for evaluation without gradients, "
@@ -136,7 +139,7 @@ def value_and_grad(f, argnums=0, has_aux=False):
                         f"fp8fn.value_and_grad: expected argument {i} to be a pytree of floating "
                         f"tensors, got a leaf {getattr(leaf, 'dtype', type(leaf).__name__)}."
                     )
-                if leaf.is_inference():
+                if not compiling and leaf.is_inference():
                     raise RuntimeError(
                         f"fp8fn.value_and_grad: argument {i} holds a tensor made under "
                         "torch.inference_mode(), which autograd cannot differentiate. Make it "

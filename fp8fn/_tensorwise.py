@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from ._backend import fp8_mm
+from ._backend import fp8_mm, scaled_mm_supported
+from ._fsdp import Float8GatheredWeight
 from ._guards import no_autocast
-from ._quantize import E4M3, E4M3_MAX, E5M2, FP8_MAX, amax, cast_to_fp8, scale_from_amax
+from ._quantize import E4M3, E5M2, amax, cast_to_fp8, scale_from_amax
 from ._torch_private import tracked_below, tracked_by_outer_differentiation
 from ._triton import TritonCast
 
@@ -31,7 +32,11 @@ def _scales(amaxes, newest, stored, margin: int, fp8_max: float):
 
 def _cast_operands(x, weight, newest, stored, margin: int, backend: str):
     """The forward's casts: `(x_fp8, w_fp8, x_scale, w_scale, x_amax, w_amax)`, e4m3 copies of
-    `x` and `weight`, the float32 `()` scales used and the observed amaxes."""
+    `x` and `weight`, the float32 `()` scales used and the observed amaxes. A weight that FSDP2
+    gathered in float8 (`float8_all_gather`) comes cast: its bytes, scale and amax are used."""
+    if isinstance(weight, Float8GatheredWeight):
+        x_fp8, x_scale, x_amax = _cast_input(x, newest, stored, margin, backend)
+        return x_fp8, weight._data, x_scale, weight._scale, x_amax, weight._amax
     if backend == "triton":  # one pass over each tensor at step >= 2
         (xn, wn, _), (xs, ws, _) = (None,) * 3, (None,) * 3
         if newest is not None:
@@ -39,23 +44,43 @@ def _cast_operands(x, weight, newest, stored, margin: int, backend: str):
         x_fp8, x_scale, x_amax = TritonCast.apply(x, xn, xs, margin, E4M3)
         w_fp8, w_scale, w_amax = TritonCast.apply(weight, wn, ws, margin, E4M3)
         return x_fp8, w_fp8, x_scale, w_scale, x_amax, w_amax
-    # Three roles at once (the last entry stands in for grad_output): no slicing of rows.
+    # Three roles at once (the last entry stands in for grad_output): no slicing of rows. The
+    # formats' max are literals (448.0, 57344.0): torch.compile(dynamic=True) turns float
+    # globals into symbols, which broke two chained layers.
     x_amax, w_amax = amax(x), amax(weight)
-    scales = _scales(torch.stack([x_amax, w_amax, w_amax]), newest, stored, margin, E4M3_MAX)
+    scales = _scales(torch.stack([x_amax, w_amax, w_amax]), newest, stored, margin, 448.0)
     x_scale, w_scale, _ = scales.unbind()
     x_fp8, w_fp8 = cast_to_fp8(x, x_scale, E4M3), cast_to_fp8(weight, w_scale, E4M3)
     return x_fp8, w_fp8, x_scale, w_scale, x_amax, w_amax
 
 
+def _cast_input(x, newest, stored, margin: int, backend: str):
+    """The forward's cast of `x` alone: `(x_fp8, x_scale, x_amax)`."""
+    xn = xs = None
+    if newest is not None:
+        xn, xs = newest[0], stored[0]
+    if backend == "triton":
+        return TritonCast.apply(x, xn, xs, margin, E4M3)
+    x_amax = amax(x)
+    x_scale = _scales(x_amax, xn, xs, margin, 448.0)
+    return cast_to_fp8(x, x_scale, E4M3), x_scale, x_amax
+
+
 def _cast_grad_output(grad_out, newest, stored, ctx):
-    """The backward's e5m2 cast: `(g_fp8, g_scale, g_amax)`."""
+    """The backward's e5m2 cast: `(g_fp8, g_fp8_t, g_scale, g_amax)`, `g_fp8_t` its `(n, m)`
+    transpose: a view, or with the Triton casts before a float8 GEMM, a row-major copy the
+    kernel writes in the same pass (the GEMM wants row-major operands)."""
     if ctx.backend == "triton":
         gn, gs = (None, None) if newest is None else (newest[2], stored[2])
-        return TritonCast.apply(grad_out, gn, gs, ctx.margin, E5M2)
+        if not scaled_mm_supported(grad_out.device):  # emulated matmuls take any layout
+            g_fp8, g_scale, g_amax = TritonCast.apply(grad_out, gn, gs, ctx.margin, E5M2)
+            return g_fp8, g_fp8.t(), g_scale, g_amax
+        return TritonCast.apply(grad_out, gn, gs, ctx.margin, E5M2, True)
     g_amax = amax(grad_out)
-    g_scale = _scales(g_amax, newest, stored, ctx.margin, FP8_MAX[E5M2])
+    g_scale = _scales(g_amax, newest, stored, ctx.margin, 57344.0)
     g_scale = g_scale if newest is None else g_scale[..., 2]
-    return cast_to_fp8(grad_out, g_scale, E5M2), g_scale, g_amax
+    g_fp8 = cast_to_fp8(grad_out, g_scale, E5M2)
+    return g_fp8, g_fp8.t(), g_scale, g_amax
 
 
 class _FirstOrderOnly(torch.autograd.Function):
@@ -114,7 +139,7 @@ class _Fp8LinearOp(torch.autograd.Function):
     def backward(ctx, grad_out, *_):
         x_fp8, w_fp8, x_inv, w_inv, w_amax, x_amax, newest, stored = ctx.saved_tensors
         with no_autocast(grad_out):
-            g_fp8, g_scale, g_amax = _cast_grad_output(grad_out, newest, stored, ctx)
+            g_fp8, g_fp8_t, g_scale, g_amax = _cast_grad_output(grad_out, newest, stored, ctx)
             g_inv = g_scale.reciprocal()
             x_dtype, w_dtype, b_dtype = ctx.dtypes
             needs = ctx.needs_input_grad
@@ -122,7 +147,7 @@ class _Fp8LinearOp(torch.autograd.Function):
             if needs[0]:
                 grads[0] = fp8_mm(g_fp8, w_fp8.t(), g_inv, w_inv, x_dtype, ctx.backend)
             if needs[1]:
-                grads[1] = fp8_mm(g_fp8.t(), x_fp8.t(), g_inv, x_inv, w_dtype, ctx.backend)
+                grads[1] = fp8_mm(g_fp8_t, x_fp8.t(), g_inv, x_inv, w_dtype, ctx.backend)
             if needs[2]:
                 grads[2] = grad_out.float().sum(0).to(b_dtype)
             if needs[3]:  # [x_amax, w_amax, g_amax], made here: at the backward's level

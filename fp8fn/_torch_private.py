@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import inspect
 import sys
+import types
 
 import torch
+import torch.nn.functional as F
 import torch.utils.checkpoint
 
 _functorch = torch._C._functorch
 
 
-def functorch_level() -> int | None:
-    """The innermost running torch.func transform's level, or None outside transforms."""
-    return _functorch.maybe_current_level()
+# The innermost running torch.func transform's level, or None outside transforms. (The C
+# function itself: a Python wrapper is a frame that torch.compile would make a graph of.)
+functorch_level = _functorch.maybe_current_level
 
 
 def tracked_by_outer_differentiation(t: torch.Tensor) -> bool:
@@ -46,6 +48,26 @@ def unwrapped(t: torch.Tensor) -> torch.Tensor:
 def tracked_below(t: torch.Tensor) -> bool:
     """Whether a differentiation below the current transform level tracks `t`."""
     return _functorch.is_gradtrackingtensor(t) or t.requires_grad
+
+
+def differentiated(t: torch.Tensor) -> bool:
+    """Whether a differentiation tracks `t`: a running torch.func transform, at any level, or
+    plain autograd (`requires_grad` of the tensor under the transforms' wrappers)."""
+    return differentiated_by_transform(t) or unwrapped(t).requires_grad
+
+
+def differentiated_by_transform(t: torch.Tensor) -> bool:
+    """Whether a running torch.func transform (at any level) tracks `t`, plain autograd aside."""
+    while _functorch.is_functorch_wrapped_tensor(t):
+        if t.requires_grad:  # a wrapper's requires_grad: tracked at the wrapper's level
+            return True
+        t = _functorch.get_unwrapped(t)
+    return False
+
+
+def function_modes() -> list:
+    """The `TorchFunctionMode`s in effect, outermost first."""
+    return torch.overrides._get_current_function_mode_stack()
 
 
 def saved_tensor_hooks_active() -> bool:
@@ -77,3 +99,54 @@ def inside_torch_checkpoint(stop_at) -> bool:
 def legacy_scaled_mm(a, b, scale_a, scale_b, out_dtype):
     """`torch._scaled_mm` with tensorwise scales, for a torch without `F.scaled_mm` (< 2.10)."""
     return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+
+
+def _attention_forward():
+    """`F.multi_head_attention_forward` without its `__torch_function__` dispatch.
+
+    nn.MultiheadAttention calls it with its projections' weights; a TorchFunctionMode sees that
+    one call, and nothing inside it. Running this copy with the mode entered again lets the
+    mode see its `linear` calls (the copy reads `has_torch_function` from its own globals).
+    Made once, at import: torch.compile then traces a plain function.
+    """
+    f = F.multi_head_attention_forward
+    namespace = {**f.__globals__, "has_torch_function": lambda *args: False}
+    copy = types.FunctionType(f.__code__, namespace, f.__name__, f.__defaults__, f.__closure__)
+    copy.__kwdefaults__ = f.__kwdefaults__
+    return copy
+
+
+attention_forward = _attention_forward()
+
+
+# -- DTensor internals (sharded parameters, `fp8fn/_sharded.py`) -----------------------------------
+# Inside an autograd.Function's `forward` torch.func has unwrapped its inputs, and there fp8fn
+# reads a DTensor's local shard and builds DTensors of given placements without a collective.
+# The public `to_local` / `from_local` are autograd.Functions without `setup_context`, which
+# torch.func refuses; these are what they do underneath.
+
+
+def dtensor_local(d: torch.Tensor) -> torch.Tensor:
+    """The local shard of the DTensor `d` (not a differentiable view: no autograd node)."""
+    return d._local_tensor
+
+
+def dtensor_spec(d: torch.Tensor):
+    """The `DTensorSpec` of the DTensor `d`: its mesh, placements and global shape."""
+    return d._spec
+
+
+def new_dtensor_spec(mesh, placements, shape, dtype):
+    """A `DTensorSpec` for a contiguous tensor of global `shape` and `dtype` placed on `mesh`."""
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    shape = torch.Size(shape)
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(shape, stride, dtype))
+
+
+def make_dtensor(local: torch.Tensor, spec) -> torch.Tensor:
+    """A DTensor of `spec` whose local shard is `local` (no collective, no check)."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor(local, spec, requires_grad=False)

@@ -23,11 +23,19 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from ._checkpoint import checkpoint_with_constants, refuse_compile
-from ._distributed import ddp_parameter, refuse_ddp_inner_module
+from ._distributed import (
+    ddp_parameter,
+    is_fsdp_module,
+    refuse_ddp_inner_module,
+    reshard_fsdp,
+)
+from ._fsdp import SCALES, Float8GatheredWeight, ScalesForCall, is_float8_gathered, weight_scales
 from ._guards import check_operands
 from ._linear import fp8_linear
 from ._nvfp4_linear import initial_key, seed_key
-from ._recipe import RECIPES, DelayedScaling, NVFP4Scaling
+from ._recipe import RECIPES, CurrentScaling, DelayedScaling, NVFP4Scaling
+from ._sharded import explain_error as explain_sharded_error
+from ._sharded import gather_params, sharded_linear, sharded_operands
 from ._state import (
     State,
     check_scales,
@@ -38,7 +46,11 @@ from ._state import (
     site_name,
     warn_if_superseded,
 )
-from ._torch_private import inside_torch_checkpoint, saved_tensor_hooks_active
+from ._torch_private import (
+    attention_forward,
+    inside_torch_checkpoint,
+    saved_tensor_hooks_active,
+)
 
 # What torch raises when the model's own torch.utils.checkpoint runs under torch.func.
 _TORCH_CHECKPOINT_UNDER_FUNC = ("saved tensor hooks", "must override the setup_context")
@@ -46,6 +58,7 @@ _TORCH_CHECKPOINT_UNDER_FUNC = ("saved tensor hooks", "must override the setup_c
 _TORCH_MUTATES_CAPTURED = "would mutate a captured Tensor"
 # What torch raises when a model (an HF input hook) calls requires_grad_() under torch.func.
 _TORCH_REQUIRES_GRAD_UNDER_FUNC = "call Tensor.requires_grad_() (or perhaps using"
+_SPLITS = (torch.Tensor.split, torch.Tensor.chunk)
 _USE_CHECKPOINT_FN = (
     "Turn the model's own checkpointing off (HF: `model.gradient_checkpointing_disable()`) and "
     "pass `checkpoint_fn=lambda name, module: ...` to fp8fn.transform."
@@ -64,11 +77,22 @@ class _Layer:
     bias: str | None
     recipe: object
     transposed: bool  # HF Conv1D: weight stored `(in, out)`, called through torch.addmm
-    module: nn.Module = dataclasses.field(repr=False)
+    module: nn.Module = dataclasses.field(repr=False)  # the module holding the weight
+    attrs: tuple = ("weight", "bias")  # the weight's and the bias's names on `module`
 
     def holds(self, weight) -> bool:
         """Whether `weight` is what the module holds now (FSDP2 swaps in unsharded weights)."""
-        return self.module._parameters.get(self.weight.rpartition(".")[2]) is weight
+        return self.module._parameters.get(self.attrs[0]) is weight
+
+    def own(self, tensors: dict):
+        """`(weight, bias)` this layer runs with: from `tensors`, else the module's own."""
+        weight = tensors.get(self.weight)
+        if weight is None:
+            weight = getattr(self.module, self.attrs[0])
+        if self.bias is None:
+            return weight, None
+        bias = tensors.get(self.bias)
+        return weight, getattr(self.module, self.attrs[1]) if bias is None else bias
 
 
 def _is_hf_conv1d(module) -> bool:
@@ -102,62 +126,66 @@ def _recipe_for(recipe, name, module):
     return chosen
 
 
-def _find_layers(module, recipe, filter_fn) -> list[_Layer]:
-    """The linear layers that run in float8, in module order.
+def _attention_layers(path: str, attention: nn.MultiheadAttention, names: dict):
+    """`[(path, weight attr, bias attr)]` of an nn.MultiheadAttention's input projections: one
+    packed `in_proj`, or `q_proj`, `k_proj`, `v_proj` (its `out_proj` is an nn.Linear)."""
+    prefix = f"{path}." if path else ""
+    if attention.in_proj_weight is not None:
+        return [(f"{prefix}in_proj", "in_proj_weight", "in_proj_bias")]
+    return [(f"{prefix}{r}_proj", f"{r}_proj_weight", "in_proj_bias") for r in "qkv"]
 
-    Warns when there are none, and when linear-like modules stay in high precision
-    (nn.MultiheadAttention calls its projections' weights itself).
-    """
+
+def _find_layers(module, recipe, filter_fn) -> list[_Layer]:
+    """The linear layers that run in float8, in module order: nn.Linear (and subclasses that
+    keep its forward), HF Conv1D, and nn.MultiheadAttention's projections (`<path>.in_proj`, or
+    `q_proj`/`k_proj`/`v_proj`, and its `out_proj`). Warns when there are none."""
     names = {id(p): n for n, p in module.named_parameters()}  # tied: the first name
-    attention = {
-        id(m) for a in module.modules() if isinstance(a, nn.MultiheadAttention) for m in a.modules()
-    }
-    layers, left = [], []
-    for name, sub in module.named_modules():
-        base = _linear_base(sub)
-        if isinstance(sub, nn.MultiheadAttention) or (base is not None and id(sub) in attention):
-            left.append(f"{name or '<root>'} ({type(sub).__name__})")
-            continue
-        if base is None or (filter_fn is not None and not filter_fn(name, sub)):
-            continue
+    layers = []
+
+    def add(name, sub, attrs, transposed):
+        if filter_fn is not None and not filter_fn(name, sub):
+            return
         chosen = _recipe_for(recipe, name, sub)
         if chosen is None:
+            return
+        bias = getattr(sub, attrs[1])
+        layers.append(
+            _Layer(
+                path=name,
+                weight=names[id(getattr(sub, attrs[0]))],
+                bias=None if not isinstance(bias, torch.Tensor) else names[id(bias)],
+                recipe=chosen,
+                transposed=transposed,
+                module=sub,
+                attrs=attrs,
+            )
+        )
+
+    for name, sub in module.named_modules():
+        if isinstance(sub, nn.MultiheadAttention):
+            for path, weight, bias in _attention_layers(name, sub, names):
+                add(path, sub, (weight, bias), False)
+            continue
+        base = _linear_base(sub)
+        if base is None:
             continue
         refuse = None
         if type(sub).forward is not base.forward:
             refuse = f"a {type(sub).__name__}, a {base.__name__} subclass with its own forward"
         elif torch.nn.utils.parametrize.is_parametrized(sub, "weight"):
             refuse = "parametrized (torch.nn.utils.parametrize: its weight is made at each use)"
-        if refuse:
+        if refuse and (filter_fn is None or filter_fn(name, sub)):
             raise TypeError(
                 f"fp8fn.transform: layer {name!r} is {refuse}, which fp8fn cannot convert "
                 "faithfully. Leave it in high precision with `filter_fn=lambda name, module: "
                 f"name != {name!r}`."
             )
-        bias = sub.bias if isinstance(sub.bias, torch.Tensor) else None
-        layers.append(
-            _Layer(
-                path=name,
-                weight=names[id(sub.weight)],
-                bias=None if bias is None else names[id(bias)],
-                recipe=chosen,
-                transposed=base is not nn.Linear,
-                module=sub,
-            )
-        )
+        add(name, sub, ("weight", "bias"), base is not nn.Linear)
     if not layers:
         warnings.warn(
             "fp8fn.transform: no layer was converted to float8, so the model runs entirely in "
-            "high precision. fp8fn converts nn.Linear and HF Conv1D layers chosen by "
-            "`filter_fn` and given a recipe"
-            + (f"; these stay in high precision: {left}." if left else "."),
-            stacklevel=3,
-        )
-    elif left:
-        warnings.warn(
-            f"fp8fn.transform: these linear-like modules stay in high precision: {left} "
-            "(nn.MultiheadAttention calls its projections' weights directly). Write attention "
-            "with nn.Linear projections to run them in float8.",
+            "high precision. fp8fn converts nn.Linear, HF Conv1D and nn.MultiheadAttention's "
+            "projections, chosen by `filter_fn` and given a recipe.",
             stacklevel=3,
         )
     return layers
@@ -259,14 +287,8 @@ class _Call(TorchFunctionMode):
         )
         self.passive = False
         self._rows = None
-        self._entries = [  # (layer, weight, bias): what each layer runs with
-            (
-                layer,
-                tensors.get(layer.weight, layer.module.weight),
-                tensors.get(layer.bias, layer.module.bias) if layer.bias else None,
-            )
-            for layer in transformed._layers
-        ]
+        # (layer, weight, bias): what each layer runs with
+        self._entries = [(layer, *layer.own(tensors)) for layer in transformed._layers]
         self._by_weight = None  # {id(weight): entries}; None while compiling (see _layer_of)
         if not torch.compiler.is_compiling():
             self._by_weight = {}
@@ -279,6 +301,11 @@ class _Call(TorchFunctionMode):
             return func(*args, **kwargs)
         if self.watching and (not torch.is_grad_enabled() or saved_tensor_hooks_active()):
             self._refuse_torch_checkpoint()
+        if func is F.multi_head_attention_forward:
+            with self:  # its own linear calls come back here (see `attention_forward`)
+                return attention_forward(*args, **kwargs)
+        if func in _SPLITS:  # the packed in_proj weight, split into q, k, v
+            return self._split(func, args, kwargs)
         if func is F.linear or func is torch.addmm:
             operands = _operands(func, args, kwargs)
             if operands is not None:
@@ -289,6 +316,8 @@ class _Call(TorchFunctionMode):
                         self._count(layer)
                         return func(*args, **kwargs)
                     return self._linear(layer, x, weight.t() if transposed else weight, bias)
+        if func is torch.Tensor.unflatten and torch.compiler.is_compiling():
+            func = torch.unflatten  # (dynamo cannot trace the method's `super()` call from here)
         return func(*args, **kwargs)
 
     def _refuse_torch_checkpoint(self):
@@ -304,17 +333,35 @@ class _Call(TorchFunctionMode):
                 f"without fp8fn's casts, so silently wrong gradients. {_USE_CHECKPOINT_FN}"
             )
 
+    def _split(self, func, args, kwargs):
+        """`weight.split(...)` or `.chunk(...)`: the pieces of a layer's weight are that
+        layer's weights too (nn.MultiheadAttention's packed in_proj, for cross-attention)."""
+        pieces = func(*args, **kwargs)
+        whole = args[0]
+        layer = next(iter(self._given(whole)), (None,))[0]
+        if layer is None and isinstance(whole, nn.Parameter):  # swapped in (FSDP2)
+            layer = self.transformed._holder_of(whole, False)
+        if layer is not None:
+            for piece in pieces:
+                entry = (layer, piece, None)
+                self._entries.append(entry)
+                if self._by_weight is not None:
+                    self._by_weight[id(piece)] = [entry]
+        return pieces
+
+    def _given(self, weight) -> list:
+        """The entries whose weight `weight` is (compiling: compared with `is`, since a dict
+        keyed by `id` would make dynamo guard on the ids)."""
+        if self._by_weight is None:
+            return [e for e in self._entries if e[1] is weight]
+        return self._by_weight.get(id(weight), [])
+
     def _layer_of(self, weight, bias, transposed):
         """The layer whose weight `weight` is, or None for any other linear call.
 
-        Layers sharing a weight are told apart by their bias. Compiling, the entries are
-        compared with `is` (a dict keyed by `id` would make dynamo guard on the ids).
+        Layers sharing a weight are told apart by their bias.
         """
-        if self._by_weight is None:
-            matches = [e for e in self._entries if e[1] is weight]
-        else:
-            matches = self._by_weight.get(id(weight), ())
-        matches = [e for e in matches if e[0].transposed == transposed]
+        matches = [e for e in self._given(weight) if e[0].transposed == transposed]
         if not matches:
             return self.transformed._holder_of(weight, transposed)
         return next((e[0] for e in matches if e[2] is bias), matches[0][0])
@@ -329,12 +376,6 @@ class _Call(TorchFunctionMode):
 
     def _linear(self, layer, x, weight, bias):
         name = self._count(layer)
-        if type(weight).__name__ == "DTensor" or type(x).__name__ == "DTensor":
-            raise ValueError(
-                f"fp8fn.apply: layer {layer.path!r} got a DTensor (tensor parallel or sharded "
-                "parameters), which fp8fn.apply does not take yet. FSDP2's `fully_shard` "
-                "works: its hooks unshard each block for its forward."
-            )
         newest = stored = None
         if isinstance(layer.recipe, DelayedScaling):
             i = self.state._positions().get(name)
@@ -348,6 +389,8 @@ class _Call(TorchFunctionMode):
                 self._rows = (self.state.amax_history[..., 0].unbind(0), self.state.scale.unbind(0))
             newest, stored = self._rows[0][i], self._rows[1][i]
         check_operands(f"apply: layer {layer.path!r}", x, weight, bias)
+        if sharded_operands(x, weight):  # functional FSDP, tensor parallel
+            return sharded_linear(self, layer, name, x, weight, bias, newest, stored)
         random = (self.state.key, name) if isinstance(layer.recipe, NVFP4Scaling) else None
         return fp8_linear(x, weight, bias, newest, stored, layer.recipe, random=random)
 
@@ -375,7 +418,13 @@ class _Call(TorchFunctionMode):
 
         self.passive = True
         try:
-            out = checkpoint_with_constants(run, (params, self.state, args, kwargs), buffers)
+            out = checkpoint_with_constants(
+                run,
+                (params, self.state, args, kwargs),
+                buffers,
+                api="apply",
+                subject=f"module {path!r} (chosen by `checkpoint_fn`)",
+            )
         finally:
             self.passive = False
         self.counts.update(end)
@@ -507,6 +556,89 @@ class Transformed:
         self._checkpointed_modules = [module.get_submodule(p) for p in self.checkpointed]
         self._block_slots = {id(m): _Slots(m) for m in self._checkpointed_modules}
         self._known_sites = None  # the `state.sites` last checked by `apply`
+        self._fsdp_slots = self._fsdp_managed()  # {name: (module, attr, shard)} under FSDP2
+        self._gathered = self._float8_gathered_layers()  # float8_all_gather's, under FSDP2
+
+    def _fsdp_managed(self) -> dict:
+        """`{name: (submodule, attribute, sharded parameter)}` of the parameters FSDP2 manages.
+
+        FSDP2's hooks put each module's unsharded parameters on it for its forward and its
+        sharded ones back after, so `apply` must leave these slots to FSDP2 (a swap by
+        `functional_call` would be undone on its exit, leaving the module holding shards
+        while FSDP2 counts it unsharded). Empty without FSDP2.
+        """
+        if not any(is_fsdp_module(m) for m in self.module.modules()):
+            return {}
+        reshard_fsdp(self.module)  # all shards in place (a forward may have left the root not)
+        managed = {}
+        for prefix, sub in self.module.named_modules():
+            if not is_fsdp_module(sub):
+                continue
+            for name, p in sub.named_parameters():
+                if sharded_operands(p):
+                    full = f"{prefix}.{name}" if prefix else name
+                    path, _, attr = full.rpartition(".")
+                    managed.setdefault(full, (self.module.get_submodule(path), attr, p))
+        return managed
+
+    def _without_fsdp_params(self, params: dict) -> dict:
+        """`params` without the FSDP2-managed parameters, which must be the model's own."""
+        for name, (module, attr, shard) in self._fsdp_slots.items():
+            given = params.get(name)
+            if given is not None and given is not shard and given is not module._parameters[attr]:
+                raise ValueError(
+                    f"fp8fn.apply: expected `params[{name!r}]` to be the model's own parameter, "
+                    f"which FSDP2 shards and gathers, got another tensor "
+                    f"({type(given).__name__}). Pass `dict(model.named_parameters())`: under "
+                    "FSDP2 the module's parameters are the ones that train."
+                )
+        return {k: v for k, v in params.items() if k not in self._fsdp_slots}
+
+    def _float8_gathered_layers(self) -> list[_Layer]:
+        """The layers whose weights FSDP2 all-gathers in float8 (`fp8fn.float8_all_gather`);
+        raises unless each runs in float8 with a per-tensor recipe and is sharded."""
+        gathered = [m for m in self._layers if is_float8_gathered(m.module.weight)]
+        layer_weights = {id(m.module.weight) for m in gathered}
+        for name, p in self.module.named_parameters():
+            if is_float8_gathered(p) and id(p) not in layer_weights:
+                raise ValueError(
+                    f"fp8fn.transform: parameter {name!r} is all-gathered in float8 "
+                    "(fp8fn.float8_all_gather), but its layer does not run in float8 under this "
+                    "transform (left out by `filter_fn` or its recipe). Give float8_all_gather "
+                    "the same `filter_fn` as fp8fn.transform."
+                )
+        for m in gathered:
+            if not isinstance(m.recipe, (DelayedScaling, CurrentScaling)):
+                raise ValueError(
+                    f"fp8fn.transform: expected layer {m.path!r}, whose weight is all-gathered in "
+                    "float8 (fp8fn.float8_all_gather), to use DelayedScaling or CurrentScaling, "
+                    f"got {type(m.recipe).__name__}. Leave it out of float8_all_gather."
+                )
+            weight = m.module.weight
+            if not (sharded_operands(weight) or isinstance(weight, Float8GatheredWeight)):
+                raise ValueError(
+                    f"fp8fn.transform: expected the float8_all_gather weight of layer {m.path!r} "
+                    "to be sharded by FSDP2, got an unsharded weight. Call fully_shard after "
+                    "fp8fn.float8_all_gather and before fp8fn.transform."
+                )
+        return gathered
+
+    def _weight_scales(self, state) -> ScalesForCall:
+        """The weight scales of this call's float8 all-gathers (see `fp8fn._fsdp`)."""
+        if any(not sharded_operands(m.module._parameters["weight"]) for m in self._gathered):
+            # A weight still gathered from an earlier forward without backward (FSDP2 keeps the
+            # root unsharded) holds that call's scale: reshard, so it is gathered again.
+            reshard_fsdp(self.module)
+        positions = state._positions()
+        entries = [
+            (
+                m.module,
+                positions[site_name(m.path, 0)] if isinstance(m.recipe, DelayedScaling) else None,
+                getattr(m.recipe, "margin", 0),
+            )
+            for m in self._gathered
+        ]
+        return ScalesForCall(weight_scales(entries, state))
 
     def _delayed_recipe(self) -> DelayedScaling | None:
         """The one DelayedScaling config of the stateful layers (they share one packed state)."""
@@ -558,7 +690,9 @@ class Transformed:
         """Find every fp8 call site and return the initial scaling state.
 
         The model runs once, on the meta device when it can (no real activations are
-        computed), else for real without autograd and with the global RNG left as it was.
+        computed), else for real without autograd and with the global RNG left as it was. A
+        model with sharded (DTensor) parameters, as under FSDP2, always runs for real (FSDP2
+        all-gathers, so every rank calls `init`), and its FSDP2 modules are resharded after.
         Sites are the stateful (DelayedScaling) layers' calls, in the order of the module tree
         (`fn.layers`), each layer's calls in turn: `path`, then `path#k` for its k-th further
         call. A layer the example did not call (a branch not taken) has its `path` site too. So
@@ -587,7 +721,7 @@ class Transformed:
         first = next((m for m in self._layers if m.path in stateful), None)
         nvfp4 = [m for m in self._layers if isinstance(m.recipe, NVFP4Scaling)]
         first = first or next(iter(nvfp4), None)
-        device = None if first is None else first.module.weight.device
+        device = None if first is None else first.own({})[0].device
         state = init_state(recipe, names, device)
         return state._replace(key=initial_key(seed, device)) if nvfp4 else state
 
@@ -604,24 +738,35 @@ class Transformed:
             return memo[id(t)]
 
         with torch.random.fork_rng(devices=[]):  # discovery must not consume the RNG
+            # Sharded (DTensor) parameters: FSDP2's lazy init would adopt meta tensors as its
+            # shards, so such a model runs for real (FSDP2 all-gathers: every rank calls init).
+            if not any(sharded_operands(t) for t in tensors.values()):
+                try:
+                    meta = {k: to_meta(v) for k, v in tensors.items()}
+                    return self._run_discovery(meta, pytree.tree_map(to_meta, (args, kwargs)))
+                except Exception:  # data-dependent control flow, or an op without a meta kernel
+                    pass
             try:
-                meta = {k: to_meta(v) for k, v in tensors.items()}
-                return self._run_discovery(meta, pytree.tree_map(to_meta, (args, kwargs)))
-            except Exception:  # data-dependent control flow, or an op without a meta kernel
-                pass
-            try:
-                return self._run_discovery({}, (args, kwargs))
+                sites = self._run_discovery({}, (args, kwargs))
             except Exception as e:
                 raise RuntimeError(
                     f"fp8fn.init: the model raised on the example inputs ({type(e).__name__}: "
                     f"{e}). Call fn.init with inputs the model accepts."
                 ) from e
+        if any(p is not tensors[n] for n, p in self.module.named_parameters()):
+            reshard_fsdp(self.module)  # FSDP2 keeps the root unsharded after a forward
+        return sites
 
     def _run_discovery(self, tensors, args_kwargs) -> list[str]:
         args, kwargs = args_kwargs
         call = _Call(self, tensors, None)
-        with torch.no_grad(), self._exclusive(), call:
-            _functional_call(self.module, self._slots, tensors, args, kwargs)
+        token = SCALES.set(ScalesForCall(None)) if self._gathered else None
+        try:
+            with torch.no_grad(), self._exclusive(), call:
+                _functional_call(self.module, self._slots, tensors, args, kwargs)
+        finally:
+            if token is not None:
+                SCALES.reset(token)
         return call.sites
 
     def apply(self, params: dict, state: State, *args, **kwargs):
@@ -629,10 +774,20 @@ class Transformed:
 
         The module runs as it is now: its buffers, dtype, device, training flags and hooks.
 
+        Sharded parameters (DTensors; see `fp8fn/_sharded.py`): functional FSDP gives `params`
+        as `distribute_tensor(p, mesh, [Shard(0)])` for a plain module (torch.func or plain
+        autograd; float8 weights are all-gathered in float8, the others in high precision;
+        gradients come back sharded, averaged over the ranks); a tensor-parallel module
+        (`parallelize_module`, optionally inside FSDP2) takes `dict(model.named_parameters())`
+        under plain autograd. Every rank must hold the same `state` (`fp8fn.all_reduce`).
+
         Args:
           params: `{name: tensor}` keyed like `module.named_parameters()`; it may also give
             buffers (keyed like `module.named_buffers()`). A name it leaves out is the module's
-            own tensor, as in `torch.func.functional_call` (e.g. a frozen base model).
+            own tensor, as in `torch.func.functional_call` (e.g. a frozen base model). Whether
+            they are DTensors is read from the first entry. Under FSDP2 (`fully_shard`), the
+            parameters it manages must be the module's own (`dict(model.named_parameters())`):
+            FSDP2's hooks gather and reshard them.
           state: the `fp8fn.State` from `init` (or `update`).
           *args, **kwargs: the module's inputs.
 
@@ -646,21 +801,32 @@ class Transformed:
         """
         self._check(params, state)
         claim(state.amax_history, "apply", "state")
-        call = _Call(self, params, state)
+        if not self._fsdp_slots and is_fsdp_module(self.module):  # fully_shard after transform
+            self._fsdp_slots = self._fsdp_managed()
+        if self._fsdp_slots:
+            params = self._without_fsdp_params(params)
+        tensors = params
+        if params and sharded_operands([*params.values()][0]):  # the first tells
+            tensors = gather_params(self, params)
+        call = _Call(self, tensors, state)
+        token = SCALES.set(self._weight_scales(state)) if self._gathered else None
         try:
             if self._checkpointed_modules:
                 refuse_compile()
                 with self._exclusive(), call, _activated(call):
                     with _checkpoint_forwards(self._checkpointed_modules):
-                        return _functional_call(self.module, self._slots, params, args, kwargs)
+                        return _functional_call(self.module, self._slots, tensors, args, kwargs)
             with self._exclusive(), call:
-                return _functional_call(self.module, self._slots, params, args, kwargs)
+                return _functional_call(self.module, self._slots, tensors, args, kwargs)
         except TypeError as e:
             bad = {n: type(v).__name__ for n, v in params.items() if not torch.is_tensor(v)}
             if bad:
                 raise TypeError(f"fp8fn.apply: expected tensors in `params`, got {bad}.") from e
             raise
         except RuntimeError as e:
+            sharded = explain_sharded_error(e, self.module)
+            if sharded is not None:
+                raise sharded from e
             message = str(e)
             if any(m in message for m in _TORCH_CHECKPOINT_UNDER_FUNC):
                 raise RuntimeError(
@@ -683,6 +849,9 @@ class Transformed:
                     "fp8fn.observe and loss.backward()), or put the module in eval mode."
                 ) from e
             raise
+        finally:
+            if token is not None:
+                SCALES.reset(token)
 
     def _check(self, params, state):
         if not isinstance(params, dict):

@@ -1,8 +1,9 @@
 """Fused Triton float8 casts: the cast and the amax of the next step in one pass over the data.
 
 Delayed scaling knows the scale before it reads the tensor, so one kernel can write the float8
-copy *and* reduce the amax. Three casts, each one registered custom op (`torch.ops.fp8fn.*`,
-made with `torch.library.triton_op`, so torch.compile sees the kernels):
+copy *and* reduce the amax. Three casts on two registered custom ops (`torch.ops.fp8fn.
+cast_and_amax` and `scaled_cast`, made with `torch.library.triton_op`, so torch.compile sees the
+kernels):
 
 * `cast_and_amax(hp, scale, dtype)`: cast with a given scale, amax in the same pass (1 kernel).
 * `delayed_cast(hp, newest, stored, margin, dtype)`: the stored scale, or current scaling while
@@ -12,9 +13,10 @@ made with `torch.library.triton_op`, so torch.compile sees the kernels):
   kernel (2 kernels).
 
 Each takes `transpose=True` for a 2D `hp` of shape `(m, n)` to also write a contiguous `(n, m)`
-float8 copy in the same pass (the output gradient's e5m2 cast, for the GEMMs that want it).
+float8 copy in the same pass: the output gradient's e5m2 cast uses it for the `grad_weight` GEMM,
+whose float8 operand must be row-major (no transposing copy).
 
-Numerics are bit for bit those of torch: `clamp(hp.float() * scale, -max, max).to(dtype)`,
+Numerics are bit for bit those of torch: `_quantize.saturate(hp.float() * scale, dtype)`,
 `hp.abs().amax().float()` (NaN anywhere gives NaN, empty gives 0), and `compute_scale`. The
 float32 -> float8 rounding is done in integer ops (Triton's own conversion does not round like
 torch under `TRITON_INTERPRET=1`).
@@ -38,7 +40,7 @@ from __future__ import annotations
 
 import torch
 
-from ._quantize import E4M3, E5M2
+from ._quantize import E4M3, E5M2, check_margin
 
 _HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _FP8_DTYPES = (E4M3, E5M2)
@@ -93,8 +95,7 @@ def _check(api: str, hp, dtype, transpose, **scalars) -> None:
 
 def _margin(api: str, margin) -> float:
     """The margin as the kernels take it; it must be an int from 0 to 64 (a recipe's)."""
-    if isinstance(margin, bool) or not isinstance(margin, int) or not 0 <= margin <= 64:
-        raise ValueError(f"fp8fn.{api}: expected `margin` an int from 0 to 64, got {margin!r}.")
+    check_margin(api, margin)
     return float(margin)
 
 
@@ -162,16 +163,17 @@ def current_cast(
 
 class TritonCast(torch.autograd.Function):
     """A Triton cast as a constant to autograd: `delayed_cast` when `newest` and `stored` are
-    given, else `current_cast`; returns `(fp8, scale, amax)`. (An autograd.Function, so that
-    torch.func transforms run the custom op below their levels, e.g. in fp8fn's backward.)"""
+    given, else `current_cast`; returns `(fp8, scale, amax)`, or `(fp8, fp8_t, scale, amax)`
+    with `transpose`. (An autograd.Function, so that torch.func transforms run the custom op
+    below their levels, e.g. in fp8fn's backward.)"""
 
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(hp, newest, stored, margin, dtype):
+    def forward(hp, newest, stored, margin, dtype, transpose=False):
         if newest is None:
-            return current_cast(hp, margin, dtype)
-        return delayed_cast(hp, newest, stored, margin, dtype)
+            return current_cast(hp, margin, dtype, transpose=transpose)
+        return delayed_cast(hp, newest, stored, margin, dtype, transpose=transpose)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -179,4 +181,4 @@ class TritonCast(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *_):
-        return None, None, None, None, None
+        return None, None, None, None, None, None

@@ -24,6 +24,15 @@ gradients are averaged over the ranks in one `all_reduce`, and the observations 
 by `fp8fn.all_reduce` (the max over the ranks) before `fp8fn.update`, so every rank holds the
 same parameters and scaling state. Only rank 0 prints (and saves `--plot`).
 
+FSDP2: `torchrun --nproc-per-node 2 -m fp8fn.demo --fsdp` shards each run's model with
+`fully_shard` (every `Block`, then the root) and trains it the usual way: `torch.optim.AdamW` on
+the module's own (sharded) parameters, plain autograd (`fp8fn.observe`, `loss.backward()`,
+`fp8fn.observations`), `fp8fn.all_reduce` and `fp8fn.update`. FSDP2's hooks gather each block's
+parameters just in time and reshard them after. With `delayed` or `current` the fp8 run's
+linear weights are all-gathered in float8 (`fp8fn.float8_all_gather`, before `fully_shard`):
+each rank casts its shard with the step's scale, and FSDP2 moves 1 byte per element. (Under
+`--fsdp` the blocks are not recomputed in the backward, and `--compile` is not available.)
+
 With `--compile` the step is `torch.compile(fp8fn.value_and_grad(loss_fn, argnums=(0, 1)))`:
 the same gradients with respect to `(params, state)`, built on `torch.autograd.grad`, which
 dynamo compiles with fp8fn's backward intact (fp8fn refuses to be compiled inside a `torch.func`
@@ -39,6 +48,7 @@ fp8 matmuls use `torch._scaled_mm` on GPUs that have it (sm >= 8.9).
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import math
 import os
@@ -363,6 +373,67 @@ class Run:
         }
 
 
+class FsdpRun(Run):
+    """A `Run` on an FSDP2 model (`--fsdp`): the module's own sharded parameters, trained with
+    `torch.optim.AdamW` and plain autograd.
+
+    Args:
+      name: "float32" or "fp8".
+      model: this run's own model (FSDP2 changes it), before `fully_shard`.
+      recipe: the fp8fn recipe; `filter_fn` picks the fp8 layers (none for float32).
+      float8_all_gather: whether FSDP2 gathers the fp8 layers' weights in float8.
+    """
+
+    def __init__(self, name, model, recipe, filter_fn, example, cfg, ranks, float8_all_gather):
+        from torch.distributed.fsdp import fully_shard
+
+        self.name, self.cfg, self.ranks, self.model = name, cfg, ranks, model
+        if float8_all_gather:
+            fp8fn.float8_all_gather(model, filter_fn=filter_fn)
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        with warnings.catch_warnings():  # converting no layer is the point of the baseline
+            warnings.filterwarnings("ignore", "fp8fn.transform: no layer was converted")
+            self.fn = fp8fn.transform(model, recipe, filter_fn=filter_fn)
+        self.state = self.fn.init(example)
+        decay = [p for p in model.parameters() if p.dim() >= 2]  # as adamw_update
+        rest = [p for p in model.parameters() if p.dim() < 2]
+        self.opt = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+            lr=cfg.lr,
+            betas=(0.9, 0.95),
+            eps=1e-8,
+        )
+        self.train_curve, self.val_curve, self.step_times = [], [], []
+
+    @property
+    def params(self) -> dict:
+        return dict(self.model.named_parameters())
+
+    def step(self, step: int, x: torch.Tensor, y: torch.Tensor) -> float:
+        start = time.perf_counter()
+        stateful = len(self.state) > 0
+        observed = fp8fn.observe(self.state) if stateful else self.state
+        logits = self.fn.apply(self.params, observed, x)
+        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+        loss.backward()  # FSDP2 reduce-scatters the gradients (their mean over the ranks)
+        if stateful:
+            obs = fp8fn.all_reduce(fp8fn.observations(observed))
+            self.state = fp8fn.update(self.state, obs)
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        for group in self.opt.param_groups:
+            group["lr"] = learning_rate(step, self.cfg.steps, self.cfg.lr, self.cfg.warmup)
+        self.opt.step()
+        self.opt.zero_grad()
+        loss = loss.detach()
+        dist.all_reduce(loss)  # the mean over the ranks, for the report
+        loss = loss.item() / self.ranks.world_size
+        self.step_times.append(time.perf_counter() - start)
+        self.train_curve.append(loss)
+        return loss
+
+
 def train(runs: list[Run], corpus: Corpus, cfg, device, ranks=Ranks()) -> dict:
     """Train `runs` in lockstep: every run takes step `i` on the same batch, one after the other.
 
@@ -410,12 +481,19 @@ def sample(fn, params, state, corpus, prompt, n_chars, seq_len, seed, device) ->
 # ----------------------------------------------------------------------------- the report
 
 
+def fsdp_label(cfg, ranks) -> str:
+    gather = " with float8 all-gathers" if cfg.recipe in FLOAT8_ALL_GATHER else ""
+    return f"FSDP2 on {ranks.world_size} ranks ({ranks.backend}){gather}"
+
+
 def report(cfg, results) -> str:
     """The final table as plain text, under a line saying what ran where."""
     base, fp8 = results["float32"], results["fp8"]
     ranks = results["ranks"]
     where = f"{cfg.device}, 1 process"
-    if ranks.world_size > 1:
+    if cfg.fsdp:
+        where = f"{cfg.device}, {fsdp_label(cfg, ranks)}"
+    elif ranks.world_size > 1:
         where = f"{cfg.device}, data parallel on {ranks.world_size} ranks ({ranks.backend})"
     label = f"fp8 ({cfg.recipe})"
     rows = [
@@ -500,6 +578,9 @@ RECIPES = {
 }
 
 
+FLOAT8_ALL_GATHER = ("delayed", "current")  # recipes whose weights FSDP2 gathers in float8
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The demo's command line (`python -m fp8fn.demo --help`)."""
     p = argparse.ArgumentParser(
@@ -533,6 +614,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--compile",
         action="store_true",
         help="train with torch.compile(fp8fn.value_and_grad(...)) instead of torch.func",
+    )
+    p.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="under torchrun: shard the models with FSDP2 (fully_shard per block and root) and "
+        "train with torch.optim; delayed and current gather the fp8 weights in float8",
     )
     p.add_argument(
         "--device",
@@ -582,12 +669,29 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--d-model ({args.d_model}) must be divisible by --heads ({args.heads})")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device is available")
+    if args.plot:  # checked before training, which a failing plot would throw away
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            p.error("--plot: needs matplotlib, which is not installed: pip install matplotlib")
+        folder = os.path.dirname(os.path.abspath(args.plot))
+        if not os.path.isdir(folder):
+            p.error(f"--plot: expected a path in an existing folder, got {args.plot}")
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     if args.batch_size % world_size:
         p.error(
             f"--batch-size ({args.batch_size}) must be divisible by the number of ranks "
             f"({world_size})"
         )
+    if args.fsdp:
+        if "WORLD_SIZE" not in os.environ:
+            p.error(
+                "--fsdp: expected to run under torchrun, got one process. Run "
+                "`torchrun --nproc-per-node 2 -m fp8fn.demo --fsdp`."
+            )
+        if args.compile:
+            p.error("--fsdp: --compile is not available with FSDP2 in this demo")
+        args.checkpoint = False  # fp8fn.checkpoint under FSDP2 is not part of this demo
     args.warmup = max(1, args.steps // 20)
     return args
 
@@ -619,14 +723,17 @@ def _main(cfg, ranks: Ranks, device: torch.device) -> dict:
 
     recipe = RECIPES[cfg.recipe]()
     checkpoint_fn = (lambda name, m: isinstance(m, Block)) if cfg.checkpoint else None
-    fp8_fn = fp8fn.transform(
-        model, recipe, filter_fn=lambda name, m: name != "head", checkpoint_fn=checkpoint_fn
-    )
+
+    def fp8_fn_filter(name, m):
+        return name != "head"
+
+    def no_layer(name, m):
+        return False
+
+    fp8_fn = fp8fn.transform(model, recipe, filter_fn=fp8_fn_filter, checkpoint_fn=checkpoint_fn)
     with warnings.catch_warnings():  # converting no layer is the point of the baseline
         warnings.filterwarnings("ignore", "fp8fn.transform: no layer was converted")
-        hp_fn = fp8fn.transform(
-            model, recipe, filter_fn=lambda name, m: False, checkpoint_fn=checkpoint_fn
-        )
+        hp_fn = fp8fn.transform(model, recipe, filter_fn=no_layer, checkpoint_fn=checkpoint_fn)
     if not cfg.quiet:
         n_params = sum(p.numel() for p in init.values())
         say(
@@ -636,10 +743,10 @@ def _main(cfg, ranks: Ranks, device: torch.device) -> dict:
             f"checkpointed: {fp8_fn.checkpointed or 'none'}"
         )
         if ranks.world_size > 1:
-            say(
-                f"data parallel on {ranks.world_size} ranks ({ranks.backend}): "
-                f"{cfg.batch_size // ranks.world_size} sequences per rank and step"
-            )
+            how = fsdp_label(cfg, ranks) if cfg.fsdp else "data parallel"
+            if not cfg.fsdp:
+                how += f" on {ranks.world_size} ranks ({ranks.backend})"
+            say(f"{how}: {cfg.batch_size // ranks.world_size} sequences per rank and step")
 
     results = {
         "config": vars(cfg),
@@ -650,10 +757,18 @@ def _main(cfg, ranks: Ranks, device: torch.device) -> dict:
     }
     x0, _ = next(batches(corpus.train, 1, cfg.batch_size, cfg.seq_len, cfg.seed))
     x0 = ranks.shard(x0).to(device)
-    runs = [
-        Run("float32", hp_fn, dict(init), x0, cfg, ranks),
-        Run("fp8", fp8_fn, dict(init), x0, cfg, ranks),
-    ]
+    if cfg.fsdp:  # each run shards its own copy of the model
+        gather = cfg.recipe in FLOAT8_ALL_GATHER
+        runs = [
+            FsdpRun("float32", copy.deepcopy(model), recipe, no_layer, x0, cfg, ranks, False),
+            FsdpRun("fp8", model, recipe, fp8_fn_filter, x0, cfg, ranks, gather),
+        ]
+        fp8_fn = runs[1].fn
+    else:
+        runs = [
+            Run("float32", hp_fn, dict(init), x0, cfg, ranks),
+            Run("fp8", fp8_fn, dict(init), x0, cfg, ranks),
+        ]
     results.update(train(runs, corpus, cfg, device, ranks))
     for split in ("train", "val"):
         hp, lp = results["float32"][f"{split}_loss"], results["fp8"][f"{split}_loss"]
@@ -670,15 +785,15 @@ def _main(cfg, ranks: Ranks, device: torch.device) -> dict:
         cfg.seed,
         device,
     )
-    if cfg.plot and ranks.is_main:
-        plot(cfg.plot, cfg, results)
     if not cfg.quiet:
         say()
-    say(report(cfg, results))
+    say(report(cfg, results), flush=True)  # the table first: a failing plot cannot lose it
     if not cfg.quiet:
         say()
         say(f"sample from the fp8 model:\n{results['sample']}")
-        if cfg.plot:
+    if cfg.plot and ranks.is_main:
+        plot(cfg.plot, cfg, results)
+        if not cfg.quiet:
             say(f"\nloss curves saved to {cfg.plot}")
     return results
 

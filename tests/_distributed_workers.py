@@ -83,7 +83,8 @@ def all_reduce_is_merge_over_ranks(rank):
 
 
 def all_reduce_one_collective(rank):
-    """One `all_reduce` call for 512 sites (and for a stacked ensemble), whatever the sites."""
+    """One `all_reduce` call for 512 sites (and for a stacked ensemble), whatever the sites:
+    the observation and a 4-float tag of its structure, the same collective on every call."""
     calls = []
     original = dist.all_reduce
 
@@ -97,17 +98,43 @@ def all_reduce_one_collective(rank):
         base = torch.rand(512, 3, 4, generator=torch.Generator().manual_seed(0))
         obs = state._replace(amax_history=base * (rank + 1))
         out = fp8fn.all_reduce(obs)
+        again = fp8fn.all_reduce(obs)
         stacked = state._replace(
             amax_history=torch.rand(3, 512, 3, 4), scale=torch.zeros(3, 512, 3)
         )
         out_stacked = fp8fn.all_reduce(stacked)
     finally:
         dist.all_reduce = original
-    assert len(calls) == 2, calls
-    assert calls[0] == ((512 * 3 * 4 + 512 * 3,), dist.ReduceOp.MAX), calls
+    packed = ((512 * 3 * 4 + 512 * 3 + 4,), dist.ReduceOp.MAX)
+    stacked_packed = ((3 * (512 * 3 * 4 + 512 * 3) + 4,), dist.ReduceOp.MAX)
+    assert calls == [packed, packed, stacked_packed], calls
     assert out_stacked.amax_history.shape == (3, 512, 3, 4)
     assert out_stacked.scale.shape == (3, 512, 3)
     assert torch.equal(out.amax_history, base * 2)  # rank 1's
+    assert_bit_identical(again, out)
+
+
+def all_reduce_structure_mismatch(rank):
+    """Ranks whose observations differ in structure (site order, margin, amax_compute) get a
+    clear error on every rank, instead of maxima of unrelated sites, also where one rank has
+    reduced its structure before; the ranks reduce normally afterwards. (Shapes that differ
+    make buffers of other sizes: the backend refuses those itself.)"""
+    import pytest
+
+    seen = fp8fn.init_state(RECIPE, ["a", "b"])
+    fp8fn.all_reduce(observation(seen))  # agreed once on both ranks
+    for state in (
+        fp8fn.init_state(RECIPE, ["a", "b"] if rank == 0 else ["b", "a"]),
+        fp8fn.init_state(fp8fn.DelayedScaling(history_len=4, margin=rank), ["a", "b"]),
+        fp8fn.init_state(
+            fp8fn.DelayedScaling(history_len=4, amax_compute=("max", "most_recent")[rank]),
+            ["a", "b"],
+        ),
+    ):
+        with pytest.raises(ValueError, match="same structure on every rank"):
+            fp8fn.all_reduce(observation(state))
+    out = fp8fn.all_reduce(seen._replace(amax_history=torch.full((2, 3, 4), rank + 1.0)))
+    assert torch.equal(out.amax_history, torch.full((2, 3, 4), 2.0))
 
 
 def all_reduce_errors(rank):
@@ -279,19 +306,17 @@ def ddp_transform_of_ddp_module(rank):
             torch.testing.assert_close(state.amax_history[:, :2], ref_state.amax_history[:, :2])
 
 
-def ddp_transform_of_inner_module_bypasses_ddp(rank):
-    """`fp8fn.transform(ddp_model.module)` + `loss.backward()`: DDP's forward never runs, so its
-    reducer does not average: each rank keeps its own gradient. (A documented trap: use
-    `transform(ddp_model)`.)"""
+def ddp_transform_of_inner_module_refused(rank):
+    """`fp8fn.transform(ddp_model.module)` would bypass DDP's forward, so its reducer would not
+    average the gradients (each rank would keep its own): refused, naming the fix."""
+    import pytest
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    x = _data()
     model = MLP((16, 32, 8), seed=1)
     ddp = DDP(model)
-    fn = fp8fn.transform(ddp.module, RECIPE)
-    state = fp8fn.observe(fn.init(_shard(x, rank)))
-    fn.apply(dict(model.named_parameters()), state, _shard(x, rank)).square().mean().backward()
-    assert not _same_on_all_ranks(model.layers[0].weight.grad)
+    with pytest.raises(ValueError, match=r"^fp8fn\.transform: `module` is the module inside a Dis"):
+        fp8fn.transform(ddp.module, RECIPE)
+    fp8fn.transform(ddp, RECIPE)  # the DDP model itself is fine
 
 
 # --- FSDP2 -------------------------------------------------------------------------------------
@@ -325,10 +350,10 @@ def _unshard_all(model):
             m.unshard()
 
 
-def fsdp2_fully_shard_then_transform(rank):
-    """fully_shard (per layer, then the root), then transform; each step unshard() every FSDP
-    module and pass its parameters: FSDP reduce-scatters the gradients, the weight amax is the
-    whole weight's, params match one process, states equal on all ranks."""
+def fsdp2_unshard_route_still_trains(rank):
+    """The 0.2 route, `unshard()` of every FSDP module before each step (it keeps the whole model
+    unsharded on every rank; `tests/test_fsdp.py` covers the sharded route): the weight amax is
+    the whole weight's, params match one process, states equal on all ranks."""
     x = _data()
     ref = Net()
     ref_fn = fp8fn.transform(ref, RECIPE)
@@ -369,35 +394,16 @@ def fsdp2_fully_shard_then_transform(rank):
     torch.testing.assert_close(state.amax_history[:, :2], ref_state.amax_history[:, :2])
 
 
-def fsdp2_sharded_params_fail(rank):
-    """Without unshard(): `fn.apply` would bind the sharded DTensor parameters once, while FSDP2
-    gathers each module's unsharded parameters in its forward pre-hook, on the original module,
-    which fp8fn's private copy never reads. fp8fn refuses them and names the unshard route."""
-    import pytest
-
-    model = Net()
-    _fully_shard(model)
-    fn = fp8fn.transform(model, RECIPE)
-    _unshard_all(model)
-    state = fn.init(_shard(_data(), rank))
-    for m in (model.fc1, model.ln, model.fc2, model):
-        m.reshard()  # as after any forward: named_parameters() are the DTensor shards
-    assert type(model.fc1.weight).__name__ == "DTensor"
-    with pytest.raises(ValueError, match=r"^fp8fn\.apply: expected whole parameters, got shar"):
-        fn.apply(dict(model.named_parameters()), state, _shard(_data(), rank))
-    dist.barrier()
-
-
 SCENARIOS = [
     all_reduce_is_merge_over_ranks,
     all_reduce_one_collective,
+    all_reduce_structure_mismatch,
     all_reduce_errors,
     all_reduce_subgroup,
     functional_data_parallel,
     ddp_transform_of_ddp_module,
-    ddp_transform_of_inner_module_bypasses_ddp,
-    fsdp2_fully_shard_then_transform,
-    fsdp2_sharded_params_fail,
+    ddp_transform_of_inner_module_refused,
+    fsdp2_unshard_route_still_trains,
 ]
 
 

@@ -41,13 +41,23 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def assert_bit_identical(a, b) -> None:
-    """Two pytrees have the same structure and bit-identical tensor leaves."""
+    """Two pytrees have the same structure and bit-identical tensor leaves (other leaves equal)."""
     la, spec_a = torch.utils._pytree.tree_flatten(a)
     lb, spec_b = torch.utils._pytree.tree_flatten(b)
     assert spec_a == spec_b
     for x, y in zip(la, lb):
+        assert type(x) is type(y)
+        if not isinstance(x, torch.Tensor):
+            assert x == y
+            continue
         assert x.shape == y.shape and x.dtype == y.dtype
         assert torch.equal(bits(x), bits(y)), (x, y)
+
+
+def sqnr(ref: torch.Tensor, x: torch.Tensor) -> float:
+    """Signal to quantization noise ratio of `x` against `ref`, in dB (float32 arithmetic)."""
+    ref, x = ref.detach().float(), x.detach().float()
+    return (20 * torch.log10(ref.norm() / (ref - x).norm())).item()
 
 
 class CountOps(TorchDispatchMode):

@@ -2,11 +2,13 @@
 
 Each runs in a subprocess, as a user would run it. A script that fails only because an
 optional dependency (the `bench` extra, e.g. torchao) is missing is skipped, and so is one that
-exits saying it needs CUDA on a machine without it.
+exits saying it needs CUDA on a machine without it. The scripts time and print their tables
+with the one helper `benchmarks/_common.py` (not a script), and none imports the tests.
 """
 
 from __future__ import annotations
 
+import ast
 import pathlib
 import re
 import subprocess
@@ -16,10 +18,12 @@ import pytest
 import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-SCRIPTS = sorted((ROOT / "benchmarks").glob("*.py"))
+SCRIPTS = sorted(p for p in (ROOT / "benchmarks").glob("*.py") if not p.name.startswith("_"))
+HELPER = ROOT / "benchmarks" / "_common.py"
 OPTIONAL = ("torchao",)
 # A line each script's table must print (its header); other scripts need some table row.
 HEADERS = {
+    "import_time.py": re.compile(r"^import\s+heavy modules loaded\s+median s", re.M),
     "memory.py": re.compile(r"^run\s+all saved\s+new memory", re.M),
     "overhead.py": re.compile(r"^route\s+forward\s+backward\s+total", re.M),
     "step.py": re.compile(r"^variant\s+MLP", re.M),
@@ -42,6 +46,38 @@ def test_benchmarks_exist():
     assert {p.name for p in SCRIPTS} >= set(HEADERS), SCRIPTS
 
 
+def _imported(path: pathlib.Path) -> set[str]:
+    """The top-level names of the modules `path` imports (absolute imports)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.partition(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.partition(".")[0])
+    return names
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.stem)
+def test_benchmark_uses_the_helper_and_not_the_tests(script):
+    tests = {p.stem for p in (ROOT / "tests").glob("*.py")} | {"tests"}
+    imported = _imported(script)
+    assert "_common" in imported  # the shared timing and tables
+    assert not imported & tests, imported & tests
+    assert "sys.path" not in script.read_text()  # no path tricks to reach tests/
+
+
+def test_benchmark_helper_imports_neither_fp8fn_nor_the_tests():
+    assert _imported(HELPER) <= {
+        "__future__",
+        "collections",
+        "random",
+        "statistics",
+        "time",
+        "torch",
+    }
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.stem)
 def test_benchmark_quick_run_prints_its_table(script):
     result = subprocess.run(

@@ -10,6 +10,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from _helpers import assert_bit_identical
 from _models import MLP, Block, ReusedLayer, Transformer
 from torch import nn
 from torch.utils import _pytree as pytree
@@ -22,22 +23,6 @@ RECIPES = {
     "delayed": lambda: fp8fn.DelayedScaling(history_len=4),
     "current": fp8fn.CurrentScaling,
 }
-_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def assert_bits_equal(a, b) -> None:
-    """Two pytrees have the same structure and bit-identical tensor leaves (any float dtype)."""
-    la, spec_a = pytree.tree_flatten(a)
-    lb, spec_b = pytree.tree_flatten(b)
-    assert spec_a == spec_b
-    for x, y in zip(la, lb):
-        assert type(x) is type(y)
-        if not isinstance(x, torch.Tensor):
-            assert x == y
-            continue
-        assert x.shape == y.shape and x.dtype == y.dtype
-        as_int = _INT_OF_SIZE[x.element_size()]
-        assert torch.equal(x.contiguous().view(as_int), y.contiguous().view(as_int)), (x, y)
 
 
 def is_block(name, module):
@@ -95,7 +80,7 @@ def test_transform_checkpoint_is_bit_identical_from_fresh_state(recipe_name, dty
         assert fn.checkpointed == ([f"blocks.{i}" for i in range(BLOCKS)] if checkpoint else [])
         assert len(run) == len(reference) == STEPS
         for got, want in zip(run, reference):  # per step: grads, observations, new state
-            assert_bits_equal(got, want)
+            assert_bit_identical(got, want)
     if isinstance(recipe, fp8fn.DelayedScaling):
         # The run really exercised delayed scaling: every history filled, scales moved.
         final = reference[-1][2]
@@ -142,8 +127,8 @@ def test_transform_checkpoint_observes_reused_layer_once(route):
         results.append((grads, obs))
     assert fn.checkpointed == ["inner"]
     (grads, obs), (want_grads, want_obs) = results[1], results[0]
-    assert_bits_equal(obs, want_obs)
-    assert_bits_equal(grads["inner.out.weight"], want_grads["inner.out.weight"])
+    assert_bit_identical(obs, want_obs)
+    assert_bit_identical(grads["inner.out.weight"], want_grads["inner.out.weight"])
     # `fc`'s gradient sums four calls, two of them inside the recompute: the checkpoint adds
     # those two first, so the sum is associated differently (float rounding, not a bug).
     torch.testing.assert_close(grads, want_grads, rtol=1e-6, atol=1e-8)
@@ -198,7 +183,7 @@ def test_checkpoint_matches_under_func_grad(updated):
     args = _problem(updated)
     want = torch.func.grad(_loss(False), argnums=(0, 1, 2))(*args)
     got = torch.func.grad(_loss(True), argnums=(0, 1, 2))(*args)
-    assert_bits_equal(got, want)
+    assert_bit_identical(got, want)
     assert got[1]["l2"].grad_output.amax_history[0] > 0
 
 
@@ -212,7 +197,7 @@ def test_checkpoint_matches_under_func_vjp():
 
     want = vjp(_two_layers)
     got = vjp(lambda *a: fp8fn.checkpoint(_two_layers, *a))
-    assert_bits_equal(got, want)
+    assert_bit_identical(got, want)
 
 
 def test_checkpoint_nested_under_func_grad():
@@ -231,7 +216,7 @@ def test_checkpoint_nested_under_func_grad():
 
     want = torch.func.grad_and_value(loss(False), argnums=(0, 1))(*args)
     got = torch.func.grad_and_value(loss(True), argnums=(0, 1))(*args)
-    assert_bits_equal(got, want)
+    assert_bit_identical(got, want)
 
 
 def _autograd_grads(loss, params, state, x, cfg):
@@ -247,8 +232,8 @@ def test_checkpoint_matches_under_autograd(updated):
     args = _problem(updated)
     got = _autograd_grads(_loss(True), *args)
     want = _autograd_grads(_loss(False), *args)
-    assert_bits_equal(got, want)
-    assert_bits_equal(got, torch.func.grad(_loss(True), argnums=(0, 1, 2))(*args))
+    assert_bit_identical(got, want)
+    assert_bit_identical(got, torch.func.grad(_loss(True), argnums=(0, 1, 2))(*args))
 
 
 @pytest.mark.parametrize("route", ["func", "autograd"])
@@ -262,7 +247,7 @@ def test_checkpoint_restores_rng_for_dropout(route):
         else:
             grads = _autograd_grads(_loss(checkpointed), *args)
         results.append((grads, torch.rand(4)))  # the global RNG advanced by the same draws
-    assert_bits_equal(results[1], results[0])
+    assert_bit_identical(results[1], results[0])
     torch.manual_seed(124)
     other = torch.func.grad(_loss(False), argnums=0)(*args)
     assert not torch.equal(other["w1"], results[0][0][0]["w1"])  # dropout is really random
@@ -289,7 +274,7 @@ def test_checkpoint_passes_non_tensor_leaves_through():
     assert len(seen) == 2  # the forward, then the recompute
     for c in seen:
         assert c == cfg and c["recipe"] is cfg["recipe"] and c["unused"] is None
-    assert_bits_equal(got, torch.func.grad(plain, argnums=(0, 1, 2))(params, state, x))
+    assert_bit_identical(got, torch.func.grad(plain, argnums=(0, 1, 2))(params, state, x))
 
 
 @pytest.mark.parametrize("bad", [lambda x: (x, "label"), lambda x: None, lambda x: [x, 3]])
@@ -313,6 +298,55 @@ def _saved_bytes(fn, params, state, x):
         if ptr not in exclude:
             activations[ptr] = t  # deduplicated by storage
     return activations, saved
+
+
+class _BatchNormBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.norm = nn.Linear(8, 8), nn.BatchNorm1d(8)
+
+    def forward(self, x):
+        return self.norm(torch.relu(self.fc(x)))
+
+
+def _batch_norm_step(checkpointed: bool, route: str):
+    """The batch norm's buffers after one training step of a fresh model, and the gradients."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_BatchNormBlock(), nn.Linear(8, 4)).train()
+    chosen = (lambda name, module: name == "0") if checkpointed else None
+    fn = fp8fn.transform(model, fp8fn.DelayedScaling(history_len=4), checkpoint_fn=chosen)
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(1))
+    state = fn.init(x)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def loss(p, s):
+        return fn.apply(p, s, x).square().sum()
+
+    if route == "func":
+        grads = torch.func.grad(loss, argnums=(0, 1))(params, state)
+    elif route == "value_and_grad":
+        grads = fp8fn.value_and_grad(loss, argnums=(0, 1))(params, state)[1]
+    else:
+        leaves = {k: v.clone().requires_grad_() for k, v in params.items()}
+        observed = fp8fn.observe(state)
+        loss(leaves, observed).backward()
+        grads = ({k: v.grad for k, v in leaves.items()}, fp8fn.observations(observed))
+    return dict(model[0].norm.named_buffers()), grads
+
+
+@pytest.mark.parametrize("route", ["autograd", "value_and_grad", "func"])
+def test_checkpoint_fn_updates_batch_norm_statistics_once(route):
+    # The recompute in the backward runs the block's forward again; the running statistics
+    # must be those of one forward, bit for bit: as without checkpoint_fn.
+    buffers, grads = _batch_norm_step(True, route)
+    # (torch.func refuses batch norm's in-place update without checkpoint_fn: the reference is
+    # plain autograd, which gives torch.func's numbers elsewhere.)
+    want, want_grads = _batch_norm_step(False, "autograd" if route == "func" else route)
+    assert int(buffers["num_batches_tracked"]) == 1
+    assert not torch.equal(want["running_mean"], torch.zeros(8))  # the step moved them
+    assert not torch.equal(want["running_var"], torch.ones(8))
+    assert_bit_identical(buffers, want)
+    assert_bit_identical(grads, want_grads)
 
 
 def test_transform_checkpoint_saves_only_block_inputs():
@@ -356,7 +390,7 @@ def test_transform_checkpoint_saved_state_under_func():
             )
         )
     assert fn.checkpointed == [""]
-    assert_bits_equal(outs[1], outs[0])
+    assert_bit_identical(outs[1], outs[0])
 
 
 @pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad")
@@ -392,6 +426,7 @@ def test_apply_model_own_torch_checkpoint_without_fp8_layers_is_never_silently_w
         autograd_route(*runs[1], x, y)
 
 
+@pytest.mark.slow
 def test_transform_checkpoint_under_compile_is_eager_or_refused():
     model = Transformer(VOCAB, D, HEADS, BLOCKS, SEQ)
     fn = fp8fn.transform(model, fp8fn.DelayedScaling(history_len=4), checkpoint_fn=is_block)
@@ -411,8 +446,8 @@ def test_transform_checkpoint_under_compile_is_eager_or_refused():
     for k in eager_grads:
         torch.testing.assert_close(grads[k], eager_grads[k], rtol=1e-4, atol=1e-6)
     assert type(obs) is fp8fn.State and obs.static == eager_obs.static
-    assert_bits_equal(obs["blocks.0.fc1"].input, eager_obs["blocks.0.fc1"].input)
-    assert_bits_equal(obs.amax_history[:, 1], eager_obs.amax_history[:, 1])  # weight amaxes
+    assert_bit_identical(obs["blocks.0.fc1"].input, eager_obs["blocks.0.fc1"].input)
+    assert_bit_identical(obs.amax_history[:, 1], eager_obs.amax_history[:, 1])  # weight amaxes
 
 
 @pytest.mark.slow
@@ -445,7 +480,7 @@ def test_transform_checkpoint_under_compiled_value_and_grad_runs_blocks_eagerly(
         got = torch.compile(fp8fn.value_and_grad(loss, argnums=(0, 1)))(params, state)
     finally:
         torch._dynamo.reset()
-    assert_bits_equal(got[0], want[0])
-    assert_bits_equal(got[1][1], want[1][1])  # observations: the blocks' casts ran eagerly
+    assert_bit_identical(got[0], want[0])
+    assert_bit_identical(got[1][1], want[1][1])  # observations: the blocks' casts ran eagerly
     for k in want[1][0]:  # the compiled head and embeddings round differently
         torch.testing.assert_close(got[1][0][k], want[1][0][k], rtol=1e-4, atol=1e-6)

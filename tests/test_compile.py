@@ -17,6 +17,7 @@ import fp8fn
 import fp8fn._linear
 from fp8fn._tensorwise import _Fp8Linear
 
+pytestmark = pytest.mark.slow  # torch.compile: tens of seconds a test on 2 cores
 DELAYED = fp8fn.DelayedScaling(history_len=4, backend="emulated")
 CURRENT = fp8fn.CurrentScaling(backend="emulated")
 RECIPES = pytest.mark.parametrize("recipe", [DELAYED, CURRENT], ids=["delayed", "current"])
@@ -468,3 +469,22 @@ def test_compiled_linear_saves_only_float8_copies_and_scalars(recipe):
     big = sorted((str(t.dtype), t.numel()) for t in saved if t.dim() > 0 and t.numel() > 3)
     assert big == [("torch.float8_e4m3fn", 32 * 128), ("torch.float8_e4m3fn", 64 * 128)]
     assert all(t.numel() <= 3 for t in saved if t.dtype != torch.float8_e4m3fn)
+
+
+def test_compile_apply_of_multihead_attention_matches_eager():
+    """nn.MultiheadAttention's projections in fp8 under torch.compile(fullgraph=True): one graph,
+    the eager bits (self- and cross-attention: the packed weight split inside)."""
+    from test_converted_layers import _Attention
+
+    model = _Attention()
+    fn = fp8fn.transform(model, fp8fn.DelayedScaling(history_len=4))
+    gen = torch.Generator().manual_seed(0)
+    x, memory = torch.randn(3, 5, 16, generator=gen), torch.randn(3, 7, 16, generator=gen)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    for args in ((x,), (x, memory)):
+        state = fn.init(*args)
+        torch._dynamo.reset()
+        counters.clear()
+        compiled = torch.compile(fn.apply, fullgraph=True)
+        assert_bit_identical(compiled(params, state, *args), fn.apply(params, state, *args))
+        assert _graph_breaks() == 0

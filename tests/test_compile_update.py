@@ -7,6 +7,8 @@ from torch._dynamo.utils import counters
 
 import fp8fn
 
+pytestmark = pytest.mark.slow  # torch.compile: tens of seconds a test on 2 cores
+
 
 def _obs(state: fp8fn.State, amaxes) -> fp8fn.State:
     """An observation like `state`: `amaxes[site][role]` in `[..., 0]`, zeros elsewhere."""

@@ -349,6 +349,7 @@ def test_the_documented_fix_for_two_passes_gives_the_max_of_the_passes():
     assert merged["fc"].weight.amax_history[0] == w.abs().max()
 
 
+@pytest.mark.slow
 def test_compiled_apply_refuses_a_second_pass_with_one_observed_state():
     model = torch.nn.Sequential(torch.nn.Linear(16, 8))
     fn = fp8fn.transform(model, DELAYED)

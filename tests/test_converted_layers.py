@@ -5,7 +5,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from _helpers import assert_bit_identical
+from _helpers import assert_bit_identical, sqnr
 
 import fp8fn
 
@@ -111,21 +111,83 @@ def test_no_converted_layer_warns():
     assert fn.layers == [] and len(fn.init(torch.randn(1, 3, 8, 8))) == 0
 
 
-def test_multihead_attention_is_left_in_high_precision_loudly():
-    class Model(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.attn = torch.nn.MultiheadAttention(16, 2, batch_first=True)
-            self.head = torch.nn.Linear(16, 4)
+class _Attention(torch.nn.Module):
+    """nn.MultiheadAttention then a head; `forward(x, memory=None, other=None)`: self-attention,
+    or cross-attention on `memory` (one key/value source) or `memory`, `other` (two)."""
 
-        def forward(self, x):
-            return self.head(self.attn(x, x, x)[0])
+    def __init__(self, kdim=None, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.attn = torch.nn.MultiheadAttention(16, 2, batch_first=True, kdim=kdim, vdim=kdim)
+        self.head = torch.nn.Linear(16, 4)
 
-    with pytest.warns(UserWarning, match=r"stay in high precision: \['attn \(Multihead.*out_proj"):
-        fn = fp8fn.transform(Model(), DELAYED)
-    assert fn.layers == ["head"]  # out_proj never runs as a module: not a site
-    with pytest.warns(UserWarning, match=r"no layer was converted.*\['<root> \(MultiheadAtt"):
-        fp8fn.transform(Model().attn, DELAYED)
+    def forward(self, x, memory=None, other=None):
+        k = x if memory is None else memory
+        v = k if other is None else other
+        return self.head(self.attn(x, k, v, need_weights=False)[0])
+
+
+def _attention_step(fn, params, state, *args):
+    loss = lambda p, s: fn.apply(p, s, *args).square().mean()  # noqa: E731
+    grads, obs = torch.func.grad(loss, argnums=(0, 1))(params, state)
+    p = {k: v.clone().requires_grad_() for k, v in params.items()}
+    observed = fp8fn.observe(state)
+    loss(p, observed).backward()
+    assert_bit_identical((grads, obs), ({k: v.grad for k, v in p.items()},
+                                        fp8fn.observations(observed)))  # fmt: skip
+    return grads, obs
+
+
+@pytest.mark.parametrize("kind", ["self", "cross", "three"])
+def test_multihead_attention_projections_run_in_fp8(kind):
+    model = _Attention()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing left in high precision
+        fn = fp8fn.transform(model, DELAYED)
+    assert fn.layers == ["attn.in_proj", "attn.out_proj", "head"]
+    gen = torch.Generator().manual_seed(1)
+    x, m1, m2 = (torch.randn(3, n, 16, generator=gen) for n in (5, 7, 7))
+    args = {"self": (x,), "cross": (x, m1), "three": (x, m1, m2)}[kind]
+    calls = {"self": 1, "cross": 2, "three": 3}[kind]  # in_proj's GEMMs: packed, q + kv, q k v
+    state = fn.init(*args)
+    want_sites = ["attn.in_proj"] + [f"attn.in_proj#{k}" for k in range(1, calls)]
+    assert list(state) == [*want_sites, "attn.out_proj", "head"]
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    grads, obs = _attention_step(fn, params, state, *args)
+    # Each in-projection GEMM observed its input and its slice of the packed weight.
+    w = params["attn.in_proj_weight"]
+    slices = {1: [w], 2: [w[:16], w[16:]], 3: [w[:16], w[16:32], w[32:]]}[calls]
+    for site, inp, part in zip(want_sites, args, slices):
+        assert obs[site].input.amax_history[0] == inp.abs().max()
+        assert obs[site].weight.amax_history[0] == part.abs().max()
+    assert obs["attn.out_proj"].weight.amax_history[0] == params["attn.out_proj.weight"].abs().max()
+    assert (obs.amax_history[..., 0] > 0).all()
+    # fp8 numerics: close to the float32 model, and not equal to it.
+    state = fp8fn.update(state, obs)
+    out, ref = fn.apply(params, state, *args), model(*args)
+    assert 25 < sqnr(ref, out) < 60
+    ref_grads = torch.func.grad(
+        lambda p: torch.func.functional_call(model, p, args).square().mean()
+    )(params)
+    assert sqnr(ref_grads["attn.in_proj_weight"], grads["attn.in_proj_weight"]) > 15
+
+
+def test_multihead_attention_with_its_own_kdim_has_three_projections():
+    model = _Attention(kdim=8)
+    fn = fp8fn.transform(model, DELAYED)
+    assert fn.layers == ["attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.out_proj", "head"]
+    gen = torch.Generator().manual_seed(2)
+    x, m = torch.randn(2, 5, 16, generator=gen), torch.randn(2, 6, 8, generator=gen)
+    state = fn.init(x, m)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    _, obs = _attention_step(fn, params, state, x, m)
+    for role, inp in (("q", x), ("k", m), ("v", m)):
+        assert obs[f"attn.{role}_proj"].input.amax_history[0] == inp.abs().max()
+        want = params[f"attn.{role}_proj_weight"].abs().max()
+        assert obs[f"attn.{role}_proj"].weight.amax_history[0] == want
+    # filter_fn and recipe functions see the projections by these names.
+    kept = fp8fn.transform(model, DELAYED, filter_fn=lambda name, m: name != "attn.k_proj")
+    assert kept.layers == ["attn.q_proj", "attn.v_proj", "attn.out_proj", "head"]
 
 
 def test_a_model_with_converted_layers_does_not_warn():

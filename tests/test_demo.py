@@ -27,6 +27,7 @@ def tiny_results(tmp_path_factory):
     return demo.main([*TINY, "--plot", str(plot)]), plot
 
 
+@pytest.mark.slow
 def test_main_returns_both_runs_and_gaps(tiny_results):
     results, _ = tiny_results
     assert results["fp8_layers"] == [
@@ -49,6 +50,7 @@ def test_main_returns_both_runs_and_gaps(tiny_results):
     assert results["sample"].startswith("The ") and len(results["sample"]) == 4 + 12
 
 
+@pytest.mark.slow
 def test_main_losses_decrease(tiny_results):
     results, _ = tiny_results
     log_vocab = math.log(len(demo.Corpus.load().chars))
@@ -60,6 +62,7 @@ def test_main_losses_decrease(tiny_results):
         assert run["val_loss"] < log_vocab - 0.5
 
 
+@pytest.mark.slow
 def test_main_updates_fp8_state_and_leaves_baseline_stateless(tiny_results):
     results, _ = tiny_results
     assert isinstance(results["float32"]["state"], fp8fn.State)
@@ -78,6 +81,7 @@ def test_main_updates_fp8_state_and_leaves_baseline_stateless(tiny_results):
     assert qkv.scale.item() == torch.tensor(448.0 / qkv.amax_history.max().item()).item()
 
 
+@pytest.mark.slow
 def test_main_plot_is_a_png_with_the_gap_panel(tiny_results):
     _, plot = tiny_results
     data = plot.read_bytes()
@@ -92,6 +96,7 @@ def test_every_flag_has_help():
     assert all(a.help and a.help.strip() for a in actions), [a.dest for a in actions if not a.help]
 
 
+@pytest.mark.slow
 def test_main_current_recipe_without_checkpoint_has_no_state():
     results = demo.main([*TINY, "--steps", "6", "--recipe", "current", "--no-checkpoint"])
     assert results["checkpointed"] == []
@@ -99,6 +104,7 @@ def test_main_current_recipe_without_checkpoint_has_no_state():
     assert results["fp8"]["train_curve"][-1] < results["fp8"]["train_curve"][0]
 
 
+@pytest.mark.slow
 def test_main_compile_matches_eager_on_the_first_steps():
     # --compile trains with torch.compile(fp8fn.value_and_grad(...)); the first step starts
     # from the same weights and scales, so its loss matches eager to float tolerance.
@@ -122,6 +128,7 @@ def test_main_compile_matches_eager_on_the_first_steps():
         ("mx", fp8fn.MXScaling),
     ],
 )
+@pytest.mark.slow
 def test_main_stateless_recipes_train_and_quiet_prints_only_the_table(recipe, cls, capsys):
     # d-model 32: blockwise casts partial 128-tiles, MX a 32-block per row.
     results = demo.main([*TINY, "--steps", "2", "--sample-chars", "0", "--recipe", recipe])
@@ -165,6 +172,7 @@ def _table(out: str) -> dict:
     return rows
 
 
+@pytest.mark.slow
 def test_torchrun_two_ranks_train_data_parallel():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -192,6 +200,35 @@ def test_torchrun_two_ranks_train_data_parallel():
         assert two[name] == pytest.approx(want, abs=2e-3 if name == "float32" else 1e-2)
 
 
+@pytest.mark.slow
+def test_torchrun_two_ranks_fsdp2_trains_with_float8_all_gathers():
+    """`torchrun --nproc-per-node 2 -m fp8fn.demo --fsdp`: FSDP2 per block and root, float8
+    weight all-gathers, torch.optim; it says so, and matches one process on the whole batch
+    (up to float32 summation order and torch.optim's AdamW against the demo's)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = [a for a in TINY if a != "--quiet"]
+    argv = [*argv, "--steps", "3", "--sample-chars", "5"]
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    env["OMP_NUM_THREADS"] = "1"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    command += ["--master-port", str(port), "-m", "fp8fn.demo", "--fsdp", *argv]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    where = "FSDP2 on 2 ranks (gloo) with float8 all-gathers"
+    assert out.count(f"3 steps of 8 sequences x 16 chars (cpu, {where})") == 1, out
+    assert out.count(f"{where}: 4 sequences per rank and step") == 1, out
+    assert "checkpointed: none" in out
+    one = demo.main([*argv, "--quiet", "--no-checkpoint"])
+    two = _table(out)
+    for name in ("float32", "fp8"):
+        want = (one[name]["train_loss"], one[name]["val_loss"])
+        assert two[name] == pytest.approx(want, abs=2e-3 if name == "float32" else 1e-2)
+
+
+@pytest.mark.slow
 def test_main_prints_the_table(capsys):
     argv = [a for a in TINY if a != "--quiet"]
     demo.main([*argv, "--steps", "3", "--sample-chars", "5"])
@@ -210,6 +247,7 @@ def test_main_prints_the_table(capsys):
         (["--device", "tpu"], "invalid choice: 'tpu'"),
         (["--sample-chars", "-1"], "expected an integer >= 0, got -1"),
         (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+        (["--fsdp"], "--fsdp: expected to run under torchrun, got one process"),
     ],
 )
 def test_main_bad_flags_exit_with_argparse_errors(argv, message, capsys):
@@ -225,8 +263,116 @@ def test_main_batch_not_divisible_by_the_ranks_is_an_argparse_error(capsys, monk
     assert "must be divisible by the number of ranks (3)" in capsys.readouterr().err
 
 
+def test_main_fsdp_with_compile_is_an_argparse_error(capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun sets it; checked before joining a group
+    with pytest.raises(SystemExit, match="2"):
+        demo.main(["--fsdp", "--compile"])
+    assert "--fsdp: --compile is not available with FSDP2" in capsys.readouterr().err
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_main_cuda_without_a_gpu_is_an_argparse_error(capsys):
     with pytest.raises(SystemExit, match="2"):
         demo.main(["--device", "cuda"])
     assert "no CUDA device is available" in capsys.readouterr().err
+
+
+def test_plot_without_matplotlib_is_an_argparse_error_before_training(
+    monkeypatch, capsys, tmp_path
+):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    monkeypatch.setattr(demo, "train", lambda *a, **k: pytest.fail("trained before the check"))
+    with pytest.raises(SystemExit, match="2"):
+        demo.main([*TINY, "--plot", str(tmp_path / "curves.png")])
+    err = capsys.readouterr().err
+    assert "--plot: needs matplotlib, which is not installed: pip install matplotlib" in err
+
+
+def test_plot_into_a_missing_folder_is_an_argparse_error(capsys, tmp_path):
+    with pytest.raises(SystemExit, match="2"):
+        demo.main([*TINY, "--plot", str(tmp_path / "no-such-folder" / "curves.png")])
+    assert "--plot: expected a path in an existing folder" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_table_is_printed_before_the_plot(monkeypatch, capsys, tmp_path):
+    def failing_plot(*args):
+        raise RuntimeError("the plot failed")
+
+    monkeypatch.setattr(demo, "plot", failing_plot)
+    argv = [*TINY, "--steps", "2", "--sample-chars", "0", "--plot", str(tmp_path / "c.png")]
+    with pytest.raises(RuntimeError, match="the plot failed"):
+        demo.main(argv)
+    assert _table(capsys.readouterr().out).keys() == {"float32", "fp8"}  # the run is not lost
+
+
+# --- every documented flag, in combination: a tiny model, 2 steps -----------------------------
+
+RECIPE_CLASSES = {
+    "delayed": fp8fn.DelayedScaling,
+    "current": fp8fn.CurrentScaling,
+    "rowwise": fp8fn.RowwiseScaling,
+    "blockwise": fp8fn.BlockwiseScaling,
+    "mx": fp8fn.MXScaling,
+}
+FLAG_CASES = [  # each recipe with and without checkpointing, --compile with and without it;
+    # --quiet, --plot and --seed spread over them
+    ["--recipe", "delayed", "--plot"],
+    ["--recipe", "delayed", "--no-checkpoint", "--quiet", "--seed", "3"],
+    ["--recipe", "current", "--quiet"],
+    ["--recipe", "current", "--no-checkpoint", "--plot", "--seed", "1"],
+    ["--recipe", "rowwise", "--seed", "2"],
+    ["--recipe", "rowwise", "--no-checkpoint", "--quiet"],
+    ["--recipe", "blockwise", "--quiet", "--plot"],
+    ["--recipe", "blockwise", "--no-checkpoint"],
+    ["--recipe", "mx"],
+    ["--recipe", "mx", "--no-checkpoint", "--quiet", "--plot"],
+    ["--compile"],  # checkpointed blocks run eagerly, the rest compiled
+    ["--compile", "--recipe", "current", "--seed", "5"],
+]  # --compile --no-checkpoint: test_main_compile_matches_eager_on_the_first_steps
+SMALL = [a for a in TINY if a != "--quiet"]
+SMALL = [*SMALL, "--steps", "2", "--sample-chars", "8"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags", FLAG_CASES, ids=lambda f: "-".join(a.lstrip("-") for a in f))
+def test_flag_combination_trains_and_reports(flags, tmp_path, capsys):
+    argv = [*SMALL, *(a if a != "--plot" else f"--plot={tmp_path / 'c.png'}" for a in flags)]
+    results = demo.main(argv)
+    out = capsys.readouterr().out
+    recipe = flags[flags.index("--recipe") + 1] if "--recipe" in flags else "delayed"
+    assert isinstance(results["recipe"], RECIPE_CLASSES[recipe])
+    assert results["checkpointed"] == ([] if "--no-checkpoint" in flags else ["blocks.0"])
+    assert len(results["fp8"]["state"]) == (4 if recipe == "delayed" else 0)  # stateless: none
+    fp8_curve, hp_curve = results["fp8"]["train_curve"], results["float32"]["train_curve"]
+    assert len(fp8_curve) == len(hp_curve) == 2 and all(map(math.isfinite, fp8_curve + hp_curve))
+    assert fp8_curve[0] != hp_curve[0]  # the same weights and batch, cast to float8
+    assert fp8_curve == pytest.approx(hp_curve, abs=0.05)
+    rows = _table(out)  # the table: both runs' losses as printed
+    for name in ("float32", "fp8"):
+        run = results[name]
+        assert rows[name] == (round(run["train_loss"], 4), round(run["val_loss"], 4))
+    lines = out.strip().splitlines()
+    if "--quiet" in flags:
+        assert len(lines) == 6 and lines[0].startswith("2 steps of 8 sequences")
+    else:
+        assert lines[0].startswith("char-level GPT:") and "sample from the fp8 model:" in out
+        assert results["sample"].startswith("The ") and len(results["sample"]) == 4 + 8
+    if "--plot" in flags:
+        assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    if "--compile" in flags:  # the first step's losses match eager (same weights and batch)
+        eager = demo.main([a for a in argv if a != "--compile" and "--plot" not in a])
+        for name in ("float32", "fp8"):
+            got, want = results[name]["train_curve"], eager[name]["train_curve"]
+            assert got[0] == pytest.approx(want[0], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_seed_gives_the_same_run_and_another_seed_another():
+    argv = [*TINY, "--steps", "2", "--sample-chars", "8"]
+    a, b, c = (demo.main([*argv, "--seed", s]) for s in ("7", "7", "8"))
+    for name in ("float32", "fp8"):
+        assert a[name]["train_curve"] == b[name]["train_curve"]  # bit for bit
+        assert a[name]["train_curve"] != c[name]["train_curve"]
+    assert a["sample"] == b["sample"]
+    assert torch.equal(a["fp8"]["state"].amax_history, b["fp8"]["state"].amax_history)

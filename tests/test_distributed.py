@@ -7,25 +7,15 @@ hangs fails the tests after `_TIMEOUT_S` instead of hanging the run.
 
 from __future__ import annotations
 
-import json
-import socket
-import time
-
 import _distributed_workers as workers
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _spawn import run_ranks
 
 import fp8fn
 
 _TIMEOUT_S = 150
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _spawn_main(rank, world_size, port, out_dir):
@@ -38,29 +28,10 @@ def results(tmp_path_factory):
     if not dist.is_available():
         pytest.skip("torch.distributed is not available")
     out_dir = tmp_path_factory.mktemp("distributed")
-    context = mp.start_processes(
-        _spawn_main,
-        args=(workers.WORLD, _free_port(), str(out_dir)),
-        nprocs=workers.WORLD,
-        join=False,
-        start_method="spawn",
-    )
-    deadline = time.monotonic() + _TIMEOUT_S
-    try:
-        while not context.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                pytest.fail(f"the distributed workers did not finish within {_TIMEOUT_S} s")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-    out = {}
-    for rank in range(workers.WORLD):
-        path = out_dir / f"rank{rank}.json"
-        out[rank] = json.loads(path.read_text())
-    return out
+    return run_ranks(_spawn_main, workers.WORLD, out_dir, _TIMEOUT_S)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scenario", [s.__name__ for s in workers.SCENARIOS])
 def test_distributed_scenario(results, scenario):
     for rank, outcome in results.items():

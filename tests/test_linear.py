@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from _helpers import ROLES, assert_bit_identical, bits, expected_scale
+from _helpers import ROLES, assert_bit_identical, bits, expected_scale, sqnr
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
@@ -67,10 +67,6 @@ def _update(site_state, obs):
 
 def _loss(x, w, b, state, c, recipe=DELAYED):
     return (fp8fn.linear(x, w, b, state, recipe) * c).sum()
-
-
-def _sqnr(ref, x):
-    return (20 * torch.log10(ref.norm() / (ref - x.float()).norm())).item()
 
 
 # shapes and dtypes -----------------------------------------------------------------------------
@@ -333,7 +329,7 @@ def _mlp(params, state, x, recipe):
     return x
 
 
-def mlp_sqnr(recipe, dtype, steps, sizes):
+def mlpsqnr(recipe, dtype, steps, sizes):
     """(output SQNR, [weight-grad SQNR per layer]) of an fp8 MLP against float32 F.linear.
 
     `steps` updates on other batches come first, so delayed scaling has a non-empty history.
@@ -359,7 +355,7 @@ def mlp_sqnr(recipe, dtype, steps, sizes):
     grads = torch.func.grad(loss)(low, states, x.to(dtype), recipe)
     ref_out = _mlp(params, None, x, None)
     ref_grads = torch.func.grad(loss)(params, None, x, None)
-    return _sqnr(ref_out, out), [_sqnr(r[0], g[0]) for r, g in zip(ref_grads, grads)]
+    return sqnr(ref_out, out), [sqnr(r[0], g[0]) for r, g in zip(ref_grads, grads)]
 
 
 RECIPE_STEPS = pytest.mark.parametrize(
@@ -371,22 +367,22 @@ RECIPE_STEPS = pytest.mark.parametrize(
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @RECIPE_STEPS
-def test_linear_single_layer_sqnr(recipe, steps, dtype):
-    out_sqnr, (grad_sqnr,) = mlp_sqnr(recipe, dtype, steps, (64, 128))
+def test_linear_single_layersqnr(recipe, steps, dtype):
+    out_sqnr, (grad_sqnr,) = mlpsqnr(recipe, dtype, steps, (64, 128))
     assert out_sqnr >= 25 and grad_sqnr >= 20, (out_sqnr, grad_sqnr)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @RECIPE_STEPS
-def test_linear_mlp_sqnr(recipe, steps, dtype):
-    out_sqnr, grad_sqnr = mlp_sqnr(recipe, dtype, steps, (64, 256, 64))
+def test_linear_mlpsqnr(recipe, steps, dtype):
+    out_sqnr, grad_sqnr = mlpsqnr(recipe, dtype, steps, (64, 256, 64))
     assert out_sqnr >= 25 and min(grad_sqnr) >= 20, (out_sqnr, grad_sqnr)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @RECIPE_STEPS
 def test_linear_deeper_mlp_sqnr_floor(recipe, steps, dtype):
-    out_sqnr, grad_sqnr = mlp_sqnr(recipe, dtype, steps, (64, 128, 128, 16))
+    out_sqnr, grad_sqnr = mlpsqnr(recipe, dtype, steps, (64, 128, 128, 16))
     assert out_sqnr >= 23 and min(grad_sqnr) >= 18.5 and grad_sqnr[-1] >= 20, (
         out_sqnr,
         grad_sqnr,
@@ -396,7 +392,7 @@ def test_linear_deeper_mlp_sqnr_floor(recipe, steps, dtype):
 def test_linear_stale_scale_is_used():
     x, w, b, _ = _data(m=64, k=64, n=128)
     stale = _state_with({"input": 2.0**-9, "weight": 2.0**-9})  # values land in subnormals
-    assert _sqnr(F.linear(x, w, b), fp8fn.linear(x, w, b, stale, DELAYED)) < 10
+    assert sqnr(F.linear(x, w, b), fp8fn.linear(x, w, b, stale, DELAYED)) < 10
 
 
 # cast round trip -------------------------------------------------------------------------------
@@ -440,6 +436,23 @@ def test_cast_round_trip_bound_is_tight():
     x = torch.tensor([1 + 2**-4, 2**-10])  # exactly half way: rounds to even, errs by the bound
     back = dequantize(cast_to_fp8(x, scale, E4M3), scale, torch.float32)
     assert (back - x).abs().tolist() == [2**-4, 2**-10]
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_cast_saturates_finite_values_and_keeps_inf_and_nan_visible(dtype):
+    # An overflow must stay visible (DESIGN v0.3): inf and NaN give NaN in float8 (a positive
+    # one), finite values beyond the format clamp to +-max; the finer recipes' torchao
+    # arithmetic (keep_nonfinite=False) clamps inf too.
+    fp8_max = torch.finfo(dtype).max
+    x = torch.tensor([math.inf, -math.inf, math.nan, 1e30, -1e30, 3.0, -0.0])
+    got = cast_to_fp8(x, torch.tensor(1.0), dtype)
+    assert got.dtype == dtype
+    assert got[:3].float().isnan().all() and not got[:3].float().signbit().any()
+    assert got[3:].float().tolist() == [fp8_max, -fp8_max, 3.0, -0.0]
+    assert got[6].float().signbit()
+    clamped = cast_to_fp8(x, torch.tensor(1.0), dtype, keep_nonfinite=False).float()
+    assert clamped[[0, 1, 3, 4]].tolist() == [fp8_max, -fp8_max, fp8_max, -fp8_max]
+    assert clamped[2].isnan()
 
 
 @settings(max_examples=15, deadline=None)

@@ -6,6 +6,8 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from _helpers import bits as _bits
+from _helpers import sqnr
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
@@ -21,10 +23,6 @@ GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float6
 THRESHOLD = 2688 * 2.0**-121  # below this amax fp8fn's tensor scale is clamped (not torchao's)
 SETTINGS = settings(max_examples=30, deadline=None)
 ONE = torch.tensor(1.0)
-
-
-def _bits(t):
-    return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
 
 
 def same(a, b):
@@ -653,29 +651,30 @@ def test_errors():
 # -- accuracy ------------------------------------------------------------------------------------
 
 
-def _sqnr(ref, x):
-    return (20 * torch.log10(ref.norm() / (ref - x).norm())).item()
-
-
 def test_sqnr_on_gaussian_data():
     """SQNR (dB) of quantize -> dequantize of torch.randn(256, 256) against float32."""
     x = torch.randn(256, 256, generator=torch.Generator().manual_seed(0))
     key = nv.make_key(0)
     signs = nv.hadamard_signs(key, 0, 1)
     xh = nv.random_hadamard(x, signs)
-    sqnr = {
-        "rtne": _sqnr(x, nv.dequantize_nvfp4(*nv.quantize_nvfp4(x))),
-        "tile_2d": _sqnr(x, nv.dequantize_nvfp4(*nv.quantize_nvfp4(x, tile_2d=True))),
-        "sr": _sqnr(
+    figures = {
+        "rtne": sqnr(x, nv.dequantize_nvfp4(*nv.quantize_nvfp4(x))),
+        "tile_2d": sqnr(x, nv.dequantize_nvfp4(*nv.quantize_nvfp4(x, tile_2d=True))),
+        "sr": sqnr(
             x,
             nv.dequantize_nvfp4(*nv.quantize_nvfp4(x, sr_bits=nv.random_bits(key, 0, 2, x.shape))),
         ),
-        "rht": _sqnr(
+        "rht": sqnr(
             x,
             nv.random_hadamard(nv.dequantize_nvfp4(*nv.quantize_nvfp4(xh)), signs, inverse=True),
         ),
     }
-    print(sqnr)
-    assert sqnr["rtne"] > 20 and sqnr["rht"] > 20 and sqnr["tile_2d"] > 18.5 and sqnr["sr"] > 16.5
-    assert sqnr["sr"] < sqnr["rtne"] - 2  # SR trades variance for no bias
-    assert sqnr["tile_2d"] < sqnr["rtne"]  # one scale per 256 elements, not 16
+    print(figures)
+    assert (
+        figures["rtne"] > 20
+        and figures["rht"] > 20
+        and figures["tile_2d"] > 18.5
+        and figures["sr"] > 16.5
+    )
+    assert figures["sr"] < figures["rtne"] - 2  # SR trades variance for no bias
+    assert figures["tile_2d"] < figures["rtne"]  # one scale per 256 elements, not 16

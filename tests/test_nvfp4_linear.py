@@ -693,11 +693,12 @@ def test_init_apply_update_merge_errors():
 
 @pytest.mark.slow
 def test_compiled_apply_and_value_and_grad_equal_eager_over_steps():
-    # One graph across steps (the key is a tensor input, not a constant), the same bits as eager.
+    # No recompile across steps (the key is a tensor input, not a constant), the same random
+    # bits as eager.
     from torch._dynamo.testing import CompileCounterWithBackend
 
     model = MLP((32, 32, 32), seed=0)
-    x = torch.randn(40, 32)
+    x = torch.randn(40, 32, generator=torch.Generator().manual_seed(0))
     params = dict(model.named_parameters())
     fn = fp8fn.transform(model, ALL_ON)
     state = fn.init(x, seed=1)
@@ -706,17 +707,25 @@ def test_compiled_apply_and_value_and_grad_equal_eager_over_steps():
     counter = CompileCounterWithBackend("inductor")
     step = torch.compile(fp8fn.value_and_grad(_loss_of(fn), argnums=(0, 1)), backend=counter)
     eager = fp8fn.value_and_grad(_loss_of(fn), argnums=(0, 1))
-    previous = None
+    previous = frames = None
     for _ in range(2):
         loss, (grads, obs) = step(params, state, x)
         want_loss, (want, want_obs) = eager(params, state, x)
         assert loss.item() == pytest.approx(want_loss.item(), rel=1e-6)
-        assert_bit_identical(grads, want)
+        # The weight gradients come from the NVFP4 GEMMs: the same bits. The bias gradients
+        # are high-precision sums of the output gradient, which inductor reduces in another
+        # order (measured: within 4e-9).
+        for name in ("layers.0.weight", "layers.1.weight"):
+            assert torch.equal(bits(grads[name]), bits(want[name])), name
+        for name in ("layers.0.bias", "layers.1.bias"):
+            torch.testing.assert_close(grads[name], want[name], rtol=1e-6, atol=1e-7)
         assert obs.key.item() == want_obs.key.item() == 0.0
         assert previous is None or not torch.equal(grads["layers.0.weight"], previous)
         previous = grads["layers.0.weight"]
         state = fp8fn.update(state, obs)
-    assert counter.frame_count == 1
+        # value_and_grad's graphs (torch.autograd.grad is a graph break), compiled once.
+        assert frames is None or counter.frame_count == frames
+        frames = counter.frame_count
 
 
 # -- data parallel: 2 gloo ranks ------------------------------------------------------------------

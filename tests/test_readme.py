@@ -3,6 +3,7 @@
 import pathlib
 import re
 
+import pytest
 import torch
 
 import fp8fn
@@ -44,6 +45,7 @@ def test_readme_examples_run():
     assert state["0"].input.amax_history[0] == namespace["x"].abs().max()
 
 
+@pytest.mark.slow
 def test_readme_value_and_grad_example_runs():
     # the compiled torch.func-style step, after the example
     torch._dynamo.reset()

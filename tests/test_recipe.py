@@ -38,11 +38,11 @@ def test_recipe_frozen(recipe, field):
         ({"history_len": "4"}, TypeError, r"`history_len` to be an int, got str '4'\."),
         ({"amax_compute": "mean"}, ValueError, r"`amax_compute` in .*, got 'mean'\."),
         ({"amax_compute": None}, ValueError, r"`amax_compute` in .*, got None\."),
-        ({"margin": -1}, ValueError, r"`margin` from 0 to 64, got -1\."),
-        ({"margin": 65}, ValueError, r"`margin` from 0 to 64, got 65\."),
-        ({"margin": 0.5}, TypeError, r"`margin` to be an int, got float 0\.5\."),
-        ({"margin": 1.0}, TypeError, r"`margin` to be an int, got float 1\.0\."),
-        ({"margin": False}, TypeError, r"`margin` to be an int, got bool False\."),
+        ({"margin": -1}, ValueError, r"`margin` an int from 0 to 64, got -1\."),
+        ({"margin": 65}, ValueError, r"`margin` an int from 0 to 64, got 65\."),
+        ({"margin": 0.5}, TypeError, r"`margin` an int from 0 to 64, got float 0\.5\."),
+        ({"margin": 1.0}, TypeError, r"`margin` an int from 0 to 64, got float 1\.0\."),
+        ({"margin": False}, TypeError, r"`margin` an int from 0 to 64, got bool False\."),
         ({"backend": "cuda"}, ValueError, r"`backend` in .*, got 'cuda'\."),
     ],
 )
@@ -67,8 +67,8 @@ def test_public_api_is_exactly_all():
         "BlockwiseScaling", "CurrentScaling", "DelayedScaling", "MXScaling", "NVFP4Scaling",
         "RowwiseScaling",
         "ScaleState", "SiteState", "State", "Transformed", "all_reduce", "checkpoint",
-        "compute_scale", "flatten_state", "init_state", "linear", "merge", "observations",
-        "observe", "transform", "unflatten_state", "update", "value_and_grad",
+        "compute_scale", "flatten_state", "float8_all_gather", "init_state", "linear", "merge",
+        "observations", "observe", "transform", "unflatten_state", "update", "value_and_grad",
     ]  # fmt: skip
     assert fp8fn.__all__ == want  # sorted, no duplicates
     assert all(hasattr(fp8fn, name) for name in want)

@@ -5,6 +5,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 from _helpers import assert_bit_identical
 
@@ -49,6 +50,7 @@ def _run(tmp_path: pathlib.Path, start: int, stop: int, name: str) -> pathlib.Pa
     return path
 
 
+@pytest.mark.slow
 def test_resume_in_a_fresh_process_is_bit_identical(tmp_path):
     whole = torch.load(_run(tmp_path, 0, 6, "whole.pt"), weights_only=True)
     half = _run(tmp_path, 0, 3, "resumed.pt")

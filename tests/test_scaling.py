@@ -86,7 +86,11 @@ def test_compute_scale_batched_and_bfloat16():
         ((torch.tensor(2), 448.0), TypeError, r"`amax` to be a floating tensor, got torch\.int64"),
         ((torch.tensor(2.0), 0.0), ValueError, r"`fp8_max` a float > 0, got 0\.0"),
         ((torch.tensor(2.0), 448.0, -1), ValueError, r"`margin` an int from 0 to 64, got -1"),
-        ((torch.tensor(2.0), 448.0, 1.5), ValueError, r"`margin` an int from 0 to 64, got 1\.5"),
+        (
+            (torch.tensor(2.0), 448.0, 1.5),
+            TypeError,
+            r"`margin` an int from 0 to 64, got float 1\.5",
+        ),
     ],
 )
 def test_compute_scale_bad_arguments_raise(args, error, match):
@@ -179,6 +183,38 @@ def test_update_matches_list_model(amaxes, history_len, amax_compute, margin, ro
         assert torch.equal(bits(scale), bits(model_scale))
 
 
+def _float32_scale(amax: float, fp8_max: float, margin: int, order: str) -> torch.Tensor:
+    """`fp8_max / (amax * 2**margin)` in float32 arithmetic, in the given order, clamped to
+    float32's positive range as `compute_scale` does: what a float32 `update` would give."""
+    a, factor = torch.tensor(amax, dtype=torch.float32), 2.0**margin
+    scale = fp8_max / (a * factor) if order == "product_first" else fp8_max / a / factor
+    return scale.clamp(2.0**-149, F32_MAX)
+
+
+# amax, margin, role, and the order of float32 arithmetic that gives other bits than float64
+# rounded once, because the product or the first quotient leaves float32's range on the way.
+# (Elsewhere the two agree: a float64 quotient rounded to float32 is the float32 quotient, so a
+# random amax rarely tells them apart.)
+FLOAT32_TRAPS = [
+    (2.0148699846580557e38, 1, "input", "product_first"),  # amax * 2 overflows float32
+    (3.0e38, 3, "grad_output", "product_first"),  # amax * 8 overflows
+    (7.511965334907201e21, 64, "weight", "product_first"),  # amax * 2**64 overflows
+    (7.4383568137861935e-37, 1, "input", "quotient_first"),  # 448 / amax overflows
+    (5.0e-35, 3, "grad_output", "quotient_first"),  # 57344 / amax overflows
+]
+
+
+@pytest.mark.parametrize("amax, margin, role, order", FLOAT32_TRAPS)
+def test_update_scale_is_float64_rounded_once(amax, margin, role, order):
+    amax = float(torch.tensor(amax, dtype=torch.float32))  # the observation is float32
+    want = expected_scale(amax, FP8_MAX[role], margin)
+    assert not torch.equal(bits(_float32_scale(amax, FP8_MAX[role], margin, order)), bits(want))
+    state = _step(_state(history_len=2, margin=margin), **{role: amax})
+    history, scale = _role(state, role)
+    assert history == [amax, 0.0]
+    assert torch.equal(bits(scale), bits(want))
+
+
 def test_update_stacked_ensemble_state():
     """Leading dims (a stacked ensemble) update member by member."""
     one = _state(("a", "b"), history_len=3)
@@ -243,6 +279,22 @@ def test_merge_elementwise_max_never_sums():
     state = _state(history_len=3)
     merged = fp8fn.merge(observation(state, fc=(2.0, 5.0, 1.0)), observation(state, fc=(2, 3, 4)))
     assert merged["fc"].amax_history.tolist() == [[2, 0, 0], [5, 0, 0], [4, 0, 0]]
+
+
+def test_merge_takes_the_max_of_the_scale_leaf_too():
+    # Both leaves combine by elementwise max, as `all_reduce` combines them over ranks (one
+    # collective on the packed tensors): merging microbatches and reducing ranks commute.
+    state = _state(("a", "b"), history_len=2)
+    a = observation(state, a=(1.0, None, 3.0))._replace(
+        scale=torch.tensor([[0.0, 2.0, 0.5], [4.0, 0.0, 1.0]])
+    )
+    b = observation(state, b=(2.0, 2.0, None))._replace(
+        scale=torch.tensor([[1.0, 0.0, 0.25], [3.0, 5.0, 1.0]])
+    )
+    want = torch.tensor([[1.0, 2.0, 0.5], [4.0, 5.0, 1.0]])
+    for merged in (fp8fn.merge(a, b), fp8fn.merge(b, a)):
+        assert torch.equal(merged.scale, want)
+        assert torch.equal(merged.amax_history, torch.maximum(a.amax_history, b.amax_history))
 
 
 def test_merge_inf_and_nan_are_not_observed():

@@ -147,6 +147,28 @@ def test_site_order_follows_the_module_tree_not_the_example():
     assert orders == {("experts.0", "experts.1", "experts.2")}
 
 
+def test_a_flat_state_of_eleven_or_more_layers_comes_back_in_module_order():
+    # nn.Sequential names its layers '0', '1', ..., '10', '11': sorted names would give
+    # '0', '1', '10', '11', '2', ...; the restored state must be fn.init's, site for site.
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(4, 4) for _ in range(12)))
+    fn = fp8fn.transform(model, DELAYED)
+    x = torch.randn(3, 4)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    state = _warm(fn, params, x)
+    assert state.sites == tuple(str(i) for i in range(12))
+    flat = fp8fn.flatten_state(state)
+    restored = fp8fn.unflatten_state(flat, DELAYED)
+    assert restored.sites == state.sites == fn.init(x).sites
+    assert torch.equal(restored.amax_history, state.amax_history)
+    assert torch.equal(restored.scale, state.scale)
+    # A step after a resume pairs with one that never stopped (update and merge check the sites
+    # in order, as all_reduce does across ranks).
+    obs = torch.func.grad(_loss(fn), argnums=1)(params, state, x)
+    resumed = fp8fn.update(restored, obs)
+    assert torch.equal(resumed.amax_history, fp8fn.update(state, obs).amax_history)
+
+
 def test_observation_helper_builds_what_update_takes():
     state = fp8fn.init_state(DELAYED, ["a"])
     new = fp8fn.update(state, observation(state, a=(2.0, None, 4.0)))

@@ -87,3 +87,59 @@ def test_inside_torch_checkpoint_sees_both_modes_and_stops_at_its_frame():
         use_reentrant=True,
     )
     assert seen == [True]
+
+
+def test_attention_forward_is_multi_head_attention_forward_without_dispatch():
+    attention = torch.nn.MultiheadAttention(8, 2)
+    q = torch.randn(5, 3, 8)
+    args = (q, q, q, 8, 2, attention.in_proj_weight, attention.in_proj_bias, None, None, False)
+    args += (0.0, attention.out_proj.weight, attention.out_proj.bias)
+    want = torch.nn.functional.multi_head_attention_forward(*args, need_weights=False)[0]
+    assert torch.equal(private.attention_forward(*args, need_weights=False)[0], want)
+    seen = []
+
+    class Mode(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Mode():
+        torch.nn.functional.multi_head_attention_forward(*args, need_weights=False)
+    assert torch.nn.functional.linear not in seen  # the original: one call, nothing inside
+    seen.clear()
+    with Mode():
+        private.attention_forward(*args, need_weights=False)
+    assert seen.count(torch.nn.functional.linear) == 2  # the copy: in_proj and out_proj
+
+
+def test_differentiated_sees_autograd_and_every_transform_level():
+    assert private.differentiated(torch.ones(2, requires_grad=True))
+    assert not private.differentiated(torch.ones(2))
+    assert not private.differentiated_by_transform(torch.ones(2, requires_grad=True))
+    seen = {}
+
+    def inner(y, x):
+        seen["x"] = (private.differentiated(x), private.differentiated_by_transform(x))
+        seen["fresh"] = private.differentiated(torch.ones(2))
+        return y.sum()
+
+    def outer(x):
+        return torch.func.grad(inner)(x * 2, x)  # x: tracked by the outer level only
+
+    torch.func.grad(lambda x: outer(x).sum())(torch.ones(2))
+    assert seen == {"x": (True, True), "fresh": False}
+    torch.func.vmap(lambda x: inner(x, x))(torch.ones(3, 2))  # batched, not differentiated
+    assert seen["x"] == (False, False)
+
+
+def test_function_modes_lists_the_modes_in_effect_outermost_first():
+    class A(torch.overrides.TorchFunctionMode):
+        pass
+
+    class B(torch.overrides.TorchFunctionMode):
+        pass
+
+    assert private.function_modes() == []
+    with A() as a, B() as b:
+        assert private.function_modes() == [a, b]
+    assert private.function_modes() == []

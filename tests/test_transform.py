@@ -8,6 +8,7 @@ import optree
 import pytest
 import torch
 import torch.nn.functional as F
+from _helpers import sqnr
 from _models import Branchy, ReusedLayer, Tied, Transformer
 from torch import nn
 from torch.utils import _pytree as pytree
@@ -730,10 +731,6 @@ def _with_child(name, child):
     return parent
 
 
-def _sqnr(ref, x):
-    return (20 * torch.log10(ref.norm() / (ref - x).norm())).item()
-
-
 @pytest.mark.parametrize("recipe", [DELAYED, CURRENT])
 def test_transformer_matches_float32_and_routes_agree(recipe):
     model = Transformer(vocab=64, d_model=32, n_heads=4, n_blocks=2, seq=16)
@@ -761,9 +758,9 @@ def test_transformer_matches_float32_and_routes_agree(recipe):
     ref_grads = torch.func.grad(ref_loss)(params)
     out = fn.apply(params, state, idx)
     ref_out = torch.func.functional_call(model, params, (idx,))
-    assert _sqnr(ref_out, out) >= 25
+    assert sqnr(ref_out, out) >= 25
     for name in ("blocks.0.qkv.weight", "blocks.1.fc2.weight", "head.weight"):
-        assert _sqnr(ref_grads[name], grads[name]) >= 20, name
+        assert sqnr(ref_grads[name], grads[name]) >= 20, name
 
 
 def test_apply_follows_train_and_eval_of_the_module():

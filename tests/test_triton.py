@@ -15,7 +15,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 pytest.importorskip("triton")
 
+from _helpers import assert_bit_identical  # noqa: E402
+
 import fp8fn  # noqa: E402
+import fp8fn._backend  # noqa: E402
+import fp8fn._tensorwise  # noqa: E402
 import fp8fn._triton as fp8_triton  # noqa: E402
 from fp8fn._quantize import amax as ref_amax  # noqa: E402
 from fp8fn._quantize import cast_to_fp8, saturate  # noqa: E402
@@ -294,8 +298,9 @@ def test_casts_reject_bad_arguments():
         fp8_triton.current_cast(hp, 0, torch.int8)
     with pytest.raises(ValueError, match="`transpose=True` needs a 2D `hp`"):
         fp8_triton.current_cast(hp, 0, E5M2, transpose=True)
-    for margin in (-1, 0.5, True, "1", 65, scalar(1.0)):
-        with pytest.raises(ValueError, match="expected `margin` an int from 0 to 64"):
+    for margin, error in ((-1, ValueError), (65, ValueError), (0.5, TypeError), (True, TypeError),
+                          ("1", TypeError), (scalar(1.0), TypeError)):  # fmt: skip
+        with pytest.raises(error, match="expected `margin` an int from 0 to 64"):
             fp8_triton.current_cast(hp, margin, E4M3)
     with pytest.raises(TypeError, match="expected `scale` a float32 `\\(\\)` tensor"):
         fp8_triton.cast_and_amax(hp, torch.tensor(1.0, dtype=torch.float64), E4M3)
@@ -340,6 +345,7 @@ def test_each_cast_is_one_dispatched_op_of_one_or_two_launches(monkeypatch):
         assert len(launched) == launches
 
 
+@pytest.mark.slow
 def test_delayed_cast_compiles_without_graph_breaks():
     # Under the interpreter the ops are opaque custom ops (an interpreted kernel cannot be traced
     # into the graph); with CUDA they are triton_ops whose kernels Inductor sees. Either way the
@@ -450,3 +456,30 @@ def test_triton_backend_casts_are_one_op_each():
         torch.func.grad(loss, argnums=(0, 1))(w, state)
     assert casts.count("fp8fn.scaled_cast.default") == 3  # x, weight, grad_output: one op each
     assert not any("vector_norm" in c or "clamp" in c for c in casts)  # no torch-side cast
+
+
+def test_triton_casts_before_float8_gemms_hand_grad_weight_a_row_major_copy(monkeypatch):
+    """Where the GEMMs run on torch's float8 GEMM, the output gradient's Triton cast writes its
+    transpose in the same pass, for grad_weight: the same bits as the casts of "scaled_mm",
+    which transposes by a copy. (The CPU's reference GEMM stands in for CUDA's here.)"""
+    monkeypatch.setattr(fp8fn._backend, "scaled_mm_supported", lambda device: True)
+    monkeypatch.setattr(fp8fn._tensorwise, "scaled_mm_supported", lambda device: True)
+    transposes = []
+    real = fp8_triton.delayed_cast
+
+    def spy(*args, **kwargs):
+        transposes.append(kwargs.get("transpose", False))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fp8fn._triton, "delayed_cast", spy)
+    runs = {}
+    for backend in ("scaled_mm", "triton"):
+        recipe = fp8fn.DelayedScaling(backend=backend)
+        state = fp8fn.init_state(recipe, ["fc"])
+        gen = torch.Generator().manual_seed(2)
+        x, w, b = (torch.randn(s, generator=gen) for s in ((24, 40), (20, 40), (20,)))
+        loss = lambda x, w, b, s: fp8fn.linear(x, w, b, s["fc"], recipe).square().sum()  # noqa: E731
+        state = fp8fn.update(state, torch.func.grad(loss, argnums=3)(x, w, b, state))
+        runs[backend] = torch.func.grad(loss, argnums=(0, 1, 2, 3))(x, w, b, state)
+    assert transposes.count(True) == 2  # the output gradient's cast, in both steps' backward
+    assert_bit_identical(runs["triton"], runs["scaled_mm"])

@@ -1,0 +1,416 @@
+"""Float8 weight all-gather under FSDP2: `float8_all_gather`, the opt-in that makes FSDP2 gather
+the chosen weights as e4m3 bytes cast with fp8fn's scales.
+
+FSDP2 (`fully_shard`) lets a parameter's local tensor choose what is all-gathered
+(`fsdp_pre_all_gather`) and what the gathered bytes become (`fsdp_post_all_gather`). fp8fn's
+per-tensor recipes know every weight scale before the step (delayed scaling: the state's; current
+scaling: one batched max of the shards' amaxes), so each rank casts its shard to e4m3 *before*
+the all-gather, 1 byte per element on the wire, and the op multiplies the gathered bytes as they
+are. The pieces:
+
+* `Float8ShardWeight`: the high-precision weight (and each FSDP2 shard of it). A wrapper tensor
+  subclass that behaves as its float32 (or bfloat16) data everywhere (optimizers, state dicts,
+  checkpoints, which see a plain tensor when pickled) and implements the two FSDP2 hooks.
+* `Float8GatheredWeight`: FSDP2's unsharded parameter, a tensor of the weight's dtype and shape
+  for autograd and FSDP2 that holds the gathered e4m3 bytes, their scale and the whole weight's
+  amax. The per-tensor op (`_tensorwise`) takes them without casting again; any other use sees
+  the dequantized weight.
+* `ScalesForCall`: what `fp8fn.apply` hands the hooks for one forward pass (a context variable):
+  each layer's weight scale. FSDP2's backward re-gather runs after `apply` has returned (and on
+  CUDA in autograd's thread), so each shard keeps the scale of its last forward all-gather and
+  the backward gathers the same bytes.
+
+Wire format, per weight and rank: the e4m3 shard viewed as uint8 (gloo cannot all-gather float8)
+and the 4 bytes of the shard's float32 amax, in FSDP2's one all-gather of the block. The max of
+the gathered amaxes is the whole weight's amax, the weight's observation, with no collective of
+its own. A weight whose rows do not split evenly over the ranks is gathered as one padded e4m3
+input (FSDP2 requires every input of such a weight to have the padded shard's shape); its
+observation is then the shard's own amax, which `fp8fn.all_reduce` turns into the whole weight's.
+"""
+
+from __future__ import annotations
+
+import contextvars
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from ._quantize import E4M3, FP8_MAX, amax, cast_to_fp8, scale_from_amax
+
+# The running `apply`'s `ScalesForCall` (None outside apply: FSDP2's backward re-gather).
+SCALES: contextvars.ContextVar = contextvars.ContextVar("fp8fn_gather_scales", default=None)
+
+_aten = torch.ops.aten
+# Ops whose results are again (pieces of) the weight: FSDP2's sharding and padding, moves and
+# copies. Their results stay `Float8ShardWeight`s; every other op returns plain tensors.
+_KEEP = {
+    _aten.alias.default,
+    _aten.as_strided.default,
+    _aten.clone.default,
+    _aten.detach.default,
+    _aten.empty_like.default,
+    _aten.new_empty.default,
+    _aten.new_zeros.default,
+    _aten.slice.Tensor,
+    _aten.split.Tensor,
+    _aten.split_with_sizes.default,
+    _aten.view.default,
+    _aten._to_copy.default,
+    _aten._pin_memory.default,
+}
+_GATHERED_VIEWS = {
+    _aten.alias.default,
+    _aten.as_strided.default,
+    _aten.detach.default,
+    _aten.view.default,
+}
+
+
+def _api_error(message: str) -> RuntimeError:
+    return RuntimeError(f"fp8fn.float8_all_gather: {message}")
+
+
+class Float8ShardWeight(torch.Tensor):
+    """A weight (or an FSDP2 shard of it) that FSDP2 all-gathers as e4m3 bytes.
+
+    Behaves as its data (`_tensor`, float32 or bfloat16) under every op; pickles as that plain
+    tensor. `_path` names the layer for messages; `_scale` is the scale of the last forward
+    all-gather (float32 `()`), reused by the backward re-gather.
+    """
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, tensor: torch.Tensor, path: str):
+        return torch.Tensor._make_wrapper_subclass(
+            cls,
+            tensor.size(),
+            strides=tensor.stride(),
+            storage_offset=tensor.storage_offset(),
+            dtype=tensor.dtype,
+            device=tensor.device,
+            requires_grad=tensor.requires_grad,
+        )
+
+    def __init__(self, tensor: torch.Tensor, path: str):
+        self._tensor, self._path, self._scale = tensor, path, None
+
+    def __repr__(self):
+        return f"Float8ShardWeight({self._tensor!r}, path={self._path!r})"
+
+    def __reduce_ex__(self, protocol):  # checkpoints hold plain tensors
+        return self._tensor.__reduce_ex__(protocol)
+
+    def __tensor_flatten__(self):
+        return ["_tensor"], {"path": self._path}
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+        return Float8ShardWeight(inner["_tensor"], meta["path"])
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        wrapped = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, cls)]
+        outer = {id(t._tensor): t for t in wrapped}
+        args, kwargs = pytree.tree_map_only(cls, lambda t: t._tensor, (args, kwargs or {}))
+        out = func(*args, **kwargs)
+        if func._schema.is_mutable:  # in place (an optimizer step, a checkpoint load)
+            return pytree.tree_map_only(torch.Tensor, lambda t: outer.get(id(t), t), out)
+        if func not in _KEEP:
+            return out
+        path = wrapped[0]._path
+        return pytree.tree_map_only(torch.Tensor, lambda t: cls(t, path), out)
+
+    # -- FSDP2's all-gather extension --------------------------------------------------------
+
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        """The e4m3 shard and its amax, as uint8 all-gather inputs; metadata for post."""
+        if mesh.ndim != 1:
+            raise _api_error(
+                f"expected FSDP2 sharding over a 1-D mesh for {self._path!r}, got a {mesh.ndim}-D "
+                "mesh (HSDP). Leave this model's weights out of float8_all_gather."
+            )
+        world = mesh.size()
+        if tuple(self.shape[1:]) != tuple(outer_size[1:]):
+            raise _api_error(
+                f"expected {self._path!r} sharded along dim 0, got a shard {tuple(self.shape)} of "
+                f"{tuple(outer_size)}. Shard weights along dim 0 (fully_shard's default "
+                "shard_placement_fn)."
+            )
+        scales = SCALES.get()
+        if scales is not None:
+            scale = scales.scale_for(module, self._path, self.device)
+            if not scales.discovering:
+                self._scale = scale
+        elif self._scale is not None:  # FSDP2's backward re-gather: the forward's bytes again
+            scale = self._scale
+        else:
+            raise _api_error(
+                f"{self._path!r} was all-gathered outside fp8fn's apply before any apply: its "
+                "scale is not known. Run the model through `fn.apply(params, state, ...)`."
+            )
+        shard = self._tensor
+        fp8 = cast_to_fp8(shard, scale, E4M3).view(torch.uint8)
+        shard_amax = amax(shard)
+        rows = -(-outer_size[0] // world)  # the padded shard's rows
+        if outer_size[0] % world:  # uneven: one input of the padded shard's shape
+            if fp8.shape[0] < rows:
+                fp8 = torch.cat([fp8, fp8.new_zeros(rows - fp8.shape[0], *fp8.shape[1:])])
+            return (fp8,), (scale, shard_amax)
+        return (fp8, shard_amax.reshape(1).view(torch.uint8)), (scale, None)
+
+    def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
+        """The gathered weight: a new `Float8GatheredWeight`, or `out` refreshed in place."""
+        scale, own_amax = metadata
+        data = outputs[0].view(E4M3)
+        whole_amax = own_amax if own_amax is not None else outputs[1].view(torch.float32).max()
+        if out is not None:  # later all-gathers refill the same buffers
+            out._scale, out._amax = scale, whole_amax
+            return None
+        gathered = Float8GatheredWeight(data, scale, whole_amax, param_dtype)
+        return gathered, tuple(outputs)
+
+
+class Float8GatheredWeight(torch.Tensor):
+    """FSDP2's unsharded parameter for a `Float8ShardWeight`.
+
+    To autograd and FSDP2 a tensor of the weight's shape `(out_features, in_features)` and
+    high-precision dtype (so the weight gradient stays high precision); it holds `_data`, the
+    gathered e4m3 weight, `_scale`, the float32 `()` scale it was cast with
+    (`_data = saturate(weight * _scale)`), and `_amax`, the float32 `()` amax of the whole weight
+    (of this rank's shard for an unevenly sharded weight). Views apply to `_data`; any other op
+    sees the dequantized weight `_data / _scale`.
+    """
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, data, scale, whole_amax, dtype):
+        return torch.Tensor._make_wrapper_subclass(
+            cls, data.size(), strides=data.stride(), dtype=dtype, device=data.device
+        )
+
+    def __init__(self, data, scale, whole_amax, dtype):
+        self._data, self._scale, self._amax = data, scale, whole_amax
+
+    def __repr__(self):
+        return f"Float8GatheredWeight(shape={tuple(self.shape)}, dtype={self.dtype})"
+
+    def dequantize(self) -> torch.Tensor:
+        return (self._data.float() / self._scale).to(self.dtype)
+
+    def __tensor_flatten__(self):
+        return ["_data", "_scale", "_amax"], {"dtype": self.dtype}
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+        return Float8GatheredWeight(inner["_data"], inner["_scale"], inner["_amax"], meta["dtype"])
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _GATHERED_VIEWS:
+            src = args[0]
+            return cls(func(src._data, *args[1:], **kwargs), src._scale, src._amax, src.dtype)
+        if func._schema.is_mutable:
+            raise _api_error(
+                f"the gathered float8 weight cannot be changed in place ({func}). Change the "
+                "sharded parameters (the optimizer does), not the unsharded ones."
+            )
+        args, kwargs = pytree.tree_map_only(cls, lambda t: t.dequantize(), (args, kwargs))
+        return func(*args, **kwargs)
+
+
+class ScalesForCall:
+    """The weight scales of one forward pass, by layer module, for FSDP2's pre-all-gather hook.
+
+    Args:
+      scales: `{module: float32 () scale}`; None while `fn.init` discovers the sites (any scale
+        does then: the results are not used, and nothing is cached for a backward).
+    """
+
+    def __init__(self, scales: dict | None):
+        self.scales, self.discovering = scales, scales is None
+
+    def scale_for(self, module, path: str, device) -> torch.Tensor:
+        if self.discovering:
+            return torch.ones((), device=device)
+        scale = self.scales.get(module)
+        if scale is None:
+            raise _api_error(
+                f"layer {path!r} is all-gathered in float8, but the running fp8fn.apply does not "
+                "run it in float8 (a layer left out by the transform's filter_fn or recipe, or a "
+                "transform made before float8_all_gather). Give float8_all_gather the same "
+                "filter_fn as fp8fn.transform, and call it before fully_shard and transform."
+            )
+        return scale
+
+
+def is_float8_gathered(weight) -> bool:
+    """Whether `weight` is a `float8_all_gather` weight: sharded, or gathered by FSDP2."""
+    return shard_of(weight) is not None or isinstance(weight, Float8GatheredWeight)
+
+
+def shard_of(weight) -> Float8ShardWeight | None:
+    """The `Float8ShardWeight` under a parameter: itself, or a DTensor's local tensor; else
+    None."""
+    if isinstance(weight, Float8ShardWeight):
+        return weight
+    local = getattr(weight, "_local_tensor", None)  # a DTensor (FSDP2's sharded parameter)
+    return local if isinstance(local, Float8ShardWeight) else None
+
+
+def weight_scales(entries, state) -> dict:
+    """`{module: weight scale}` for one forward pass, float32 `()` scales.
+
+    Args:
+      entries: `(module, site row or None, margin)` per layer all-gathered in float8, the site
+        row of a DelayedScaling layer's first call in `state`, None for current scaling.
+      state: the `fp8fn.State` of the call.
+
+    A delayed layer uses its stored weight scale once its weight history holds an amax; while it
+    is empty, and for current scaling, the scale comes from the whole weight's amax: the max of
+    the shards' amaxes, for all such weights in one `all_reduce(MAX)` per device mesh (the step's
+    only extra collective; none once every history holds an amax). The sharded parameters are
+    read from the modules (FSDP2 holds them there between forward passes).
+    """
+    n = len(entries)
+    rows = [r for _, r, _ in entries if r is not None]
+    stored = newest = None
+    if rows:
+        index = torch.tensor(rows, device=state.scale.device)
+        stored, newest = state.scale[index, 1], state.amax_history[index, 1, 0]
+    need, k = [], 0
+    empty = (newest == 0).tolist() if rows else []  # (one sync a step: a few bytes)
+    for _, row, _ in entries:
+        if row is None:
+            need.append(True)
+        else:
+            need.append(empty[k])
+            k += 1
+    scales = [None] * n
+    if any(need):
+        current = _current_scales([e for e, want in zip(entries, need) if want])
+        it = iter(current)
+        for i, want in enumerate(need):
+            if want:
+                scales[i] = next(it)
+    k = 0
+    for i, (_, row, _) in enumerate(entries):
+        if row is not None:
+            if scales[i] is None:
+                scales[i] = stored[k]
+            k += 1
+    return {module: scale for (module, _, _), scale in zip(entries, scales)}
+
+
+def _current_scales(entries) -> list:
+    """Current-scaling weight scales `448 / (amax * 2**margin)` from the whole weights' amaxes,
+    one `all_reduce(MAX)` per device mesh over the shards' amaxes."""
+    groups: dict = {}
+    for i, (module, _, _) in enumerate(entries):
+        weight = module.weight
+        mesh = getattr(weight, "device_mesh", None)
+        groups.setdefault(None if mesh is None else mesh.get_group(), []).append(i)
+    amaxes = [None] * len(entries)
+    with torch.no_grad():
+        for group, members in groups.items():
+            local = torch.stack([amax(_local_data(entries[i][0].weight)) for i in members])
+            if group is not None:
+                dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
+            for i, a in zip(members, local.unbind()):
+                amaxes[i] = a
+    margins = [m for _, _, m in entries]
+    if len(set(margins)) == 1:
+        return list(scale_from_amax(torch.stack(amaxes), FP8_MAX[E4M3], margins[0]).unbind())
+    return [scale_from_amax(a, FP8_MAX[E4M3], m) for a, m in zip(amaxes, margins)]
+
+
+def _local_data(weight) -> torch.Tensor:
+    """The plain high-precision data of this rank's shard of `weight`."""
+    shard = shard_of(weight)
+    if shard is None:
+        raise _api_error(
+            f"expected the layer's weight to be an FSDP2 shard of a float8_all_gather weight, "
+            f"got {type(weight).__name__}."
+        )
+    return shard._tensor
+
+
+def float8_all_gather(model: nn.Module, filter_fn=None) -> nn.Module:
+    """Make FSDP2 all-gather `model`'s linear weights in float8, cast with fp8fn's scales.
+
+    An explicit opt-in that changes `model` for good: each chosen `nn.Linear` weight becomes a
+    `Float8ShardWeight`, a float32 (or bfloat16) tensor to the optimizer, `state_dict` and
+    checkpoints (saved as plain tensors) that tells FSDP2 to gather its shard as e4m3 bytes. Call
+    it before `fully_shard`, then transform the sharded model; `fn.apply` then casts each shard
+    with the weight scale of the step (DelayedScaling: the state's; CurrentScaling: the whole
+    weight's, from one batched `all_reduce(MAX)` of the shards' amaxes per step), FSDP2 gathers
+    1 byte per element plus 4 bytes of amax per rank, and the float8 op uses the gathered bytes
+    without casting them again. The whole weight's amax travels in the same all-gather, so the
+    weight's observation needs no collective. Every call of a layer in one forward pass uses the
+    weight scale of its first site.
+
+    Weights are sharded along dim 0. One whose rows do not split evenly over the ranks is gathered
+    padded, and its observation is the shard's amax until `fp8fn.all_reduce` (the usual loop)
+    takes the max over the ranks.
+
+    Outside `fn.apply` (a plain `model(x)`), an FSDP2-gathered weight is the float8 weight cast
+    with its last scale, dequantized; before the first `apply` such a call raises.
+
+    Args:
+      model: the module, before `fully_shard`.
+      filter_fn: `(name, module) -> bool` choosing among the `nn.Linear` layers (default: all).
+        Every chosen layer must run in float8 with `DelayedScaling` or `CurrentScaling` under
+        the transform (`fp8fn.transform` checks).
+
+    Returns:
+      `model` itself, changed in place.
+
+    Raises:
+      ValueError: when a chosen weight is already sharded (call this before `fully_shard`), or
+        when no layer was chosen.
+
+    Example (on every rank)::
+
+      model = fp8fn.float8_all_gather(Transformer())
+      for block in model.blocks:
+          fully_shard(block)
+      fully_shard(model)
+      fn = fp8fn.transform(model, fp8fn.DelayedScaling())
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"fp8fn.float8_all_gather: expected `model` to be an nn.Module, got "
+            f"{type(model).__name__}."
+        )
+    attention = {  # nn.MultiheadAttention uses its projections' weights itself
+        id(m) for a in model.modules() if isinstance(a, nn.MultiheadAttention) for m in a.modules()
+    }
+    chosen = []
+    for name, sub in model.named_modules():
+        if not isinstance(sub, nn.Linear) or id(sub) in attention:
+            continue
+        if filter_fn is not None and not filter_fn(name, sub):
+            continue
+        weight = sub.weight
+        if shard_of(weight) is not None:
+            continue  # opted in already
+        if type(weight) is not nn.Parameter:
+            raise ValueError(
+                f"fp8fn.float8_all_gather: expected layer {name!r} to hold a plain weight "
+                f"Parameter, got {type(weight).__name__}. Call float8_all_gather before "
+                "fully_shard (and before other wrappers)."
+            )
+        sub.weight = nn.Parameter(
+            Float8ShardWeight(weight.detach(), name), requires_grad=weight.requires_grad
+        )
+        chosen.append(name)
+    if not chosen and not any(shard_of(p) is not None for p in model.parameters()):
+        raise ValueError(
+            "fp8fn.float8_all_gather: expected at least one nn.Linear layer chosen by "
+            "`filter_fn`, got none."
+        )
+    return model

@@ -1,0 +1,665 @@
+"""Scenarios that `tests/test_fsdp.py` runs on 2 gloo ranks: FSDP2 (not a test module).
+
+`main(rank, world_size, port, out_dir, names)` initializes the process group, runs the scenarios
+named in `names` in order (the ranks must call the same collectives), and writes
+`out_dir/rank{rank}.json`: `{scenario: "ok" | traceback}` plus `"_measured"` numbers.
+
+The reference for "one process on the global batch" is one process that runs the global batch as
+`WORLD` microbatches, the rank shards, in order: each microbatch's loss is its own mean (as each
+rank's loss is), observations are merged (max, as `all_reduce`), and the accumulated gradient is
+divided by `WORLD` (FSDP2 averages over the ranks). Every rank then sees exactly the output
+gradients and weights of the reference, so states are compared bit for bit. (With one GEMM over
+the whole batch, a mean loss would give each rank `WORLD` x the output gradient, and the weight
+gradient's float32 sums would run in another order.)
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from _helpers import assert_bit_identical
+from _models import _seeded
+from torch import nn
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import fp8fn
+
+WORLD = 2
+BATCH = 8  # global batch; each rank gets BATCH // WORLD rows
+RECIPE = fp8fn.DelayedScaling(history_len=4)
+LR = 0.1
+MEASURED: dict = {}  # scenario -> numbers, written to the report
+
+
+class Block(nn.Module):
+    """x + fc2(gelu(fc1(ln(x)))); sites `fc1`, `fc2`."""
+
+    def __init__(self, d: int, hidden: int):
+        super().__init__()
+        self.ln, self.fc1, self.fc2 = nn.LayerNorm(d), nn.Linear(d, hidden), nn.Linear(hidden, d)
+
+    def forward(self, x):
+        return x + self.fc2(F.gelu(self.fc1(self.ln(x))))
+
+
+class Net(nn.Module):
+    """`n_blocks` residual MLP blocks and a head; sites `blocks.{i}.fc1`, `blocks.{i}.fc2`,
+    `head`. Input `(batch, d)`, output `(batch, out)`."""
+
+    def __init__(self, seed=1, d=16, hidden=32, out=8, n_blocks=3):
+        super().__init__()
+        with _seeded(seed):
+            self.blocks = nn.ModuleList(Block(d, hidden) for _ in range(n_blocks))
+            self.head = nn.Linear(d, out)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _fully_shard(model, **kwargs):
+    """FSDP2 the usual way: each block, then the root (which holds the head)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.blocks:
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def _batch(step: int, d: int = 16):
+    """The global batch of `step`, `(BATCH, d)`, with an outlier in rank 1's rows."""
+    g = torch.Generator().manual_seed(100 + step)
+    x = torch.randn(BATCH, d, generator=g)
+    x[BATCH - 2, 3] = 20.0 + step
+    return x
+
+
+def _shard(x, rank):
+    return x.chunk(WORLD)[rank]
+
+
+def _same_on_all_ranks(t: torch.Tensor) -> bool:
+    gathered = [torch.empty_like(t) for _ in range(WORLD)]
+    dist.all_gather(gathered, t.contiguous())
+    return all(torch.equal(gathered[0], g) for g in gathered[1:])
+
+
+def _assert_state_same_on_all_ranks(state: fp8fn.State) -> None:
+    assert _same_on_all_ranks(state.amax_history), "amax histories differ across ranks"
+    assert _same_on_all_ranks(state.scale), "scales differ across ranks"
+
+
+def _full(t):
+    """The whole tensor of a (possibly sharded) parameter, detached."""
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach()
+
+
+def _loss(out):
+    return out.square().mean()  # each rank's own mean, as data-parallel trainers write it
+
+
+def rank_step(model, fn, state, x, opt=None, probe=None):
+    """One step on this rank's rows: observe, apply with the module's own (sharded) parameters,
+    backward (FSDP2 reduce-scatters), `fp8fn.all_reduce`, optimizer step, `update`."""
+    observed = fp8fn.observe(state)
+    params = dict(model.named_parameters())
+    given = dict(params)
+    out = fn.apply(params, observed, x)
+    assert all(params[k] is t for k, t in given.items()), "apply changed the caller's dict"
+    if probe is not None:
+        probe(params)
+    _loss(out).backward()
+    obs = fp8fn.all_reduce(fp8fn.observations(observed))
+    if opt is not None:
+        opt.step()
+    model.zero_grad()
+    return fp8fn.update(state, obs)
+
+
+def reference_step(model, fn, state, x, opt=None):
+    """One step of the single process on the global batch `x` (see the module docstring)."""
+    obs = None
+    for part in x.chunk(WORLD):
+        observed = fp8fn.observe(state)
+        _loss(fn.apply(dict(model.named_parameters()), observed, part)).backward()
+        seen = fp8fn.observations(observed)
+        obs = seen if obs is None else fp8fn.merge(obs, seen)
+    if opt is not None:
+        for p in model.parameters():
+            p.grad /= WORLD  # FSDP2 averages over the ranks (exact: a power of two)
+        opt.step()
+    model.zero_grad()
+    return fp8fn.update(state, obs)
+
+
+def _reference(steps, recipe=RECIPE, **net):
+    """(params, states): the single process after warming and after each of `steps` steps."""
+    model = Net(**net)
+    fn = fp8fn.transform(model, recipe)
+    state = fn.init(_batch(0, model.head.in_features))
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    state = reference_step(model, fn, state, _batch(0, model.head.in_features))  # warm
+    states = [state]
+    for step in range(steps):
+        state = reference_step(model, fn, state, _batch(1 + step, model.head.in_features), opt)
+        states.append(state)
+    return {k: v.detach().clone() for k, v in model.named_parameters()}, states
+
+
+# --- 1. FSDP2 the usual way --------------------------------------------------------------------
+
+
+def fsdp2_the_usual_way(rank):
+    """fully_shard per block and root, transform, fn.init, torch.optim, observe/observations,
+    `fn.apply(dict(model.named_parameters()), observed, x)`, no manual unshard. FSDP2's hooks
+    unshard each block just in time and reshard it after; after 3 steps the params match one
+    process and the states are bit-identical on every rank and to one process."""
+    from torch.distributed.tensor import DTensor
+
+    ref_params, ref_states = _reference(3)
+    model = _fully_shard(Net())
+    fn = fp8fn.transform(model, RECIPE)
+    assert type(model.blocks[0].fc1.weight) is DTensor
+    assert model.blocks[0].fc1.weight.to_local().shape == (16, 16)  # half the rows per rank
+    state = fn.init(_shard(_batch(0), rank))  # runs the model for real (FSDP2 all-gathers)
+    assert list(state) == list(ref_states[0])
+    # init leaves every parameter sharded (FSDP2 alone would keep the root unsharded after a
+    # forward without backward, and an optimizer made now would hold the unsharded tensors)
+    assert all(type(p) is DTensor for p in model.parameters())
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+
+    # What each layer holds while the model runs: the first block is resharded (its weight a
+    # DTensor shard again, the unsharded weight's storage freed) by the time the last block and
+    # the head run.
+    seen, unsharded = [], []
+
+    def record(name):
+        def hook(module, args):
+            first = model.blocks[0].fc1.weight
+            if name == "blocks.0":
+                unsharded.append(first)
+            own = module.fc1.weight if isinstance(module, Block) else module.weight
+            freed = unsharded[0].untyped_storage().nbytes() == 0
+            seen.append((name, type(first), type(own), freed))
+
+        return hook
+
+    handles = [
+        b.register_forward_pre_hook(record(f"blocks.{i}")) for i, b in enumerate(model.blocks)
+    ]
+    handles.append(model.head.register_forward_pre_hook(record("head")))
+
+    def probe(params):  # the optimizer's parameters are the shards (FSDP2 reshards the root
+        assert all(type(p) is DTensor for p in params.values())  # after the backward)
+
+    state = rank_step(model, fn, state, _shard(_batch(0), rank))  # warm
+    assert_bit_identical(state, ref_states[0])
+    for h in handles:
+        h.remove()
+    assert [s[0] for s in seen] == ["blocks.0", "blocks.1", "blocks.2", "head"], seen
+    assert seen[0][1:] == (nn.Parameter, nn.Parameter, False), seen  # block 0 unsharded for itself
+    assert seen[2][1:] == (DTensor, nn.Parameter, True), seen  # resharded when the last one runs
+    assert seen[3][1:] == (DTensor, nn.Parameter, True), seen  # (the root: unsharded)
+
+    for step in range(3):
+        state = rank_step(model, fn, state, _shard(_batch(1 + step), rank), opt, probe)
+        assert type(model.blocks[0].fc1.weight) is DTensor
+        _assert_state_same_on_all_ranks(state)
+        assert_bit_identical(state, ref_states[1 + step])
+    worst, exact = 0.0, True
+    for name, p in model.named_parameters():
+        full, want = _full(p), ref_params[name]
+        worst = max(worst, ((full - want).norm() / want.norm()).item())
+        exact = exact and torch.equal(full, want)
+    MEASURED["fsdp2_params_worst_rel_diff_3_steps"] = worst
+    MEASURED["fsdp2_params_bit_identical_3_steps"] = exact
+    assert worst < 1e-5, worst
+
+
+def fsdp2_transform_before_fully_shard(rank):
+    """transform, then fully_shard: apply finds FSDP2 at its first call and leaves its slots to
+    it, so an evaluation without backward (the root stays gathered) and the next step work;
+    states stay bit-identical to one process."""
+    _, ref_states = _reference(1)
+    model = Net()
+    fn = fp8fn.transform(model, RECIPE)
+    _fully_shard(model)
+    state = fn.init(_shard(_batch(0), rank))
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    state = rank_step(model, fn, state, _shard(_batch(0), rank))
+    with torch.no_grad():
+        fn.apply(dict(model.named_parameters()), state, _shard(_batch(1), rank))
+    state = rank_step(model, fn, state, _shard(_batch(1), rank), opt)
+    assert_bit_identical(state, ref_states[1])
+
+
+# --- 2. float8 weight all-gather ---------------------------------------------------------------
+
+
+class CommCounter(TorchDispatchMode):
+    """The c10d collectives run inside it: `[(op, bytes this rank sends)]`."""
+
+    def __init__(self):
+        super().__init__()
+        self.log = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "c10d" and func.__name__.split(".")[0] != "barrier":
+            name = func.__name__.split(".")[0]
+            tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            if name in ("_allgather_base_", "_reduce_scatter_base_"):  # (output, input)
+                sent = tensors[1].nbytes
+            else:  # in place: allreduce_ and the like
+                sent = sum(t.nbytes for t in tensors if t.dim() > 0 or t.dtype.is_floating_point)
+            self.log.append((name, sent))
+        return func(*args, **kwargs)
+
+    def summary(self) -> dict:
+        """`{op: [count, bytes]}`."""
+        out: dict = {}
+        for name, sent in self.log:
+            count, total = out.get(name, (0, 0))
+            out[name] = [count + 1, total + sent]
+        return out
+
+
+def _gathered_model(**net):
+    return _fully_shard(fp8fn.float8_all_gather(Net(**net)))
+
+
+def fp8_all_gather_delayed(rank):
+    """float8_all_gather before fully_shard: FSDP2 gathers each weight as the e4m3 bytes of the
+    whole weight cast with the state's scale (the backward re-gather the same bytes); states
+    stay bit-identical to one process (fp32 all-gather) on every rank, params match."""
+    from torch.distributed.tensor import DTensor
+
+    from fp8fn._fsdp import Float8GatheredWeight, Float8ShardWeight
+    from fp8fn._quantize import cast_to_fp8
+
+    ref_params, ref_states = _reference(3)
+    model = _gathered_model()
+    fn = fp8fn.transform(model, RECIPE)
+    weight = model.blocks[0].fc1.weight
+    assert type(weight) is DTensor and type(weight._local_tensor) is Float8ShardWeight
+    assert type(model.blocks[0].ln.weight._local_tensor) is torch.Tensor  # only linear weights
+    state = fn.init(_shard(_batch(0), rank))
+    assert all(type(p) is DTensor for p in model.parameters())
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    layers = {p: model.get_submodule(p) for p in fn.layers}
+
+    forward, backward = {}, {}
+
+    def record(into, path):
+        def hook(module, *args):
+            w = module.weight
+            assert type(w) is Float8GatheredWeight, (path, type(w), into is backward)
+            into[path] = (w._data.view(torch.uint8).clone(), w._scale.clone(), w._amax.clone())
+
+        return hook
+
+    for path, layer in layers.items():
+        layer.register_forward_pre_hook(record(forward, path))
+        layer.register_full_backward_pre_hook(record(backward, path))
+
+    with CommCounter() as comm:  # the first step: empty weight histories
+        state = rank_step(model, fn, state, _shard(_batch(0), rank))
+    assert_bit_identical(state, ref_states[0])
+    amax_reduce = [b for n, b in comm.log if n == "allreduce_" and b == 4 * len(layers)]
+    assert len(amax_reduce) == 1, comm.log  # the shards' amaxes of all weights, at once
+
+    for step in range(3):
+        full = {path: _full(layer.weight) for path, layer in layers.items()}
+        scales = {path: state[path].weight.scale for path in layers}
+        state = rank_step(model, fn, state, _shard(_batch(1 + step), rank), opt)
+        for path in layers:
+            data, scale, whole_amax = forward[path]
+            assert torch.equal(scale, scales[path])
+            assert torch.equal(data, cast_to_fp8(full[path], scale).view(torch.uint8)), path
+            assert torch.equal(whole_amax, full[path].abs().max())
+            if path != "head":  # the root stays gathered for the backward
+                assert_bit_identical(backward.pop(path), forward[path])
+        _assert_state_same_on_all_ranks(state)
+        assert_bit_identical(state, ref_states[1 + step])
+    worst, exact = 0.0, True
+    for name, p in model.named_parameters():
+        full, want = _full(p), ref_params[name]
+        worst = max(worst, ((full - want).norm() / want.norm()).item())
+        exact = exact and torch.equal(full, want)
+    MEASURED["fp8_gather_params_worst_rel_diff_3_steps"] = worst
+    MEASURED["fp8_gather_params_bit_identical_3_steps"] = exact
+    assert worst < 1e-5, worst
+
+
+def fp8_all_gather_bytes_and_collectives(rank):
+    """On a model whose weights dominate, FSDP2 all-gathers at most 0.35x the bytes of the same
+    FSDP2 model in float32, with the same all-gathers and reduce-scatters, plus exactly one
+    all_reduce a step (fp8fn.all_reduce of the observations; at the first step one more, of
+    the weights' amaxes)."""
+    net = dict(d=64, hidden=256, out=64, seed=2)
+    n_layers = 7
+
+    def x(step):
+        return _shard(_batch(step, 64), rank)
+
+    plain = _fully_shard(Net(**net))
+    opt = torch.optim.SGD(plain.parameters(), lr=LR)
+    for step in range(2):
+        with CommCounter() as comm:
+            _loss(plain(x(step))).backward()
+            opt.step()
+            plain.zero_grad()
+    fp32 = comm.summary()
+
+    model = _gathered_model(**net)
+    fn = fp8fn.transform(model, RECIPE)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    state = fn.init(x(0))
+    with CommCounter() as first:
+        state = rank_step(model, fn, state, x(0), opt)
+    with CommCounter() as comm:
+        state = rank_step(model, fn, state, x(1), opt)
+    fp8 = comm.summary()
+    obs_bytes = state.amax_history.nbytes + state.scale.nbytes + 16  # and the structure tag
+    assert set(fp8) == {"_allgather_base_", "_reduce_scatter_base_", "allreduce_"}, fp8
+    assert set(fp32) == {"_allgather_base_", "_reduce_scatter_base_"}, fp32
+    assert fp8["_allgather_base_"][0] == fp32["_allgather_base_"][0]  # FSDP2's own
+    assert fp8["_reduce_scatter_base_"] == fp32["_reduce_scatter_base_"]  # float32 gradients
+    assert fp8["allreduce_"] == [1, obs_bytes], fp8
+
+    # exactly, per rank: half of each weight in e4m3 + its amax's 4 bytes, half of every other
+    # parameter in float32; the blocks gathered for the forward and again for the backward, the
+    # root (the head) once
+    def sent(module, gathered):
+        own = [p for n, p in module.named_parameters() if not n.startswith("blocks.")]
+        weights = [p for p in own if p.dim() == 2 and gathered]
+        rest = sum(p.numel() for p in own) - sum(w.numel() for w in weights)
+        return sum(w.numel() // WORLD + 4 for w in weights) + rest * 4 // WORLD
+
+    for gathered, got in ((False, fp32), (True, fp8)):
+        want = sum(2 * sent(b, gathered) for b in model.blocks) + sent(model, gathered)
+        assert got["_allgather_base_"][1] == want, (gathered, got, want)
+    ratio = fp8["_allgather_base_"][1] / fp32["_allgather_base_"][1]
+    assert ratio <= 0.35, ratio
+    amax_reduces = [b for n, b in first.log if n == "allreduce_" and b == 4 * n_layers]
+    assert len(amax_reduces) == 1, first.log
+    MEASURED["bytes_per_step"] = {
+        "fp32_all_gather_sent_per_rank": fp32["_allgather_base_"][1],
+        "fp8_all_gather_sent_per_rank": fp8["_allgather_base_"][1],
+        "ratio": ratio,
+        "collectives_fp32": fp32,
+        "collectives_fp8": fp8,
+        "first_step_fp8": first.summary(),
+    }
+
+
+def fp8_all_gather_uneven(rank):
+    """A weight whose rows do not split evenly (the head, 7 rows on 2 ranks) is gathered padded;
+    its observation is this rank's shard's amax until all_reduce; states stay bit-identical to
+    one process, params match."""
+    from fp8fn._quantize import amax
+
+    ref_params, ref_states = _reference(3, out=7)
+    model = _gathered_model(out=7)
+    fn = fp8fn.transform(model, RECIPE)
+    assert model.head.weight.to_local().shape == ((4, 16) if rank == 0 else (3, 16))
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    state = fn.init(_shard(_batch(0), rank))
+    observed = fp8fn.observe(state)
+    _loss(fn.apply(dict(model.named_parameters()), observed, _shard(_batch(0), rank))).backward()
+    own = fp8fn.observations(observed)
+    head = state.sites.index("head")
+    with torch.no_grad():
+        shard_amax = amax(model.head.weight.to_local())
+    assert torch.equal(own.amax_history[head, 1, 0], shard_amax)
+    state = fp8fn.update(state, fp8fn.all_reduce(own))
+    model.zero_grad()
+    assert_bit_identical(state, ref_states[0])
+    for step in range(3):
+        state = rank_step(model, fn, state, _shard(_batch(1 + step), rank), opt)
+        _assert_state_same_on_all_ranks(state)
+        assert_bit_identical(state, ref_states[1 + step])
+    worst = max(
+        ((_full(p) - ref_params[n]).norm() / ref_params[n].norm()).item()
+        for n, p in model.named_parameters()
+    )
+    MEASURED["uneven_params_worst_rel_diff_3_steps"] = worst
+    assert worst < 1e-5, worst
+
+
+def fp8_all_gather_current_scaling(rank):
+    """CurrentScaling with float8_all_gather: every weight's scale from one all_reduce(MAX) of
+    all shard amaxes a step (torchao's precompute, inside apply), the only collective fp8fn
+    adds; params match one process."""
+    recipe = fp8fn.CurrentScaling()
+    ref_params, _ = _reference(3, recipe=recipe)
+    model = _gathered_model()
+    fn = fp8fn.transform(model, recipe)
+    state = fn.init(_shard(_batch(0), rank))
+    assert len(state) == 0  # stateless: nothing to observe or reduce
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for step in range(4):  # as the reference: a first pass without optimizer step, then 3 steps
+        with CommCounter() as comm:
+            out = fn.apply(dict(model.named_parameters()), state, _shard(_batch(step), rank))
+            _loss(out).backward()
+        if step:
+            opt.step()
+        model.zero_grad()
+        reduces = [b for n, b in comm.log if n == "allreduce_"]
+        assert reduces == [4 * len(fn.layers)], comm.log  # the 7 weights' amaxes, at once
+        assert {n for n, _ in comm.log} == {
+            "_allgather_base_",
+            "_reduce_scatter_base_",
+            "allreduce_",
+        }
+    worst, exact = 0.0, True
+    for name, p in model.named_parameters():
+        full, want = _full(p), ref_params[name]
+        worst = max(worst, ((full - want).norm() / want.norm()).item())
+        exact = exact and torch.equal(full, want)
+    MEASURED["current_scaling_params_worst_rel_diff_3_steps"] = worst
+    MEASURED["current_scaling_params_bit_identical_3_steps"] = exact
+    assert worst < 1e-5, worst
+
+
+def fp8_all_gather_eval_between_steps(rank):
+    """An evaluation between steps (a plain `model(x)`, which runs on the gathered float8
+    weights dequantized, and `fn.apply` under no_grad) leaves training bit-identical to one
+    process: FSDP2 keeps the root gathered, with the last apply's scale, after a forward without
+    backward, and the next `apply` gathers it again with its own scale."""
+    from torch.distributed.tensor import DTensor
+
+    _, ref_states = _reference(3)
+    model = _gathered_model()
+    fn = fp8fn.transform(model, RECIPE)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    state = fn.init(_shard(_batch(0), rank))
+    state = rank_step(model, fn, state, _shard(_batch(0), rank))
+    for step in range(3):
+        state = rank_step(model, fn, state, _shard(_batch(1 + step), rank), opt)
+        assert_bit_identical(state, ref_states[1 + step])
+        x = _shard(_batch(1 + step), rank)  # amaxes within the histories: no saturation
+        with torch.no_grad():  # the plain forward gathers with the last apply's scales
+            plain = model(x)
+            assert type(model.head.weight) is not DTensor  # FSDP2 keeps the root gathered
+            evaluated = fn.apply(dict(model.named_parameters()), state, x)
+        error = (plain - evaluated).norm() / evaluated.norm()
+        assert error < 0.1, error  # float8 weights (and inputs, in apply)
+
+
+def fp8_all_gather_errors(rank):
+    """Misuse raises a clear fp8fn error, the same on every rank (no rank left waiting in a
+    collective)."""
+    import pytest
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    with pytest.raises(
+        ValueError,
+        match=r"^fp8fn\.float8_all_gather: expected layer 'blocks.0.fc1' to hold a plain weight "
+        r"Parameter, got DTensor\. Call float8_all_gather before fully_shard",
+    ):
+        fp8fn.float8_all_gather(_fully_shard(Net()))
+    with pytest.raises(ValueError, match=r"^fp8fn\.float8_all_gather: expected at least one nn.L"):
+        fp8fn.float8_all_gather(Net(), filter_fn=lambda name, module: False)
+    with pytest.raises(TypeError, match=r"^fp8fn\.float8_all_gather: expected `model` to be an "):
+        fp8fn.float8_all_gather([nn.Linear(2, 2)])
+
+    model = _gathered_model()
+    with pytest.raises(ValueError, match=r"^fp8fn\.transform: parameter 'head.weight' is all-ga"):
+        fp8fn.transform(model, RECIPE, filter_fn=lambda name, module: name != "head")
+    with pytest.raises(ValueError, match=r"^fp8fn\.transform: expected layer 'blocks.0.fc1', wh"):
+        fp8fn.transform(model, fp8fn.RowwiseScaling())
+    unsharded = fp8fn.float8_all_gather(Net())
+    with pytest.raises(ValueError, match=r"to be sharded by FSDP2, got an unsharded weight\. Ca"):
+        fp8fn.transform(unsharded, RECIPE)
+
+    # a plain forward before any apply: no scale yet
+    with pytest.raises(RuntimeError, match=r"'head' was all-gathered outside fp8fn's apply befo"):
+        model(_shard(_batch(0), rank))
+
+    # FSDP2-managed parameters must be the model's own
+    model = _gathered_model()
+    fn = fp8fn.transform(model, RECIPE)
+    state = fn.init(_shard(_batch(0), rank))
+    params = dict(model.named_parameters())
+    params["blocks.1.fc2.bias"] = params["blocks.1.fc2.bias"].detach().clone()
+    with pytest.raises(ValueError, match=r"^fp8fn\.apply: expected `params\['blocks.1.fc2.bias'"):
+        fn.apply(params, state, _shard(_batch(0), rank))
+
+    # weights sharded along another dim
+    model = fp8fn.float8_all_gather(Net())
+    for block in model.blocks:
+        fully_shard(block, shard_placement_fn=lambda p: Shard(p.dim() - 1))
+    fully_shard(model)
+    fn = fp8fn.transform(model, RECIPE)
+    with pytest.raises(RuntimeError, match=r"expected 'blocks.0.fc1' sharded along dim 0, got a "):
+        fn.init(_shard(_batch(0), rank))
+
+
+# --- 7. checkpoints ----------------------------------------------------------------------------
+
+WORKDIR = None  # set by `main`: where the checkpoint and the uninterrupted run's results go
+
+
+def _dcp_setup(rank, seed):
+    model = _gathered_model(seed=seed)
+    fn = fp8fn.transform(model, RECIPE)
+    state = fn.init(_shard(_batch(0), rank))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model, fn, state, opt
+
+
+def _dcp_dict(model, opt, state):
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, opt)
+    return {"model": model_sd, "optim": optim_sd, "fp8fn": fp8fn.flatten_state(state)}
+
+
+def dcp_save(rank):
+    """Warm, 2 steps, `torch.distributed.checkpoint.save` of the sharded model, AdamW and the
+    fp8fn state; then the uninterrupted 3rd step, kept for `dcp_resume`."""
+    import torch.distributed.checkpoint as dcp
+
+    model, fn, state, opt = _dcp_setup(rank, seed=1)
+    state = rank_step(model, fn, state, _shard(_batch(0), rank))
+    for step in range(2):
+        state = rank_step(model, fn, state, _shard(_batch(1 + step), rank), opt)
+    dcp.save(_dcp_dict(model, opt, state), checkpoint_id=os.path.join(WORKDIR, "ckpt"))
+    state = rank_step(model, fn, state, _shard(_batch(3), rank), opt)
+    params = {k: _full(p) for k, p in model.named_parameters()}
+    torch.save({"params": params, "state": state}, os.path.join(WORKDIR, f"truth{rank}.pt"))
+
+
+def dcp_resume(rank):
+    """In fresh processes: a model built from other weights loads the checkpoint and takes the
+    3rd step: params and state bit-identical to the uninterrupted run. The checkpoint holds plain
+    tensors (torch.load(weights_only=True) reads it without fp8fn's classes registered), so a
+    model without float8_all_gather loads the same weights."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    from fp8fn._fsdp import Float8ShardWeight
+
+    path = os.path.join(WORKDIR, "ckpt")
+    model, fn, state, opt = _dcp_setup(rank, seed=7)  # everything must come from the checkpoint
+    loaded = _dcp_dict(model, opt, state)
+    dcp.load(loaded, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+    assert type(model.blocks[0].fc1.weight.to_local()) is Float8ShardWeight  # still opted in
+    at_load = {k: _full(p) for k, p in model.named_parameters()}
+    state = fp8fn.unflatten_state(loaded["fp8fn"], RECIPE)
+    state = rank_step(model, fn, state, _shard(_batch(3), rank), opt)
+    truth = torch.load(os.path.join(WORKDIR, f"truth{rank}.pt"), weights_only=False)
+    assert_bit_identical(state, truth["state"])
+    for name, p in model.named_parameters():
+        assert torch.equal(_full(p), truth["params"][name]), name
+
+    # DCP's reader unpickles with torch.load(weights_only=True); fp8fn's weight class is not an
+    # allowed global here, so the load above shows the checkpoint holds plain tensors
+    assert Float8ShardWeight not in torch.serialization.get_safe_globals()
+    plain = _fully_shard(Net(seed=7))  # no float8_all_gather: the same weights load
+    weights = {"model": plain.state_dict()}
+    dcp.load(weights, checkpoint_id=path)
+    plain.load_state_dict(weights["model"])
+    for name, p in plain.named_parameters():
+        assert type(p.to_local()) is torch.Tensor, name
+        assert torch.equal(_full(p), at_load[name]), name
+
+
+SCENARIOS = [
+    fsdp2_the_usual_way,
+    fsdp2_transform_before_fully_shard,
+    fp8_all_gather_delayed,
+    fp8_all_gather_bytes_and_collectives,
+    fp8_all_gather_uneven,
+    fp8_all_gather_current_scaling,
+    fp8_all_gather_eval_between_steps,
+    fp8_all_gather_errors,
+]
+
+
+CHECKPOINT = [dcp_save, dcp_resume]  # run by name, each in its own spawn
+
+
+def main(rank: int, world_size: int, port: int, out_dir: str, names=None) -> None:
+    global WORKDIR
+    WORKDIR = out_dir
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=60),  # a hung collective raises instead of hanging
+    )
+    results = {}
+    try:
+        for scenario in SCENARIOS + CHECKPOINT:
+            if scenario.__name__ not in (names or [s.__name__ for s in SCENARIOS]):
+                continue
+            try:
+                scenario(rank)
+                results[scenario.__name__] = "ok"
+            except Exception:
+                results[scenario.__name__] = traceback.format_exc()
+            try:
+                dist.barrier()
+            except RuntimeError:  # another rank failed inside a collective: the group is gone
+                results["_aborted_after"] = scenario.__name__
+                break
+    finally:
+        results["_measured"] = MEASURED
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(results, f)
+        dist.destroy_process_group()

@@ -1,0 +1,96 @@
+"""Sharded parameters (DTensors) through `fn.apply`, on gloo ranks on CPU: functional FSDP under
+torch.func and plain autograd (2 and 4 ranks), tensor parallel with Colwise / Rowwise /
+SequenceParallel (2 ranks), and 2-D, TP inside FSDP2 (4 ranks).
+
+One spawn per world size runs its scenarios of `_sharded_workers` (spawning is the expensive
+part); each test checks one scenario's outcome on every rank. The ranks' process group times out
+after 60 s, so a hung collective raises, and a spawn that does not finish within its deadline
+fails the tests and is killed.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import _sharded_workers as workers
+import pytest
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+pytestmark = pytest.mark.slow
+
+RUNS = {
+    2: [
+        "fsdp_step1_weight_cast_with_whole_amax",
+        "fsdp_functional_routes_and_steps",
+        "fsdp_finer_recipe_layer_gathers_in_high_precision",
+        "fsdp_errors",
+        "fsdp_checkpoint_fn_and_higher_order",
+        "fsdp_tied_weights",
+        "torch_private_dtensor_helpers",
+        "tp_colwise_rowwise",
+        "tp_sequence_parallel",
+        "current_scaling_sharded",
+    ],
+    4: [
+        "fsdp_step1_weight_cast_with_whole_amax",
+        "fsdp_functional_routes_and_steps",
+        "two_d_tp_and_fsdp2",
+    ],
+}
+_TIMEOUT_S = {2: 300, 4: 420}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn_main(rank, world_size, port, out_dir, names):
+    workers.main(rank, world_size, port, out_dir, names)
+
+
+def _run(world: int, out_dir) -> dict:
+    """`{rank: {scenario: "ok" | traceback}}` from one spawn of `world` ranks."""
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    context = mp.start_processes(
+        _spawn_main,
+        args=(world, _free_port(), str(out_dir), RUNS[world]),
+        nprocs=world,
+        join=False,
+        start_method="spawn",
+    )
+    deadline = time.monotonic() + _TIMEOUT_S[world]
+    try:
+        while not context.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                pytest.fail(f"the {world} ranks did not finish within {_TIMEOUT_S[world]} s")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+    return {r: json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world)}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    cache = {}
+
+    def get(world):
+        if world not in cache:
+            cache[world] = _run(world, tmp_path_factory.mktemp(f"sharded{world}"))
+        return cache[world]
+
+    return get
+
+
+@pytest.mark.parametrize(
+    "world, scenario", [(w, s) for w, names in RUNS.items() for s in names], ids=str
+)
+def test_sharded_scenario(results, world, scenario):
+    for rank, outcome in results(world).items():
+        assert outcome.get(scenario) == "ok", f"rank {rank} of {world}:\n{outcome.get(scenario)}"

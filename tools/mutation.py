@@ -1,0 +1,542 @@
+"""Mutation testing of fp8fn: would the test suite catch the next bug?
+
+Usage (from anywhere; a script, not a test module):
+
+    python tools/mutation.py            # every mutation against the default tests
+    python tools/mutation.py --quick    # only tests/test_reference.py, without the slow cases
+    python tools/mutation.py --tests tests/test_scaling.py tests/test_linear.py
+    python tools/mutation.py --only e4m3-grad-output margin-current --keep
+    python tools/mutation.py --list
+
+Each mutation is one small bug of a class fp8fn must never ship (a wrong format, a sum where a
+max belongs, a check skipped, an order that depends on the data, ...). For each one the package
+`fp8fn/` is copied to a temporary directory, the edit is applied by exact string replacement (a
+pattern that does not occur exactly once aborts the run before anything runs: the code moved,
+update the mutation here), and pytest runs the chosen tests with `-x -q` against the copy (its
+directory first on `sys.path` and in `PYTHONPATH`; a plugin stops the run unless the tests
+import the copy). Tests marked `slow` are left out unless `--slow`; hypothesis runs its
+derandomized `ci` profile, so that a table is reproducible. The unmutated copy runs first and
+must pass. Prints a table: mutation | caught? | by which test | how, and the time taken.
+Exit status 0 when every mutation is caught, 1 when some survive, 2 on a setup error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGE = REPO / "fp8fn"
+
+# Fast, direct tests first: with -x a mutant stops at its first failing test.
+DEFAULT_TESTS = [
+    "tests/test_scaling.py",
+    "tests/test_state.py",
+    "tests/test_routes.py",
+    "tests/test_linear.py",
+    "tests/test_live_model.py",
+    "tests/test_compositions.py",
+    "tests/test_checkpoint.py",
+    "tests/test_finer.py",
+    "tests/test_reference.py",
+    "tests/test_transform.py",
+]
+QUICK_TESTS = ["tests/test_reference.py"]
+QUICK_DESELECT = ["compiled", "transformer"]  # tests left out by --quick (-k "not ...")
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutation:
+    name: str
+    what: str
+    file: str  # relative to fp8fn/
+    edits: tuple  # ((old, new), ...): each `old` must occur exactly once
+
+
+MUTATIONS = [
+    # -- the per-tensor op (_tensorwise.py) and its quantizer (_quantize.py) --------------------
+    Mutation(
+        "e4m3-grad-output",
+        "grad_output cast to e4m3 instead of e5m2",
+        "_tensorwise.py",
+        (("cast_to_fp8(grad_out, g_scale, E5M2)", "cast_to_fp8(grad_out, g_scale, E4M3)"),),
+    ),
+    Mutation(
+        "margin-current",
+        "margin dropped from the current-scaling fallback",
+        "_tensorwise.py",
+        (
+            (
+                "current = scale_from_amax(amaxes, fp8_max, margin)",
+                "current = scale_from_amax(amaxes, fp8_max, 0)",
+            ),
+        ),
+    ),
+    Mutation(
+        "bias-grad-no-float",
+        "bias gradient summed in the output gradient's dtype (no .float())",
+        "_tensorwise.py",
+        (
+            (
+                "grads[2] = grad_out.float().sum(0).to(b_dtype)",
+                "grads[2] = grad_out.sum(0).to(b_dtype)",
+            ),
+        ),
+    ),
+    Mutation(
+        "stored-scale-ignored",
+        "the stored scale ignored (always current scaling)",
+        "_tensorwise.py",
+        (
+            (
+                "return current if newest is None else torch.where(newest > 0, stored, current)",
+                "return current if newest is None else torch.where(newest > 0, current, current)",
+            ),
+        ),
+    ),
+    Mutation(
+        "empty-history-uses-stored",
+        "an empty history casts with the stored scale (1) instead of current scaling",
+        "_tensorwise.py",
+        (
+            (
+                "return current if newest is None else torch.where(newest > 0, stored, current)",
+                "return current if newest is None else torch.where(newest >= 0, stored, current)",
+            ),
+        ),
+    ),
+    Mutation(
+        "vmap-no-fold",
+        "the op's vmap rule does not fold the batch (the generated per-member rule)",
+        "_tensorwise.py",
+        (("out = _Fp8Linear.apply(", "out = _Fp8LinearOp.apply("),),
+    ),
+    Mutation(
+        "grad-output-observes-weight",
+        "the grad_output observation is the weight's amax",
+        "_tensorwise.py",
+        (
+            (
+                "grads[3] = torch.stack([x_amax, w_amax, g_amax])",
+                "grads[3] = torch.stack([x_amax, w_amax, w_amax])",
+            ),
+        ),
+    ),
+    Mutation(
+        "no-saturation",
+        "the saturating clamp removed from the cast",
+        "_quantize.py",
+        (
+            (
+                "return hp32.clamp(-fp8_max, fp8_max).to(dtype)",
+                "return hp32.to(dtype)",
+            ),
+        ),
+    ),
+    Mutation(
+        "saturate-inf",
+        "casts saturate inf to +-max instead of keeping the overflow visible (NaN)",
+        "_quantize.py",
+        (
+            (
+                "hp32 = hp32.nan_to_num(nan=nan, posinf=nan, neginf=nan)",
+                "hp32 = hp32.nan_to_num(nan=nan)",
+            ),
+        ),
+    ),
+    # -- update and merge (_update.py) ----------------------------------------------------------
+    Mutation(
+        "merge-sums",
+        "merge sums observations instead of taking their max",
+        "_update.py",
+        (
+            (
+                "amax_history=torch.maximum(\n"
+                "            observed_only(obs_a.amax_history), observed_only(obs_b.amax_history)\n"
+                "        ),",
+                "amax_history=observed_only(obs_a.amax_history) + "
+                "observed_only(obs_b.amax_history),",
+            ),
+        ),
+    ),
+    Mutation(
+        "merge-min-scale",
+        "merge takes the minimum of the `scale` leaf (all_reduce takes the max)",
+        "_update.py",
+        (
+            (
+                "scale=torch.maximum(obs_a.scale, obs_b.scale),",
+                "scale=torch.minimum(obs_a.scale, obs_b.scale),",
+            ),
+        ),
+    ),
+    Mutation(
+        "update-pushes-nonfinite",
+        "update pushes NaN and inf observations",
+        "_update.py",
+        (("push = (amax > 0) & torch.isfinite(amax)", "push = amax != 0"),),
+    ),
+    Mutation(
+        "roll-drops-newest",
+        "history roll drops the newest entry instead of the oldest",
+        "_update.py",
+        (
+            (
+                "rolled = torch.cat([amax.unsqueeze(-1), history[..., :-1]], dim=-1)",
+                "rolled = torch.cat([amax.unsqueeze(-1), history[..., 1:]], dim=-1)",
+            ),
+        ),
+    ),
+    Mutation(
+        "most-recent-uses-max",
+        '"most_recent" uses the max of the history',
+        "_update.py",
+        (
+            (
+                'window = history if state.amax_compute == "max" else history[..., :1]',
+                "window = history",
+            ),
+        ),
+    ),
+    Mutation(
+        "margin-update",
+        "update recomputes the scale without the margin",
+        "_update.py",
+        (
+            (
+                "new_scale = scale_from_amax(window.amax(dim=-1), ROLE_FP8_MAX, state.margin)",
+                "new_scale = scale_from_amax(window.amax(dim=-1), ROLE_FP8_MAX, 0)",
+            ),
+        ),
+    ),
+    Mutation(
+        "update-scale-float32",
+        "update computes fp8_max / (amax * 2**margin) in float32 instead of float64",
+        "_update.py",
+        (
+            (
+                # (`scale_from_amax`'s form, fp8_max * 2**-margin / amax, gives the same float32
+                # bits in float32 as in float64: the documented form is the one that differs.)
+                "new_scale = scale_from_amax(window.amax(dim=-1), ROLE_FP8_MAX, state.margin)",
+                "new_scale = (torch.tensor(ROLE_FP8_MAX) / (window.amax(dim=-1) * "
+                "2.0**state.margin)).clamp(2.0**-149, 3.4028234663852886e38)",
+            ),
+        ),
+    ),
+    Mutation(
+        "update-scale-float32-divided-twice",
+        "update computes fp8_max / amax / 2**margin in float32 instead of float64",
+        "_update.py",
+        (
+            (
+                "new_scale = scale_from_amax(window.amax(dim=-1), ROLE_FP8_MAX, state.margin)",
+                "new_scale = (torch.tensor(ROLE_FP8_MAX) / window.amax(dim=-1) / "
+                "2.0**state.margin).clamp(2.0**-149, 3.4028234663852886e38)",
+            ),
+        ),
+    ),
+    Mutation(
+        "stale-scale",
+        "update pushes the amax but keeps the old scale",
+        "_update.py",
+        (
+            (
+                "scale = torch.where(push, new_scale, scale)",
+                "scale = torch.where(push, scale, scale)",
+            ),
+        ),
+    ),
+    Mutation(
+        "update-accepts-state",
+        "update(state, state) accepted (the identity check dropped: a short history passes)",
+        "_update.py",
+        (
+            (
+                "looks_like_state = obs.amax_history is state.amax_history or (",
+                "looks_like_state = (",
+            ),
+        ),
+    ),
+    # -- the state (_state.py) ------------------------------------------------------------------
+    Mutation(
+        "no-reuse-check",
+        "the reuse check (one state in two recorded forward passes) removed",
+        "_state.py",
+        (('if getattr(history, "_fp8fn_used", False):', "if False:"),),
+    ),
+    Mutation(
+        "check-scales-skipped",
+        "the scale-validity check skipped (0, NaN, inf or negative scales accepted)",
+        "_state.py",
+        (("if not bool(((base > 0) & base.isfinite()).all()):", "if False:"),),
+    ),
+    Mutation(
+        "unflatten-sorts-sites",
+        "unflatten_state sorts the sites ('0', '1', '10', '2', ...: no longer fn.init's order)",
+        "_state.py",
+        (("sites = list(leaves)", "sites = sorted(leaves)"),),
+    ),
+    # -- the transform (_transform.py), recompute (_checkpoint.py), routes (_routes.py) ---------
+    Mutation(
+        "sites-call-order",
+        "fn.init orders the sites by the example's call order, not by the module tree",
+        "_transform.py",
+        (
+            (
+                "for p in self._stateful for k in range(max(calls.get(p, 0), 1))",
+                "for p in sorted(self._stateful, key=lambda p: list(calls).index(p) if p in "
+                "calls else len(calls)) for k in range(max(calls.get(p, 0), 1))",
+            ),
+        ),
+    ),
+    Mutation(
+        "live-identity-only",
+        "live-model routing by weight identity only (no `_holder_of` fallback: swapped-in "
+        "weights run in high precision)",
+        "_transform.py",
+        (("return self.transformed._holder_of(weight, transposed)", "return None"),),
+    ),
+    Mutation(
+        "recompute-live-buffers",
+        "the checkpoint recompute runs on the live buffers (batch-norm statistics updated "
+        "a second time)",
+        "_checkpoint.py",
+        (("        if recomputing:", "        if False:"),),
+    ),
+    Mutation(
+        "forward-on-buffer-copies",
+        "under checkpoint_fn the forward too runs on copies of the buffers (batch-norm "
+        "statistics never updated)",
+        "_checkpoint.py",
+        (("        if recomputing:", "        if True:"),),
+    ),
+    Mutation(
+        "observe-second-backward",
+        "a second backward through one observed forward accepted (autograd sums the two)",
+        "_routes.py",
+        (("        if seen:", "        if False:"),),
+    ),
+    # -- the finer recipes (_finer.py) ----------------------------------------------------------
+    Mutation(
+        "finer-bias-grad-input-dtype",
+        "finer recipes: the bias gradient rounded through the input's dtype (bf16 autocast)",
+        "_finer.py",
+        (
+            (
+                "grad_b = g.float().sum(0).to(b_dtype)",
+                "grad_b = g.float().sum(0).to(x_dtype).to(b_dtype)",
+            ),
+        ),
+    ),
+]
+
+
+class SetupError(Exception):
+    pass
+
+
+def mutate(root: Path, mutation: Mutation | None) -> None:
+    """Copy the package under `root` and apply `mutation` to the copy."""
+    target = root / "fp8fn"
+    shutil.copytree(PACKAGE, target, ignore=shutil.ignore_patterns("__pycache__"))
+    (root / "_fp8fn_mutation_check.py").write_text(_PLUGIN)
+    if mutation is None:
+        return
+    path = target / mutation.file
+    text = path.read_text()
+    for old, new in mutation.edits:
+        count = text.count(old)
+        if count != 1:
+            raise SetupError(
+                f"mutation {mutation.name!r}: expected the pattern exactly once in "
+                f"fp8fn/{mutation.file}, found it {count} times:\n    {old}\n"
+                "The code moved: update the mutation in tools/mutation.py."
+            )
+        text = text.replace(old, new)
+    path.write_text(text)
+
+
+_PLUGIN = """\
+import os
+
+import pytest
+
+
+def pytest_collection_finish(session):
+    import fp8fn
+
+    root = os.path.realpath(os.environ["FP8FN_MUTATION_ROOT"])
+    if not os.path.realpath(fp8fn.__file__).startswith(root + os.sep):
+        pytest.exit(
+            f"mutation.py: the tests imported fp8fn from {fp8fn.__file__}, not the copy in {root}",
+            returncode=3,
+        )
+"""
+
+
+def environment(root: Path) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(root), str(REPO / "tests")])
+    env["FP8FN_MUTATION_ROOT"] = str(root)
+    env["COLUMNS"] = "400"  # pytest cuts the short summary's messages to the terminal's width
+    env.setdefault("HYPOTHESIS_PROFILE", "ci")  # derandomized (tests/conftest.py): reproducible
+    env.pop("PYTEST_ADDOPTS", None)
+    return env
+
+
+def check_import(root: Path) -> None:
+    """The copy under `root`, not the working tree, is the `fp8fn` the tests import."""
+    out = subprocess.run(
+        [sys.executable, "-c", "import fp8fn; print(fp8fn.__file__)"],
+        cwd=root,
+        env=environment(root),
+        capture_output=True,
+        text=True,
+    )
+    where = out.stdout.strip()
+    if out.returncode or not where.startswith(str(root)):
+        raise SetupError(
+            f"the tests would import fp8fn from {where or out.stderr!r}, not from the copy in "
+            f"{root}: mutations would test the working tree."
+        )
+
+
+_FAILED = re.compile(r"^(FAILED|ERROR) (.+?)(?: - (.*))?$", re.MULTILINE)  # ids may hold spaces
+
+
+def resolve_tests(tests: list) -> list[Path]:
+    """Test files as absolute paths: relative to the repository, else to the current directory."""
+    paths = []
+    for t in tests:
+        candidates = [Path(t)] if Path(t).is_absolute() else [REPO / t, Path.cwd() / t]
+        found = next((c.resolve() for c in candidates if c.exists()), None)
+        if found is None:
+            raise SetupError(f"no test file {t!r} in {REPO} or in {Path.cwd()}.")
+        paths.append(found)
+    return paths
+
+
+def run_tests(root: Path, tests: list, select: str | None, slow: bool, timeout: float):
+    """Run pytest on the copy under `root`: (status, first failing test, its message, seconds)."""
+    cmd = [sys.executable, "-m", "pytest", *map(str, tests)]
+    cmd += ["-x", "-q", "-p", "no:cacheprovider", "-p", "_fp8fn_mutation_check"]
+    cmd += [f"--rootdir={REPO}", "--import-mode=importlib", "-W", "ignore"]
+    if not slow:
+        cmd += ["-m", "not slow"]
+    if select:
+        cmd += ["-k", select]
+    start = time.monotonic()
+    try:
+        out = subprocess.run(
+            cmd, cwd=root, env=environment(root), capture_output=True, text=True, timeout=timeout
+        )
+    except subprocess.TimeoutExpired:
+        return "timeout", "", f"no result within {timeout:.0f} s", time.monotonic() - start
+    seconds = time.monotonic() - start
+    failed = _FAILED.search(out.stdout)
+    if out.returncode == 0:
+        return "passed", "", "", seconds
+    if out.returncode == 3 and "mutation.py:" in out.stdout + out.stderr:
+        raise SetupError((out.stdout + out.stderr).strip().splitlines()[-1])
+    if failed:
+        test = failed.group(2).split("tests/", 1)[-1]
+        return "failed", test, (failed.group(3) or "").strip(), seconds
+    tail = (out.stdout + out.stderr).strip().splitlines()[-5:]
+    return f"rc {out.returncode}", "", " | ".join(tail), seconds
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="test_reference.py, fast cases")
+    parser.add_argument("--tests", nargs="+", help="test files (relative to the repository)")
+    parser.add_argument("--only", nargs="+", help="mutation names to run")
+    parser.add_argument("-k", dest="select", help="pytest -k expression choosing tests")
+    parser.add_argument("--keep", action="store_true", help="keep the temporary copies")
+    parser.add_argument("--slow", action="store_true", help="run tests marked slow too")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        help="seconds per mutant's pytest run (default: 3x the baseline's, at least 120)",
+    )
+    parser.add_argument("--list", action="store_true", help="list the mutations and exit")
+    args = parser.parse_args(argv)
+
+    if args.list:
+        for m in MUTATIONS:
+            print(f"{m.name:28} fp8fn/{m.file:15} {m.what}")
+        return 0
+    tests = args.tests or (QUICK_TESTS if args.quick else DEFAULT_TESTS)
+    select = " and ".join(f"not {k}" for k in QUICK_DESELECT) if args.quick else None
+    if args.select:
+        select = f"({args.select})" + (f" and {select}" if select else "")
+    mutations = MUTATIONS
+    if args.only:
+        unknown = set(args.only) - {m.name for m in MUTATIONS}
+        if unknown:
+            print(f"unknown mutations: {sorted(unknown)}", file=sys.stderr)
+            return 2
+        mutations = [m for m in MUTATIONS if m.name in args.only]
+
+    workdir = Path(tempfile.mkdtemp(prefix="fp8fn-mutation-"))
+    rows = []
+    started = time.monotonic()
+    try:
+        tests = resolve_tests(tests)
+        # Every pattern first: a stale mutation aborts before anything runs.
+        for i, m in enumerate(mutations):
+            mutate(workdir / f"check{i}", m)
+        baseline = workdir / "baseline"
+        mutate(baseline, None)
+        check_import(baseline)
+        shown = " ".join(str(t.relative_to(REPO) if t.is_relative_to(REPO) else t) for t in tests)
+        print(
+            f"tests: {shown}"
+            + ("" if args.slow else "  -m 'not slow'")
+            + (f"  -k {select!r}" if select else "")
+        )
+        first = 2 * args.timeout if args.timeout else 3600.0
+        status, test, message, seconds = run_tests(baseline, tests, select, args.slow, first)
+        print(f"baseline (no mutation): {status} in {seconds:.0f} s", flush=True)
+        if status != "passed":
+            print(f"the unmutated package fails {test}: {message}", file=sys.stderr)
+            return 2
+        timeout = args.timeout or max(120.0, 3 * seconds)
+        for i, m in enumerate(mutations):
+            root = workdir / f"mutant{i}"
+            mutate(root, m)
+            status, test, message, seconds = run_tests(root, tests, select, args.slow, timeout)
+            caught = {"passed": "NO", "failed": "yes"}.get(status, f"yes ({status})")
+            rows.append((m, caught, test, message, seconds))
+            print(f"  {m.name}: caught={caught} {test} ({seconds:.0f} s)", flush=True)
+    except SetupError as e:
+        print(f"setup error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if args.keep:
+            print(f"copies kept in {workdir}")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+    print()
+    print("| mutation | caught? | by which test | how | s |")
+    print("|---|---|---|---|---|")
+    for m, caught, test, message, seconds in rows:
+        how = message.replace("|", "/")[:90]
+        by = f"`{test}`" if test else ""
+        print(f"| {m.what} (`{m.name}`) | {caught} | {by} | {how} | {seconds:.0f} |")
+    survivors = [m.name for m, caught, *_ in rows if caught == "NO"]
+    print(f"\n{len(rows) - len(survivors)} of {len(rows)} caught; survivors: {survivors or 'none'}")
+    print(f"total {time.monotonic() - started:.0f} s")
+    return 1 if survivors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
