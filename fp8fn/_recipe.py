@@ -222,6 +222,18 @@ class NVFP4Scaling:
     state (`fn.init(..., seed=...)`; `fp8fn.update` advances it), the call site and the role,
     so a recompute, either differentiation route and a compiled step draw the same bits.
 
+    Ranks keep one key (`fp8fn.all_reduce` leaves the observation's key at 0, and `update`
+    advances each rank's equal key), but the stochastic-rounding bits fold in the process's
+    rank in the default process group: data-parallel ranks then round independently, so the
+    rounding noise of the averaged gradient averages out over the ranks even where they hold
+    the same values. Rank `r` draws what a single process of rank `r` draws (a single process
+    is rank 0). The Hadamard signs are shared by all ranks: they cancel in the product.
+
+    The per-tensor scale always comes from the tensor's own amax (as in torchao); no delayed
+    (amax history) per-tensor scale is offered: it only sets the range of the E4M3 block
+    scales, a delayed one would save an amax pass only in a GPU kernel, which fp8fn does not
+    have for NVFP4, and a tensor that outgrew its history would clip at E2M1's 6.
+
     Args:
       stochastic_rounding: round the output gradient stochastically (unbiased), for both the
         `grad_input` and the `grad_weight` GEMM; activations and weights round to nearest even.
