@@ -10,6 +10,7 @@ from ._recipe import (
     CurrentScaling,
     DelayedScaling,
     MXScaling,
+    NVFP4Scaling,
     RowwiseScaling,
 )
 from ._routes import observations, observe, value_and_grad
@@ -22,6 +23,7 @@ __all__ = [
     "CurrentScaling",
     "DelayedScaling",
     "MXScaling",
+    "NVFP4Scaling",
     "RowwiseScaling",
     "ScaleState",
     "SiteState",

@@ -10,7 +10,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._recipe import BlockwiseScaling, CurrentScaling, DelayedScaling, MXScaling, RowwiseScaling
+from ._recipe import (
+    BlockwiseScaling,
+    CurrentScaling,
+    DelayedScaling,
+    MXScaling,
+    NVFP4Scaling,
+    RowwiseScaling,
+)
 from ._torch_private import legacy_scaled_mm
 
 
@@ -33,7 +40,7 @@ def resolve_backend(recipe, device: torch.device) -> str:
         if backend == "auto":
             return "scaled_mm" if scaled_mm_supported(device) else "emulated"
         return backend
-    if isinstance(recipe, (BlockwiseScaling, MXScaling)) or backend == "auto":
+    if isinstance(recipe, (BlockwiseScaling, MXScaling, NVFP4Scaling)) or backend == "auto":
         return "emulated"
     if backend == "scaled_mm" and device.type != "cpu" and not scaled_mm_supported(device):
         raise ValueError(

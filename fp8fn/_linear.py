@@ -7,7 +7,8 @@ import torch
 from ._backend import resolve_backend
 from ._finer import FINER, check_finer, finer_linear
 from ._guards import check_operands, no_autocast, refuse_compile_under_func
-from ._recipe import RECIPES, DelayedScaling
+from ._nvfp4_linear import check_nvfp4, check_random, nvfp4_linear
+from ._recipe import RECIPES, DelayedScaling, NVFP4Scaling
 from ._state import check_scales, check_site_state, claim
 from ._tensorwise import tensorwise_linear
 
@@ -31,14 +32,21 @@ def linear(x, weight, bias, site_state, recipe):
       its operands from high precision along its contraction dim, so `x` and `weight` are
       saved in high precision.
 
+    Under `NVFP4Scaling` the operands are NVFP4 instead (see the recipe), and `site_state` is
+    the pair `(key, site)` from which the random bits are drawn: `key` a float64 `()` tensor
+    holding an integer (a transform's `state.key`), `site` the call's name (a str; the same
+    name as a transform's site draws the same bits). It may be None for a recipe without
+    stochastic rounding or Hadamard transform. The key is not differentiated (its gradient
+    is 0).
+
     Args:
       x: `(..., in_features)` in float32, bfloat16 or float16.
       weight: `(out_features, in_features)`, floating.
       bias: `(out_features,)` or None.
       site_state: `state[site]` of an `fp8fn.State` for `DelayedScaling` (made for this recipe:
-        its config is checked); None otherwise.
+        its config is checked); `(key, site)` for `NVFP4Scaling`; None otherwise.
       recipe: an fp8fn recipe (`DelayedScaling`, `CurrentScaling`, `RowwiseScaling`,
-        `BlockwiseScaling`, `MXScaling`).
+        `BlockwiseScaling`, `MXScaling`, `NVFP4Scaling`).
 
     Returns:
       `(..., out_features)` in `x.dtype` (the autocast dtype under autocast).
@@ -76,6 +84,9 @@ def linear(x, weight, bias, site_state, recipe):
         check_scales("linear", site_state.scale, "site_state")
         claim(site_state.amax_history, "linear", "site_state")
         newest, stored = site_state.amax_history[:, 0], site_state.scale
+    elif isinstance(recipe, NVFP4Scaling):
+        check_random("linear", site_state, recipe, x.device)
+        return fp8_linear(x, weight, bias, None, None, recipe, random=site_state)
     elif site_state is not None:
         raise TypeError(
             f"fp8fn.linear: {type(recipe).__name__} is stateless: expected `site_state` None, "
@@ -86,8 +97,9 @@ def linear(x, weight, bias, site_state, recipe):
     return fp8_linear(x, weight, bias, newest, stored, recipe)
 
 
-def fp8_linear(x, weight, bias, newest, stored, recipe):
-    """`linear` on checked operands: `newest`, `stored` float32 `(3,)` or None."""
+def fp8_linear(x, weight, bias, newest, stored, recipe, random=None):
+    """`linear` on checked operands: `newest`, `stored` float32 `(3,)` or None; `random`
+    `(key, site)` (NVFP4) or None."""
     refuse_compile_under_func("linear")
     if newest is not None and newest.device != x.device:
         raise ValueError(
@@ -98,6 +110,10 @@ def fp8_linear(x, weight, bias, newest, stored, recipe):
     if torch.is_autocast_enabled(device):
         x = x.to(torch.get_autocast_dtype(device))
     backend = resolve_backend(recipe, x.device)
+    if isinstance(recipe, NVFP4Scaling):
+        check_nvfp4(x, weight)
+        with no_autocast(x):
+            return nvfp4_linear(x, weight, bias, recipe, random)
     if isinstance(recipe, FINER):
         check_finer(x, weight, recipe)
         with no_autocast(x):

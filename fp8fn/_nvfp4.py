@@ -348,7 +348,10 @@ def random_bits(
         word = word & _MASK32
         lane_a = _mix32(lane_a ^ word)
         lane_b = _mix32(lane_b ^ word ^ 0x85A308D3)
-    index = torch.arange(torch.Size(shape).numel(), device=key.device).view(shape)
+    n = torch.Size(shape).numel()
+    index = torch.arange(n, device=key.device).view(shape)
+    if n <= 2**32:  # the same bits, without the high word's terms (0 below 2**32)
+        return _mix32(_mix32(lane_a ^ index) ^ lane_b)
     x = _mix32(lane_a ^ (index & _MASK32))
     return _mix32(x ^ lane_b ^ _mul32(index >> 32, 0x9E3779B9))
 

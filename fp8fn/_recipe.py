@@ -208,5 +208,77 @@ class MXScaling:
         _check_emulated_backend("MXScaling", self.backend)
 
 
-Recipe = DelayedScaling | CurrentScaling | RowwiseScaling | BlockwiseScaling | MXScaling
-RECIPES = (DelayedScaling, CurrentScaling, RowwiseScaling, BlockwiseScaling, MXScaling)
+@dataclasses.dataclass(frozen=True)
+class NVFP4Scaling:
+    """Stateless NVFP4 (4-bit): E2M1 values, 16-element blocks with E4M3 scales, a tensor scale.
+
+    Every GEMM operand is quantized from high precision along that GEMM's contraction dim to
+    E2M1 (magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6) in blocks of 16 elements, each block with a
+    `float8_e4m3fn` decode scale, and the tensor with a float32 decode scale
+    `amax / (6 * 448)` from its own amax (two-level scaling: torchao 0.18's `nvfp4_quantize`).
+    Emulated: quantize, dequantize, float32 matmul (there is no FP4 GEMM in fp8fn yet).
+
+    The random parts (stochastic rounding, Hadamard signs) draw their bits from the key in the
+    state (`fn.init(..., seed=...)`; `fp8fn.update` advances it), the call site and the role,
+    so a recompute, either differentiation route and a compiled step draw the same bits.
+
+    Ranks keep one key (`fp8fn.all_reduce` leaves the observation's key at 0, and `update`
+    advances each rank's equal key), but the stochastic-rounding bits fold in the process's
+    rank in the default process group: data-parallel ranks then round independently, so the
+    rounding noise of the averaged gradient averages out over the ranks even where they hold
+    the same values. Rank `r` draws what a single process of rank `r` draws (a single process
+    is rank 0). The Hadamard signs are shared by all ranks: they cancel in the product.
+
+    The per-tensor scale always comes from the tensor's own amax (as in torchao); no delayed
+    (amax history) per-tensor scale is offered: it only sets the range of the E4M3 block
+    scales, a delayed one would save an amax pass only in a GPU kernel, which fp8fn does not
+    have for NVFP4, and a tensor that outgrew its history would clip at E2M1's 6.
+
+    Args:
+      stochastic_rounding: round the output gradient stochastically (unbiased), for both the
+        `grad_input` and the `grad_weight` GEMM; activations and weights round to nearest even.
+      hadamard: apply a 16 x 16 random Hadamard transform (random signs) along the tokens to
+        both operands of the `grad_weight` GEMM before quantizing them.
+      weight_2d: quantize the weight in 16 x 16 tiles (one scale per tile), so the forward and
+        the `grad_input` GEMM use the same quantized weight; else in 1 x 16 blocks along each
+        GEMM's contraction dim.
+      backend: `"auto"` or `"emulated"`.
+
+    Example:
+      >>> import fp8fn
+      >>> fp8fn.NVFP4Scaling(hadamard=False)
+      NVFP4Scaling(stochastic_rounding=True, hadamard=False, weight_2d=True, backend='auto')
+    """
+
+    stochastic_rounding: bool = True
+    hadamard: bool = True
+    weight_2d: bool = True
+    backend: str = "auto"
+
+    def __post_init__(self):
+        for name in ("stochastic_rounding", "hadamard", "weight_2d"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise TypeError(
+                    f"fp8fn.NVFP4Scaling: expected `{name}` to be a bool, "
+                    f"got {type(value).__name__} {value!r}."
+                )
+        _check_emulated_backend("NVFP4Scaling", self.backend)
+
+    @property
+    def random(self) -> bool:
+        """Whether this recipe draws random bits (stochastic rounding or Hadamard signs)."""
+        return self.stochastic_rounding or self.hadamard
+
+
+Recipe = (
+    DelayedScaling | CurrentScaling | RowwiseScaling | BlockwiseScaling | MXScaling | NVFP4Scaling
+)
+RECIPES = (
+    DelayedScaling,
+    CurrentScaling,
+    RowwiseScaling,
+    BlockwiseScaling,
+    MXScaling,
+    NVFP4Scaling,
+)

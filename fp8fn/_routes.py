@@ -69,7 +69,8 @@ def observations(state: State) -> State:
             "the state with `state = fp8fn.observe(state)`, pass that state to the forward, call "
             "`loss.backward()`, then `fp8fn.observations(state)`."
         )
-    return state._replace(amax_history=grad, scale=torch.zeros_like(state.scale))
+    key = None if state.key is None else torch.zeros_like(state.key)  # observations never move it
+    return state._replace(amax_history=grad, scale=torch.zeros_like(state.scale), key=key)
 
 
 def value_and_grad(f, argnums=0, has_aux=False):

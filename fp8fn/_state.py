@@ -106,12 +106,12 @@ class SiteState(_Frozen):
         return ScaleState(self.amax_history[..., 2, :], self.scale[..., 2])
 
 
-def _known_fields(api: str, leaves: dict) -> dict:
-    unknown = set(leaves) - {"amax_history", "scale"}
+def _known_fields(api: str, leaves: dict, fields=("amax_history", "scale")) -> dict:
+    unknown = set(leaves) - set(fields)
     if unknown:
         raise TypeError(
-            f"fp8fn.{api}._replace: expected fields amax_history and/or scale, got "
-            f"{sorted(unknown)}."
+            f"fp8fn.{api}._replace: expected fields {', '.join(fields[:-1])} and/or "
+            f"{fields[-1]}, got {sorted(unknown)}."
         )
     return leaves
 
@@ -128,6 +128,10 @@ class State(_Frozen):
         newest first; a history of zeros means "never observed". Leading dims: e.g. a stacked
         ensemble of E members is `(E, n_sites, 3, history_len)`.
       scale: float32 `(..., n_sites, 3)`; a cast is `saturate(hp * scale)`.
+      key: float64 `(...)` holding an integer, the random key of the layers that round
+        stochastically (NVFP4), or None when no layer draws random bits (then the state has
+        exactly the two leaves above). `fn.init(..., seed=...)` sets it, `fp8fn.update` adds
+        one; an observation's key is 0.
       sites: the site names, a tuple of str (static).
       amax_compute: `"max"` or `"most_recent"` (static).
       margin: int >= 0 (static).
@@ -141,10 +145,19 @@ class State(_Frozen):
       tensor([0., 0., 0., 0.])
     """
 
-    __slots__ = ("amax_history", "scale", "sites", "amax_compute", "margin", "_index", "_views")
+    __slots__ = (
+        "amax_history",
+        "scale",
+        "sites",
+        "amax_compute",
+        "margin",
+        "key",
+        "_index",
+        "_views",
+    )
 
-    def __init__(self, amax_history, scale, sites, amax_compute="max", margin=0):
-        values = (amax_history, scale, tuple(sites), amax_compute, margin, None, {})
+    def __init__(self, amax_history, scale, sites, amax_compute="max", margin=0, key=None):
+        values = (amax_history, scale, tuple(sites), amax_compute, margin, key, None, {})
         for name, value in zip(self.__slots__, values):
             object.__setattr__(self, name, value)
 
@@ -158,14 +171,17 @@ class State(_Frozen):
         return (self.sites, self.amax_compute, self.margin)
 
     def _replace(self, **leaves) -> State:
-        """A new `State` with `amax_history` and/or `scale` replaced (like NamedTuple's)."""
-        fields = {"amax_history": self.amax_history, "scale": self.scale}
-        fields.update(_known_fields("State", leaves))
-        return State(fields["amax_history"], fields["scale"], *self.static)
+        """A new `State` with `amax_history`, `scale` and/or `key` replaced (like NamedTuple's)."""
+        fields = {"amax_history": self.amax_history, "scale": self.scale, "key": self.key}
+        fields.update(_known_fields("State", leaves, ("amax_history", "scale", "key")))
+        return State(fields["amax_history"], fields["scale"], *self.static, key=fields["key"])
 
     def to(self, device) -> State:
-        """The same state with its two tensors on `device` (e.g. `"cuda"`, `torch.device`)."""
-        return self._replace(amax_history=self.amax_history.to(device), scale=self.scale.to(device))
+        """The same state with its tensors on `device` (e.g. `"cuda"`, `torch.device`)."""
+        key = None if self.key is None else self.key.to(device)
+        return self._replace(
+            amax_history=self.amax_history.to(device), scale=self.scale.to(device), key=key
+        )
 
     def __len__(self) -> int:
         return len(self.sites)
@@ -206,36 +222,46 @@ class State(_Frozen):
 
     def __repr__(self) -> str:
         shape = tuple(self.amax_history.shape)
+        key = "" if self.key is None else f", key={tuple(self.key.shape)}"
         return (
             f"fp8fn.State(sites={list(self.sites)}, amax_history={shape}, "
-            f"amax_compute={self.amax_compute!r}, margin={self.margin})"
+            f"amax_compute={self.amax_compute!r}, margin={self.margin}{key})"
         )
 
     def __reduce__(self):
-        return (State, (self.amax_history, self.scale, *self.static))
+        return (State, (self.amax_history, self.scale, *self.static, self.key))
 
 
 def _register(cls, leaves, static):
     """Register `cls` as a pytree node (torch and optree) of the fields `leaves`, with the
-    static config `static(obj)` as aux data; and as safe for `torch.load(weights_only=True)`."""
+    static config `static(obj)` as aux data; and as safe for `torch.load(weights_only=True)`.
 
-    def children(obj):
-        return [getattr(obj, f) for f in leaves]
+    An optional `key` field (`State`'s) is a third leaf when it is a tensor and no leaf when it
+    is None (both libraries: torch's pytree would count a None child as a leaf, optree not), so
+    a state without a key keeps exactly its two leaves and its tree structure.
+    """
+
+    def fields(obj):
+        return (*leaves, "key") if getattr(obj, "key", None) is not None else leaves
+
+    def make(values, aux):
+        *values, key = values if len(values) > len(leaves) else (*values, None)
+        return cls(*values, *aux) if key is None else cls(*values, *aux, key=key)
 
     pytree.register_pytree_node(
         cls,
-        lambda obj: (children(obj), static(obj)),
-        lambda values, aux: cls(*values, *aux),
+        lambda obj: ([getattr(obj, f) for f in fields(obj)], static(obj)),
+        make,
         serialized_type_name=f"fp8fn.{cls.__name__}",
         flatten_with_keys_fn=lambda obj: (
-            [(pytree.GetAttrKey(f), getattr(obj, f)) for f in leaves],
+            [(pytree.GetAttrKey(f), getattr(obj, f)) for f in fields(obj)],
             static(obj),
         ),
     )
     optree.register_pytree_node(
         cls,
-        lambda obj: (children(obj), static(obj), leaves),
-        lambda aux, values: cls(*values, *aux),
+        lambda obj: ([getattr(obj, f) for f in fields(obj)], static(obj), fields(obj)),
+        lambda aux, values: make(list(values), aux),
         namespace="fp8fn",
     )
     torch.serialization.add_safe_globals([cls])
@@ -320,8 +346,24 @@ def check_state(api: str, state, name: str = "state", batch_dims: int | None = 0
             raise ValueError(
                 f"fp8fn.{api}: expected `{name}.{field}` on a device that holds values, got meta."
             )
+    key = state.key
+    if key is not None and not isinstance(key, torch.Tensor):
+        raise TypeError(
+            f"fp8fn.{api}: expected `{name}.key` to be a tensor or None, got {type(key).__name__}."
+        )
+    if key is not None and key.dtype != torch.float64:
+        raise TypeError(
+            f"fp8fn.{api}: expected `{name}.key` to be float64 (an integer held exactly), got "
+            f"{key.dtype}. Make the state with fn.init(..., seed=...)."
+        )
     n = len(state.sites)
     lead = h.dim() - 3
+    if key is not None and (key.shape != h.shape[: max(lead, 0)] or key.device != h.device):
+        raise ValueError(
+            f"fp8fn.{api}: expected `{name}.key` of shape {tuple(h.shape[: max(lead, 0)])} (the "
+            f"leading dims of `{name}.amax_history`) on {h.device}, got {tuple(key.shape)} on "
+            f"{key.device}."
+        )
     if (
         lead < 0
         or (batch_dims is not None and lead != batch_dims)
@@ -444,7 +486,8 @@ def flatten_state(state: State) -> dict[str, torch.Tensor]:
     """A state as a flat `{"site.role.field": tensor}` dict of independent tensors.
 
     For safetensors and distributed checkpoints; `unflatten_state` is the inverse. Fields are
-    `amax_history` `(history_len,)` and `scale` `()`, float32.
+    `amax_history` `(history_len,)` and `scale` `()`, float32; a state with a random key
+    (NVFP4) also has `"key"`, float64 `()`.
 
     Example:
       >>> import fp8fn
@@ -453,12 +496,15 @@ def flatten_state(state: State) -> dict[str, torch.Tensor]:
       ['fc.input.amax_history', 'fc.input.scale']
     """
     check_state("flatten_state", state)
-    return {
+    flat = {
         f"{site}.{role}.{field}": leaf.clone()
         for site, site_state in state.items()
         for role in ROLES
         for field, leaf in getattr(site_state, role)._asdict().items()
     }
+    if state.key is not None:  # no dot: never a "site.role.field" key
+        flat["key"] = state.key.clone()
+    return flat
 
 
 def unflatten_state(flat: dict[str, torch.Tensor], recipe: DelayedScaling) -> State:
@@ -475,7 +521,10 @@ def unflatten_state(flat: dict[str, torch.Tensor], recipe: DelayedScaling) -> St
         )
     fields = ScaleState._fields
     leaves: dict[str, dict] = {}
+    random_key = flat.get("key")
     for key, leaf in flat.items():
+        if key == "key":
+            continue
         parts = key.rsplit(".", 2)
         if len(parts) != 3 or parts[1] not in ROLES or parts[2] not in fields:
             raise ValueError(
@@ -494,11 +543,11 @@ def unflatten_state(flat: dict[str, torch.Tensor], recipe: DelayedScaling) -> St
         raise ValueError(f"fp8fn.unflatten_state: missing keys {missing}.")
     sites = list(leaves)
     if not sites:
-        return init_state(recipe, [])
+        return init_state(recipe, [])._replace(key=random_key)
     history = torch.stack(
         [torch.stack([leaves[s][r, "amax_history"] for r in ROLES]) for s in sites]
     )
     scale = torch.stack([torch.stack([leaves[s][r, "scale"] for r in ROLES]) for s in sites])
-    state = State(history, scale, sites, recipe.amax_compute, recipe.margin)
+    state = State(history, scale, sites, recipe.amax_compute, recipe.margin, random_key)
     check_state("unflatten_state", state)
     return state

@@ -32,7 +32,8 @@ from ._distributed import (
 from ._fsdp import SCALES, Float8GatheredWeight, ScalesForCall, is_float8_gathered, weight_scales
 from ._guards import check_operands
 from ._linear import fp8_linear
-from ._recipe import RECIPES, CurrentScaling, DelayedScaling
+from ._nvfp4_linear import initial_key, seed_key
+from ._recipe import RECIPES, CurrentScaling, DelayedScaling, NVFP4Scaling
 from ._sharded import explain_error as explain_sharded_error
 from ._sharded import gather_params, sharded_linear, sharded_operands
 from ._state import (
@@ -394,7 +395,8 @@ class _Call(TorchFunctionMode):
         check_operands(f"apply: layer {layer.path!r}", x, weight, bias)
         if sharded_operands(x, weight):  # functional FSDP, tensor parallel
             return sharded_linear(self, layer, name, x, weight, bias, newest, stored)
-        return fp8_linear(x, weight, bias, newest, stored, layer.recipe)
+        random = (self.state.key, name) if isinstance(layer.recipe, NVFP4Scaling) else None
+        return fp8_linear(x, weight, bias, newest, stored, layer.recipe, random=random)
 
     def checkpoint(self, module, path, forward, args, kwargs):
         """`forward(*args, **kwargs)` of the `checkpoint_fn` module `module`, recomputed in the
@@ -688,7 +690,7 @@ class Transformed:
             return contextlib.nullcontext()
         return _module_lock(self.module)
 
-    def init(self, *args, **kwargs) -> State:
+    def init(self, *args, seed: int = 0, **kwargs) -> State:
         """Find every fp8 call site and return the initial scaling state.
 
         The model runs once, on the meta device when it can (no real activations are
@@ -701,10 +703,18 @@ class Transformed:
         the order depends on the model, not on the example batch: ranks that run `init` on
         different batches agree (`fp8fn.all_reduce` pairs sites by position).
 
+        Args:
+          *args, **kwargs: example inputs of the module.
+          seed: (keyword only) the seed of the random key (`state.key`) of models with
+            `NVFP4Scaling` layers: their stochastic rounding and Hadamard signs. The same seed
+            gives the same key, so every rank and a fresh `init` draw the same bits.
+
         Returns:
-          An `fp8fn.State` on the device of the first stateful layer's weight; it has no
-          sites when no layer uses DelayedScaling.
+          An `fp8fn.State` on the device of the first stateful (or NVFP4) layer's weight; it
+          has no sites when no layer uses DelayedScaling, and a key (float64 `()`) when some
+          layer uses NVFP4Scaling (else `state.key` is None).
         """
+        seed_key(seed)  # checks the seed before the model runs
         calls = {}
         for name in self._discover(args, kwargs):
             path, k = parse_site(name)
@@ -713,8 +723,11 @@ class Transformed:
         names = [site_name(p, k) for p in self._stateful for k in range(max(calls.get(p, 0), 1))]
         stateful = set(self._stateful)
         first = next((m for m in self._layers if m.path in stateful), None)
+        nvfp4 = [m for m in self._layers if isinstance(m.recipe, NVFP4Scaling)]
+        first = first or next(iter(nvfp4), None)
         device = None if first is None else first.own({})[0].device
-        return init_state(recipe, names, device)
+        state = init_state(recipe, names, device)
+        return state._replace(key=initial_key(seed, device)) if nvfp4 else state
 
     def _discover(self, args, kwargs) -> list[str]:
         """The site names of one forward pass on the example inputs, in call order."""
@@ -870,6 +883,12 @@ class Transformed:
                     "(fp8fn.observe, loss.backward()), or transform the model without DDP and "
                     "all-reduce the gradients yourself."
                 )
+        if state.key is None and any(isinstance(r, NVFP4Scaling) for r in self.recipes.values()):
+            raise ValueError(
+                "fp8fn.apply: expected `state` with a random key (`state.key`) for the model's "
+                "NVFP4Scaling layers, got a state without one. Make it with fn.init(..., seed=...) "
+                "of this transform."
+            )
         recipe = self._delayed
         if recipe is not None and (
             state.history_len != recipe.history_len

@@ -29,6 +29,12 @@ def _check_pair(api: str, a, b, a_name: str, b_name: str) -> None:
             f"amax_history {tuple(a.amax_history.shape)} on {a.scale.device} and "
             f"{tuple(b.amax_history.shape)} on {b.scale.device}."
         )
+    if (a.key is None) != (b.key is None):
+        has, lacks = (a_name, b_name) if b.key is None else (b_name, a_name)
+        raise ValueError(
+            f"fp8fn.{api}: `{has}` has a random key (a model with NVFP4 layers) and `{lacks}` "
+            "has none; both must come from the same model's fn.init."
+        )
 
 
 def update(state: State, obs: State) -> State:
@@ -37,8 +43,10 @@ def update(state: State, obs: State) -> State:
     An observed amax (`obs.amax_history[..., 0]`) that is > 0 and finite goes to the front of
     its history (the oldest entry drops) and the scale becomes `fp8_max / (amax * 2**margin)`,
     with `amax` the max of the history ("max") or its newest entry ("most_recent"). An
-    observation that is 0, inf or NaN leaves that role unchanged. Pure, and a constant number of
-    kernels whatever the number of sites.
+    observation that is 0, inf or NaN leaves that role unchanged. The random key (`state.key`,
+    of models with NVFP4 layers) advances by one, so the next step draws other random bits;
+    the observation's key (0) is not used. Pure, and a constant number of kernels whatever the
+    number of sites.
 
     Warns (`fp8fn.update: ...`) and returns `state` when `obs` holds no tensor at all (its
     `amax_history` is None): the classic slip of a plain autograd loop whose state never
@@ -75,13 +83,18 @@ def update(state: State, obs: State) -> State:
     history, scale = state.amax_history, state.scale
     with torch.no_grad():  # state is data: no autograd history carried across steps
         looks_like_state = obs.amax_history is state.amax_history or (
-            not torch.compiler.is_compiling() and bool(obs.amax_history[..., 1:].any())
+            not torch.compiler.is_compiling()
+            and (
+                bool(obs.amax_history[..., 1:].any())
+                or (obs.key is not None and bool(obs.key.any()))
+            )
         )
         if looks_like_state:
             raise ValueError(
                 "fp8fn.update: expected `obs` an observation (the amaxes seen, in "
-                "`amax_history[..., 0]`, zeros elsewhere), got older history entries too: a "
-                "state. The order is fp8fn.update(state, obs), obs from the backward."
+                "`amax_history[..., 0]`, zeros elsewhere, and a key of 0), got older history "
+                "entries or a random key too: a state. The order is fp8fn.update(state, obs), "
+                "obs from the backward."
             )
         amax = obs.amax_history[..., 0]
         push = (amax > 0) & torch.isfinite(amax)
@@ -90,7 +103,8 @@ def update(state: State, obs: State) -> State:
         window = history if state.amax_compute == "max" else history[..., :1]
         new_scale = scale_from_amax(window.amax(dim=-1), ROLE_FP8_MAX, state.margin)
         scale = torch.where(push, new_scale, scale)
-    new = state._replace(amax_history=history, scale=scale)
+        key = None if state.key is None else state.key + 1
+    new = state._replace(amax_history=history, scale=scale, key=key)
     if not torch.compiler.is_compiling():
         mark_valid(scale)
         supersede(state)
@@ -101,7 +115,8 @@ def merge(obs_a: State, obs_b: State) -> State:
     """Combine two observations by elementwise max (microbatches; repeated forward passes).
 
     Never sums: the amax of a union is the max of the amaxes. An amax that is inf or NaN counts
-    as "not observed" (like 0), so a finite observation of the other side survives.
+    as "not observed" (like 0), so a finite observation of the other side survives. The random
+    keys of observations are 0 and stay so (their max).
 
     Example:
       >>> import torch, fp8fn
@@ -117,6 +132,7 @@ def merge(obs_a: State, obs_b: State) -> State:
             observed_only(obs_a.amax_history), observed_only(obs_b.amax_history)
         ),
         scale=torch.maximum(obs_a.scale, obs_b.scale),
+        key=None if obs_a.key is None else torch.maximum(obs_a.key, obs_b.key),
     )
 
 

@@ -8,8 +8,10 @@ transformer blocks run in float8:
 * **fp8**: `fp8fn.transform(model, recipe, checkpoint_fn=<every Block>)`, trained with
   `torch.func.grad_and_value` over `(params, state)` and `fp8fn.update` after each step. The
   recipe is `--recipe`: `delayed` (`fp8fn.DelayedScaling()`, the default), `current`,
-  `rowwise`, `blockwise` or `mx` (the last four are stateless: their state has no sites). The
-  output layer (`head`) stays in float32, as is usual for fp8 training.
+  `rowwise`, `blockwise` or `mx` (the last four are stateless: their state has no sites), or
+  `nvfp4` (`fp8fn.NVFP4Scaling()`, 4-bit, emulated: its state holds only the random key of its
+  stochastic rounding and Hadamard signs, seeded with `--seed`). The output layer (`head`)
+  stays in float32, as is usual for fp8 training.
 * **float32**: the same transform and training loop with no fp8 layers (`filter_fn` rejects
   all), so the comparison isolates the cost and the effect of the fp8 casts.
 
@@ -331,7 +333,7 @@ class Run:
 
     def __init__(self, name, fn, params, example, cfg, ranks=Ranks()):
         self.name, self.fn, self.cfg, self.ranks = name, fn, cfg, ranks
-        self.params, self.state = params, fn.init(example)
+        self.params, self.state = params, fn.init(example, seed=cfg.seed)
         self.opt = adamw_init(params)
 
         def loss_fn(params, state, x, y):
@@ -572,6 +574,7 @@ RECIPES = {
     "rowwise": fp8fn.RowwiseScaling,  # per row, power-of-two scales (torchao "rowwise")
     "blockwise": fp8fn.BlockwiseScaling,  # 1x128 tiles, 128x128 weight blocks (DeepSeek-V3)
     "mx": fp8fn.MXScaling,  # OCP MXFP8: 32-element blocks, power-of-two E8M0 scales
+    "nvfp4": fp8fn.NVFP4Scaling,  # 4-bit E2M1, 16-element blocks, SR and Hadamard (emulated)
 }
 
 
@@ -598,7 +601,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=tuple(RECIPES),
         default="delayed",
         help="fp8 scaling recipe: delayed (default: scales from amax histories, the state), "
-        "or the stateless current, rowwise, blockwise, mx (scales from each tensor)",
+        "or the stateless current, rowwise, blockwise, mx (scales from each tensor), or nvfp4 "
+        "(4-bit, emulated; its state is the random key)",
     )
     p.add_argument(
         "--checkpoint",

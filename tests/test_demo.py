@@ -149,6 +149,22 @@ def test_main_stateless_recipes_train_and_quiet_prints_only_the_table(recipe, cl
     assert captured.err == ""  # no progress bar
 
 
+@pytest.mark.slow
+def test_main_nvfp4_trains_and_its_state_is_the_advancing_key():
+    results = demo.main([*TINY, "--steps", "6", "--sample-chars", "0", "--recipe", "nvfp4"])
+    assert isinstance(results["recipe"], fp8fn.NVFP4Scaling)
+    state = results["fp8"]["state"]
+    assert len(state) == 0  # no amax history: only the random key, seeded by --seed 0
+    fresh = fp8fn.transform(torch.nn.Linear(2, 2), fp8fn.NVFP4Scaling())
+    start = fresh.init(torch.zeros(1, 2), seed=0).key.item()  # the key of --seed 0
+    assert state.key.item() == start + 6  # advanced once per training step
+    assert results["float32"]["state"].key is None
+    fp8_curve, hp_curve = results["fp8"]["train_curve"], results["float32"]["train_curve"]
+    assert fp8_curve[0] != hp_curve[0]  # the same weights and batch, in NVFP4
+    assert fp8_curve == pytest.approx(hp_curve, abs=0.1)
+    assert fp8_curve[-1] < fp8_curve[0] - 0.5
+
+
 def _table(out: str) -> dict:
     """The final table's rows: {"float32": (train, val), "fp8": (train, val)}."""
     rows = {}

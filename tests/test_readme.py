@@ -118,6 +118,12 @@ def _check_recipes(namespace):
     fn, state = namespace["fn"], namespace["state"]
     assert list(state) == ["mlp"] and fn.layers == ["attn", "mlp"]
     assert isinstance(fn.recipes["attn"], fp8fn.RowwiseScaling)
+    nvfp4, nvfp4_state = namespace["nvfp4"], namespace["nvfp4_state"]
+    assert nvfp4.layers == ["0", "2"] and len(nvfp4_state) == 0
+    assert isinstance(nvfp4.recipes["0"], fp8fn.NVFP4Scaling)
+    x = torch.randn(8, 64)
+    assert torch.equal(nvfp4_state.key, nvfp4.init(x, seed=0).key)
+    assert not torch.equal(nvfp4_state.key, nvfp4.init(x, seed=1).key)
 
 
 CHECKS = {"semantics.md": _check_semantics, "compile.md": _check_compile}

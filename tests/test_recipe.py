@@ -64,7 +64,8 @@ def test_recipe_valid_backends(backend):
 
 def test_public_api_is_exactly_all():
     want = [
-        "BlockwiseScaling", "CurrentScaling", "DelayedScaling", "MXScaling", "RowwiseScaling",
+        "BlockwiseScaling", "CurrentScaling", "DelayedScaling", "MXScaling", "NVFP4Scaling",
+        "RowwiseScaling",
         "ScaleState", "SiteState", "State", "Transformed", "all_reduce", "checkpoint",
         "compute_scale", "flatten_state", "float8_all_gather", "init_state", "linear", "merge",
         "observations", "observe", "transform", "unflatten_state", "update", "value_and_grad",

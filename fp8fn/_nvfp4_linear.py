@@ -1,0 +1,301 @@
+"""The NVFP4 linear (`NVFP4Scaling`): three emulated FP4 GEMMs, randomness drawn from a key.
+
+`x` is `(m, k)`, `weight` `(n, k)`, the output gradient `g` `(m, n)`. Each GEMM quantizes both
+operands to NVFP4 (`_nvfp4.quantize_nvfp4`) along its contraction dim, dequantizes them and
+multiplies in float32 (no FP4 GEMM here):
+
+* `output = x @ weight.T` over k: `x` in 1 x 16 blocks, `weight` in 16 x 16 tiles
+  (`weight_2d`) or 1 x 16 blocks, both rounded to nearest even.
+* `grad_input = g @ weight` over n: `g` in 1 x 16 blocks, stochastically rounded
+  (`stochastic_rounding`); `weight` the forward's tiles (`weight_2d`: the same quantized
+  weight) or `weight.T` in 1 x 16 blocks along n.
+* `grad_weight = g.T @ x` over m (the tokens): `g.T` and `x.T`, each first multiplied by the
+  16 x 16 random Hadamard transform along m (`hadamard`; the product is unchanged in exact
+  arithmetic), then quantized in 1 x 16 blocks along m, `g.T` stochastically rounded.
+
+Randomness is data. Every draw is `random_bits(key, site, role, shape, stream)`, a pure
+function: `key` the integer in the state's float64 `key` leaf, `site` a stable 32-bit hash of
+the call's site name, `role` which operand. The Hadamard signs of a layer (one `(16,)` vector
+for both `grad_weight` operands) are shared by all ranks; the stochastic-rounding bits fold in
+the process's rank (`stream = 2 * rank`), so data-parallel ranks round their own gradients
+independently and their rounding errors average out; rank 0 (and a single process) draws
+stream 0.
+
+Saved for the backward is what an FP4 kernel needs, not the high-precision operands: the
+quantized weight for `grad_input` and the (transformed) `x.T` quantized along m for
+`grad_weight`, as packed E2M1 codes (two per byte) with their E4M3 and float32 scales.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ._guards import no_autocast
+from ._nvfp4 import (
+    NVFP4,
+    e2m1_to_float32,
+    hadamard_signs,
+    make_key,
+    pack_e2m1,
+    quantize_nvfp4,
+    random_bits,
+    random_hadamard,
+    unpack_e2m1,
+)
+from ._recipe import NVFP4Scaling
+from ._tensorwise import _FirstOrderOnly
+from ._torch_private import tracked_by_outer_differentiation
+
+# Roles of the random draws (`random_bits`' `role`): the output gradient of the grad_input
+# GEMM, and of the grad_weight GEMM (whose Hadamard signs are stream 1 of the same role).
+ROLE_GRAD_INPUT = 2
+ROLE_GRAD_WEIGHT = 3
+# The largest key held exactly by the float64 key leaf, and the room left to advance it.
+KEY_BITS = 52
+
+
+# -- randomness as data ---------------------------------------------------------------------------
+
+
+def site_id(name: str) -> int:
+    """A stable 32-bit id of the site name `name` (FNV-1a over its characters' code points).
+
+    The same in every process and run (Python's `hash` of a str is salted per process), and
+    plain integer arithmetic on a constant, which torch.compile folds away.
+    """
+    h = 0x811C9DC5
+    for ch in name:
+        h = ((h ^ ord(ch)) * 0x01000193) & 0xFFFFFFFF
+    return h
+
+
+def seed_key(seed: int) -> int:
+    """The initial key of `seed`: splitmix64 of it, in `[0, 2**52)` so that the float64 key
+    leaf holds it, and the `2**52` and more steps after it, exactly."""
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(
+            f"fp8fn.init: expected `seed` to be an int, got {type(seed).__name__} {seed!r}."
+        )
+    return int(make_key(seed)) >> (62 - KEY_BITS)
+
+
+def initial_key(seed: int, device=None) -> torch.Tensor:
+    """`seed_key(seed)` as the state's key leaf: float64 `()` on `device`."""
+    return torch.tensor(float(seed_key(seed)), dtype=torch.float64, device=device)
+
+
+def process_rank() -> int:
+    """This process's rank in the default process group, or 0 without torch.distributed."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _sr_bits(key, site, role, shape, rank, recipe):
+    """Stochastic-rounding bits of one operand (stream `2 * rank`; the signs use stream 1),
+    or None (round to nearest even) when the recipe does not round stochastically."""
+    if not recipe.stochastic_rounding:
+        return None
+    return random_bits(key, site, role, shape, stream=2 * rank)
+
+
+# -- quantized operands ---------------------------------------------------------------------------
+
+
+def _pack(q: NVFP4) -> tuple:
+    """`q` as saved for the backward: codes two per byte (last dim padded to even)."""
+    codes = q.codes
+    if codes.shape[-1] % 2:
+        codes = F.pad(codes, (0, 1))
+    return pack_e2m1(codes), q.block_scale, q.tensor_scale
+
+
+def _unpack(saved: tuple, k: int) -> torch.Tensor:
+    """The float32 values of an operand saved by `_pack`, with last dim `k`."""
+    packed, block_scale, tensor_scale = saved
+    return _dequantize(unpack_e2m1(packed)[..., :k], block_scale, tensor_scale)
+
+
+def _hadamard(t, key, site, recipe):
+    """`t` `(r, m)` times the random Hadamard transform along m, or `t` itself."""
+    if not recipe.hadamard:
+        return t
+    return random_hadamard(t, hadamard_signs(key, site, ROLE_GRAD_WEIGHT))
+
+
+def _weight_for_output(weight, recipe) -> NVFP4:
+    return quantize_nvfp4(weight, tile_2d=recipe.weight_2d)
+
+
+def _weight_for_grad_input(weight, recipe) -> NVFP4:
+    """`weight` quantized along n: its 16 x 16 tiles (`(n, k)`, as the forward's), or
+    `weight.T` `(k, n)` in blocks along n."""
+    if recipe.weight_2d:
+        return quantize_nvfp4(weight, tile_2d=True)
+    return quantize_nvfp4(weight.t())
+
+
+def _x_for_grad_weight(x, key, site, recipe) -> NVFP4:
+    """`x.T` `(k, m)` (Hadamard-transformed: `(k, 16 * ceil(m / 16))`) quantized along m."""
+    return quantize_nvfp4(_hadamard(x.t(), key, site, recipe))
+
+
+# The float32 value of each E2M1 code (code 8 is -0.0), for a gather instead of arithmetic.
+_E2M1_VALUES = e2m1_to_float32(torch.arange(16, dtype=torch.uint8))
+
+
+def _dequantize(codes, block_scale, tensor_scale) -> torch.Tensor:
+    """`dequantize_nvfp4` bit for bit (the same values times the same float32 scales), with
+    the codes' values gathered from a table: ~3x faster on CPU."""
+    k = codes.shape[-1]
+    values = _E2M1_VALUES.to(codes.device)[codes.long()]
+    values = F.pad(values, (0, -k % 16)).unflatten(-1, (-1, 16))
+    scale = tensor_scale * block_scale.float()
+    return (values * scale.unsqueeze(-1)).flatten(-2)[..., :k]
+
+
+def _deq(q: NVFP4) -> torch.Tensor:
+    return _dequantize(*q)
+
+
+# -- the op ---------------------------------------------------------------------------------------
+
+
+class _NVFP4Linear(torch.autograd.Function):
+    """y = x @ weight.T + bias under NVFP4. x (m, k), weight (n, k), bias (n,) or None; `key`
+    `()` int64 or None (a recipe without randomness), `site` int, `rank` int (static).
+
+    Returns `(y, anchor)`: `anchor` a `()` zero whose only use is to tell the backward whether
+    an outer differentiation records it (then using its results raises: higher-order
+    derivatives through the casts are not defined).
+    """
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, weight, bias, key, recipe, site, rank):
+        x_q = quantize_nvfp4(x)
+        w_q = _weight_for_output(weight, recipe)
+        out = torch.mm(_deq(x_q), _deq(w_q).t())
+        if bias is not None:
+            out = out + bias.float()
+        return out.to(x.dtype), x.new_zeros((), dtype=torch.float32)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, weight, bias, key, recipe, site, rank = inputs
+        ctx.set_materialize_grads(False)  # the anchor gets no gradient: no zeros made
+        needs = ctx.needs_input_grad
+        ctx.recipe, ctx.site, ctx.rank = recipe, site, rank
+        ctx.shapes = (x.shape[0], weight.shape[0], weight.shape[1])
+        ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
+        # What an FP4 kernel keeps: the quantized operands of the backward's GEMMs (a weight
+        # in 16 x 16 tiles is the forward's, quantized again here: the same bits).
+        w_saved = _pack(_weight_for_grad_input(weight, recipe)) if needs[0] else ()
+        x_saved = _pack(_x_for_grad_weight(x, key, site, recipe)) if needs[1] else ()
+        ctx.counts = (len(w_saved), len(x_saved))
+        ctx.save_for_backward(*w_saved, *x_saved, key, output[1])
+
+    @staticmethod
+    def backward(ctx, grad_out, _):
+        *saved, key, anchor = ctx.saved_tensors
+        with no_autocast(grad_out):
+            grads = _NVFP4Linear._grads(ctx, grad_out, saved, key)
+        if torch.is_grad_enabled() and tracked_by_outer_differentiation(anchor):
+            # An outer differentiation records this backward: make its use raise.
+            grads = _FirstOrderOnly.apply(anchor, *grads)
+        return (*grads, None, None, None, None)
+
+    @staticmethod
+    def _grads(ctx, grad_out, saved, key):
+        """`(grad_x, grad_w, grad_b)`, None where not needed."""
+        n_w, _ = ctx.counts
+        w_saved, x_saved = tuple(saved[:n_w]), tuple(saved[n_w:])
+        recipe, site, rank = ctx.recipe, ctx.site, ctx.rank
+        _, n, k = ctx.shapes
+        x_dtype, w_dtype, b_dtype = ctx.dtypes
+        needs = ctx.needs_input_grad
+        grad_x = grad_w = grad_b = None
+        g = grad_out.float()
+        if needs[0]:
+            bits = _sr_bits(key, site, ROLE_GRAD_INPUT, g.shape, rank, recipe)
+            g_q = quantize_nvfp4(g, sr_bits=bits)
+            if recipe.weight_2d:  # the forward's tiles, (n, k)
+                grad_x = torch.mm(_deq(g_q), _unpack(w_saved, k))
+            else:  # weight.T in blocks along n, (k, n)
+                grad_x = torch.mm(_deq(g_q), _unpack(w_saved, n).t())
+            grad_x = grad_x.to(x_dtype)
+        if needs[1]:
+            g_t = _hadamard(g.t(), key, site, recipe)  # (n, m) or (n, 16 * ceil(m / 16))
+            bits = _sr_bits(key, site, ROLE_GRAD_WEIGHT, g_t.shape, rank, recipe)
+            g_q = quantize_nvfp4(g_t, sr_bits=bits)
+            grad_w = torch.mm(_deq(g_q), _unpack(x_saved, g_t.shape[1]).t()).to(w_dtype)
+        if needs[2]:
+            grad_b = g.sum(0).to(b_dtype)
+        return grad_x, grad_w, grad_b
+
+
+def check_nvfp4(x, weight) -> None:
+    """The checks NVFP4 adds to `check_operands`'."""
+    if x.numel() == 0 or weight.numel() == 0:
+        raise ValueError(
+            f"fp8fn.linear: expected non-empty `x` and `weight` under NVFP4Scaling, got x "
+            f"{tuple(x.shape)} and weight {tuple(weight.shape)}."
+        )
+
+
+def check_random(api: str, random, recipe: NVFP4Scaling, device: torch.device) -> None:
+    """Raise unless `random` is `(key, site)` (key float64 `()` on `device`, site a str), or
+    None for a recipe that draws no random bits."""
+    if random is None and not recipe.random:
+        return
+    fix = (
+        "Pass `(key, site)`: `key` a float64 () tensor holding an integer (e.g. `state.key` "
+        "of fn.init(..., seed=...)), `site` the call's name (e.g. 'fc1')."
+    )
+    if not (isinstance(random, (tuple, list)) and len(random) == 2):
+        raise TypeError(
+            f"fp8fn.{api}: expected `site_state` to be a pair `(key, site)` under {recipe}, got "
+            f"{type(random).__name__}. {fix}"
+        )
+    key, site = random
+    if not (isinstance(key, torch.Tensor) and key.dtype == torch.float64 and key.dim() == 0):
+        got = f"{key.dtype} {tuple(key.shape)}" if isinstance(key, torch.Tensor) else type(key)
+        raise TypeError(
+            f"fp8fn.{api}: expected the key of `site_state` to be a float64 () tensor, got "
+            f"{got if isinstance(got, str) else got.__name__}. {fix}"
+        )
+    if not isinstance(site, str):
+        raise TypeError(
+            f"fp8fn.{api}: expected the site of `site_state` to be a str, got "
+            f"{type(site).__name__}. {fix}"
+        )
+    if key.device != device:
+        raise ValueError(
+            f"fp8fn.{api}: expected the key on the device of `x`, {device}, got {key.device}. "
+            "Move the state: `state = state.to(device)`."
+        )
+
+
+def nvfp4_linear(x, weight, bias, recipe: NVFP4Scaling, random):
+    """`x @ weight.T + bias` under `NVFP4Scaling`, emulated (see the module docstring).
+
+    Args:
+      x: `(..., in_features)` in float32, bfloat16 or float16.
+      weight: `(out_features, in_features)`.
+      bias: `(out_features,)` or None.
+      recipe: the `NVFP4Scaling`.
+      random: `(key, site)`: `key` float64 `()` holding an integer, `site` the site's name;
+        or None for a recipe without randomness.
+
+    Returns:
+      `(..., out_features)` in `x.dtype`.
+    """
+    key, site = (None, 0) if random is None else random
+    if key is not None:
+        key = key.detach().to(torch.int64)
+        site = site_id(site)
+    out, _ = _NVFP4Linear.apply(
+        x.reshape(-1, x.shape[-1]), weight, bias, key, recipe, site, process_rank()
+    )
+    return out.reshape(*x.shape[:-1], weight.shape[0])
