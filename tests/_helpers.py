@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 
 import torch
+import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fp8fn
@@ -81,3 +82,29 @@ class CountOps(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.count += 1
         return func(*args, **(kwargs or {}))
+
+
+def mlp_run(model, x, g, linear_fn):
+    """Output and per-layer weight gradients of `model` with layer i as `linear_fn(i, ...)`."""
+    params = {k: v.detach().clone().requires_grad_() for k, v in model.named_parameters()}
+    h = x
+    for i in range(len(model.layers)):
+        h = linear_fn(i, h, params[f"layers.{i}.weight"], params[f"layers.{i}.bias"])
+        if i < len(model.layers) - 1:
+            h = F.relu(h)
+    h.backward(g)
+    return h, [params[f"layers.{i}.weight"].grad for i in range(len(model.layers))]
+
+
+def outlier_mlp_case():
+    """The case of the SQNR tables: `(model, x, g)`, a 128-256-128 `MLP` (seed 0), inputs
+    `(4, 64, 128)` of different magnitudes per token with 4 outlier channels (x20), and an
+    output gradient of the same shape, all float32."""
+    from _models import MLP
+
+    model = MLP((128, 256, 128), seed=0)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 64, 128, generator=gen) * torch.randn(4, 64, 1, generator=gen).exp()
+    x[..., :4] *= 20
+    g = torch.randn(4, 64, 128, generator=gen) * torch.randn(4, 64, 1, generator=gen).exp()
+    return model, x, g

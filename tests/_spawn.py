@@ -32,8 +32,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(main, world_size: int, out_dir, timeout_s: float, *args) -> dict:
-    """`{rank: the rank's JSON}` after running `main` on `world_size` spawned ranks."""
+def spawn_ranks(main, world_size: int, out_dir, timeout_s: float, *args) -> None:
+    """Run `main(rank, world_size, port, out_dir, *args)` on `world_size` spawned ranks; fail the
+    calling test (and kill the ranks) if they have not finished after `timeout_s`."""
     context = mp.start_processes(
         main,
         args=(world_size, free_port(), str(out_dir), *args),
@@ -50,6 +51,11 @@ def run_ranks(main, world_size: int, out_dir, timeout_s: float, *args) -> dict:
         for process in context.processes:
             if process.is_alive():
                 process.kill()
+
+
+def run_ranks(main, world_size: int, out_dir, timeout_s: float, *args) -> dict:
+    """`{rank: the rank's JSON}` after `spawn_ranks`."""
+    spawn_ranks(main, world_size, out_dir, timeout_s, *args)
     out_dir = pathlib.Path(out_dir)
     return {r: json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world_size)}
 
@@ -95,6 +101,19 @@ def assert_state_same_on_all_ranks(state) -> None:
     assert same_on_all_ranks(state.scale), "scales differ across ranks"
 
 
+def init_gloo(rank: int, world_size: int, port: int, timeout_s: float) -> None:
+    """This rank's gloo process group on localhost, one thread; a collective that hangs raises
+    after `timeout_s`."""
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
 def run_scenarios(
     rank: int,
     world_size: int,
@@ -109,14 +128,7 @@ def run_scenarios(
     `out_dir/rank{rank}.json`: `{name: "ok" | traceback}`, `"_measured": measured`, and
     `"_aborted_after": name` where a failed rank broke the group (the barrier raised) and the
     rest were not run."""
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=group_timeout_s),
-    )
+    init_gloo(rank, world_size, port, group_timeout_s)
     results = {}
     try:
         for scenario in scenarios:

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from _helpers import sqnr
+from _helpers import mlp_run, outlier_mlp_case, sqnr
 from _models import MLP
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -552,30 +552,14 @@ class _BlockwiseReference(torch.autograd.Function):
         return grad_x.reshape(x.shape), grad_w
 
 
-def _mlp_run(model, x, g, linear_fn):
-    """Output and per-layer weight gradients of `model` with layer i as `linear_fn(i, ...)`."""
-    params = {k: v.detach().clone().requires_grad_() for k, v in model.named_parameters()}
-    h = x
-    for i in range(len(model.layers)):
-        h = linear_fn(i, h, params[f"layers.{i}.weight"], params[f"layers.{i}.bias"])
-        if i < len(model.layers) - 1:
-            h = F.relu(h)
-    h.backward(g)
-    return h, [params[f"layers.{i}.weight"].grad for i in range(len(model.layers))]
-
-
 def test_finer_sqnr_mlp_matches_torchao(capsys):
     pytest.importorskip("torchao")
-    model = MLP((128, 256, 128), seed=0)
-    gen = torch.Generator().manual_seed(0)
     # Tokens of different magnitudes and a few outlier channels, as in real activations.
-    x = torch.randn(4, 64, 128, generator=gen) * torch.randn(4, 64, 1, generator=gen).exp()
-    x[..., :4] *= 20
-    g = torch.randn(4, 64, 128, generator=gen) * torch.randn(4, 64, 1, generator=gen).exp()
-    ref_out, ref_grads = _mlp_run(model, x, g, lambda i, h, w, b: F.linear(h, w, b))
+    model, x, g = outlier_mlp_case()
+    ref_out, ref_grads = mlp_run(model, x, g, lambda i, h, w, b: F.linear(h, w, b))
     rows = []
     for recipe, name in zip(RECIPES, IDS):
-        out, grads = _mlp_run(model, x, g, lambda i, h, w, b: fp8fn.linear(h, w, b, None, recipe))
+        out, grads = mlp_run(model, x, g, lambda i, h, w, b: fp8fn.linear(h, w, b, None, recipe))
         if isinstance(recipe, BlockwiseScaling):
 
             def theirs(i, h, w, b):
@@ -587,7 +571,7 @@ def test_finer_sqnr_mlp_matches_torchao(capsys):
                 params = {"weight": w, "bias": b}
                 return torch.func.functional_call(converted[i], params, (h,))
 
-        t_out, t_grads = _mlp_run(model, x, g, theirs)
+        t_out, t_grads = mlp_run(model, x, g, theirs)
         ours = [sqnr(ref_out, out)] + [sqnr(r, o) for r, o in zip(ref_grads, grads)]
         them = [sqnr(ref_out, t_out)] + [sqnr(r, o) for r, o in zip(ref_grads, t_grads)]
         rows.append((name, ours, them))

@@ -10,7 +10,7 @@ import optree
 import pytest
 import torch
 import torch.nn.functional as F
-from _helpers import assert_bit_identical, bits
+from _helpers import assert_bit_identical, bits, mlp_run, outlier_mlp_case, sqnr
 from _models import MLP
 from torch.utils import _pytree as pytree
 
@@ -175,40 +175,19 @@ def test_op_saves_quantized_operands_not_high_precision():
 # -- SQNR -----------------------------------------------------------------------------------------
 
 
-def _sqnr(ref, x):
-    return (20 * torch.log10(ref.norm() / (ref - x).norm())).item()
-
-
-def _mlp_run(model, x, g, linear_fn):
-    """Output and per-layer weight gradients of `model` with layer i as `linear_fn(i, ...)`
-    (as in test_finer's SQNR table)."""
-    params = {k: v.detach().clone().requires_grad_() for k, v in model.named_parameters()}
-    h = x
-    for i in range(len(model.layers)):
-        h = linear_fn(i, h, params[f"layers.{i}.weight"], params[f"layers.{i}.bias"])
-        if i < len(model.layers) - 1:
-            h = F.relu(h)
-    h.backward(g)
-    return h, [params[f"layers.{i}.weight"].grad for i in range(len(model.layers))]
-
-
 @pytest.mark.slow
 def test_sqnr_mlp_with_outlier_channels(capsys):
-    # The 128-256-128 MLP and data of test_finer's SQNR table (outlier channels, tokens of
-    # different magnitudes).
-    model = MLP((128, 256, 128), seed=0)
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(4, 64, 128, generator=gen) * torch.randn(4, 64, 1, generator=gen).exp()
-    x[..., :4] *= 20
-    g = torch.randn(4, 64, 128, generator=gen) * torch.randn(4, 64, 1, generator=gen).exp()
-    ref_out, ref_grads = _mlp_run(model, x, g, lambda i, h, w, b: F.linear(h, w, b))
+    # The MLP and data of test_finer's SQNR table (outlier channels, tokens of different
+    # magnitudes).
+    model, x, g = outlier_mlp_case()
+    ref_out, ref_grads = mlp_run(model, x, g, lambda i, h, w, b: F.linear(h, w, b))
     key = fp8fn.transform(model, ALL_ON).init(x).key
     rows = {}
     for recipe, name in zip(FLAGS, FLAG_IDS):
-        out, grads = _mlp_run(
+        out, grads = mlp_run(
             model, x, g, lambda i, h, w, b: fp8fn.linear(h, w, b, (key, f"layers.{i}"), recipe)
         )
-        rows[name] = [_sqnr(ref_out, out)] + [_sqnr(r, o) for r, o in zip(ref_grads, grads)]
+        rows[name] = [sqnr(ref_out, out)] + [sqnr(r, o) for r, o in zip(ref_grads, grads)]
     with capsys.disabled():
         print("\nNVFP4 SQNR dB vs float32: output, grad_weight layer 0, layer 1")
         for name, row in rows.items():
@@ -741,18 +720,10 @@ def _dp_setup():
 
 
 def _dp_worker(rank, world_size, port, out_dir):
-    import datetime
-
     import torch.distributed as dist
+    from _spawn import init_gloo
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=30),
-    )
+    init_gloo(rank, world_size, port, timeout_s=30)
     try:
         model, fn, x = _dp_setup()
         params = dict(model.named_parameters())
@@ -769,14 +740,9 @@ def _dp_worker(rank, world_size, port, out_dir):
 
 @pytest.mark.slow
 def test_data_parallel_ranks_keep_one_key_and_round_independently(tmp_path, monkeypatch):
-    import socket
+    from _spawn import spawn_ranks
 
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_dp_worker, args=(2, port, str(tmp_path)), nprocs=2, start_method="spawn")
+    spawn_ranks(_dp_worker, 2, tmp_path, 300)
     got = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
     # The state is the same on both ranks after all_reduce and update, the key advanced twice.
     assert_bit_identical(got[0]["state"], got[1]["state"])
