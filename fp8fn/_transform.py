@@ -810,7 +810,7 @@ class Transformed:
         if self._fsdp_slots:
             params = self._without_fsdp_params(params)
         tensors = params
-        if params and sharded_operands([*params.values()][0]):  # the first tells
+        if params and sharded_operands(next(iter(params.values()))):  # the first tells
             tensors = gather_params(self, params)
         call = _Call(self, tensors, state)
         token = SCALES.set(self._weight_scales(state)) if self._gathered else None
