@@ -7,8 +7,8 @@ import torch
 
 if not torch.cuda.is_available():
     # Triton kernels run on CPU under Triton's interpreter. The variable is read when a kernel is
-    # defined (`fp8fn._triton_kernels`, imported on first use), so set it before anything runs.
+    # defined (`fp8fn._kernels.triton_jit`, imported on first use), so set it before anything runs.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # Without Triton the kernel module cannot even be imported for doctest collection.
-collect_ignore = [] if importlib.util.find_spec("triton") else ["fp8fn/_triton_kernels.py"]
+collect_ignore = [] if importlib.util.find_spec("triton") else ["fp8fn/_kernels/triton_jit.py"]

@@ -15,7 +15,7 @@ by side in one run (warmup, then rounds that call each variant in turn; the medi
    `DelayedScaling(backend="scaled_mm")` (history already observed). Ratios are against bf16.
 2. The casts of those layers' tensors (inputs and weights to e4m3, output gradients to e5m2 with
    a transposed copy): the torch reference (`clamp(x.float() * scale).to(fp8)` plus
-   `x.abs().amax()`, eager and compiled) against `fp8fn._triton`'s `cast_and_amax` (one pass),
+   `x.abs().amax()`, eager and compiled) against `fp8fn._kernels.cast`'s `cast_and_amax` (one pass),
    `delayed_cast` at step >= 2 (one pass) and at step 1 (two passes), and `current_cast`.
    Ratios are against the eager reference; "bits" says whether every kernel's float8 output and
    amax equal the reference's bit for bit on that tensor.
@@ -137,7 +137,7 @@ def _reference(hp, scale, dtype, transpose):
 
 def bench_casts(sizes: dict, repeats: int) -> None:
     import fp8fn
-    import fp8fn._triton as fp8_triton
+    import fp8fn._kernels.cast as fp8_triton
 
     e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
     m, k, n, d, hidden = (sizes[key] for key in ("m", "k", "n", "d", "hidden"))

@@ -1,11 +1,7 @@
 """fp8fn: float8 training with delayed scaling as a pure, functional transform for PyTorch."""
 
-from ._checkpoint import checkpoint
-from ._distributed import all_reduce
-from ._fsdp import float8_all_gather
-from ._linear import linear
-from ._quantize import compute_scale
-from ._recipe import (
+from ._core.observe import observations, observe, value_and_grad
+from ._core.recipes import (
     BlockwiseScaling,
     CurrentScaling,
     DelayedScaling,
@@ -13,10 +9,14 @@ from ._recipe import (
     NVFP4Scaling,
     RowwiseScaling,
 )
-from ._routes import observations, observe, value_and_grad
-from ._state import ScaleState, SiteState, State, flatten_state, init_state, unflatten_state
-from ._transform import Transformed, transform
-from ._update import merge, update
+from ._core.state import ScaleState, SiteState, State, flatten_state, init_state, unflatten_state
+from ._core.update import merge, update
+from ._numerics.fp8 import compute_scale
+from ._ops.linear import linear
+from ._parallel.all_reduce import all_reduce
+from ._parallel.fsdp_gather import float8_all_gather
+from ._transform.checkpoint import checkpoint
+from ._transform.transformed import Transformed, transform
 
 __all__ = [
     "BlockwiseScaling",

@@ -119,7 +119,7 @@ def _attention_forward():
 attention_forward = _attention_forward()
 
 
-# -- DTensor internals (sharded parameters, `fp8fn/_sharded.py`) -----------------------------------
+# -- DTensor internals (sharded parameters, `fp8fn/_parallel/dtensor.py`) ---------------------
 # Inside an autograd.Function's `forward` torch.func has unwrapped its inputs, and there fp8fn
 # reads a DTensor's local shard and builds DTensors of given placements without a collective.
 # The public `to_local` / `from_local` are autograd.Functions without `setup_context`, which

@@ -276,8 +276,8 @@ def fp8_all_gather_delayed(rank):
     stay bit-identical to one process (fp32 all-gather) on every rank, params match."""
     from torch.distributed.tensor import DTensor
 
-    from fp8fn._fsdp import Float8GatheredWeight, Float8ShardWeight
-    from fp8fn._quantize import cast_to_fp8
+    from fp8fn._numerics.fp8 import cast_to_fp8
+    from fp8fn._parallel.fsdp_gather import Float8GatheredWeight, Float8ShardWeight
 
     ref_params, ref_states = _reference(3)
     model = _gathered_model()
@@ -393,7 +393,7 @@ def fp8_all_gather_uneven(rank):
     """A weight whose rows do not split evenly (the head, 7 rows on 2 ranks) is gathered padded;
     its observation is this rank's shard's amax until all_reduce; states stay bit-identical to
     one process, params match."""
-    from fp8fn._quantize import amax
+    from fp8fn._numerics.fp8 import amax
 
     ref_params, ref_states = _reference(3, out=7)
     model = _gathered_model(out=7)
@@ -566,7 +566,7 @@ def dcp_resume(rank):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    from fp8fn._fsdp import Float8ShardWeight
+    from fp8fn._parallel.fsdp_gather import Float8ShardWeight
 
     path = os.path.join(WORKDIR, "ckpt")
     model, fn, state, opt = _dcp_setup(rank, seed=7)  # everything must come from the checkpoint

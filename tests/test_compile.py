@@ -14,8 +14,8 @@ from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
 
 import fp8fn
-import fp8fn._linear
-from fp8fn._tensorwise import _Fp8Linear
+import fp8fn._ops.linear
+from fp8fn._ops.tensorwise import _Fp8Linear
 
 pytestmark = pytest.mark.slow  # torch.compile: tens of seconds a test on 2 cores
 DELAYED = fp8fn.DelayedScaling(history_len=4, backend="emulated")
@@ -300,7 +300,7 @@ def test_compiled_func_grad_without_the_guard_returns_wrong_gradients(route, mon
     # it dynamo traces the autograd.Function inside torch.func.grad (pytorch#193279) and the
     # result is silently wrong. On torch 2.13 with the packed op, the observations survive but
     # every parameter gradient comes back as zeros (0.1's op gave the dropped-backward numbers).
-    monkeypatch.setattr(fp8fn._linear, "refuse_compile_under_func", lambda api: None)
+    monkeypatch.setattr(fp8fn._ops.linear, "refuse_compile_under_func", lambda api: None)
     params, state, x, c, fs, _ = _func_setup()
     grads, obs = torch.compile(_grad(fs[route]))(params, state, x, c)
     assert _graph_breaks() == 0  # nothing stopped dynamo

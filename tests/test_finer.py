@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import fp8fn
 from fp8fn import BlockwiseScaling, MXScaling, RowwiseScaling
-from fp8fn import _quantize as q
+from fp8fn._numerics import fp8 as q
 
 E4M3 = torch.float8_e4m3fn
 ROWWISE = RowwiseScaling(backend="emulated")

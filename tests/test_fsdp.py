@@ -14,8 +14,13 @@ from _helpers import assert_bit_identical, saved_and_loaded
 from _spawn import all_scenarios_results, assert_ok, spawn_results
 
 import fp8fn
-from fp8fn._fsdp import SCALES, Float8GatheredWeight, Float8ShardWeight, ScalesForCall
-from fp8fn._quantize import cast_to_fp8
+from fp8fn._numerics.fp8 import cast_to_fp8
+from fp8fn._parallel.fsdp_gather import (
+    SCALES,
+    Float8GatheredWeight,
+    Float8ShardWeight,
+    ScalesForCall,
+)
 
 _TIMEOUT_S = 300
 

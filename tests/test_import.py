@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import fp8fn
+import fp8fn._kernels
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 HEAVY = ("triton", "torch._dynamo", "torch._inductor")
@@ -35,8 +36,8 @@ def test_import_fp8fn_imports_neither_triton_nor_dynamo():
 def without_triton(monkeypatch):
     """As if Triton were not installed: `import triton` raises ModuleNotFoundError."""
     monkeypatch.setitem(sys.modules, "triton", None)
-    monkeypatch.delitem(sys.modules, "fp8fn._triton_kernels", raising=False)
-    monkeypatch.delattr(fp8fn, "_triton_kernels", raising=False)  # so the import runs again
+    monkeypatch.delitem(sys.modules, "fp8fn._kernels.triton_jit", raising=False)
+    monkeypatch.delattr(fp8fn._kernels, "triton_jit", raising=False)  # so the import runs again
 
 
 @pytest.mark.parametrize(

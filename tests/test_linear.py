@@ -8,7 +8,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import fp8fn
-from fp8fn._quantize import cast_to_fp8
+from fp8fn._numerics.fp8 import cast_to_fp8
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 HISTORY_LEN = 4
@@ -471,7 +471,7 @@ def test_linear_nan_input_observed_as_nan_and_ignored(row, col, grad_amax):
 
 @pytest.mark.parametrize("dtype", [E4M3, E5M2])
 def test_widen_is_exact_for_every_float8_value(dtype):
-    from fp8fn._backend import _widen
+    from fp8fn._ops.gemm import _widen
 
     every = torch.arange(256, dtype=torch.uint8).view(dtype).repeat(2**8).reshape(-1, 256)
     hp, factor = _widen(every)

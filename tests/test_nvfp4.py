@@ -1,4 +1,4 @@
-"""NVFP4 numerics (`fp8fn._nvfp4`): torchao 0.18 parity, 2-D tiles, SR, RHT, random bits."""
+"""NVFP4 numerics (`_numerics/nvfp4.py`): torchao 0.18 parity, 2-D tiles, SR, RHT, random bits."""
 
 import math
 import warnings
@@ -11,7 +11,7 @@ from _helpers import sqnr
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from fp8fn import _nvfp4 as nv
+from fp8fn._numerics import nvfp4 as nv
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")

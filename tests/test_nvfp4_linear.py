@@ -16,8 +16,8 @@ from torch.utils import _pytree as pytree
 
 import fp8fn
 from fp8fn import NVFP4Scaling
-from fp8fn import _nvfp4 as nv
-from fp8fn import _nvfp4_linear as op
+from fp8fn._numerics import nvfp4 as nv
+from fp8fn._ops import nvfp4 as op
 
 ALL_ON = NVFP4Scaling()
 FLAGS = [

@@ -38,7 +38,7 @@ from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 
 import fp8fn
-from fp8fn._backend import resolve_backend
+from fp8fn._ops.gemm import resolve_backend
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 HISTORY_LEN = 4
@@ -568,7 +568,7 @@ def test_torchao_emulation_is_fp8fn_casts_dequantized_before_the_matmul(dtype):
     arithmetic): the three GEMMs differ in float32's last bits (the scales are not powers of
     two), the bias gradient does not; in bfloat16 both round to the same values but for a rare
     double rounding (not bit-identical either)."""
-    from fp8fn._quantize import amax, cast_to_fp8, scale_from_amax
+    from fp8fn._numerics.fp8 import amax, cast_to_fp8, scale_from_amax
 
     def cast(t, fp8_dtype):
         scale = scale_from_amax(amax(t), torch.finfo(fp8_dtype).max, 0)

@@ -1,6 +1,8 @@
 """fp8fn.State: immutable data, its device moves, and the states fp8fn refuses to run on."""
 
+import io
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -174,3 +176,26 @@ def test_observation_helper_builds_what_update_takes():
     new = fp8fn.update(state, observation(state, a=(2.0, None, 4.0)))
     assert new["a"].input.amax_history.tolist() == [2.0, 0.0, 0.0, 0.0]
     assert new["a"].weight.amax_history.tolist() == [0.0] * 4
+
+
+def test_a_state_saved_by_0_3_loads_and_keeps_its_values():
+    """tests/data/state_v0_3.pt was written by fp8fn 0.3, whose types lived in `fp8fn._state`:
+    the private modules moved, the saved names did not, and the values come back bit for bit."""
+    saved = torch.load(Path(__file__).parent / "data" / "state_v0_3.pt", weights_only=True)
+    state, site, flat, nvfp4 = saved["state"], saved["site"], saved["flat"], saved["nvfp4"]
+    assert type(state) is fp8fn.State and type(site) is fp8fn.SiteState
+    assert list(state) == ["0", "2"] and state.static == (("0", "2"), "max", 1)
+    assert state.amax_history.shape == (2, 3, 4)
+    assert state.amax_history[0, :, 0].tolist() == [
+        2.149376392364502,
+        0.35267937183380127,
+        0.22417442500591278,
+    ]
+    assert torch.equal(state.amax_history[..., 0], state.amax_history[..., 1])
+    assert torch.equal(site.amax_history, state["0"].amax_history)
+    assert torch.equal(fp8fn.flatten_state(state)["0.input.scale"], flat["0.input.scale"])
+    assert nvfp4.key.dtype == torch.float64 and nvfp4.key.item() == 510934918213656.0
+    # and a state saved now names the public type, whatever module defines it
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    assert b"fp8fn\nState" in buffer.getvalue() and b"_core" not in buffer.getvalue()

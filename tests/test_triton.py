@@ -1,4 +1,4 @@
-"""The fused Triton casts of `fp8fn._triton`, bit for bit against torch.
+"""The fused Triton casts of `fp8fn._kernels.cast`, bit for bit against torch.
 
 On a machine without CUDA the kernels run under `TRITON_INTERPRET=1` (set by the repository's
 `conftest.py` before anything imports them), so shapes stay small. The float32 -> float8 rounding
@@ -18,11 +18,11 @@ pytest.importorskip("triton")
 from _helpers import assert_bit_identical  # noqa: E402
 
 import fp8fn  # noqa: E402
-import fp8fn._backend  # noqa: E402
-import fp8fn._tensorwise  # noqa: E402
-import fp8fn._triton as fp8_triton  # noqa: E402
-from fp8fn._quantize import amax as ref_amax  # noqa: E402
-from fp8fn._quantize import cast_to_fp8, saturate  # noqa: E402
+import fp8fn._kernels.cast as fp8_triton  # noqa: E402
+import fp8fn._ops.gemm  # noqa: E402
+import fp8fn._ops.tensorwise  # noqa: E402
+from fp8fn._numerics.fp8 import amax as ref_amax  # noqa: E402
+from fp8fn._numerics.fp8 import cast_to_fp8, saturate  # noqa: E402
 
 # The interpreter computes with numpy, which warns on inf and NaN arithmetic: expected here.
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")
@@ -322,7 +322,7 @@ class _CountOps(TorchDispatchMode):
 
 
 def test_each_cast_is_one_dispatched_op_of_one_or_two_launches(monkeypatch):
-    import fp8fn._triton_kernels as kernels
+    import fp8fn._kernels.triton_jit as kernels
 
     launched = []
 
@@ -462,8 +462,8 @@ def test_triton_casts_before_float8_gemms_hand_grad_weight_a_row_major_copy(monk
     """Where the GEMMs run on torch's float8 GEMM, the output gradient's Triton cast writes its
     transpose in the same pass, for grad_weight: the same bits as the casts of "scaled_mm",
     which transposes by a copy. (The CPU's reference GEMM stands in for CUDA's here.)"""
-    monkeypatch.setattr(fp8fn._backend, "scaled_mm_supported", lambda device: True)
-    monkeypatch.setattr(fp8fn._tensorwise, "scaled_mm_supported", lambda device: True)
+    monkeypatch.setattr(fp8fn._ops.gemm, "scaled_mm_supported", lambda device: True)
+    monkeypatch.setattr(fp8fn._ops.tensorwise, "scaled_mm_supported", lambda device: True)
     transposes = []
     real = fp8_triton.delayed_cast
 
@@ -471,7 +471,7 @@ def test_triton_casts_before_float8_gemms_hand_grad_weight_a_row_major_copy(monk
         transposes.append(kwargs.get("transpose", False))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(fp8fn._triton, "delayed_cast", spy)
+    monkeypatch.setattr(fp8fn._kernels.cast, "delayed_cast", spy)
     runs = {}
     for backend in ("scaled_mm", "triton"):
         recipe = fp8fn.DelayedScaling(backend=backend)

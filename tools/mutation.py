@@ -66,13 +66,13 @@ MUTATIONS = [
     Mutation(
         "e4m3-grad-output",
         "grad_output cast to e4m3 instead of e5m2",
-        "_tensorwise.py",
+        "_ops/tensorwise.py",
         (("cast_to_fp8(grad_out, g_scale, E5M2)", "cast_to_fp8(grad_out, g_scale, E4M3)"),),
     ),
     Mutation(
         "margin-current",
         "margin dropped from the current-scaling fallback",
-        "_tensorwise.py",
+        "_ops/tensorwise.py",
         (
             (
                 "current = scale_from_amax(amaxes, fp8_max, margin)",
@@ -83,7 +83,7 @@ MUTATIONS = [
     Mutation(
         "bias-grad-no-float",
         "bias gradient summed in the output gradient's dtype (no .float())",
-        "_tensorwise.py",
+        "_ops/tensorwise.py",
         (
             (
                 "grads[2] = grad_out.float().sum(0).to(b_dtype)",
@@ -94,7 +94,7 @@ MUTATIONS = [
     Mutation(
         "stored-scale-ignored",
         "the stored scale ignored (always current scaling)",
-        "_tensorwise.py",
+        "_ops/tensorwise.py",
         (
             (
                 "return current if newest is None else torch.where(newest > 0, stored, current)",
@@ -105,7 +105,7 @@ MUTATIONS = [
     Mutation(
         "empty-history-uses-stored",
         "an empty history casts with the stored scale (1) instead of current scaling",
-        "_tensorwise.py",
+        "_ops/tensorwise.py",
         (
             (
                 "return current if newest is None else torch.where(newest > 0, stored, current)",
@@ -116,13 +116,13 @@ MUTATIONS = [
     Mutation(
         "vmap-no-fold",
         "the op's vmap rule does not fold the batch (the generated per-member rule)",
-        "_tensorwise.py",
+        "_ops/tensorwise.py",
         (("out = _Fp8Linear.apply(", "out = _Fp8LinearOp.apply("),),
     ),
     Mutation(
         "grad-output-observes-weight",
         "the grad_output observation is the weight's amax",
-        "_tensorwise.py",
+        "_ops/tensorwise.py",
         (
             (
                 "grads[3] = torch.stack([x_amax, w_amax, g_amax])",
@@ -133,7 +133,7 @@ MUTATIONS = [
     Mutation(
         "no-saturation",
         "the saturating clamp removed from the cast",
-        "_quantize.py",
+        "_numerics/fp8.py",
         (
             (
                 "return hp32.clamp(-fp8_max, fp8_max).to(dtype)",
@@ -144,7 +144,7 @@ MUTATIONS = [
     Mutation(
         "saturate-inf",
         "casts saturate inf to +-max instead of keeping the overflow visible (NaN)",
-        "_quantize.py",
+        "_numerics/fp8.py",
         (
             (
                 "hp32 = hp32.nan_to_num(nan=nan, posinf=nan, neginf=nan)",
@@ -156,7 +156,7 @@ MUTATIONS = [
     Mutation(
         "merge-sums",
         "merge sums observations instead of taking their max",
-        "_update.py",
+        "_core/update.py",
         (
             (
                 "amax_history=torch.maximum(\n"
@@ -170,7 +170,7 @@ MUTATIONS = [
     Mutation(
         "merge-min-scale",
         "merge takes the minimum of the `scale` leaf (all_reduce takes the max)",
-        "_update.py",
+        "_core/update.py",
         (
             (
                 "scale=torch.maximum(obs_a.scale, obs_b.scale),",
@@ -181,13 +181,13 @@ MUTATIONS = [
     Mutation(
         "update-pushes-nonfinite",
         "update pushes NaN and inf observations",
-        "_update.py",
+        "_core/update.py",
         (("push = (amax > 0) & torch.isfinite(amax)", "push = amax != 0"),),
     ),
     Mutation(
         "roll-drops-newest",
         "history roll drops the newest entry instead of the oldest",
-        "_update.py",
+        "_core/update.py",
         (
             (
                 "rolled = torch.cat([amax.unsqueeze(-1), history[..., :-1]], dim=-1)",
@@ -198,7 +198,7 @@ MUTATIONS = [
     Mutation(
         "most-recent-uses-max",
         '"most_recent" uses the max of the history',
-        "_update.py",
+        "_core/update.py",
         (
             (
                 'window = history if state.amax_compute == "max" else history[..., :1]',
@@ -209,7 +209,7 @@ MUTATIONS = [
     Mutation(
         "margin-update",
         "update recomputes the scale without the margin",
-        "_update.py",
+        "_core/update.py",
         (
             (
                 "new_scale = scale_from_amax(window.amax(dim=-1), ROLE_FP8_MAX, state.margin)",
@@ -220,7 +220,7 @@ MUTATIONS = [
     Mutation(
         "update-scale-float32",
         "update computes fp8_max / (amax * 2**margin) in float32 instead of float64",
-        "_update.py",
+        "_core/update.py",
         (
             (
                 # (`scale_from_amax`'s form, fp8_max * 2**-margin / amax, gives the same float32
@@ -234,7 +234,7 @@ MUTATIONS = [
     Mutation(
         "update-scale-float32-divided-twice",
         "update computes fp8_max / amax / 2**margin in float32 instead of float64",
-        "_update.py",
+        "_core/update.py",
         (
             (
                 "new_scale = scale_from_amax(window.amax(dim=-1), ROLE_FP8_MAX, state.margin)",
@@ -246,7 +246,7 @@ MUTATIONS = [
     Mutation(
         "stale-scale",
         "update pushes the amax but keeps the old scale",
-        "_update.py",
+        "_core/update.py",
         (
             (
                 "scale = torch.where(push, new_scale, scale)",
@@ -257,7 +257,7 @@ MUTATIONS = [
     Mutation(
         "update-accepts-state",
         "update(state, state) accepted (the identity check dropped: a short history passes)",
-        "_update.py",
+        "_core/update.py",
         (
             (
                 "looks_like_state = obs.amax_history is state.amax_history or (",
@@ -269,26 +269,26 @@ MUTATIONS = [
     Mutation(
         "no-reuse-check",
         "the reuse check (one state in two recorded forward passes) removed",
-        "_state.py",
+        "_core/state.py",
         (('if getattr(history, "_fp8fn_used", False):', "if False:"),),
     ),
     Mutation(
         "check-scales-skipped",
         "the scale-validity check skipped (0, NaN, inf or negative scales accepted)",
-        "_state.py",
+        "_core/state.py",
         (("if not bool(((base > 0) & base.isfinite()).all()):", "if False:"),),
     ),
     Mutation(
         "unflatten-sorts-sites",
         "unflatten_state sorts the sites ('0', '1', '10', '2', ...: no longer fn.init's order)",
-        "_state.py",
+        "_core/state.py",
         (("sites = list(leaves)", "sites = sorted(leaves)"),),
     ),
     # -- the transform (_transform.py), recompute (_checkpoint.py), routes (_routes.py) ---------
     Mutation(
         "sites-call-order",
         "fn.init orders the sites by the example's call order, not by the module tree",
-        "_transform.py",
+        "_transform/transformed.py",
         (
             (
                 "for p in self._stateful for k in range(max(calls.get(p, 0), 1))",
@@ -301,34 +301,34 @@ MUTATIONS = [
         "live-identity-only",
         "live-model routing by weight identity only (no `_holder_of` fallback: swapped-in "
         "weights run in high precision)",
-        "_transform.py",
+        "_transform/transformed.py",
         (("return self.transformed._holder_of(weight, transposed)", "return None"),),
     ),
     Mutation(
         "recompute-live-buffers",
         "the checkpoint recompute runs on the live buffers (batch-norm statistics updated "
         "a second time)",
-        "_checkpoint.py",
+        "_transform/checkpoint.py",
         (("        if recomputing:", "        if False:"),),
     ),
     Mutation(
         "forward-on-buffer-copies",
         "under checkpoint_fn the forward too runs on copies of the buffers (batch-norm "
         "statistics never updated)",
-        "_checkpoint.py",
+        "_transform/checkpoint.py",
         (("        if recomputing:", "        if True:"),),
     ),
     Mutation(
         "observe-second-backward",
         "a second backward through one observed forward accepted (autograd sums the two)",
-        "_routes.py",
+        "_core/observe.py",
         (("        if seen:", "        if False:"),),
     ),
     # -- the finer recipes (_finer.py) ----------------------------------------------------------
     Mutation(
         "finer-bias-grad-input-dtype",
         "finer recipes: the bias gradient rounded through the input's dtype (bf16 autocast)",
-        "_finer.py",
+        "_ops/block_scaled.py",
         (
             (
                 "grad_b = g.float().sum(0).to(b_dtype)",
@@ -471,7 +471,7 @@ def main(argv=None) -> int:
 
     if args.list:
         for m in MUTATIONS:
-            print(f"{m.name:28} fp8fn/{m.file:15} {m.what}")
+            print(f"{m.name:28} fp8fn/{m.file:24} {m.what}")
         return 0
     tests = args.tests or (QUICK_TESTS if args.quick else DEFAULT_TESTS)
     select = " and ".join(f"not {k}" for k in QUICK_DESELECT) if args.quick else None

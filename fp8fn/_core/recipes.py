@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ._quantize import check_margin
+from .._numerics.fp8 import check_margin
 
 _BACKENDS = ("auto", "emulated", "scaled_mm")
 _TENSORWISE_BACKENDS = (*_BACKENDS, "triton")  # fused Triton casts: per-tensor recipes only

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch.utils import _pytree as pytree
 
-from ._state import State, check_state, warn_if_superseded
-from ._torch_private import functorch_level
+from .._torch_private import functorch_level
+from .state import State, check_state, warn_if_superseded
 
 
 def observe(state: State) -> State:

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from ._torch_private import (
+from .._torch_private import (
     differentiated,
     differentiated_by_transform,
     function_modes,

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from ._quantize import E4M3, FP8_MAX, amax, cast_to_fp8, scale_from_amax
+from .._numerics.fp8 import E4M3, FP8_MAX, amax, cast_to_fp8, scale_from_amax
 
 # The running `apply`'s `ScalesForCall` (None outside apply: FSDP2's backward re-gather).
 SCALES: contextvars.ContextVar = contextvars.ContextVar("fp8fn_gather_scales", default=None)

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from . import _quantize as q
-from ._backend import scaled_mm
-from ._guards import no_autocast
-from ._recipe import BlockwiseScaling, MXScaling, RowwiseScaling
+from .._core.checks import no_autocast
+from .._core.recipes import BlockwiseScaling, MXScaling, RowwiseScaling
+from .._numerics import fp8 as q
+from .gemm import scaled_mm
 
 FINER = (RowwiseScaling, BlockwiseScaling, MXScaling)
 

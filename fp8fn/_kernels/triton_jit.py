@@ -16,7 +16,7 @@ import triton.language as tl
 from torch.library import wrap_triton  # (this spelling lets triton_op find the kernels)
 from triton.runtime.jit import JITFunction
 
-from ._quantize import E4M3, E5M2, FP8_MAX
+from .._numerics.fp8 import E4M3, E5M2, FP8_MAX
 
 _FORMAT = {E4M3: (7, 3), E5M2: (15, 2)}  # float8 format: (exponent bias, mantissa bits)
 _BLOCK, _WARPS = 4096, 8  # elements per program of the flat kernels (one atomic each)

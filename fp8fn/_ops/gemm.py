@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._recipe import (
+from .._core.recipes import (
     BlockwiseScaling,
     CurrentScaling,
     DelayedScaling,
@@ -18,7 +18,7 @@ from ._recipe import (
     NVFP4Scaling,
     RowwiseScaling,
 )
-from ._torch_private import legacy_scaled_mm
+from .._torch_private import legacy_scaled_mm
 
 
 def scaled_mm_supported(device: torch.device) -> bool:

@@ -17,8 +17,8 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ._recipe import DelayedScaling
-from ._torch_private import unwrapped
+from .._torch_private import unwrapped
+from .recipes import DelayedScaling
 
 ROLES = ("input", "weight", "grad_output")
 
@@ -267,8 +267,16 @@ def _register(cls, leaves, static):
     torch.serialization.add_safe_globals([cls])
 
 
+# The public types pickle as `fp8fn.State` (not this module's path), so that a saved state
+# survives a reorganisation of the private modules; states saved by 0.3 name them by the module
+# they then lived in, and load through these aliases.
+for _cls in (ScaleState, SiteState, State):
+    _cls.__module__ = "fp8fn"
 _register(State, ("amax_history", "scale"), lambda s: s.static)
 _register(SiteState, ("amax_history", "scale"), lambda s: s.static)
+torch.serialization.add_safe_globals(
+    [(State, "fp8fn._state.State"), (SiteState, "fp8fn._state.SiteState")]
+)
 
 
 def site_name(path: str, k: int) -> str:

@@ -10,8 +10,8 @@ import warnings
 
 import torch
 
-from ._quantize import ROLE_FP8_MAX, scale_from_amax
-from ._state import State, check_scales, check_state, mark_valid, supersede
+from .._numerics.fp8 import ROLE_FP8_MAX, scale_from_amax
+from .state import State, check_scales, check_state, mark_valid, supersede
 
 
 def _check_pair(api: str, a, b, a_name: str, b_name: str) -> None:

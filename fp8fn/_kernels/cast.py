@@ -28,7 +28,7 @@ before that first use. Without Triton, that first use raises an ImportError nami
 `pip install "fp8fn[triton]"`.
 
 Example (skipped: it needs a GPU tensor, or CPU under the interpreter):
-  >>> import torch, fp8fn._triton as fp8_triton
+  >>> import torch, fp8fn._kernels.cast as fp8_triton
   >>> hp = torch.tensor([1.0, -3.0, 1000.0])
   >>> fp8, scale, amax = fp8_triton.delayed_cast(  # doctest: +SKIP
   ...     hp, torch.tensor(0.0), torch.tensor(1.0), 0, torch.float8_e4m3fn)
@@ -40,17 +40,17 @@ from __future__ import annotations
 
 import torch
 
-from ._quantize import E4M3, E5M2, check_margin
+from .._numerics.fp8 import E4M3, E5M2, check_margin
 
 _HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _FP8_DTYPES = (E4M3, E5M2)
 
 
 def _kernels():
-    """`_triton_kernels`, imported on first use: it imports Triton (and through
+    """`triton_jit`, imported on first use: it imports Triton (and through
     `torch.compiler.assume_constant_result`, torch._dynamo), which `import fp8fn` must not."""
     try:
-        from . import _triton_kernels
+        from . import triton_jit
     except ModuleNotFoundError as e:
         if (e.name or "").partition(".")[0] != "triton":
             raise
@@ -58,7 +58,7 @@ def _kernels():
             "fp8fn.linear: backend=\"triton\" needs Triton, got no module named 'triton'. "
             'Install it with pip install "fp8fn[triton]" (Linux), or use backend="auto".'
         ) from e
-    return _triton_kernels
+    return triton_jit
 
 
 def _check(api: str, hp, dtype, transpose, **scalars) -> None:

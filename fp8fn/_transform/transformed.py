@@ -22,21 +22,9 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-from ._checkpoint import checkpoint_with_constants, refuse_compile
-from ._distributed import (
-    ddp_parameter,
-    is_fsdp_module,
-    refuse_ddp_inner_module,
-    reshard_fsdp,
-)
-from ._fsdp import SCALES, Float8GatheredWeight, ScalesForCall, is_float8_gathered, weight_scales
-from ._guards import check_operands
-from ._linear import fp8_linear
-from ._nvfp4_linear import initial_key, seed_key
-from ._recipe import RECIPES, CurrentScaling, DelayedScaling, NVFP4Scaling
-from ._sharded import explain_error as explain_sharded_error
-from ._sharded import gather_params, sharded_linear, sharded_operands
-from ._state import (
+from .._core.checks import check_operands
+from .._core.recipes import RECIPES, CurrentScaling, DelayedScaling, NVFP4Scaling
+from .._core.state import (
     State,
     check_scales,
     check_state,
@@ -46,11 +34,29 @@ from ._state import (
     site_name,
     warn_if_superseded,
 )
-from ._torch_private import (
+from .._ops.linear import fp8_linear
+from .._ops.nvfp4 import initial_key, seed_key
+from .._parallel.dtensor import explain_error as explain_sharded_error
+from .._parallel.dtensor import gather_params, sharded_linear, sharded_operands
+from .._parallel.fsdp_gather import (
+    SCALES,
+    Float8GatheredWeight,
+    ScalesForCall,
+    is_float8_gathered,
+    weight_scales,
+)
+from .._parallel.wrappers import (
+    ddp_parameter,
+    is_fsdp_module,
+    refuse_ddp_inner_module,
+    reshard_fsdp,
+)
+from .._torch_private import (
     attention_forward,
     inside_torch_checkpoint,
     saved_tensor_hooks_active,
 )
+from .checkpoint import checkpoint_with_constants, refuse_compile
 
 # What torch raises when the model's own torch.utils.checkpoint runs under torch.func.
 _TORCH_CHECKPOINT_UNDER_FUNC = ("saved tensor hooks", "must override the setup_context")
@@ -628,7 +634,7 @@ class Transformed:
         return gathered
 
     def _weight_scales(self, state) -> ScalesForCall:
-        """The weight scales of this call's float8 all-gathers (see `fp8fn._fsdp`)."""
+        """The weight scales of this call's float8 all-gathers (`_parallel/fsdp_gather.py`)."""
         if any(not sharded_operands(m.held()) for m in self._gathered):
             # A weight still gathered from an earlier forward without backward (FSDP2 keeps the
             # root unsharded) holds that call's scale: reshard, so it is gathered again.
@@ -778,7 +784,7 @@ class Transformed:
 
         The module runs as it is now: its buffers, dtype, device, training flags and hooks.
 
-        Sharded parameters (DTensors; see `fp8fn/_sharded.py`): functional FSDP gives `params`
+        Sharded parameters (DTensors; `_parallel/dtensor.py`): functional FSDP gives `params`
         as `distribute_tensor(p, mesh, [Shard(0)])` for a plain module (torch.func or plain
         autograd; float8 weights are all-gathered in float8, the others in high precision;
         gradients come back sharded, averaged over the ranks); a tensor-parallel module

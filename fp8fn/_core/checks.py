@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ._torch_private import functorch_level
+from .._torch_private import functorch_level
 
 HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

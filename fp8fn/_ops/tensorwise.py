@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import torch
 
-from ._backend import fp8_mm, scaled_mm_supported
-from ._fsdp import Float8GatheredWeight
-from ._guards import no_autocast
-from ._quantize import E4M3, E5M2, amax, cast_to_fp8, scale_from_amax
-from ._torch_private import tracked_below, tracked_by_outer_differentiation
-from ._triton import TritonCast
+from .._core.checks import no_autocast
+from .._kernels.cast import TritonCast
+from .._numerics.fp8 import E4M3, E5M2, amax, cast_to_fp8, scale_from_amax
+from .._parallel.fsdp_gather import Float8GatheredWeight
+from .._torch_private import tracked_below, tracked_by_outer_differentiation
+from .gemm import fp8_mm, scaled_mm_supported
 
 _HIGHER_ORDER = (
     "fp8fn.linear: higher-order derivatives through float8 casts are not defined (the backward's "

@@ -39,12 +39,12 @@ import sys
 import torch
 import torch.distributed as dist
 
-from ._backend import fp8_mm, resolve_backend, scaled_mm_supported
-from ._guards import no_autocast
-from ._quantize import E4M3, E5M2, FP8_MAX, amax, cast_to_fp8
-from ._recipe import CurrentScaling, DelayedScaling
-from ._tensorwise import _first_order_only, _fp8_gemm, _scales
-from ._torch_private import (
+from .._core.checks import no_autocast
+from .._core.recipes import CurrentScaling, DelayedScaling
+from .._numerics.fp8 import E4M3, E5M2, FP8_MAX, amax, cast_to_fp8
+from .._ops.gemm import fp8_mm, resolve_backend, scaled_mm_supported
+from .._ops.tensorwise import _first_order_only, _fp8_gemm, _scales
+from .._torch_private import (
     dtensor_local,
     dtensor_spec,
     functorch_level,

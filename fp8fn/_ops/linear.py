@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from ._backend import resolve_backend
-from ._finer import FINER, check_finer, finer_linear
-from ._guards import check_operands, no_autocast, refuse_compile_under_func
-from ._nvfp4_linear import check_nvfp4, check_random, nvfp4_linear
-from ._recipe import RECIPES, DelayedScaling, NVFP4Scaling
-from ._state import check_scales, check_site_state, claim
-from ._tensorwise import tensorwise_linear
+from .._core.checks import check_operands, no_autocast, refuse_compile_under_func
+from .._core.recipes import RECIPES, DelayedScaling, NVFP4Scaling
+from .._core.state import check_scales, check_site_state, claim
+from .block_scaled import FINER, check_finer, finer_linear
+from .gemm import resolve_backend
+from .nvfp4 import check_nvfp4, check_random, nvfp4_linear
+from .tensorwise import tensorwise_linear
 
 
 def linear(x, weight, bias, site_state, recipe):

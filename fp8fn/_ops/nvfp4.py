@@ -32,8 +32,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ._guards import no_autocast
-from ._nvfp4 import (
+from .._core.checks import no_autocast
+from .._core.recipes import NVFP4Scaling
+from .._numerics.nvfp4 import (
     NVFP4,
     e2m1_to_float32,
     hadamard_signs,
@@ -44,9 +45,8 @@ from ._nvfp4 import (
     random_hadamard,
     unpack_e2m1,
 )
-from ._recipe import NVFP4Scaling
-from ._tensorwise import _FirstOrderOnly
-from ._torch_private import tracked_by_outer_differentiation
+from .._torch_private import tracked_by_outer_differentiation
+from .tensorwise import _FirstOrderOnly
 
 # Roles of the random draws (`random_bits`' `role`): the output gradient of the grad_input
 # GEMM, and of the grad_weight GEMM (whose Hadamard signs are stream 1 of the same role).
