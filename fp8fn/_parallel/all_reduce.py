@@ -8,6 +8,7 @@ shapes), are copied into one flat buffer, reduced, and viewed back.
 from __future__ import annotations
 
 import hashlib
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -81,9 +82,10 @@ def _check_same_structure(obs: State, tag: torch.Tensor, reduced: torch.Tensor) 
         )
 
 
-# ids of the groups whose first reduce has run. Every rank of a group calls `all_reduce` on it
+# The groups whose first reduce has run (weakly held: a destroyed group leaves, and a new group
+# that reuses its address is not mistaken for it). Every rank of a group calls `all_reduce` on it
 # equally often, so "first" means the same call on every rank.
-_STARTED: set[int] = set()
+_STARTED: weakref.WeakSet = weakref.WeakSet()
 
 
 def all_reduce(obs: State, group=None) -> State:
@@ -133,13 +135,13 @@ def all_reduce(obs: State, group=None) -> State:
     _check_device(history.device, group)
     n, m = history.numel(), scale.numel()
     tag = _structure_tag((obs.static, tuple(history.shape)))
-    if id(group) not in _STARTED:
+    if group not in _STARTED:
         # The first reduce on a group checks the tag alone: buffers of other sizes (another
         # number of sites, history_len) would abort the collective itself.
         reduced = tag.to(history.device, copy=True)  # (on CPU `.to` would alias `tag`)
         dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=group)
         _check_same_structure(obs, tag, reduced)
-        _STARTED.add(id(group))
+        _STARTED.add(group)
     with torch.no_grad():
         pieces = [observed_only(history).flatten(), scale.detach().flatten()]
         packed = torch.cat([*pieces, tag.to(history.device)])
