@@ -301,7 +301,7 @@ MUTATIONS = [
         "live-identity-only",
         "live-model routing by weight identity only (no `_holder_of` fallback: swapped-in "
         "weights run in high precision)",
-        "_transform/transformed.py",
+        "_transform/routing.py",
         (("return self.transformed._holder_of(weight, transposed)", "return None"),),
     ),
     Mutation(

@@ -534,24 +534,3 @@ _TP_UNDER_FUNC = (
     "without setup_context, which torch.func refuses. Differentiate with fp8fn.value_and_grad, "
     "or fp8fn.observe and loss.backward()."
 )
-_MIXED = "got mixed torch.Tensor and DTensor"
-_NO_SETUP_CONTEXT = "must override the setup_context"
-
-
-def explain_error(error: Exception, module) -> Exception | None:
-    """A clear fp8fn error for what torch raised on a sharded model in `apply`, else None."""
-    message = str(error)
-    if _MIXED in message:
-        return RuntimeError(
-            "fp8fn.apply: expected the model's DTensors to meet only DTensors, got a torch op "
-            f"mixing them with plain tensors ({message.splitlines()[0]}). {_FSDP_HOWTO} "
-            "fp8fn looks at the first entry of `params` to know whether they are DTensors: "
-            "give them all as DTensors, or none."
-        )
-    if (
-        _NO_SETUP_CONTEXT in message
-        and functorch_level() is not None
-        and any(as_dtensor(p) is not None for p in module.parameters())
-    ):
-        return RuntimeError(_TP_UNDER_FUNC)
-    return None

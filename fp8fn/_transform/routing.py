@@ -1,0 +1,166 @@
+"""Routing: the `TorchFunctionMode` that sends a forward pass's linear calls of the chosen
+layers, known by the identity of their weight, to `fp8fn.linear` with their site's state."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from .._core.checks import check_operands
+from .._core.recipes import DelayedScaling, NVFP4Scaling
+from .._core.state import site_name
+from .._ops.linear import fp8_linear
+from .._parallel.dtensor import sharded_linear, sharded_operands
+from .._torch_errors import USE_CHECKPOINT_FN
+from .._torch_private import attention_forward, inside_torch_checkpoint, saved_tensor_hooks_active
+
+_SPLITS = (torch.Tensor.split, torch.Tensor.chunk)
+
+
+def _operands(func, args, kwargs):
+    """`(x, weight, bias, transposed)` of an `F.linear` call or of a `torch.addmm(bias, x,
+    weight)` (HF Conv1D) call; None for another use of addmm."""
+    if func is F.linear:
+        x, weight, *rest = args
+        return x, weight, rest[0] if rest else kwargs.get("bias"), False
+    if len(args) == 3 and not kwargs:
+        bias, x, weight = args
+        return x, weight, bias, True
+    return None
+
+
+class _Call(TorchFunctionMode):
+    """One forward pass of a `Transformed`: routes its layers' linear calls to fp8fn.
+
+    Made per call, so one transform may run in several threads at once. It names each call of
+    a layer (`path`, `path#1`, ...) and hands it its rows of `state`; while discovering
+    (`state` None, for `fn.init`) it records the site names and runs the call as it is.
+
+    Args:
+      transformed: the `Transformed`.
+      tensors: `{name: tensor}` as given to `apply`; a layer whose weight is not in it runs
+        with the module's own (as in `functional_call`).
+      state: the `State`, or None when discovering.
+      counts: calls per layer path so far (a recompute starts from the forward's).
+      recompute: whether this pass is a recompute of a `checkpoint_fn` module.
+    """
+
+    def __init__(self, transformed, tensors, state, counts=None, recompute=False):
+        super().__init__()
+        self.transformed, self.state, self.recompute = transformed, state, recompute
+        self.counts = {} if counts is None else counts
+        self.sites = []
+        # Watch for the model's own torch.utils.checkpoint (see _refuse_torch_checkpoint).
+        self.watching = (
+            state is not None and torch.is_grad_enabled() and not torch.compiler.is_compiling()
+        )
+        self.passive = False
+        self._rows = None
+        # (layer, weight, bias): what each layer runs with
+        self._entries = [(layer, *layer.own(tensors)) for layer in transformed._layers]
+        self._by_weight = None  # {id(weight): entries}; None while compiling (see _layer_of)
+        if not torch.compiler.is_compiling():
+            self._by_weight = {}
+            for entry in self._entries:
+                self._by_weight.setdefault(id(entry[1]), []).append(entry)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.passive:  # a `checkpoint_fn` module's own pass is under way
+            return func(*args, **kwargs)
+        if self.watching and (not torch.is_grad_enabled() or saved_tensor_hooks_active()):
+            self._refuse_torch_checkpoint()
+        if func is F.multi_head_attention_forward:
+            with self:  # its own linear calls come back here (see `attention_forward`)
+                return attention_forward(*args, **kwargs)
+        if func in _SPLITS:  # the packed in_proj weight, split into q, k, v
+            return self._split(func, args, kwargs)
+        if func is F.linear or func is torch.addmm:
+            operands = _operands(func, args, kwargs)
+            if operands is not None:
+                x, weight, bias, transposed = operands
+                layer = self._layer_of(weight, bias, transposed)
+                if layer is not None:
+                    if self.state is None:
+                        self._count(layer)
+                        return func(*args, **kwargs)
+                    return self._linear(layer, x, weight.t() if transposed else weight, bias)
+        if func is torch.Tensor.unflatten and torch.compiler.is_compiling():
+            func = torch.unflatten  # (dynamo cannot trace the method's `super()` call from here)
+        return func(*args, **kwargs)
+
+    def _refuse_torch_checkpoint(self):
+        """Raise if the model runs its own torch.utils.checkpoint (seen as gradients turned
+        off, or saved-tensor hooks, inside a forward that records gradients): its recompute
+        would run after `apply` has returned, with the module's own parameters and without
+        fp8fn. (Only walks the frames in such a stretch: a part run under no_grad on purpose
+        costs a few microseconds per op.)"""
+        if inside_torch_checkpoint(type(self.transformed).apply.__code__):
+            raise RuntimeError(
+                "fp8fn.apply: the model runs torch.utils.checkpoint, whose recompute in the "
+                "backward would run outside fp8fn.apply: with the module's own parameters and "
+                f"without fp8fn's casts, so silently wrong gradients. {USE_CHECKPOINT_FN}"
+            )
+
+    def _split(self, func, args, kwargs):
+        """`weight.split(...)` or `.chunk(...)`: the pieces of a layer's weight are that
+        layer's weights too (nn.MultiheadAttention's packed in_proj, for cross-attention)."""
+        pieces = func(*args, **kwargs)
+        whole = args[0]
+        layer = next(iter(self._given(whole)), (None,))[0]
+        if layer is None and isinstance(whole, nn.Parameter):  # swapped in (FSDP2)
+            layer = self.transformed._holder_of(whole, False)
+        if layer is not None:
+            for piece in pieces:
+                entry = (layer, piece, None)
+                self._entries.append(entry)
+                if self._by_weight is not None:
+                    self._by_weight[id(piece)] = [entry]
+        return pieces
+
+    def _given(self, weight) -> list:
+        """The entries whose weight `weight` is (compiling: compared with `is`, since a dict
+        keyed by `id` would make dynamo guard on the ids)."""
+        if self._by_weight is None:
+            return [e for e in self._entries if e[1] is weight]
+        return self._by_weight.get(id(weight), [])
+
+    def _layer_of(self, weight, bias, transposed):
+        """The layer whose weight `weight` is, or None for any other linear call.
+
+        Layers sharing a weight are told apart by their bias.
+        """
+        matches = [e for e in self._given(weight) if e[0].transposed == transposed]
+        if not matches:
+            return self.transformed._holder_of(weight, transposed)
+        return next((e[0] for e in matches if e[2] is bias), matches[0][0])
+
+    def _count(self, layer) -> str:
+        """The site name of this call of `layer`; counts the call."""
+        k = self.counts.get(layer.path, 0)
+        self.counts[layer.path] = k + 1
+        name = site_name(layer.path, k)
+        self.sites.append(name)
+        return name
+
+    def _linear(self, layer, x, weight, bias):
+        name = self._count(layer)
+        newest = stored = None
+        if isinstance(layer.recipe, DelayedScaling):
+            i = self.state._positions().get(name)
+            if i is None:
+                raise ValueError(
+                    f"fp8fn.apply: layer {layer.path!r} was called more often than in "
+                    f"`fn.init`: site {name!r} is not in `state`. Call `fn.init` with inputs "
+                    "that call it as often."
+                )
+            if self._rows is None:  # split once: the backward gathers all sites in one stack
+                self._rows = (self.state.amax_history[..., 0].unbind(0), self.state.scale.unbind(0))
+            newest, stored = self._rows[0][i], self._rows[1][i]
+        check_operands(f"apply: layer {layer.path!r}", x, weight, bias)
+        if sharded_operands(x, weight):  # functional FSDP, tensor parallel
+            return sharded_linear(self, layer, name, x, weight, bias, newest, stored)
+        random = (self.state.key, name) if isinstance(layer.recipe, NVFP4Scaling) else None
+        return fp8_linear(x, weight, bias, newest, stored, layer.recipe, random=random)
