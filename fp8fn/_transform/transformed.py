@@ -85,6 +85,7 @@ class _Layer:
     transposed: bool  # HF Conv1D: weight stored `(in, out)`, called through torch.addmm
     module: nn.Module = dataclasses.field(repr=False)  # the module holding the weight
     attrs: tuple = ("weight", "bias")  # the weight's and the bias's names on `module`
+    slot: str = ""  # the weight's own name: `<module path>.<attrs[0]>` (not the first when tied)
 
     def held(self):
         """The weight the module holds now (FSDP2 swaps its shard and the unsharded weight)."""
@@ -95,8 +96,11 @@ class _Layer:
         return self.held() is weight
 
     def own(self, tensors: dict):
-        """`(weight, bias)` this layer runs with: from `tensors`, else the module's own."""
-        weight = tensors.get(self.weight)
+        """`(weight, bias)` this layer runs with: from `tensors` (given under the weight's own
+        name, else under its first name), else the module's own."""
+        weight = tensors.get(self.slot)
+        if weight is None:
+            weight = tensors.get(self.weight)
         if weight is None:
             weight = getattr(self.module, self.attrs[0])
         if self.bias is None:
@@ -145,11 +149,30 @@ def _attention_layers(path: str, attention: nn.MultiheadAttention, names: dict):
     return [(f"{prefix}{r}_proj", f"{r}_proj_weight", "in_proj_bias") for r in "qkv"]
 
 
+def _computed_attribute(layer) -> str | None:
+    """Why `layer`'s weight or bias is not a tensor it holds but one made at each call (a
+    parametrization, or a forward pre-hook as in torch.nn.utils.prune, weight_norm and
+    spectral_norm), else None: fp8fn knows a layer's weight by identity, so such a layer
+    cannot be converted."""
+    for attr in ("weight", "bias"):
+        if torch.nn.utils.parametrize.is_parametrized(layer, attr):
+            return f"has a parametrized {attr} (torch.nn.utils.parametrize: made at each use)"
+        if attr in layer._parameters or attr in layer._buffers:
+            continue
+        if isinstance(getattr(layer, attr, None), torch.Tensor):
+            return (
+                f"has a {attr} made by a forward pre-hook at each call (torch.nn.utils.prune, "
+                "weight_norm or spectral_norm)"
+            )
+    return None
+
+
 def _find_layers(module, recipe, filter_fn) -> list[_Layer]:
     """The linear layers that run in float8, in module order: nn.Linear (and subclasses that
     keep its forward), HF Conv1D, and nn.MultiheadAttention's projections (`<path>.in_proj`, or
     `q_proj`/`k_proj`/`v_proj`, and its `out_proj`). Warns when there are none."""
-    names = {id(p): n for n, p in module.named_parameters()}  # tied: the first name
+    named = (*module.named_parameters(), *module.named_buffers())
+    names = {id(t): n for n, t in named}  # tied: the first name (a frozen bias may be a buffer)
     layers = []
 
     def add(name, sub, attrs, transposed):
@@ -158,6 +181,7 @@ def _find_layers(module, recipe, filter_fn) -> list[_Layer]:
         chosen = _recipe_for(recipe, name, sub)
         if chosen is None:
             return
+        module_path = name.rpartition(".")[0] if isinstance(sub, nn.MultiheadAttention) else name
         bias = getattr(sub, attrs[1])
         layers.append(
             _Layer(
@@ -168,6 +192,7 @@ def _find_layers(module, recipe, filter_fn) -> list[_Layer]:
                 transposed=transposed,
                 module=sub,
                 attrs=attrs,
+                slot=f"{module_path}.{attrs[0]}" if module_path else attrs[0],
             )
         )
 
@@ -181,12 +206,12 @@ def _find_layers(module, recipe, filter_fn) -> list[_Layer]:
             continue
         refuse = None
         if type(sub).forward is not base.forward:
-            refuse = f"a {type(sub).__name__}, a {base.__name__} subclass with its own forward"
-        elif torch.nn.utils.parametrize.is_parametrized(sub, "weight"):
-            refuse = "parametrized (torch.nn.utils.parametrize: its weight is made at each use)"
+            refuse = f"is a {type(sub).__name__}, a {base.__name__} subclass with its own forward"
+        else:
+            refuse = _computed_attribute(sub)
         if refuse and (filter_fn is None or filter_fn(name, sub)):
             raise TypeError(
-                f"fp8fn.transform: layer {name!r} is {refuse}, which fp8fn cannot convert "
+                f"fp8fn.transform: layer {name!r} {refuse}, which fp8fn cannot convert "
                 "faithfully. Leave it in high precision with `filter_fn=lambda name, module: "
                 f"name != {name!r}`."
             )
@@ -201,16 +226,40 @@ def _find_layers(module, recipe, filter_fn) -> list[_Layer]:
     return layers
 
 
+_LINEAR_ARGS = ("input", "weight", "bias")  # F.linear(input, weight, bias=None)
+_ADDMM_ARGS = ("input", "mat1", "mat2")  # torch.addmm(input, mat1, mat2, *, beta, alpha, out)
+
+
+def _bind(args, kwargs, names, required, keywords=()) -> dict | None:
+    """`{name: value}` of a call's arguments, each by position or by keyword, or None when the
+    call does not fit (torch then raises its own error, or it is another overload)."""
+    if len(args) > len(names) or kwargs.keys() - {*names, *keywords}:
+        return None
+    bound = dict(zip(names, args))
+    if bound.keys() & kwargs.keys():
+        return None
+    bound.update(kwargs)
+    return bound if all(n in bound for n in required) else None
+
+
 def _operands(func, args, kwargs):
-    """`(x, weight, bias, transposed)` of an `F.linear` call or of a `torch.addmm(bias, x,
-    weight)` (HF Conv1D) call; None for another use of addmm."""
+    """`(x, weight, bias, transposed, options)` of an `F.linear` call (`bias` None when not
+    given), or of `torch.addmm(bias, x, weight)` (HF Conv1D; also as `bias.addmm(x, weight)`),
+    each argument given by position or by keyword; `options` (`{name: shown value}`) the
+    addmm keywords other than their defaults (`beta`, `alpha`, `out`), which fp8fn does not
+    convert. None for a call of another form."""
     if func is F.linear:
-        x, weight, *rest = args
-        return x, weight, rest[0] if rest else kwargs.get("bias"), False
-    if len(args) == 3 and not kwargs:
-        bias, x, weight = args
-        return x, weight, bias, True
-    return None
+        bound = _bind(args, kwargs, _LINEAR_ARGS, _LINEAR_ARGS[:2])
+        if bound is None:
+            return None
+        return bound["input"], bound["weight"], bound.get("bias"), False, {}
+    bound = _bind(args, kwargs, _ADDMM_ARGS, _ADDMM_ARGS, ("beta", "alpha", "out"))
+    if bound is None:
+        return None
+    options = {k: repr(bound[k]) for k in ("beta", "alpha") if bound.get(k, 1) != 1}
+    if bound.get("out") is not None:
+        options["out"] = "a tensor"
+    return bound["mat1"], bound["mat2"], bound["input"], True, options
 
 
 class _Slots:
@@ -221,10 +270,18 @@ class _Slots:
     2.13). So fp8fn swaps with `tie_weights=False` and ties by itself: each tensor is given once,
     under its first name, and copied to the other names that are other slots (another module
     sharing it, as tied weights); names of one slot seen through a shared submodule are dropped.
+
+    A tied weight of a converted layer (`own`: its slot's name) is given to that layer as a
+    view of its own (`weight.view_as(weight)`: the same values, gradients flowing back to the
+    one tensor), so that the identity of the weight a linear call gets tells which layer calls:
+    each tied layer runs with its own site and recipe, and a layer left in high precision is
+    not taken for the converted layer it shares a weight with.
     """
 
-    def __init__(self, module: nn.Module):
+    def __init__(self, module: nn.Module, own=()):
+        self.module = module
         self.first, self.others, seen, slots = {}, {}, {}, set()
+        self.names = []  # one name per slot, in module order
         named = (
             *module.named_parameters(remove_duplicate=False),
             *module.named_buffers(remove_duplicate=False),
@@ -235,36 +292,62 @@ class _Slots:
             slot = (id(module.get_submodule(path)), attr)
             if slot not in slots:
                 slots.add(slot)
+                self.names.append(name)
                 if first != name:
                     self.others.setdefault(first, []).append(name)
         self.aliases = {n for n, f in self.first.items() if n != f}
+        self.parameters = {n for n, _ in module.named_parameters(remove_duplicate=False)}
+        tied = {*self.others, *(n for names in self.others.values() for n in names)}
+        self.own = [n for n in own if n in tied]
 
-    def expand(self, tensors: dict, api: str = "apply", prefix: str = "") -> dict:
-        """`tensors` (`{name: tensor}`) for `functional_call(..., tie_weights=False)`, each name
-        prefixed with `prefix`, in a new dict (`functional_call` writes back into its dict what
-        the module holds at the end, e.g. FSDP2's unsharded root tensors). Raises when a tied
-        tensor is given twice, as different tensors."""
-        if not self.others and not (tensors.keys() & self.aliases) and not prefix:
+    def held(self, name: str):
+        """The tensor the module holds under `name` now."""
+        path, _, attr = name.rpartition(".")
+        sub = self.module.get_submodule(path)
+        held = sub._parameters.get(attr)
+        return sub._buffers.get(attr) if held is None else held
+
+    def expand(self, tensors: dict, api: str = "apply") -> dict:
+        """`tensors` (`{name: tensor}`) for `functional_call(..., tie_weights=False)`, in a new
+        dict (`functional_call` writes back into its dict what the module holds at the end,
+        e.g. FSDP2's unsharded root tensors), the `own` slots given their views. Raises when a
+        tied tensor is given twice, as different tensors."""
+        if not self.others and not (tensors.keys() & self.aliases):
             return dict(tensors)
         out = {}
         for name, t in tensors.items():
             first = self.first.get(name, name)
-            if out.setdefault(prefix + first, t) is not t:
+            if out.setdefault(first, t) is not t:
                 raise ValueError(
                     f"fp8fn.{api}: `params` gives the tied tensor {first!r} twice, as {name!r} "
                     "too, with another tensor. Give each tied parameter once: "
                     "dict(model.named_parameters())."
                 )
         for first, names in self.others.items():
-            t = out.get(prefix + first)
+            t = out.get(first)
             if t is not None:
-                out.update((prefix + n, t) for n in names)
+                out.update((n, t) for n in names)
+        for name in self.own:
+            t = out.get(name)
+            t = self.held(self.first[name]) if t is None else t
+            out[name] = t.view_as(t)
         return out
 
+    def current(self) -> tuple[dict, dict, dict]:
+        """What the module holds now: `(parameters, buffers, layout)`, each distinct tensor
+        once, under the first slot holding it, and `layout` `{slot name: that name}`."""
+        layout, tensors, seen = {}, {}, {}
+        for name in self.names:
+            t = self.held(name)
+            if t is not None:
+                layout[name] = first = seen.setdefault(id(t), name)
+                tensors.setdefault(first, t)
+        params = {n: t for n, t in tensors.items() if n in self.parameters}
+        return params, {n: t for n, t in tensors.items() if n not in params}, layout
 
-def _functional_call(module, slots: _Slots, tensors: dict, args, kwargs, prefix=""):
-    """`module(*args, **kwargs)` with `tensors` swapped in for the call (see `_Slots`)."""
-    tensors = slots.expand(tensors, prefix=prefix)
+
+def _functional_call(module, tensors: dict, args, kwargs):
+    """`module(*args, **kwargs)` with `tensors` (from `_Slots.expand`) swapped in for the call."""
     return torch.func.functional_call(
         module, tensors, args, kwargs, tie_weights=False, strict=False
     )
@@ -316,12 +399,21 @@ class _Call(TorchFunctionMode):
                 return attention_forward(*args, **kwargs)
         if func in _SPLITS:  # the packed in_proj weight, split into q, k, v
             return self._split(func, args, kwargs)
-        if func is F.linear or func is torch.addmm:
+        if func is F.linear or func is torch.addmm or func is torch.Tensor.addmm:
             operands = _operands(func, args, kwargs)
             if operands is not None:
-                x, weight, bias, transposed = operands
+                x, weight, bias, transposed, options = operands
                 layer = self._layer_of(weight, bias, transposed)
                 if layer is not None:
+                    if options:
+                        api = "init" if self.state is None else "apply"
+                        raise ValueError(
+                            f"fp8fn.{api}: layer {layer.path!r} calls torch.addmm with "
+                            f"{', '.join(f'{k}={v}' for k, v in options.items())}, which "
+                            "fp8fn does not convert (it runs `bias + x @ weight`). Leave the "
+                            "layer in high precision with `filter_fn=lambda name, module: "
+                            f"name != {layer.path!r}`."
+                        )
                     if self.state is None:
                         self._count(layer)
                         return func(*args, **kwargs)
@@ -406,14 +498,16 @@ class _Call(TorchFunctionMode):
 
     def checkpoint(self, module, path, forward, args, kwargs):
         """`forward(*args, **kwargs)` of the `checkpoint_fn` module `module`, recomputed in the
-        backward with the tensors it has now, from this pass's call counts."""
+        backward with the tensors it holds now (each tied layer's own view included), from
+        this pass's call counts."""
         prefix = path + "." if path else ""
-        params, buffers = dict(module.named_parameters()), dict(module.named_buffers())
+        params, buffers, layout = self.transformed._block_slots[id(module)].current()
         start, end = dict(self.counts), {}
-        shim, slots = _Shim(module, forward), self.transformed._block_slots[id(module)]
+        shim = _Shim(module, forward)
 
         def run(buffers, params, state, args, kwargs):
-            tensors = {**buffers, **params}
+            given = {**buffers, **params}
+            tensors = {name: given[first] for name, first in layout.items()}
             inner = _Call(
                 self.transformed,
                 {prefix + n: t for n, t in tensors.items()},
@@ -422,7 +516,8 @@ class _Call(TorchFunctionMode):
                 recompute=True,
             )
             with self.transformed._exclusive(), inner, _activated(inner):
-                out = _functional_call(shim, slots, tensors, args, kwargs, prefix="m.")
+                shim_tensors = {"m." + n: t for n, t in tensors.items()}
+                out = _functional_call(shim, shim_tensors, args, kwargs)
             end.update(inner.counts)
             return out
 
@@ -513,6 +608,39 @@ def _checkpoint_forwards(modules):
                         m.__dict__["forward"] = entry[1]
 
 
+def _inside(name: str, path: str) -> bool:
+    """Whether the tensor `name` belongs to the submodule at `path` ("" is the root)."""
+    return not path or name.startswith(path + ".")
+
+
+def _structure(module, managed) -> list:
+    """`[(submodule, its children, its parameters' (name, tensor))]`, by identity, less the
+    slots FSDP2 manages (`managed`: `{(id(submodule), name)}`; FSDP2 swaps them at each
+    forward): what `_read_module` read the module's layers, ties and slots from."""
+    return [
+        (
+            m,
+            tuple(m._modules.values()),
+            len(m._parameters),
+            tuple((a, p) for a, p in m._parameters.items() if (id(m), a) not in managed),
+        )
+        for m in module.modules()
+    ]
+
+
+def _unchanged(structure) -> bool:
+    """Whether every submodule of `structure` (from `_structure`) still holds the same children
+    and parameters (compared by identity: a few microseconds per submodule)."""
+    for m, children, n_params, params in structure:
+        now = m._modules
+        if len(now) != len(children) or any(a is not b for a, b in zip(now.values(), children)):
+            return False
+        now = m._parameters
+        if len(now) != n_params or any(now.get(a) is not p for a, p in params):
+            return False
+    return True
+
+
 _LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _LOCKS_LOCK = threading.Lock()
 
@@ -553,21 +681,44 @@ class Transformed:
             )
         refuse_ddp_inner_module(module)
         self.module = module
+        self._choices = (recipe, filter_fn, checkpoint_fn)
+        self._read_module()
+
+    def _read_module(self):
+        """Read what `apply` needs from the module: its layers and their recipes, its slots and
+        ties, the submodules `checkpoint_fn` chooses, FSDP2's. Done by `transform`, and again
+        by `apply` when the module's structure changed since (`_structure`: a submodule
+        replaced, a parameter reassigned or tied), so that a transform made before such a
+        change runs as one made after it."""
+        module, (recipe, filter_fn, checkpoint_fn) = self.module, self._choices
         self._ddp_param = ddp_parameter(module)  # (name, parameter) of a DDP model, else None
         self._layers = _find_layers(module, recipe, filter_fn)
         self.recipes = {layer.path: layer.recipe for layer in self._layers}
         self.layers = list(self.recipes)
         self._delayed = self._delayed_recipe()
         self._stateful = [p for p, r in self.recipes.items() if isinstance(r, DelayedScaling)]
-        self._slots = _Slots(module)
+        self._fsdp_slots = self._fsdp_managed()  # {name: (module, attr, shard)} under FSDP2
+        own = [m.slot for m in self._layers if m.slot not in self._fsdp_slots]
+        self._slots = _Slots(module, own)
         self._held = {}  # {id(weight): (weakref, layer)}: weights swapped into layers (FSDP2)
         self.checkpointed = self._checkpoint_modules(checkpoint_fn)
         self._checkpointed_ids = {id(module.get_submodule(p)): p for p in self.checkpointed}
         self._checkpointed_modules = [module.get_submodule(p) for p in self.checkpointed]
-        self._block_slots = {id(m): _Slots(m) for m in self._checkpointed_modules}
+        self._block_slots = {
+            id(m): _Slots(m, [n[len(p) + 1 :] if p else n for n in own if _inside(n, p)])
+            for p, m in zip(self.checkpointed, self._checkpointed_modules)
+        }
         self._known_sites = None  # the `state.sites` last checked by `apply`
-        self._fsdp_slots = self._fsdp_managed()  # {name: (module, attr, shard)} under FSDP2
         self._gathered = self._float8_gathered_layers()  # float8_all_gather's, under FSDP2
+        managed = {(id(m), attr) for m, attr, _ in self._fsdp_slots.values()}
+        self._structure = _structure(module, managed)
+
+    def _reread_if_changed(self):
+        """`_read_module` again when the module's structure changed since it last ran."""
+        if not torch.compiler.is_compiling() and not _unchanged(self._structure):
+            with self._exclusive():
+                if not _unchanged(self._structure):
+                    self._read_module()
 
     def _fsdp_managed(self) -> dict:
         """`{name: (submodule, attribute, sharded parameter)}` of the parameters FSDP2 manages.
@@ -721,6 +872,7 @@ class Transformed:
           layer uses NVFP4Scaling (else `state.key` is None).
         """
         seed_key(seed)  # checks the seed before the model runs
+        self._reread_if_changed()
         calls = {}
         for name in self._discover(args, kwargs):
             path, k = parse_site(name)
@@ -759,6 +911,8 @@ class Transformed:
             try:
                 sites = self._run_discovery({}, (args, kwargs))
             except Exception as e:
+                if str(e).startswith("fp8fn."):  # fp8fn refuses a call of the model's
+                    raise
                 raise RuntimeError(
                     f"fp8fn.init: the model raised on the example inputs ({type(e).__name__}: "
                     f"{e}). Call fn.init with inputs the model accepts."
@@ -769,11 +923,12 @@ class Transformed:
 
     def _run_discovery(self, tensors, args_kwargs) -> list[str]:
         args, kwargs = args_kwargs
+        tensors = self._slots.expand(tensors, "init")
         call = _Call(self, tensors, None)
         token = SCALES.set(ScalesForCall(None)) if self._gathered else None
         try:
             with torch.no_grad(), self._exclusive(), call:
-                _functional_call(self.module, self._slots, tensors, args, kwargs)
+                _functional_call(self.module, tensors, args, kwargs)
         finally:
             if token is not None:
                 SCALES.reset(token)
@@ -809,15 +964,15 @@ class Transformed:
           RuntimeError: when `state` already took part in another `apply` of the gradient being
             recorded: autograd would sum the two calls' observations, fp8fn combines by max.
         """
+        self._reread_if_changed()  # a layer replaced, weights tied, fully_shard: since transform
         self._check(params, state)
         claim(state.amax_history, "apply", "state")
-        if not self._fsdp_slots and is_fsdp_module(self.module):  # fully_shard after transform
-            self._fsdp_slots = self._fsdp_managed()
         if self._fsdp_slots:
             params = self._without_fsdp_params(params)
         tensors = params
         if params and sharded_operands(next(iter(params.values()))):  # the first tells
             tensors = gather_params(self, params)
+        tensors = self._slots.expand(tensors)
         call = _Call(self, tensors, state)
         token = SCALES.set(self._weight_scales(state)) if self._gathered else None
         try:
@@ -825,9 +980,9 @@ class Transformed:
                 refuse_compile()
                 with self._exclusive(), call, _activated(call):
                     with _checkpoint_forwards(self._checkpointed_modules):
-                        return _functional_call(self.module, self._slots, tensors, args, kwargs)
+                        return _functional_call(self.module, tensors, args, kwargs)
             with self._exclusive(), call:
-                return _functional_call(self.module, self._slots, tensors, args, kwargs)
+                return _functional_call(self.module, tensors, args, kwargs)
         except TypeError as e:
             bad = {n: type(v).__name__ for n, v in params.items() if not torch.is_tensor(v)}
             if bad:
