@@ -608,6 +608,21 @@ def _checkpoint_forwards(modules):
                         m.__dict__["forward"] = entry[1]
 
 
+@torch.compiler.assume_constant_result
+def _reread_if_changed(transformed) -> bool:
+    """`transformed._read_module()` when its module's structure changed since it last ran.
+
+    Run as it is, in eager; while torch.compile traces `apply`, run at trace time only (its
+    result a constant): a change that makes dynamo trace again (it guards on the submodules
+    and parameters a forward reads) is re-read then.
+    """
+    if not _unchanged(transformed._structure):
+        with transformed._exclusive():
+            if not _unchanged(transformed._structure):
+                transformed._read_module()
+    return True
+
+
 def _inside(name: str, path: str) -> bool:
     """Whether the tensor `name` belongs to the submodule at `path` ("" is the root)."""
     return not path or name.startswith(path + ".")
@@ -715,10 +730,7 @@ class Transformed:
 
     def _reread_if_changed(self):
         """`_read_module` again when the module's structure changed since it last ran."""
-        if not torch.compiler.is_compiling() and not _unchanged(self._structure):
-            with self._exclusive():
-                if not _unchanged(self._structure):
-                    self._read_module()
+        _reread_if_changed(self)
 
     def _fsdp_managed(self) -> dict:
         """`{name: (submodule, attribute, sharded parameter)}` of the parameters FSDP2 manages.
