@@ -14,6 +14,7 @@ import types
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
+import torch.utils.hooks
 
 _functorch = torch._C._functorch
 
@@ -93,6 +94,34 @@ def inside_torch_checkpoint(stop_at) -> bool:
         if frame.f_code is _TORCH_CHECKPOINT:
             return True
         frame = frame.f_back
+    return False
+
+
+def recomputing_in_torch_checkpoint() -> bool:
+    """Whether the caller runs in the recompute of a non-reentrant `torch.utils.checkpoint`:
+    the backward unpacking a saved tensor reruns the checkpointed function (from the
+    checkpoint's `unpack_hook`). Walks every frame: for an error path."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "unpack_hook" and code.co_filename == _TORCH_CHECKPOINT.co_filename:
+            return True
+        frame = frame.f_back
+    return False
+
+
+_BACKWARD_HOOKS_FILE = inspect.getsourcefile(torch.utils.hooks.BackwardHook)
+
+
+def raised_by_backward_hook(error: BaseException) -> bool:
+    """Whether `error` was raised while torch set up a module's full backward hook
+    (`register_full_backward_hook` or `_pre_hook`: `torch.utils.hooks.BackwardHook`, an
+    autograd.Function without setup_context, which torch.func refuses)."""
+    tb = error.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == _BACKWARD_HOOKS_FILE:
+            return True
+        tb = tb.tb_next
     return False
 
 

@@ -54,6 +54,8 @@ from .._parallel.wrappers import (
 from .._torch_private import (
     attention_forward,
     inside_torch_checkpoint,
+    raised_by_backward_hook,
+    recomputing_in_torch_checkpoint,
     saved_tensor_hooks_active,
 )
 from .checkpoint import checkpoint_with_constants, refuse_compile
@@ -978,7 +980,13 @@ class Transformed:
         """
         self._reread_if_changed()  # a layer replaced, weights tied, fully_shard: since transform
         self._check(params, state)
-        claim(state.amax_history, "apply", "state")
+        try:
+            claim(state.amax_history, "apply", "state")
+        except RuntimeError:
+            # torch.utils.checkpoint around apply: its recompute reruns the forward whose
+            # observations are recorded (bit for bit), and observes nothing a second time.
+            if not recomputing_in_torch_checkpoint():
+                raise
         if self._fsdp_slots:
             params = self._without_fsdp_params(params)
         tensors = params
@@ -1005,6 +1013,19 @@ class Transformed:
             if sharded is not None:
                 raise sharded from e
             message = str(e)
+            if raised_by_backward_hook(e):
+                hooked = [
+                    repr(n)
+                    for n, m in self.module.named_modules()
+                    if m._backward_hooks or m._backward_pre_hooks
+                ]
+                raise RuntimeError(
+                    "fp8fn.apply: expected no full backward hooks under a torch.func transform, "
+                    f"got one (on the modules {', '.join(hooked) or 'of a global hook'}): "
+                    "torch runs them as an autograd.Function that torch.func refuses. "
+                    "Differentiate with plain autograd (fp8fn.value_and_grad, or fp8fn.observe "
+                    "and loss.backward()), or remove the hook."
+                ) from e
             if any(m in message for m in _TORCH_CHECKPOINT_UNDER_FUNC):
                 raise RuntimeError(
                     "fp8fn.apply: the model calls torch.utils.checkpoint, which does not work "
