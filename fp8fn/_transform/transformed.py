@@ -37,7 +37,12 @@ from .._core.state import (
 from .._ops.linear import fp8_linear
 from .._ops.nvfp4 import initial_key, seed_key
 from .._parallel.dtensor import explain_error as explain_sharded_error
-from .._parallel.dtensor import gather_params, sharded_linear, sharded_operands
+from .._parallel.dtensor import (
+    gather_params,
+    gathered_for_split,
+    sharded_linear,
+    sharded_operands,
+)
 from .._parallel.fsdp_gather import (
     SCALES,
     Float8GatheredWeight,
@@ -385,10 +390,13 @@ class _Call(TorchFunctionMode):
         # (layer, weight, bias): what each layer runs with
         self._entries = [(layer, *layer.own(tensors)) for layer in transformed._layers]
         self._by_weight = None  # {id(weight): entries}; None while compiling (see _layer_of)
+        self._held_before = {}  # {id(layer): the weight it held before the call}, if sharded
         if not torch.compiler.is_compiling():
             self._by_weight = {}
             for entry in self._entries:
                 self._by_weight.setdefault(id(entry[1]), []).append(entry)
+                if sharded_operands(entry[1]):
+                    self._held_before[id(entry[0])] = entry[0].held()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -440,11 +448,14 @@ class _Call(TorchFunctionMode):
     def _split(self, func, args, kwargs):
         """`weight.split(...)` or `.chunk(...)`: the pieces of a layer's weight are that
         layer's weights too (nn.MultiheadAttention's packed in_proj, for cross-attention)."""
-        pieces = func(*args, **kwargs)
         whole = args[0]
         layer = next(iter(self._given(whole)), (None,))[0]
         if layer is None and isinstance(whole, nn.Parameter):  # swapped in (FSDP2)
             layer = self.transformed._holder_of(whole, False)
+        if layer is not None:
+            held = self._held_before.get(id(layer))
+            args = (gathered_for_split(whole, held), *args[1:])
+        pieces = func(*args, **kwargs)
         if layer is not None:
             for piece in pieces:
                 entry = (layer, piece, None)
