@@ -7,6 +7,7 @@ changes one fails loudly there instead of somewhere deep in the op.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import sys
 import types
@@ -69,6 +70,30 @@ def differentiated_by_transform(t: torch.Tensor) -> bool:
 def function_modes() -> list:
     """The `TorchFunctionMode`s in effect, outermost first."""
     return torch.overrides._get_current_function_mode_stack()
+
+
+@contextlib.contextmanager
+def innermost_function_mode(mode):
+    """Enter the TorchFunctionMode `mode` below those already in effect (the user's own): they
+    see each call first and pass it on to `mode`. As `with mode:` while torch.compile traces.
+    """
+    if torch.compiler.is_compiling() or not torch.overrides._is_torch_function_mode_enabled():
+        with mode:
+            yield
+        return
+    outer = [torch.overrides._pop_mode() for _ in function_modes()]  # innermost first
+    try:
+        with mode:
+            for m in reversed(outer):
+                torch.overrides._push_mode(m)
+            try:
+                yield
+            finally:
+                for _ in outer:
+                    torch.overrides._pop_mode()
+    finally:
+        for m in reversed(outer):
+            torch.overrides._push_mode(m)
 
 
 def saved_tensor_hooks_active() -> bool:

@@ -58,6 +58,7 @@ from .._parallel.wrappers import (
 )
 from .._torch_private import (
     attention_forward,
+    innermost_function_mode,
     inside_torch_checkpoint,
     raised_by_backward_hook,
     recomputing_in_torch_checkpoint,
@@ -1009,10 +1010,10 @@ class Transformed:
         try:
             if self._checkpointed_modules:
                 refuse_compile()
-                with self._exclusive(), call, _activated(call):
+                with self._exclusive(), innermost_function_mode(call), _activated(call):
                     with _checkpoint_forwards(self._checkpointed_modules):
                         return _functional_call(self.module, tensors, args, kwargs)
-            with self._exclusive(), call:
+            with self._exclusive(), innermost_function_mode(call):
                 return _functional_call(self.module, tensors, args, kwargs)
         except TypeError as e:
             bad = {n: type(v).__name__ for n, v in params.items() if not torch.is_tensor(v)}
