@@ -229,7 +229,7 @@ def _find_layers(module, recipe, filter_fn) -> list[_Layer]:
             "fp8fn.transform: no layer was converted to float8, so the model runs entirely in "
             "high precision. fp8fn converts nn.Linear, HF Conv1D and nn.MultiheadAttention's "
             "projections, chosen by `filter_fn` and given a recipe.",
-            stacklevel=3,
+            stacklevel=4,
         )
     return layers
 

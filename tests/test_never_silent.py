@@ -1,0 +1,566 @@
+"""Never silently wrong: tied layers, changes after `transform`, computed weights, the forms of
+a linear call, the module used around `apply`, and errors that name the real cause.
+
+Each case was silently wrong (or raised a misleading error) in fp8fn 0.3. Each test compares
+`apply` with `fp8fn.linear` on the same operands (the primitive, tested against a float64
+reference in test_reference.py), or with a transform made after the change, bit for bit.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint
+from _helpers import assert_bit_identical
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+import fp8fn
+
+DELAYED = fp8fn.DelayedScaling(history_len=4)
+CURRENT = fp8fn.CurrentScaling()
+
+
+def _grads(f, *args):
+    """`torch.func.grad_and_value(f, argnums=(0, 1))(*args)`: ((param grads, obs), value)."""
+    return torch.func.grad_and_value(f, argnums=(0, 1))(*args)
+
+
+def _warm(fn, params, x):
+    """A state of `fn` updated once on `x` (so every scale is a stored one, not current)."""
+    state = fn.init(x)
+    obs = torch.func.grad(lambda p, s: fn.apply(p, s, x).square().sum(), argnums=1)(params, state)
+    return fp8fn.update(state, obs)
+
+
+# -- tied layers: each runs with its own site and recipe ----------------------------------------
+
+
+class _TiedPair(nn.Module):
+    """`b(relu(a(x)))` with `b.weight is a.weight`, no biases (nothing else tells them apart)."""
+
+    def __init__(self, d: int = 16):
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            self.a = nn.Linear(d, d, bias=False)
+            self.b = nn.Linear(d, d, bias=False)
+        self.b.weight = self.a.weight
+
+    def forward(self, x):
+        return self.b(F.relu(self.a(x)))
+
+
+def _tied_reference(recipe_b):
+    """`fp8fn.linear` by hand: `a` delayed at site `a`, `b` with `recipe_b` (None: high
+    precision; delayed: site `b`)."""
+
+    def f(params, state, x):
+        w = params["a.weight"]
+        h = F.relu(fp8fn.linear(x, w, None, state["a"], DELAYED))
+        if recipe_b is None:
+            return F.linear(h, w)
+        site = state["b"] if isinstance(recipe_b, fp8fn.DelayedScaling) else None
+        return fp8fn.linear(h, w, None, site, recipe_b)
+
+    return f
+
+
+@pytest.mark.parametrize(
+    "how",
+    ["filter_fn leaves b out", "recipe None for b", "recipe Current for b", "both delayed"],
+)
+def test_a_tied_layer_runs_with_its_own_choice(how):
+    model = _TiedPair()
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    recipe_b = {"recipe Current for b": CURRENT, "both delayed": DELAYED}.get(how)
+    if how == "filter_fn leaves b out":
+        fn = fp8fn.transform(model, DELAYED, filter_fn=lambda name, m: name == "a")
+    else:
+        fn = fp8fn.transform(model, lambda name, m: DELAYED if name == "a" else recipe_b)
+    params = dict(model.named_parameters())
+    state = _warm(fn, params, x)
+    sites = ["a", "b"] if recipe_b is DELAYED else ["a"]  # never `a#1`: b is not a's call
+    assert list(state) == sites
+    want_state = fp8fn.init_state(DELAYED, sites)._replace(
+        amax_history=state.amax_history, scale=state.scale
+    )
+    ref = _tied_reference(recipe_b)
+
+    def loss(f):
+        return lambda p, s: f(p, s, x).square().sum()
+
+    got = _grads(loss(fn.apply), params, state)
+    want = _grads(loss(ref), params, want_state)
+    assert_bit_identical(got[1], want[1])
+    assert_bit_identical(got[0][0], want[0][0])
+    assert torch.equal(got[0][1].amax_history, want[0][1].amax_history)
+
+
+def test_a_head_tied_to_a_converted_layer_kept_in_high_precision_is():
+    """The README's advice (the head in high precision) for a head tied to a converted layer;
+    and a raw `F.linear` on the tied tensor outside the layers is not converted either."""
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(2)
+                self.proj = nn.Linear(16, 16, bias=False)
+                self.head = nn.Linear(16, 16, bias=False)
+            self.head.weight = self.proj.weight
+
+        def forward(self, x):
+            h = torch.tanh(self.proj(x))
+            return self.head(h) + F.linear(h, self.head.weight)  # the head, and by hand
+
+    model = Model()
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(3))
+    fn = fp8fn.transform(model, DELAYED, filter_fn=lambda name, m: name != "head")
+    params = dict(model.named_parameters())
+    state = _warm(fn, params, x)
+    w = params["proj.weight"]
+    h = torch.tanh(fp8fn.linear(x, w, None, state["proj"], DELAYED))
+    assert_bit_identical(fn.apply(params, state, x), F.linear(h, w) + F.linear(h, w))
+
+
+# -- changes after transform --------------------------------------------------------------------
+
+
+def _mlp(seed=0):
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+
+
+def test_a_layer_replaced_after_transform_runs_in_fp8_with_frozen_params_left_out():
+    model = _mlp()
+    fn = fp8fn.transform(model, DELAYED)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    state = _warm(fn, dict(model.named_parameters()), x)
+    model[2] = _mlp(1)[2]  # replaced: the new layer must run in fp8 too
+    trainable = {k: v for k, v in model.named_parameters() if k.startswith("0.")}
+
+    def loss(f):
+        return lambda p, s: f(p, s, x).square().sum()
+
+    got = _grads(loss(fn.apply), trainable, state)
+    assert_bit_identical(got, _grads(loss(fp8fn.transform(model, DELAYED).apply), trainable, state))
+    hidden = F.relu(fp8fn.linear(x, model[0].weight, model[0].bias, state["0"], DELAYED))
+    want = fp8fn.linear(hidden, model[2].weight, model[2].bias, state["2"], DELAYED)
+    assert_bit_identical(fn.apply(trainable, state, x), want)
+
+
+class _EmbedHead(nn.Module):
+    """`head(relu(mid(emb(ids))))`; the head is tied to the embedding only after transform."""
+
+    def __init__(self):
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(4)
+            self.emb = nn.Embedding(16, 16)
+            self.mid = nn.Linear(16, 16)
+            self.head = nn.Linear(16, 16, bias=False)
+
+    def forward(self, ids):
+        return self.head(F.relu(self.mid(self.emb(ids))))
+
+
+def test_weights_tied_after_transform_get_both_gradients_under_torch_func():
+    model = _EmbedHead()
+    ids = torch.randint(0, 16, (8,), generator=torch.Generator().manual_seed(5))
+    fn = fp8fn.transform(model, DELAYED)
+    state = _warm(fn, dict(model.named_parameters()), ids)
+    model.head.weight = model.emb.weight  # what HF's tie_weights does
+    params = dict(model.named_parameters())
+    assert "head.weight" not in params
+
+    def ref(p, s):
+        e = p["emb.weight"]
+        h = F.relu(
+            fp8fn.linear(F.embedding(ids, e), p["mid.weight"], p["mid.bias"], s["mid"], DELAYED)
+        )
+        return fp8fn.linear(h, e, None, s["head"], DELAYED).square().sum()
+
+    got = _grads(lambda p, s: fn.apply(p, s, ids).square().sum(), params, state)
+    assert_bit_identical(got, _grads(ref, params, state))
+
+
+def test_a_change_that_removes_a_site_is_refused_clearly():
+    model = _mlp()
+    fn = fp8fn.transform(model, DELAYED)
+    x = torch.randn(8, 16)
+    state = fn.init(x)
+    model[2] = nn.Identity()
+    model[1] = nn.Linear(32, 16)
+    with pytest.raises(
+        ValueError,
+        match=r"fp8fn\.apply: `state` does not belong.*missing sites \['1'\], unknown sites "
+        r"\['2'\]",
+    ):
+        fn.apply(dict(model.named_parameters()), state, x)
+    assert fn.layers == ["0", "1"]  # re-read: as a transform made now
+
+
+@pytest.mark.slow  # torch.compile
+def test_a_compiled_apply_follows_a_replaced_layer_and_a_tie():
+    model = _mlp()
+    fn = fp8fn.transform(model, DELAYED)
+    compiled = torch.compile(fn.apply, fullgraph=True)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    state = _warm(fn, dict(model.named_parameters()), x)
+    trainable = {k: v for k, v in model.named_parameters() if k.startswith("0.")}
+    compiled(trainable, state, x)
+    model[2] = _mlp(1)[2]
+    fresh = torch.compile(fp8fn.transform(model, DELAYED).apply, fullgraph=True)
+    assert_bit_identical(compiled(trainable, state, x), fresh(trainable, state, x))
+
+    tied = _EmbedHead()
+    ids = torch.randint(0, 16, (8,), generator=torch.Generator().manual_seed(5))
+    fn = fp8fn.transform(tied, DELAYED)
+    compiled = torch.compile(fn.apply, fullgraph=True)
+    state = _warm(fn, dict(tied.named_parameters()), ids)
+    compiled(dict(tied.named_parameters()), state, ids)
+    tied.head.weight = tied.emb.weight
+    fresh = torch.compile(fp8fn.transform(tied, DELAYED).apply, fullgraph=True)
+
+    def grads(apply):
+        params = {k: v.detach().requires_grad_() for k, v in tied.named_parameters()}
+        observed = fp8fn.observe(state)
+        apply(params, observed, ids).square().sum().backward()
+        return {k: v.grad for k, v in params.items()}, fp8fn.observations(observed)
+
+    assert_bit_identical(grads(compiled), grads(fresh))
+
+
+# -- weights made at each call ------------------------------------------------------------------
+
+
+class _Double(nn.Module):
+    def forward(self, t):
+        return t * 2
+
+
+def _pruned(attr):
+    import torch.nn.utils.prune as prune
+
+    return lambda m: prune.l1_unstructured(m, attr, amount=0.3)
+
+
+COMPUTED = {
+    "prune weight": _pruned("weight"),
+    "prune bias": _pruned("bias"),
+    "weight_norm (hooks)": lambda m: torch.nn.utils.weight_norm(m),
+    "spectral_norm (hooks)": lambda m: torch.nn.utils.spectral_norm(m),
+    "parametrized weight": lambda m: torch.nn.utils.parametrizations.weight_norm(m),
+    "parametrized bias": lambda m: torch.nn.utils.parametrize.register_parametrization(
+        m, "bias", _Double()
+    ),
+}
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # the legacy weight_norm
+@pytest.mark.parametrize("make", list(COMPUTED))
+def test_a_weight_made_at_each_call_is_refused_naming_filter_fn(make):
+    model = _mlp().eval()  # (spectral_norm's power iteration runs in train mode only)
+    COMPUTED[make](model[0])
+    attr = "bias" if "bias" in make else "weight"
+    with pytest.raises(
+        TypeError,
+        match=rf"fp8fn\.transform: layer '0' has a (parametrized )?{attr}.*"
+        r"`filter_fn=lambda name, module: name != '0'`",
+    ):
+        fp8fn.transform(model, DELAYED)
+    fn = fp8fn.transform(model, DELAYED, filter_fn=lambda name, module: name != "0")
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    params = dict(model.named_parameters())
+    state = _warm(fn, params, x)
+    with torch.no_grad():
+        hidden = F.relu(model[0](x))  # as the module computes its weight
+    want = fp8fn.linear(hidden, params["2.weight"], params["2.bias"], state["2"], DELAYED)
+    with torch.no_grad():
+        assert_bit_identical(fn.apply(params, state, x), want)
+
+
+def test_pruning_after_transform_is_refused_at_apply():
+    model = _mlp()
+    fn = fp8fn.transform(model, DELAYED)
+    x = torch.randn(8, 16)
+    state = fn.init(x)
+    _pruned("weight")(model[2])
+    with pytest.raises(TypeError, match=r"layer '2' has a weight made by a forward pre-hook"):
+        fn.apply(dict(model.named_parameters()), state, x)
+
+
+# -- every form of a linear call ----------------------------------------------------------------
+
+
+class _Calls(nn.Module):
+    """`fc`'s weight and bias used through `call(fc, x)`, then `out`."""
+
+    def __init__(self, call):
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(6)
+            self.fc, self.out = nn.Linear(16, 32), nn.Linear(32, 8)
+        self.call = call
+
+    def forward(self, x):
+        return self.out(F.relu(self.call(self.fc, x)))
+
+
+LINEAR_CALLS = {
+    "F.linear(x, weight=, bias=)": lambda fc, x: F.linear(x, weight=fc.weight, bias=fc.bias),
+    "F.linear(input=, weight=, bias=)": lambda fc, x: F.linear(
+        input=x, weight=fc.weight, bias=fc.bias
+    ),
+    "F.linear(x, w, bias=)": lambda fc, x: F.linear(x, fc.weight, bias=fc.bias),
+    "F.linear(weight=, input=, bias=)": lambda fc, x: F.linear(
+        weight=fc.weight, input=x, bias=fc.bias
+    ),
+}
+
+
+@pytest.mark.parametrize("form", list(LINEAR_CALLS))
+def test_f_linear_by_keyword_runs_in_fp8_with_its_bias(form):
+    model = _Calls(LINEAR_CALLS[form])
+    fn = fp8fn.transform(model, DELAYED)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    params = dict(model.named_parameters())
+    state = _warm(fn, params, x)
+    assert list(state) == ["fc", "out"]
+
+    def ref(p, s):
+        h = F.relu(fp8fn.linear(x, p["fc.weight"], p["fc.bias"], s["fc"], DELAYED))
+        return fp8fn.linear(h, p["out.weight"], p["out.bias"], s["out"], DELAYED).square().sum()
+
+    got = _grads(lambda p, s: fn.apply(p, s, x).square().sum(), params, state)
+    assert_bit_identical(got, _grads(ref, params, state))
+
+
+def _conv1d(nx, nf):
+    transformers = pytest.importorskip("transformers")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(7)
+        layer = transformers.pytorch_utils.Conv1D(nf, nx)
+        layer.bias.data.normal_()
+    return layer
+
+
+ADDMM_CALLS = {
+    "module": lambda c, x: c(x),
+    "torch.addmm by keyword": lambda c, x: torch.addmm(input=c.bias, mat1=x, mat2=c.weight),
+    "torch.addmm(b, mat1=, mat2=)": lambda c, x: torch.addmm(c.bias, mat1=x, mat2=c.weight),
+    "beta=1, alpha=1": lambda c, x: torch.addmm(c.bias, x, c.weight, beta=1, alpha=1),
+    "bias.addmm(x, w)": lambda c, x: c.bias.addmm(x, c.weight),
+}
+
+
+@pytest.mark.parametrize("form", list(ADDMM_CALLS))
+def test_addmm_of_a_conv1d_weight_in_every_form_runs_in_fp8(form):
+    model = nn.Module()
+    model.c = _conv1d(16, 8)
+    model.forward = lambda x: ADDMM_CALLS[form](model.c, x)
+    fn = fp8fn.transform(model, DELAYED)
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
+    params = dict(model.named_parameters())
+    state = _warm(fn, params, x)
+    want = fp8fn.linear(x, params["c.weight"].t(), params["c.bias"], state["c"], DELAYED)
+    assert_bit_identical(fn.apply(params, state, x), want)
+
+
+@pytest.mark.parametrize(
+    "options, shown",
+    [({"beta": 0.5}, "beta=0.5"), ({"alpha": 2}, "alpha=2"), ({"beta": 0}, "beta=0")],
+)
+def test_addmm_with_beta_or_alpha_on_a_layer_weight_is_refused(options, shown):
+    model = nn.Module()
+    model.c = _conv1d(16, 8)
+    model.forward = lambda x: torch.addmm(model.c.bias, x, model.c.weight, **options)
+    fn = fp8fn.transform(model, DELAYED)
+    x = torch.randn(4, 16)
+    with pytest.raises(
+        ValueError, match=rf"fp8fn\.init: layer 'c' calls torch\.addmm with {shown}.*filter_fn"
+    ):
+        fn.init(x)
+    state = fp8fn.init_state(DELAYED, ["c"])
+    with pytest.raises(
+        ValueError, match=rf"fp8fn\.apply: layer 'c' calls torch\.addmm with {shown}"
+    ):
+        fn.apply(dict(model.named_parameters()), state, x)
+
+
+def test_addmm_into_out_on_a_layer_weight_is_refused():
+    model = nn.Module()
+    model.c = _conv1d(16, 8)
+    model.forward = lambda x: torch.addmm(model.c.bias, x, model.c.weight, out=torch.empty(4, 8))
+    state = fp8fn.init_state(DELAYED, ["c"])
+    fn = fp8fn.transform(model, DELAYED)
+    with torch.no_grad(), pytest.raises(ValueError, match=r"calls torch\.addmm with out=a tensor"):
+        fn.apply(dict(model.named_parameters()), state, torch.randn(4, 16))
+
+
+# -- the module around apply --------------------------------------------------------------------
+
+
+class _Seen(TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.linears = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is F.linear:
+            self.linears.append(args[1])
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_users_function_mode_around_apply_sees_the_fp8_layers_calls():
+    model = _mlp()
+    fn = fp8fn.transform(model, DELAYED, filter_fn=lambda name, m: name == "0")
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    params = dict(model.named_parameters())
+    state = _warm(fn, params, x)
+    with _Seen() as seen:
+        out = fn.apply(params, state, x)
+    assert [w is params[n] for w, n in zip(seen.linears, ["0.weight", "2.weight"])] == [True] * 2
+    hidden = F.relu(fp8fn.linear(x, params["0.weight"], params["0.bias"], state["0"], DELAYED))
+    assert_bit_identical(out, F.linear(hidden, params["2.weight"], params["2.bias"]))
+
+
+def test_torch_checkpoint_around_apply_is_bit_identical_under_plain_autograd():
+    model = _mlp()
+    fn = fp8fn.transform(model, DELAYED)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    params = dict(model.named_parameters())
+    state = _warm(fn, params, x.detach())
+
+    def run(checkpointed):
+        model.zero_grad(set_to_none=True)
+        x.grad = None
+        observed = fp8fn.observe(state)
+        if checkpointed:
+            out = torch.utils.checkpoint.checkpoint(
+                fn.apply, params, observed, x, use_reentrant=False
+            )
+        else:
+            out = fn.apply(params, observed, x)
+        out.square().sum().backward()
+        grads = {k: v.grad for k, v in params.items()}
+        return grads, x.grad, fp8fn.observations(observed)
+
+    assert_bit_identical(run(True), run(False))
+
+
+def test_a_full_backward_hook_under_torch_func_is_named():
+    model = _mlp()
+    model[2].register_full_backward_hook(lambda m, gi, go: None)
+    fn = fp8fn.transform(model, DELAYED)
+    x = torch.randn(8, 16)
+    state = fn.init(x)
+    with pytest.raises(
+        RuntimeError, match=r"fp8fn\.apply: expected no full backward hooks .*'2'.*plain autograd"
+    ):
+        torch.func.grad(lambda p, s: fn.apply(p, s, x).sum())(dict(model.named_parameters()), state)
+
+
+def test_apply_owns_the_module_while_it_runs():
+    """The documented story for threads (docs/semantics.md): while `apply` runs, the module
+    holds apply's tensors (functional_call swaps them into the one module), so a plain
+    `model(x)` overlapping it in another thread would see them; after apply it holds its own."""
+    model = _mlp()
+    fn = fp8fn.transform(model, DELAYED)
+    x = torch.randn(8, 16)
+    params = dict(model.named_parameters())
+    other = {k: v.detach() * 2 for k, v in params.items()}
+    state, held = fn.init(x), []
+    handle = model[2].register_forward_pre_hook(lambda m, args: held.append(m.weight))
+    try:
+        fn.apply(other, state, x)
+    finally:
+        handle.remove()
+    assert len(held) == 1 and held[0] is other["2.weight"]
+    assert all(p is params[n] for n, p in model.named_parameters())
+
+
+# -- classes of bugs the tests must catch (tools/mutation.py) ------------------------------------
+
+
+class _Block(nn.Module):
+    """`tanh(fc(x))`, counting its forward runs (recomputes included) in `runs`."""
+
+    def __init__(self, runs: list, i: int):
+        super().__init__()
+        self.fc, self.runs, self.i = nn.Linear(8, 8), runs, i
+
+    def forward(self, x):
+        self.runs.append(self.i)
+        return torch.tanh(self.fc(x))
+
+
+class _Blocks(nn.Module):
+    """Eleven blocks: `blocks.1` is a prefix of `blocks.10`, but not its path's."""
+
+    def __init__(self, runs: list):
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(8)
+            self.blocks = nn.ModuleList(_Block(runs, i) for i in range(11))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_checkpoint_fn_tells_blocks_1_from_blocks_10():
+    runs = []
+    model = _Blocks(runs)
+    chosen = {"blocks.1", "blocks.10"}
+    fn = fp8fn.transform(model, DELAYED, checkpoint_fn=lambda name, m: name in chosen)
+    assert fn.checkpointed == ["blocks.1", "blocks.10"]
+    plain = fp8fn.transform(model, DELAYED)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    params = dict(model.named_parameters())
+    state = _warm(plain, params, x)
+    want = _grads(lambda p, s: plain.apply(p, s, x).square().sum(), params, state)
+    runs.clear()
+    got = _grads(lambda p, s: fn.apply(p, s, x).square().sum(), params, state)
+    assert_bit_identical(got, want)
+    assert sorted(runs) == sorted([*range(11), 1, 10])  # the two chosen blocks recomputed
+
+
+def test_autocast_of_another_device_type_leaves_the_op_alone():
+    """Autocast enabled for CUDA (torch's default device type) does not reach a CPU call:
+    the op reads autocast for its input's device."""
+    model = _mlp()
+    fn = fp8fn.transform(model, DELAYED)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    params = dict(model.named_parameters())
+    state = _warm(fn, params, x)
+    want = fn.apply(params, state, x)
+    torch.set_autocast_enabled("cuda", True)
+    try:
+        got = fn.apply(params, state, x)
+        direct = fp8fn.linear(x, params["0.weight"], params["0.bias"], state["0"], DELAYED)
+    finally:
+        torch.set_autocast_enabled("cuda", False)
+    assert got.dtype == torch.float32
+    assert_bit_identical(got, want)
+    assert_bit_identical(
+        direct, fp8fn.linear(x, params["0.weight"], params["0.bias"], state["0"], DELAYED)
+    )
+
+
+def test_the_observation_is_first_order_only_too():
+    """Differentiating the observation (not only the gradients) again is refused."""
+    model = _mlp()
+    fn = fp8fn.transform(model, DELAYED)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    params = dict(model.named_parameters())
+    state = fn.init(x)
+
+    def observed_amaxes(x):
+        loss = lambda s: fn.apply(params, s, x).square().sum()  # noqa: E731
+        return torch.func.grad(loss)(state).amax_history.sum()
+
+    with pytest.raises(RuntimeError, match=r"fp8fn\.linear: higher-order derivatives"):
+        torch.func.grad(observed_amaxes)(x)
