@@ -564,3 +564,58 @@ def test_the_observation_is_first_order_only_too():
 
     with pytest.raises(RuntimeError, match=r"fp8fn\.linear: higher-order derivatives"):
         torch.func.grad(observed_amaxes)(x)
+
+
+# -- functional FSDP: cross-attention (two gloo ranks) ------------------------------------------
+
+
+class _CrossAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(9)
+            self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+
+    def forward(self, q, kv):
+        return self.attn(q, kv, kv, need_weights=False)[0]
+
+
+def _cross_attention_under_functional_fsdp(rank):
+    """The packed in_proj weight, given as a `Shard(0)` DTensor, split by cross-attention:
+    bit for bit one process's output, gradients and (all-reduced) observations."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2,))
+    model = _CrossAttention()
+    gen = torch.Generator().manual_seed(10)
+    q, kv = torch.randn(2, 4, 16, generator=gen), torch.randn(2, 6, 16, generator=gen)
+    fn = fp8fn.transform(model, DELAYED)
+    plain = {k: v.detach() for k, v in model.named_parameters()}
+    sharded = {k: distribute_tensor(v.clone(), mesh, [Shard(0)]) for k, v in plain.items()}
+
+    def loss(p, s):
+        return fn.apply(p, s, q, kv).square().sum()
+
+    state = fn.init(q, kv)
+    for _ in range(2):  # current scaling (empty histories), then the stored scales
+        (grads, obs), value = _grads(loss, sharded, state)
+        (want_grads, want_obs), want_value = _grads(loss, plain, state)
+        assert_bit_identical(value, want_value)
+        assert_bit_identical({k: g.full_tensor() for k, g in grads.items()}, want_grads)
+        assert_bit_identical(fp8fn.all_reduce(obs).amax_history, want_obs.amax_history)
+        state = fp8fn.update(state, want_obs)
+
+
+def _two_ranks(rank, world_size, port, out_dir):
+    from _spawn import run_scenarios
+
+    run_scenarios(rank, world_size, port, out_dir, [_cross_attention_under_functional_fsdp], {}, 60)
+
+
+@pytest.mark.slow  # two processes
+def test_cross_attention_under_functional_fsdp_runs_as_one_process(tmp_path):
+    from _spawn import assert_ok, spawn_results
+
+    results = spawn_results(_two_ranks, 2, tmp_path, 180)
+    assert_ok(results, "_cross_attention_under_functional_fsdp")
