@@ -550,20 +550,29 @@ def test_autocast_of_another_device_type_leaves_the_op_alone():
     )
 
 
-def test_the_observation_is_first_order_only_too():
-    """Differentiating the observation (not only the gradients) again is refused."""
-    model = _mlp()
+@pytest.mark.parametrize("route", ["func", "autograd"])
+def test_the_observation_is_first_order_only_too(route):
+    """Differentiating the observation again (not only the gradients) is refused: one layer,
+    so that no other layer's guarded gradient stands between the observation and `x`."""
+    model = _mlp()[0]
     fn = fp8fn.transform(model, DELAYED)
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
-    params = dict(model.named_parameters())
+    params = {k: v.detach() for k, v in model.named_parameters()}
     state = fn.init(x)
-
-    def observed_amaxes(x):
-        loss = lambda s: fn.apply(params, s, x).square().sum()  # noqa: E731
-        return torch.func.grad(loss)(state).amax_history.sum()
-
     with pytest.raises(RuntimeError, match=r"fp8fn\.linear: higher-order derivatives"):
-        torch.func.grad(observed_amaxes)(x)
+        if route == "func":
+
+            def observed(x):
+                loss = lambda s: fn.apply(params, s, x).square().sum()  # noqa: E731
+                return torch.func.grad(loss)(state).amax_history.sum()
+
+            torch.func.grad(observed)(x)
+        else:
+            x = x.requires_grad_()
+            observed = fp8fn.observe(state)
+            loss = fn.apply(params, observed, x).square().sum()
+            (obs,) = torch.autograd.grad(loss, observed.amax_history, create_graph=True)
+            torch.autograd.grad(obs.sum(), x)
 
 
 # -- functional FSDP: cross-attention (two gloo ranks) ------------------------------------------
