@@ -426,7 +426,8 @@ def test_a_users_function_mode_around_apply_sees_the_fp8_layers_calls():
     assert_bit_identical(out, F.linear(hidden, params["2.weight"], params["2.bias"]))
 
 
-def test_torch_checkpoint_around_apply_is_bit_identical_under_plain_autograd():
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_torch_checkpoint_around_apply_is_bit_identical_under_plain_autograd(reentrant):
     model = _mlp()
     fn = fp8fn.transform(model, DELAYED)
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1)).requires_grad_()
@@ -439,7 +440,7 @@ def test_torch_checkpoint_around_apply_is_bit_identical_under_plain_autograd():
         observed = fp8fn.observe(state)
         if checkpointed:
             out = torch.utils.checkpoint.checkpoint(
-                fn.apply, params, observed, x, use_reentrant=False
+                fn.apply, params, observed, x, use_reentrant=reentrant
             )
         else:
             out = fn.apply(params, observed, x)
@@ -448,6 +449,28 @@ def test_torch_checkpoint_around_apply_is_bit_identical_under_plain_autograd():
         return grads, x.grad, fp8fn.observations(observed)
 
     assert_bit_identical(run(True), run(False))
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_transformer_encoder_fast_path_differs_only_at_masked_positions():
+    """The documented limit: inside apply torch's nested-tensor fast path is not taken, so the
+    masked positions hold the regular path's values, not zeros; the others agree."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(11)
+        layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+        encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=True).eval()
+    x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(12))
+    mask = torch.tensor([[False] * 5, [False, False, True, True, True]])
+    with pytest.warns(UserWarning, match="no layer was converted"):
+        fn = fp8fn.transform(encoder, lambda name, m: None)  # all in high precision
+    params = dict(encoder.named_parameters())
+    with torch.no_grad():
+        plain = encoder(x, src_key_padding_mask=mask)
+        state = fn.init(x, src_key_padding_mask=mask)
+        applied = fn.apply(params, state, x, src_key_padding_mask=mask)
+    assert torch.equal(plain[mask], torch.zeros(3, 16))  # the fast path's zeros
+    assert applied[mask].abs().min() > 0
+    torch.testing.assert_close(applied[~mask], plain[~mask], rtol=0, atol=1e-5)
 
 
 def test_a_full_backward_hook_under_torch_func_is_named():
