@@ -122,6 +122,14 @@ def inside_torch_checkpoint(stop_at) -> bool:
     return False
 
 
+def constant_under_compile(fn):
+    """`torch.compiler.assume_constant_result(fn)` without importing dynamo (which that call
+    does, and `import fp8fn` must not): dynamo runs `fn` once at trace time and takes its
+    result as a constant. The mark is the attribute that decorator sets."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
 def recomputing_in_torch_checkpoint() -> bool:
     """Whether the caller runs in the recompute of a non-reentrant `torch.utils.checkpoint`:
     the backward unpacking a saved tensor reruns the checkpointed function (from the

@@ -58,6 +58,7 @@ from .._parallel.wrappers import (
 )
 from .._torch_private import (
     attention_forward,
+    constant_under_compile,
     innermost_function_mode,
     inside_torch_checkpoint,
     raised_by_backward_hook,
@@ -622,7 +623,7 @@ def _checkpoint_forwards(modules):
                         m.__dict__["forward"] = entry[1]
 
 
-@torch.compiler.assume_constant_result
+@constant_under_compile
 def _reread_if_changed(transformed) -> bool:
     """`transformed._read_module()` when its module's structure changed since it last ran.
 
