@@ -368,24 +368,32 @@ def test_addmm_of_a_conv1d_weight_in_every_form_runs_in_fp8(form):
     assert_bit_identical(fn.apply(params, state, x), want)
 
 
-@pytest.mark.parametrize(
-    "options, shown",
-    [({"beta": 0.5}, "beta=0.5"), ({"alpha": 2}, "alpha=2"), ({"beta": 0}, "beta=0")],
-)
-def test_addmm_with_beta_or_alpha_on_a_layer_weight_is_refused(options, shown):
+REFUSED_ADDMM = {
+    "beta=0.5": lambda c, x: torch.addmm(c.bias, x, c.weight, beta=0.5),
+    "alpha=2": lambda c, x: torch.addmm(c.bias, x, c.weight, alpha=2),
+    "beta=0": lambda c, x: torch.addmm(c.bias, x, c.weight, beta=0),
+    "out_dtype": lambda c, x: torch.addmm(c.bias, x, c.weight, torch.float32),
+    "out_dtype=": lambda c, x: torch.addmm(c.bias, x, c.weight, out_dtype=torch.float32),
+    "deprecated (beta, input, alpha, mat1, mat2)": lambda c, x: torch.addmm(
+        1, c.bias, 1, x, c.weight
+    ),
+}
+
+
+@pytest.mark.filterwarnings("ignore:This overload of addmm is deprecated")
+@pytest.mark.parametrize("form", list(REFUSED_ADDMM))
+def test_addmm_of_a_layer_weight_in_a_form_fp8fn_does_not_convert_is_refused(form):
     model = nn.Module()
     model.c = _conv1d(16, 8)
-    model.forward = lambda x: torch.addmm(model.c.bias, x, model.c.weight, **options)
+    model.forward = lambda x: REFUSED_ADDMM[form](model.c, x)
     fn = fp8fn.transform(model, DELAYED)
     x = torch.randn(4, 16)
-    with pytest.raises(
-        ValueError, match=rf"fp8fn\.init: layer 'c' calls torch\.addmm with {shown}.*filter_fn"
-    ):
+    options = form.startswith(("beta", "alpha"))
+    what = f"calls torch\\.addmm with {form}" if options else "passes its weight to torch\\.addmm"
+    with pytest.raises(ValueError, match=rf"fp8fn\.init: layer 'c' {what}.*filter_fn"):
         fn.init(x)
     state = fp8fn.init_state(DELAYED, ["c"])
-    with pytest.raises(
-        ValueError, match=rf"fp8fn\.apply: layer 'c' calls torch\.addmm with {shown}"
-    ):
+    with pytest.raises(ValueError, match=rf"fp8fn\.apply: layer 'c' {what}"):
         fn.apply(dict(model.named_parameters()), state, x)
 
 

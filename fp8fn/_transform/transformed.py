@@ -413,19 +413,15 @@ class _Call(TorchFunctionMode):
             return self._split(func, args, kwargs)
         if func is F.linear or func is torch.addmm or func is torch.Tensor.addmm:
             operands = _operands(func, args, kwargs)
-            if operands is not None:
+            if operands is None:  # another overload (addmm's out_dtype, its deprecated form)
+                self._refuse_other_form(func, args, kwargs)
+            else:
                 x, weight, bias, transposed, options = operands
                 layer = self._layer_of(weight, bias, transposed)
                 if layer is not None:
                     if options:
-                        api = "init" if self.state is None else "apply"
-                        raise ValueError(
-                            f"fp8fn.{api}: layer {layer.path!r} calls torch.addmm with "
-                            f"{', '.join(f'{k}={v}' for k, v in options.items())}, which "
-                            "fp8fn does not convert (it runs `bias + x @ weight`). Leave the "
-                            "layer in high precision with `filter_fn=lambda name, module: "
-                            f"name != {layer.path!r}`."
-                        )
+                        shown = ", ".join(f"{k}={v}" for k, v in options.items())
+                        self._refuse_call(layer, f"calls torch.addmm with {shown}")
                     if self.state is None:
                         self._count(layer)
                         return func(*args, **kwargs)
@@ -433,6 +429,26 @@ class _Call(TorchFunctionMode):
         if func is torch.Tensor.unflatten and torch.compiler.is_compiling():
             func = torch.unflatten  # (dynamo cannot trace the method's `super()` call from here)
         return func(*args, **kwargs)
+
+    def _refuse_other_form(self, func, args, kwargs):
+        """Raise if a layer's weight is among the tensors of a linear call of a form that
+        `_operands` does not know: it would silently run in high precision."""
+        for t in (*args, *kwargs.values()):
+            layer = next(iter(self._given(t)), (None,))[0] if torch.is_tensor(t) else None
+            if layer is not None:
+                name = f"torch.{func.__name__}" if func is not F.linear else "F.linear"
+                self._refuse_call(
+                    layer, f"passes its weight to {name} in a form fp8fn does not convert"
+                )
+
+    def _refuse_call(self, layer, what: str):
+        api = "init" if self.state is None else "apply"
+        raise ValueError(
+            f"fp8fn.{api}: layer {layer.path!r} {what} (fp8fn runs `x @ weight.T + bias`). "
+            "Call it as `F.linear(x, weight, bias)` (HF Conv1D: `torch.addmm(bias, x, "
+            "weight)`), or leave the layer in high precision with `filter_fn=lambda name, "
+            f"module: name != {layer.path!r}`."
+        )
 
     def _refuse_torch_checkpoint(self):
         """Raise if the model runs its own torch.utils.checkpoint (seen as gradients turned
@@ -1074,7 +1090,9 @@ class Transformed:
             raise ValueError(
                 "fp8fn.apply: `params` must be keyed like module.named_parameters() (or "
                 f"named_buffers()); unexpected {sorted(params.keys() - self._slots.first.keys())}. "
-                "If the model changed after fp8fn.transform, transform it again."
+                "Key them as the model is now (apply re-reads parameters and submodules "
+                "changed after fp8fn.transform; a buffer registered after it needs a new "
+                "fp8fn.transform)."
             )
         check_state("apply", state)
         check_scales("apply", state.scale)
