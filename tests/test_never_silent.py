@@ -123,6 +123,47 @@ def test_a_head_tied_to_a_converted_layer_kept_in_high_precision_is():
     assert_bit_identical(fn.apply(params, state, x), F.linear(h, w) + F.linear(h, w))
 
 
+class _TiedAcrossABlock(nn.Module):
+    """`out(relu(blk(x)))`, `blk` = `b(tanh(a(x)))`: `a`, `b` and `out` share one weight."""
+
+    def __init__(self):
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(13)
+            self.blk = _TiedPair()
+            self.out = nn.Linear(16, 16, bias=False)
+        self.out.weight = self.blk.a.weight
+
+    def forward(self, x):
+        return self.out(torch.relu(self.blk(x)))
+
+
+@pytest.mark.parametrize("route", ["func", "autograd"])
+@pytest.mark.parametrize("b_recipe", [DELAYED, None], ids=["b delayed", "b high precision"])
+def test_tied_layers_in_a_checkpointed_block_recompute_bit_for_bit(b_recipe, route):
+    model = _TiedAcrossABlock()
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(14))
+
+    def recipe(name, m):
+        return b_recipe if name == "blk.b" else DELAYED
+
+    plain = fp8fn.transform(model, recipe)
+    recomputed = fp8fn.transform(model, recipe, checkpoint_fn=lambda name, m: name == "blk")
+    params = dict(model.named_parameters())
+    state = _warm(plain, params, x)
+    assert list(state) == (["blk.a", "blk.b", "out"] if b_recipe else ["blk.a", "out"])
+
+    def run(fn):
+        if route == "func":
+            return _grads(lambda p, s: fn.apply(p, s, x).square().sum(), params, state)[0]
+        model.zero_grad(set_to_none=True)
+        observed = fp8fn.observe(state)
+        fn.apply(params, observed, x).square().sum().backward()
+        return {k: v.grad for k, v in params.items()}, fp8fn.observations(observed)
+
+    assert_bit_identical(run(recomputed), run(plain))
+
+
 # -- changes after transform --------------------------------------------------------------------
 
 
