@@ -654,6 +654,16 @@ def _reread_if_changed(transformed) -> bool:
     return True
 
 
+def _is_linear_weight(module, name: str) -> bool:
+    """Whether the tensor `name` of `module` is the weight of a linear layer fp8fn converts
+    (chosen or not): an nn.Linear's or HF Conv1D's, or an nn.MultiheadAttention projection's."""
+    path, _, attr = name.rpartition(".")
+    sub = module.get_submodule(path)
+    if isinstance(sub, nn.MultiheadAttention):
+        return attr.endswith("proj_weight")
+    return attr == "weight" and _linear_base(sub) is not None
+
+
 def _inside(name: str, path: str) -> bool:
     """Whether the tensor `name` belongs to the submodule at `path` ("" is the root)."""
     return not path or name.startswith(path + ".")
@@ -746,6 +756,7 @@ class Transformed:
         self._fsdp_slots = self._fsdp_managed()  # {name: (module, attr, shard)} under FSDP2
         own = [m.slot for m in self._layers if m.slot not in self._fsdp_slots]
         self._slots = _Slots(module, own)
+        self._refuse_fsdp_ties()
         self._held = {}  # {id(weight): (weakref, layer)}: weights swapped into layers (FSDP2)
         self.checkpointed = self._checkpoint_modules(checkpoint_fn)
         self._checkpointed_ids = {id(module.get_submodule(p)): p for p in self.checkpointed}
@@ -762,6 +773,24 @@ class Transformed:
     def _reread_if_changed(self):
         """`_read_module` again when the module's structure changed since it last ran."""
         _reread_if_changed(self)
+
+    def _refuse_fsdp_ties(self):
+        """Raise when layers sharing one FSDP2-managed weight get different choices (one left
+        in high precision, or another recipe): FSDP2 swaps the one unsharded weight into each,
+        so fp8fn cannot give each layer its own view of it, and would run them all as one."""
+        choice = {m.slot: m.recipe for m in self._layers}
+        for first, names in self._slots.others.items():
+            group = [n for n in (first, *names) if _is_linear_weight(self.module, n)]
+            if len(group) < 2 or not any(n in self._fsdp_slots for n in group):
+                continue
+            if len({repr(choice.get(n)) for n in group}) > 1:
+                chosen = ", ".join(f"{n!r}: {choice.get(n)}" for n in group)
+                raise ValueError(
+                    "fp8fn.transform: expected the layers sharing one FSDP2-managed weight to "
+                    f"have one recipe, got {chosen}. Under FSDP2 they run as one layer: give "
+                    "them the same choice in `filter_fn` and the recipe function, or untie the "
+                    "weights."
+                )
 
     def _fsdp_managed(self) -> dict:
         """`{name: (submodule, attribute, sharded parameter)}` of the parameters FSDP2 manages.
