@@ -307,7 +307,7 @@ def test_a_weight_made_at_each_call_is_refused_naming_filter_fn(make):
     attr = "bias" if "bias" in make else "weight"
     with pytest.raises(
         TypeError,
-        match=rf"fp8fn\.transform: layer '0' has a (parametrized )?{attr}.*"
+        match=rf"fp8fn\.transform: layer '0' has its {attr} (parametrized|made by a forward).*"
         r"`filter_fn=lambda name, module: name != '0'`",
     ):
         fp8fn.transform(model, DELAYED)
@@ -322,13 +322,39 @@ def test_a_weight_made_at_each_call_is_refused_naming_filter_fn(make):
         assert_bit_identical(fn.apply(params, state, x), want)
 
 
+ATTENTION_COMPUTED = {
+    "in_proj parametrized": ("in_proj", "in_proj_weight", False),
+    "in_proj pruned": ("in_proj", "in_proj_weight", True),
+    "q_proj parametrized": ("q_proj", "q_proj_weight", False),
+    "out_proj pruned": ("out_proj", "weight", True),
+}
+
+
+@pytest.mark.parametrize("case", list(ATTENTION_COMPUTED))
+def test_attention_projections_made_at_each_call_are_refused(case):
+    import torch.nn.utils.prune as prune
+
+    path, attr, pruned = ATTENTION_COMPUTED[case]
+    split = path == "q_proj"  # kdim != embed_dim: separate q, k, v weights
+    attention = nn.MultiheadAttention(16, 2, kdim=8 if split else None, vdim=8 if split else None)
+    holder = attention.out_proj if path == "out_proj" else attention
+    if pruned:
+        prune.l1_unstructured(holder, attr, amount=0.3)
+    else:
+        torch.nn.utils.parametrize.register_parametrization(holder, attr, _Double())
+    with pytest.raises(TypeError, match=rf"layer '{path}' has its {attr} .*name != '{path}'"):
+        fp8fn.transform(attention, DELAYED)
+    fn = fp8fn.transform(attention, DELAYED, filter_fn=lambda name, m: name != path)
+    assert path not in fn.layers
+
+
 def test_pruning_after_transform_is_refused_at_apply():
     model = _mlp()
     fn = fp8fn.transform(model, DELAYED)
     x = torch.randn(8, 16)
     state = fn.init(x)
     _pruned("weight")(model[2])
-    with pytest.raises(TypeError, match=r"layer '2' has a weight made by a forward pre-hook"):
+    with pytest.raises(TypeError, match=r"layer '2' has its weight made by a forward pre-hook"):
         fn.apply(dict(model.named_parameters()), state, x)
 
 

@@ -158,19 +158,19 @@ def _attention_layers(path: str, attention: nn.MultiheadAttention, names: dict):
     return [(f"{prefix}{r}_proj", f"{r}_proj_weight", "in_proj_bias") for r in "qkv"]
 
 
-def _computed_attribute(layer) -> str | None:
-    """Why `layer`'s weight or bias is not a tensor it holds but one made at each call (a
-    parametrization, or a forward pre-hook as in torch.nn.utils.prune, weight_norm and
+def _computed_attribute(layer, attrs=("weight", "bias")) -> str | None:
+    """Why `layer`'s weight or bias (`attrs`) is not a tensor it holds but one made at each
+    call (a parametrization, or a forward pre-hook as in torch.nn.utils.prune, weight_norm and
     spectral_norm), else None: fp8fn knows a layer's weight by identity, so such a layer
     cannot be converted."""
-    for attr in ("weight", "bias"):
+    for attr in attrs:
         if torch.nn.utils.parametrize.is_parametrized(layer, attr):
-            return f"has a parametrized {attr} (torch.nn.utils.parametrize: made at each use)"
+            return f"has its {attr} parametrized (torch.nn.utils.parametrize: made at each use)"
         if attr in layer._parameters or attr in layer._buffers:
             continue
         if isinstance(getattr(layer, attr, None), torch.Tensor):
             return (
-                f"has a {attr} made by a forward pre-hook at each call (torch.nn.utils.prune, "
+                f"has its {attr} made by a forward pre-hook at each call (torch.nn.utils.prune, "
                 "weight_norm or spectral_norm)"
             )
     return None
@@ -205,25 +205,27 @@ def _find_layers(module, recipe, filter_fn) -> list[_Layer]:
             )
         )
 
+    def refuse(name, sub, why):
+        if why and (filter_fn is None or filter_fn(name, sub)):
+            raise TypeError(
+                f"fp8fn.transform: layer {name!r} {why}, which fp8fn cannot convert "
+                "faithfully. Leave it in high precision with `filter_fn=lambda name, module: "
+                f"name != {name!r}`."
+            )
+
     for name, sub in module.named_modules():
         if isinstance(sub, nn.MultiheadAttention):
             for path, weight, bias in _attention_layers(name, sub, names):
+                refuse(path, sub, _computed_attribute(sub, (weight, bias)))
                 add(path, sub, (weight, bias), False)
             continue
         base = _linear_base(sub)
         if base is None:
             continue
-        refuse = None
         if type(sub).forward is not base.forward:
-            refuse = f"is a {type(sub).__name__}, a {base.__name__} subclass with its own forward"
-        else:
-            refuse = _computed_attribute(sub)
-        if refuse and (filter_fn is None or filter_fn(name, sub)):
-            raise TypeError(
-                f"fp8fn.transform: layer {name!r} {refuse}, which fp8fn cannot convert "
-                "faithfully. Leave it in high precision with `filter_fn=lambda name, module: "
-                f"name != {name!r}`."
-            )
+            why = f"is a {type(sub).__name__}, a {base.__name__} subclass with its own forward"
+            refuse(name, sub, why)
+        refuse(name, sub, _computed_attribute(sub))
         add(name, sub, ("weight", "bias"), base is not nn.Linear)
     if not layers:
         warnings.warn(
