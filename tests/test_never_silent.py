@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from _helpers import assert_bit_identical
+from _models import _seeded
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
@@ -23,6 +24,15 @@ CURRENT = fp8fn.CurrentScaling()
 def _grads(f, *args):
     """`torch.func.grad_and_value(f, argnums=(0, 1))(*args)`: ((param grads, obs), value)."""
     return torch.func.grad_and_value(f, argnums=(0, 1))(*args)
+
+
+def _warmed(model, *shape, **transform_kwargs):
+    """`(fn, x, params, state)`: `model`'s transform, a random input of `shape` (seed 1), the
+    module's own parameters and a state warmed on `x`."""
+    fn = fp8fn.transform(model, DELAYED, **transform_kwargs)
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
+    params = dict(model.named_parameters())
+    return fn, x, params, _warm(fn, params, x)
 
 
 def _warm(fn, params, x):
@@ -40,8 +50,7 @@ class _TiedPair(nn.Module):
 
     def __init__(self, d: int = 16):
         super().__init__()
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
+        with _seeded(0):
             self.a = nn.Linear(d, d, bias=False)
             self.b = nn.Linear(d, d, bias=False)
         self.b.weight = self.a.weight
@@ -103,8 +112,7 @@ def test_a_head_tied_to_a_converted_layer_kept_in_high_precision_is():
     class Model(nn.Module):
         def __init__(self):
             super().__init__()
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(2)
+            with _seeded(2):
                 self.proj = nn.Linear(16, 16, bias=False)
                 self.head = nn.Linear(16, 16, bias=False)
             self.head.weight = self.proj.weight
@@ -128,8 +136,7 @@ class _TiedAcrossABlock(nn.Module):
 
     def __init__(self):
         super().__init__()
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(13)
+        with _seeded(13):
             self.blk = _TiedPair()
             self.out = nn.Linear(16, 16, bias=False)
         self.out.weight = self.blk.a.weight
@@ -196,8 +203,7 @@ class _EmbedHead(nn.Module):
 
     def __init__(self):
         super().__init__()
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(4)
+        with _seeded(4):
             self.emb = nn.Embedding(16, 16)
             self.mid = nn.Linear(16, 16)
             self.head = nn.Linear(16, 16, bias=False)
@@ -366,8 +372,7 @@ class _Calls(nn.Module):
 
     def __init__(self, call):
         super().__init__()
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(6)
+        with _seeded(6):
             self.fc, self.out = nn.Linear(16, 32), nn.Linear(32, 8)
         self.call = call
 
@@ -390,10 +395,7 @@ LINEAR_CALLS = {
 @pytest.mark.parametrize("form", list(LINEAR_CALLS))
 def test_f_linear_by_keyword_runs_in_fp8_with_its_bias(form):
     model = _Calls(LINEAR_CALLS[form])
-    fn = fp8fn.transform(model, DELAYED)
-    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
-    params = dict(model.named_parameters())
-    state = _warm(fn, params, x)
+    fn, x, params, state = _warmed(model, 8, 16)
     assert list(state) == ["fc", "out"]
 
     def ref(p, s):
@@ -406,11 +408,18 @@ def test_f_linear_by_keyword_runs_in_fp8_with_its_bias(form):
 
 def _conv1d(nx, nf):
     transformers = pytest.importorskip("transformers")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(7)
+    with _seeded(7):
         layer = transformers.pytorch_utils.Conv1D(nf, nx)
         layer.bias.data.normal_()
     return layer
+
+
+def _calling_conv1d(call):
+    """A module holding an HF Conv1D `c` (16 -> 8) whose forward is `call(c, x)`."""
+    model = nn.Module()
+    model.c = _conv1d(16, 8)
+    model.forward = lambda x: call(model.c, x)
+    return model
 
 
 ADDMM_CALLS = {
@@ -424,13 +433,8 @@ ADDMM_CALLS = {
 
 @pytest.mark.parametrize("form", list(ADDMM_CALLS))
 def test_addmm_of_a_conv1d_weight_in_every_form_runs_in_fp8(form):
-    model = nn.Module()
-    model.c = _conv1d(16, 8)
-    model.forward = lambda x: ADDMM_CALLS[form](model.c, x)
-    fn = fp8fn.transform(model, DELAYED)
-    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
-    params = dict(model.named_parameters())
-    state = _warm(fn, params, x)
+    model = _calling_conv1d(ADDMM_CALLS[form])
+    fn, x, params, state = _warmed(model, 4, 16)
     want = fp8fn.linear(x, params["c.weight"].t(), params["c.bias"], state["c"], DELAYED)
     assert_bit_identical(fn.apply(params, state, x), want)
 
@@ -450,9 +454,7 @@ REFUSED_ADDMM = {
 @pytest.mark.filterwarnings("ignore:This overload of addmm is deprecated")
 @pytest.mark.parametrize("form", list(REFUSED_ADDMM))
 def test_addmm_of_a_layer_weight_in_a_form_fp8fn_does_not_convert_is_refused(form):
-    model = nn.Module()
-    model.c = _conv1d(16, 8)
-    model.forward = lambda x: REFUSED_ADDMM[form](model.c, x)
+    model = _calling_conv1d(REFUSED_ADDMM[form])
     fn = fp8fn.transform(model, DELAYED)
     x = torch.randn(4, 16)
     options = form.startswith(("beta", "alpha"))
@@ -465,9 +467,7 @@ def test_addmm_of_a_layer_weight_in_a_form_fp8fn_does_not_convert_is_refused(for
 
 
 def test_addmm_into_out_on_a_layer_weight_is_refused():
-    model = nn.Module()
-    model.c = _conv1d(16, 8)
-    model.forward = lambda x: torch.addmm(model.c.bias, x, model.c.weight, out=torch.empty(4, 8))
+    model = _calling_conv1d(lambda c, x: torch.addmm(c.bias, x, c.weight, out=torch.empty(4, 8)))
     state = fp8fn.init_state(DELAYED, ["c"])
     fn = fp8fn.transform(model, DELAYED)
     with torch.no_grad(), pytest.raises(ValueError, match=r"calls torch\.addmm with out=a tensor"):
@@ -530,8 +530,7 @@ def test_torch_checkpoint_around_apply_is_bit_identical_under_plain_autograd(ree
 def test_transformer_encoder_fast_path_differs_only_at_masked_positions():
     """The documented limit: inside apply torch's nested-tensor fast path is not taken, so the
     masked positions hold the regular path's values, not zeros; the others agree."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(11)
+    with _seeded(11):
         layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
         encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=True).eval()
     x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(12))
@@ -599,8 +598,7 @@ class _Blocks(nn.Module):
 
     def __init__(self, runs: list):
         super().__init__()
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(8)
+        with _seeded(8):
             self.blocks = nn.ModuleList(_Block(runs, i) for i in range(11))
 
     def forward(self, x):
@@ -630,10 +628,7 @@ def test_autocast_of_another_device_type_leaves_the_op_alone():
     """Autocast enabled for CUDA (torch's default device type) does not reach a CPU call:
     the op reads autocast for its input's device."""
     model = _mlp()
-    fn = fp8fn.transform(model, DELAYED)
-    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
-    params = dict(model.named_parameters())
-    state = _warm(fn, params, x)
+    fn, x, params, state = _warmed(model, 8, 16)
     want = fn.apply(params, state, x)
     torch.set_autocast_enabled("cuda", True)
     try:
@@ -679,8 +674,7 @@ def test_the_observation_is_first_order_only_too(route):
 class _CrossAttention(nn.Module):
     def __init__(self):
         super().__init__()
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(9)
+        with _seeded(9):
             self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
 
     def forward(self, q, kv):
