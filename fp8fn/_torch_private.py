@@ -133,7 +133,10 @@ def constant_under_compile(fn):
 def recomputing_in_torch_checkpoint() -> bool:
     """Whether the caller runs in the recompute of a non-reentrant `torch.utils.checkpoint`:
     the backward unpacking a saved tensor reruns the checkpointed function (from the
-    checkpoint's `unpack_hook`). Walks every frame: for an error path."""
+    checkpoint's `unpack_hook`). Walks every frame: for an error path. False while
+    torch.compile traces (dynamo cannot read frames)."""
+    if torch.compiler.is_compiling():
+        return False
     frame = sys._getframe(1)
     while frame is not None:
         code = frame.f_code
@@ -149,7 +152,10 @@ _BACKWARD_HOOKS_FILE = inspect.getsourcefile(torch.utils.hooks.BackwardHook)
 def raised_by_backward_hook(error: BaseException) -> bool:
     """Whether `error` was raised while torch set up a module's full backward hook
     (`register_full_backward_hook` or `_pre_hook`: `torch.utils.hooks.BackwardHook`, an
-    autograd.Function without setup_context, which torch.func refuses)."""
+    autograd.Function without setup_context, which torch.func refuses). False while
+    torch.compile traces (dynamo cannot read tracebacks)."""
+    if torch.compiler.is_compiling():
+        return False
     tb = error.__traceback__
     while tb is not None:
         if tb.tb_frame.f_code.co_filename == _BACKWARD_HOOKS_FILE:
