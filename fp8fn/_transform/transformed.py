@@ -472,7 +472,7 @@ class _Call(TorchFunctionMode):
         layer = next(iter(self._given(whole)), (None,))[0]
         if layer is None and isinstance(whole, nn.Parameter):  # swapped in (FSDP2)
             layer = self.transformed._holder_of(whole, False)
-        if layer is not None:
+        if layer is not None and self._held_before:  # sharded operands (never compiled)
             held = self._held_before.get(id(layer))
             args = (gathered_for_split(whole, held), *args[1:])
         pieces = func(*args, **kwargs)
