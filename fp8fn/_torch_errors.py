@@ -11,7 +11,7 @@ import contextlib
 import torch
 
 from ._parallel.dtensor import _FSDP_HOWTO, _TP_UNDER_FUNC, as_dtensor
-from ._torch_private import functorch_level
+from ._torch_private import functorch_level, raised_by_backward_hook
 
 # What torch raises when the model's own torch.utils.checkpoint runs under torch.func.
 _TORCH_CHECKPOINT_UNDER_FUNC = ("saved tensor hooks", "must override the setup_context")
@@ -45,6 +45,19 @@ def translated_errors(module, params: dict):
         if sharded is not None:
             raise sharded from e
         message = str(e)
+        if raised_by_backward_hook(e):
+            hooked = [
+                repr(n)
+                for n, m in module.named_modules()
+                if m._backward_hooks or m._backward_pre_hooks
+            ]
+            raise RuntimeError(
+                "fp8fn.apply: expected no full backward hooks under a torch.func transform, "
+                f"got one (on the modules {', '.join(hooked) or 'of a global hook'}): "
+                "torch runs them as an autograd.Function that torch.func refuses. "
+                "Differentiate with plain autograd (fp8fn.value_and_grad, or fp8fn.observe "
+                "and loss.backward()), or remove the hook."
+            ) from e
         if any(m in message for m in _TORCH_CHECKPOINT_UNDER_FUNC):
             raise RuntimeError(
                 "fp8fn.apply: the model calls torch.utils.checkpoint, which does not work "

@@ -528,6 +528,17 @@ def gather_params(transformed, params: dict) -> dict:
     return out
 
 
+def gathered_for_split(weight, held):
+    """`weight` all-gathered in high precision when it is a functional FSDP shard (a DTensor
+    where the module holds a plain tensor) that the model splits (nn.MultiheadAttention's
+    packed in_proj, in cross-attention): its pieces are whole q, k, v weights, as the plain
+    model's. Else `weight` as it is."""
+    d = as_dtensor(weight)
+    if d is None or as_dtensor(held) is not None:
+        return weight
+    return _GatherParam.apply(weight, dtensor_spec(d), d.device_mesh.get_group())
+
+
 _TP_UNDER_FUNC = (
     "fp8fn.apply: expected plain autograd for a tensor-parallel model, got a torch.func "
     "transform: torch's parallel styles convert with DTensor.from_local, an autograd.Function "

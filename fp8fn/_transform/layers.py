@@ -22,6 +22,7 @@ class _Layer:
     transposed: bool  # HF Conv1D: weight stored `(in, out)`, called through torch.addmm
     module: nn.Module = dataclasses.field(repr=False)  # the module holding the weight
     attrs: tuple = ("weight", "bias")  # the weight's and the bias's names on `module`
+    slot: str = ""  # the weight's own name: `<module path>.<attrs[0]>` (not the first when tied)
 
     def held(self):
         """The weight the module holds now (FSDP2 swaps its shard and the unsharded weight)."""
@@ -32,8 +33,11 @@ class _Layer:
         return self.held() is weight
 
     def own(self, tensors: dict):
-        """`(weight, bias)` this layer runs with: from `tensors`, else the module's own."""
-        weight = tensors.get(self.weight)
+        """`(weight, bias)` this layer runs with: from `tensors` (given under the weight's own
+        name, else under its first name), else the module's own."""
+        weight = tensors.get(self.slot)
+        if weight is None:
+            weight = tensors.get(self.weight)
         if weight is None:
             weight = getattr(self.module, self.attrs[0])
         if self.bias is None:
@@ -82,11 +86,30 @@ def _attention_layers(path: str, attention: nn.MultiheadAttention, names: dict):
     return [(f"{prefix}{r}_proj", f"{r}_proj_weight", "in_proj_bias") for r in "qkv"]
 
 
+def _computed_attribute(layer, attrs=("weight", "bias")) -> str | None:
+    """Why `layer`'s weight or bias (`attrs`) is not a tensor it holds but one made at each
+    call (a parametrization, or a forward pre-hook as in torch.nn.utils.prune, weight_norm and
+    spectral_norm), else None: fp8fn knows a layer's weight by identity, so such a layer
+    cannot be converted."""
+    for attr in attrs:
+        if torch.nn.utils.parametrize.is_parametrized(layer, attr):
+            return f"has its {attr} parametrized (torch.nn.utils.parametrize: made at each use)"
+        if attr in layer._parameters or attr in layer._buffers:
+            continue
+        if isinstance(getattr(layer, attr, None), torch.Tensor):
+            return (
+                f"has its {attr} made by a forward pre-hook at each call (torch.nn.utils.prune, "
+                "weight_norm or spectral_norm)"
+            )
+    return None
+
+
 def _find_layers(module, recipe, filter_fn) -> list[_Layer]:
     """The linear layers that run in float8, in module order: nn.Linear (and subclasses that
     keep its forward), HF Conv1D, and nn.MultiheadAttention's projections (`<path>.in_proj`, or
     `q_proj`/`k_proj`/`v_proj`, and its `out_proj`). Warns when there are none."""
-    names = {id(p): n for n, p in module.named_parameters()}  # tied: the first name
+    named = (*module.named_parameters(), *module.named_buffers())
+    names = {id(t): n for n, t in named}  # tied: the first name (a frozen bias may be a buffer)
     layers = []
 
     def add(name, sub, attrs, transposed):
@@ -95,6 +118,7 @@ def _find_layers(module, recipe, filter_fn) -> list[_Layer]:
         chosen = _recipe_for(recipe, name, sub)
         if chosen is None:
             return
+        module_path = name.rpartition(".")[0] if isinstance(sub, nn.MultiheadAttention) else name
         bias = getattr(sub, attrs[1])
         layers.append(
             _Layer(
@@ -105,34 +129,47 @@ def _find_layers(module, recipe, filter_fn) -> list[_Layer]:
                 transposed=transposed,
                 module=sub,
                 attrs=attrs,
+                slot=f"{module_path}.{attrs[0]}" if module_path else attrs[0],
             )
         )
+
+    def refuse(name, sub, why):
+        if why and (filter_fn is None or filter_fn(name, sub)):
+            raise TypeError(
+                f"fp8fn.transform: layer {name!r} {why}, which fp8fn cannot convert "
+                "faithfully. Leave it in high precision with `filter_fn=lambda name, module: "
+                f"name != {name!r}`."
+            )
 
     for name, sub in module.named_modules():
         if isinstance(sub, nn.MultiheadAttention):
             for path, weight, bias in _attention_layers(name, sub, names):
+                refuse(path, sub, _computed_attribute(sub, (weight, bias)))
                 add(path, sub, (weight, bias), False)
             continue
         base = _linear_base(sub)
         if base is None:
             continue
-        refuse = None
         if type(sub).forward is not base.forward:
-            refuse = f"a {type(sub).__name__}, a {base.__name__} subclass with its own forward"
-        elif torch.nn.utils.parametrize.is_parametrized(sub, "weight"):
-            refuse = "parametrized (torch.nn.utils.parametrize: its weight is made at each use)"
-        if refuse and (filter_fn is None or filter_fn(name, sub)):
-            raise TypeError(
-                f"fp8fn.transform: layer {name!r} is {refuse}, which fp8fn cannot convert "
-                "faithfully. Leave it in high precision with `filter_fn=lambda name, module: "
-                f"name != {name!r}`."
-            )
+            why = f"is a {type(sub).__name__}, a {base.__name__} subclass with its own forward"
+            refuse(name, sub, why)
+        refuse(name, sub, _computed_attribute(sub))
         add(name, sub, ("weight", "bias"), base is not nn.Linear)
     if not layers:
         warnings.warn(
             "fp8fn.transform: no layer was converted to float8, so the model runs entirely in "
             "high precision. fp8fn converts nn.Linear, HF Conv1D and nn.MultiheadAttention's "
             "projections, chosen by `filter_fn` and given a recipe.",
-            stacklevel=3,
+            stacklevel=4,
         )
     return layers
+
+
+def _is_linear_weight(module, name: str) -> bool:
+    """Whether the tensor `name` of `module` is the weight of a linear layer fp8fn converts
+    (chosen or not): an nn.Linear's or HF Conv1D's, or an nn.MultiheadAttention projection's."""
+    path, _, attr = name.rpartition(".")
+    sub = module.get_submodule(path)
+    if isinstance(sub, nn.MultiheadAttention):
+        return attr.endswith("proj_weight")
+    return attr == "weight" and _linear_base(sub) is not None

@@ -93,14 +93,16 @@ def _checkpoint_forwards(modules):
 
 def recomputed(call, module, path, forward, args, kwargs):
     """`forward(*args, **kwargs)` of the `checkpoint_fn` module `module`, run by the `_Call`
-    `call`, recomputed in the backward with the tensors it has now, from `call`'s counts."""
+    `call`, recomputed in the backward with the tensors it holds now (each tied layer's own
+    view included), from `call`'s counts."""
     prefix = path + "." if path else ""
-    params, buffers = dict(module.named_parameters()), dict(module.named_buffers())
+    params, buffers, layout = call.transformed._block_slots[id(module)].current()
     start, end = dict(call.counts), {}
-    holder, slots = _Holder(module, forward), call.transformed._block_slots[id(module)]
+    holder = _Holder(module, forward)
 
     def run(buffers, params, state, args, kwargs):
-        tensors = {**buffers, **params}
+        given = {**buffers, **params}
+        tensors = {name: given[first] for name, first in layout.items()}
         inner = _Call(
             call.transformed,
             {prefix + n: t for n, t in tensors.items()},
@@ -109,7 +111,8 @@ def recomputed(call, module, path, forward, args, kwargs):
             recompute=True,
         )
         with exclusive(call.transformed.module), inner, _activated(inner):
-            out = _functional_call(holder, slots, tensors, args, kwargs, prefix="m.")
+            held = {"m." + n: t for n, t in tensors.items()}
+            out = _functional_call(holder, None, held, args, kwargs)
         end.update(inner.counts)
         return out
 

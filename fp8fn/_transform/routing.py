@@ -12,23 +12,47 @@ from .._core.checks import check_operands
 from .._core.recipes import DelayedScaling, NVFP4Scaling
 from .._core.state import site_name
 from .._ops.linear import fp8_linear
-from .._parallel.dtensor import sharded_linear, sharded_operands
+from .._parallel.dtensor import gathered_for_split, sharded_linear, sharded_operands
 from .._torch_errors import USE_CHECKPOINT_FN
 from .._torch_private import attention_forward, inside_torch_checkpoint, saved_tensor_hooks_active
 
 _SPLITS = (torch.Tensor.split, torch.Tensor.chunk)
 
 
+_LINEAR_ARGS = ("input", "weight", "bias")  # F.linear(input, weight, bias=None)
+_ADDMM_ARGS = ("input", "mat1", "mat2")  # torch.addmm(input, mat1, mat2, *, beta, alpha, out)
+
+
+def _bind(args, kwargs, names, required, keywords=()) -> dict | None:
+    """`{name: value}` of a call's arguments, each by position or by keyword, or None when the
+    call does not fit (torch then raises its own error, or it is another overload)."""
+    if len(args) > len(names) or kwargs.keys() - {*names, *keywords}:
+        return None
+    bound = dict(zip(names, args))
+    if bound.keys() & kwargs.keys():
+        return None
+    bound.update(kwargs)
+    return bound if all(n in bound for n in required) else None
+
+
 def _operands(func, args, kwargs):
-    """`(x, weight, bias, transposed)` of an `F.linear` call or of a `torch.addmm(bias, x,
-    weight)` (HF Conv1D) call; None for another use of addmm."""
+    """`(x, weight, bias, transposed, options)` of an `F.linear` call (`bias` None when not
+    given), or of `torch.addmm(bias, x, weight)` (HF Conv1D; also as `bias.addmm(x, weight)`),
+    each argument given by position or by keyword; `options` (`{name: shown value}`) the
+    addmm keywords other than their defaults (`beta`, `alpha`, `out`), which fp8fn does not
+    convert. None for a call of another form."""
     if func is F.linear:
-        x, weight, *rest = args
-        return x, weight, rest[0] if rest else kwargs.get("bias"), False
-    if len(args) == 3 and not kwargs:
-        bias, x, weight = args
-        return x, weight, bias, True
-    return None
+        bound = _bind(args, kwargs, _LINEAR_ARGS, _LINEAR_ARGS[:2])
+        if bound is None:
+            return None
+        return bound["input"], bound["weight"], bound.get("bias"), False, {}
+    bound = _bind(args, kwargs, _ADDMM_ARGS, _ADDMM_ARGS, ("beta", "alpha", "out"))
+    if bound is None:
+        return None
+    options = {k: repr(bound[k]) for k in ("beta", "alpha") if bound.get(k, 1) != 1}
+    if bound.get("out") is not None:
+        options["out"] = "a tensor"
+    return bound["mat1"], bound["mat2"], bound["input"], True, options
 
 
 class _Call(TorchFunctionMode):
@@ -61,10 +85,13 @@ class _Call(TorchFunctionMode):
         # (layer, weight, bias): what each layer runs with
         self._entries = [(layer, *layer.own(tensors)) for layer in transformed._layers]
         self._by_weight = None  # {id(weight): entries}; None while compiling (see _layer_of)
+        self._held_before = {}  # {id(layer): the weight it held before the call}, if sharded
         if not torch.compiler.is_compiling():
             self._by_weight = {}
             for entry in self._entries:
                 self._by_weight.setdefault(id(entry[1]), []).append(entry)
+                if sharded_operands(entry[1]):
+                    self._held_before[id(entry[0])] = entry[0].held()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -77,12 +104,17 @@ class _Call(TorchFunctionMode):
                 return attention_forward(*args, **kwargs)
         if func in _SPLITS:  # the packed in_proj weight, split into q, k, v
             return self._split(func, args, kwargs)
-        if func is F.linear or func is torch.addmm:
+        if func is F.linear or func is torch.addmm or func is torch.Tensor.addmm:
             operands = _operands(func, args, kwargs)
-            if operands is not None:
-                x, weight, bias, transposed = operands
+            if operands is None:  # another overload (addmm's out_dtype, its deprecated form)
+                self._refuse_other_form(func, args, kwargs)
+            else:
+                x, weight, bias, transposed, options = operands
                 layer = self._layer_of(weight, bias, transposed)
                 if layer is not None:
+                    if options:
+                        shown = ", ".join(f"{k}={v}" for k, v in options.items())
+                        self._refuse_call(layer, f"calls torch.addmm with {shown}")
                     if self.state is None:
                         self._count(layer)
                         return func(*args, **kwargs)
@@ -90,6 +122,26 @@ class _Call(TorchFunctionMode):
         if func is torch.Tensor.unflatten and torch.compiler.is_compiling():
             func = torch.unflatten  # (dynamo cannot trace the method's `super()` call from here)
         return func(*args, **kwargs)
+
+    def _refuse_other_form(self, func, args, kwargs):
+        """Raise if a layer's weight is among the tensors of a linear call of a form that
+        `_operands` does not know: it would silently run in high precision."""
+        for t in (*args, *kwargs.values()):
+            layer = next(iter(self._given(t)), (None,))[0] if torch.is_tensor(t) else None
+            if layer is not None:
+                name = f"torch.{func.__name__}" if func is not F.linear else "F.linear"
+                self._refuse_call(
+                    layer, f"passes its weight to {name} in a form fp8fn does not convert"
+                )
+
+    def _refuse_call(self, layer, what: str):
+        api = "init" if self.state is None else "apply"
+        raise ValueError(
+            f"fp8fn.{api}: layer {layer.path!r} {what} (fp8fn runs `x @ weight.T + bias`). "
+            "Call it as `F.linear(x, weight, bias)` (HF Conv1D: `torch.addmm(bias, x, "
+            "weight)`), or leave the layer in high precision with `filter_fn=lambda name, "
+            f"module: name != {layer.path!r}`."
+        )
 
     def _refuse_torch_checkpoint(self):
         """Raise if the model runs its own torch.utils.checkpoint (seen as gradients turned
@@ -107,11 +159,14 @@ class _Call(TorchFunctionMode):
     def _split(self, func, args, kwargs):
         """`weight.split(...)` or `.chunk(...)`: the pieces of a layer's weight are that
         layer's weights too (nn.MultiheadAttention's packed in_proj, for cross-attention)."""
-        pieces = func(*args, **kwargs)
         whole = args[0]
         layer = next(iter(self._given(whole)), (None,))[0]
         if layer is None and isinstance(whole, nn.Parameter):  # swapped in (FSDP2)
             layer = self.transformed._holder_of(whole, False)
+        if layer is not None and self._held_before:  # sharded operands (never compiled)
+            held = self._held_before.get(id(layer))
+            args = (gathered_for_split(whole, held), *args[1:])
+        pieces = func(*args, **kwargs)
         if layer is not None:
             for piece in pieces:
                 entry = (layer, piece, None)

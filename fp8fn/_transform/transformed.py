@@ -36,11 +36,64 @@ from .._ops.nvfp4 import initial_key, seed_key
 from .._parallel.dtensor import gather_params, sharded_operands
 from .._parallel.wrappers import ddp_parameter, refuse_ddp_inner_module, reshard_fsdp
 from .._torch_errors import translated_errors
+from .._torch_private import (
+    constant_under_compile,
+    innermost_function_mode,
+    recomputing_in_torch_checkpoint,
+)
 from .fsdp import Fsdp2
-from .layers import _find_layers
+from .layers import _find_layers, _is_linear_weight
 from .recompute import recomputing
 from .routing import _Call
 from .swap import _functional_call, _Slots, exclusive
+
+
+@constant_under_compile
+def _reread_if_changed(transformed) -> bool:
+    """`transformed._read_module()` when its module's structure changed since it last ran.
+
+    Run as it is, in eager; while torch.compile traces `apply`, run at trace time only (its
+    result a constant): a change that makes dynamo trace again (it guards on the submodules
+    and parameters a forward reads) is re-read then.
+    """
+    if not _unchanged(transformed._structure):
+        with exclusive(transformed.module):
+            if not _unchanged(transformed._structure):
+                transformed._read_module()
+    return True
+
+
+def _inside(name: str, path: str) -> bool:
+    """Whether the tensor `name` belongs to the submodule at `path` ("" is the root)."""
+    return not path or name.startswith(path + ".")
+
+
+def _structure(module, managed) -> list:
+    """`[(submodule, its children, its parameters' (name, tensor))]`, by identity, less the
+    slots FSDP2 manages (`managed`: `{(id(submodule), name)}`; FSDP2 swaps them at each
+    forward): what `_read_module` read the module's layers, ties and slots from."""
+    return [
+        (
+            m,
+            tuple(m._modules.values()),
+            len(m._parameters),
+            tuple((a, p) for a, p in m._parameters.items() if (id(m), a) not in managed),
+        )
+        for m in module.modules()
+    ]
+
+
+def _unchanged(structure) -> bool:
+    """Whether every submodule of `structure` (from `_structure`) still holds the same children
+    and parameters (compared by identity: a few microseconds per submodule)."""
+    for m, children, n_params, params in structure:
+        now = m._modules
+        if len(now) != len(children) or any(a is not b for a, b in zip(now.values(), children)):
+            return False
+        now = m._parameters
+        if len(now) != n_params or any(now.get(a) is not p for a, p in params):
+            return False
+    return True
 
 
 class Transformed:
@@ -69,20 +122,59 @@ class Transformed:
             )
         refuse_ddp_inner_module(module)
         self.module = module
+        self._choices = (recipe, filter_fn, checkpoint_fn)
+        self._read_module()
+
+    def _read_module(self):
+        """Read what `apply` needs from the module: its layers and their recipes, its slots and
+        ties, the submodules `checkpoint_fn` chooses, FSDP2's. Done by `transform`, and again
+        by `apply` when the module's structure changed since (`_structure`: a submodule
+        replaced, a parameter reassigned or tied), so that a transform made before such a
+        change runs as one made after it."""
+        module, (recipe, filter_fn, checkpoint_fn) = self.module, self._choices
         self._ddp_param = ddp_parameter(module)  # (name, parameter) of a DDP model, else None
         self._layers = _find_layers(module, recipe, filter_fn)
         self.recipes = {layer.path: layer.recipe for layer in self._layers}
         self.layers = list(self.recipes)
         self._delayed = self._delayed_recipe()
         self._stateful = [p for p, r in self.recipes.items() if isinstance(r, DelayedScaling)]
-        self._slots = _Slots(module)
+        self._fsdp = Fsdp2(module, self._layers)  # FSDP2's slots and float8 all-gathers
+        own = [m.slot for m in self._layers if m.slot not in self._fsdp.managed]
+        self._slots = _Slots(module, own)
+        self._refuse_fsdp_ties()
         self._held = {}  # {id(weight): (weakref, layer)}: weights swapped into layers (FSDP2)
         self.checkpointed = self._checkpoint_modules(checkpoint_fn)
         self._checkpointed_ids = {id(module.get_submodule(p)): p for p in self.checkpointed}
         self._checkpointed_modules = [module.get_submodule(p) for p in self.checkpointed]
-        self._block_slots = {id(m): _Slots(m) for m in self._checkpointed_modules}
+        self._block_slots = {
+            id(m): _Slots(m, [n[len(p) + 1 :] if p else n for n in own if _inside(n, p)])
+            for p, m in zip(self.checkpointed, self._checkpointed_modules)
+        }
         self._known_sites = None  # the `state.sites` last checked by `apply`
-        self._fsdp = Fsdp2(module, self._layers)  # FSDP2's slots and float8 all-gathers
+        managed = {(id(m), attr) for m, attr, _ in self._fsdp.managed.values()}
+        self._structure = _structure(module, managed)
+
+    def _reread_if_changed(self):
+        """`_read_module` again when the module's structure changed since it last ran."""
+        _reread_if_changed(self)
+
+    def _refuse_fsdp_ties(self):
+        """Raise when layers sharing one FSDP2-managed weight get different choices (one left
+        in high precision, or another recipe): FSDP2 swaps the one unsharded weight into each,
+        so fp8fn cannot give each layer its own view of it, and would run them all as one."""
+        choice = {m.slot: m.recipe for m in self._layers}
+        for first, names in self._slots.others.items():
+            group = [n for n in (first, *names) if _is_linear_weight(self.module, n)]
+            if len(group) < 2 or not any(n in self._fsdp.managed for n in group):
+                continue
+            if len({repr(choice.get(n)) for n in group}) > 1:
+                chosen = ", ".join(f"{n!r}: {choice.get(n)}" for n in group)
+                raise ValueError(
+                    "fp8fn.transform: expected the layers sharing one FSDP2-managed weight to "
+                    f"have one recipe, got {chosen}. Under FSDP2 they run as one layer: give "
+                    "them the same choice in `filter_fn` and the recipe function, or untie the "
+                    "weights."
+                )
 
     def _delayed_recipe(self) -> DelayedScaling | None:
         """The one DelayedScaling config of the stateful layers (they share one packed state)."""
@@ -149,6 +241,7 @@ class Transformed:
           layer uses NVFP4Scaling (else `state.key` is None).
         """
         seed_key(seed)  # checks the seed before the model runs
+        self._reread_if_changed()
         calls = {}
         for name in self._discover(args, kwargs):
             path, k = parse_site(name)
@@ -187,6 +280,8 @@ class Transformed:
             try:
                 sites = self._run_discovery({}, (args, kwargs))
             except Exception as e:
+                if str(e).startswith("fp8fn."):  # fp8fn refuses a call of the model's
+                    raise
                 raise RuntimeError(
                     f"fp8fn.init: the model raised on the example inputs ({type(e).__name__}: "
                     f"{e}). Call fn.init with inputs the model accepts."
@@ -197,9 +292,10 @@ class Transformed:
 
     def _run_discovery(self, tensors, args_kwargs) -> list[str]:
         args, kwargs = args_kwargs
+        tensors = self._slots.expand(tensors, "init")
         call = _Call(self, tensors, None)
         with torch.no_grad(), self._fsdp.scales(None), exclusive(self.module), call:
-            _functional_call(self.module, self._slots, tensors, args, kwargs)
+            _functional_call(self.module, None, tensors, args, kwargs)
         return call.sites
 
     def apply(self, params: dict, state: State, *args, **kwargs):
@@ -232,21 +328,29 @@ class Transformed:
           RuntimeError: when `state` already took part in another `apply` of the gradient being
             recorded: autograd would sum the two calls' observations, fp8fn combines by max.
         """
+        self._reread_if_changed()  # a layer replaced, weights tied, fully_shard: since transform
         self._check(params, state)
-        claim(state.amax_history, "apply", "state")
+        try:
+            claim(state.amax_history, "apply", "state")
+        except RuntimeError:
+            # torch.utils.checkpoint around apply: its recompute reruns the forward whose
+            # observations are recorded (bit for bit), and observes nothing a second time.
+            if not recomputing_in_torch_checkpoint():
+                raise
         params = self._fsdp.without_params(params)
         tensors = params
         if params and sharded_operands(next(iter(params.values()))):  # the first tells
             tensors = gather_params(self, params)
+        tensors = self._slots.expand(tensors)
         call = _Call(self, tensors, state)
         with (
             translated_errors(self.module, params),
             self._fsdp.scales(state),
             exclusive(self.module),
-            call,
+            innermost_function_mode(call),
             recomputing(call, self._checkpointed_modules),
         ):
-            return _functional_call(self.module, self._slots, tensors, args, kwargs)
+            return _functional_call(self.module, None, tensors, args, kwargs)
 
     def _check(self, params, state):
         if not isinstance(params, dict):
@@ -258,7 +362,9 @@ class Transformed:
             raise ValueError(
                 "fp8fn.apply: `params` must be keyed like module.named_parameters() (or "
                 f"named_buffers()); unexpected {sorted(params.keys() - self._slots.first.keys())}. "
-                "If the model changed after fp8fn.transform, transform it again."
+                "Key them as the model is now (apply re-reads parameters and submodules "
+                "changed after fp8fn.transform; a buffer registered after it needs a new "
+                "fp8fn.transform)."
             )
         check_state("apply", state)
         check_scales("apply", state.scale)
