@@ -7,6 +7,7 @@ changes one fails loudly there instead of somewhere deep in the op.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import sys
 import types
@@ -14,6 +15,7 @@ import types
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
+import torch.utils.hooks
 
 _functorch = torch._C._functorch
 
@@ -70,6 +72,30 @@ def function_modes() -> list:
     return torch.overrides._get_current_function_mode_stack()
 
 
+@contextlib.contextmanager
+def innermost_function_mode(mode):
+    """Enter the TorchFunctionMode `mode` below those already in effect (the user's own): they
+    see each call first and pass it on to `mode`. As `with mode:` while torch.compile traces.
+    """
+    if torch.compiler.is_compiling() or not torch.overrides._is_torch_function_mode_enabled():
+        with mode:
+            yield
+        return
+    outer = [torch.overrides._pop_mode() for _ in function_modes()]  # innermost first
+    try:
+        with mode:
+            for m in reversed(outer):
+                torch.overrides._push_mode(m)
+            try:
+                yield
+            finally:
+                for _ in outer:
+                    torch.overrides._pop_mode()
+    finally:
+        for m in reversed(outer):
+            torch.overrides._push_mode(m)
+
+
 def saved_tensor_hooks_active() -> bool:
     """Whether `torch.autograd.graph.saved_tensors_hooks` are in effect (e.g. the non-reentrant
     `torch.utils.checkpoint`, or offloading to CPU)."""
@@ -93,6 +119,48 @@ def inside_torch_checkpoint(stop_at) -> bool:
         if frame.f_code is _TORCH_CHECKPOINT:
             return True
         frame = frame.f_back
+    return False
+
+
+def constant_under_compile(fn):
+    """`torch.compiler.assume_constant_result(fn)` without importing dynamo (which that call
+    does, and `import fp8fn` must not): dynamo runs `fn` once at trace time and takes its
+    result as a constant. The mark is the attribute that decorator sets."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+def recomputing_in_torch_checkpoint() -> bool:
+    """Whether the caller runs in the recompute of a non-reentrant `torch.utils.checkpoint`:
+    the backward unpacking a saved tensor reruns the checkpointed function (from the
+    checkpoint's `unpack_hook`). Walks every frame: for an error path. False while
+    torch.compile traces (dynamo cannot read frames)."""
+    if torch.compiler.is_compiling():
+        return False
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "unpack_hook" and code.co_filename == _TORCH_CHECKPOINT.co_filename:
+            return True
+        frame = frame.f_back
+    return False
+
+
+_BACKWARD_HOOKS_FILE = inspect.getsourcefile(torch.utils.hooks.BackwardHook)
+
+
+def raised_by_backward_hook(error: BaseException) -> bool:
+    """Whether `error` was raised while torch set up a module's full backward hook
+    (`register_full_backward_hook` or `_pre_hook`: `torch.utils.hooks.BackwardHook`, an
+    autograd.Function without setup_context, which torch.func refuses). False while
+    torch.compile traces (dynamo cannot read tracebacks)."""
+    if torch.compiler.is_compiling():
+        return False
+    tb = error.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == _BACKWARD_HOOKS_FILE:
+            return True
+        tb = tb.tb_next
     return False
 
 

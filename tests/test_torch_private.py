@@ -143,3 +143,63 @@ def test_function_modes_lists_the_modes_in_effect_outermost_first():
     with A() as a, B() as b:
         assert private.function_modes() == [a, b]
     assert private.function_modes() == []
+
+
+def test_constant_under_compile_marks_as_torch_compiler_assume_constant_result():
+    def f():
+        return 1
+
+    def g():
+        return 1
+
+    private.constant_under_compile(f)
+    torch.compiler.assume_constant_result(g)
+    marks = {k: v for k, v in vars(g).items() if k.startswith("_dynamo")}
+    assert marks and vars(f) == marks
+
+
+def test_recomputing_in_torch_checkpoint_is_seen_in_the_recompute_only():
+    seen = []
+
+    def f(x):
+        seen.append(private.recomputing_in_torch_checkpoint())
+        return x.sin()
+
+    x = torch.ones(2, requires_grad=True)
+    torch.utils.checkpoint.checkpoint(f, x, use_reentrant=False).sum().backward()
+    assert seen == [False, True]
+
+
+def test_raised_by_backward_hook_tells_the_hook_from_other_errors():
+    model = torch.nn.Linear(2, 2)
+    model.register_full_backward_hook(lambda m, gi, go: None)
+    params = dict(model.named_parameters())
+    try:
+        torch.func.grad(lambda p: torch.func.functional_call(model, p, (torch.ones(2),)).sum())(
+            params
+        )
+    except RuntimeError as e:
+        assert private.raised_by_backward_hook(e)
+    else:
+        raise AssertionError("torch.func accepted a full backward hook")
+    assert not private.raised_by_backward_hook(RuntimeError("x"))
+
+
+def test_innermost_function_mode_enters_below_the_modes_in_effect():
+    order = []
+
+    class Mode(torch.overrides.TorchFunctionMode):
+        def __init__(self, name):
+            super().__init__()
+            self.name = name
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is torch.sin:
+                order.append(self.name)
+            return func(*args, **(kwargs or {}))
+
+    with Mode("user"):
+        with private.innermost_function_mode(Mode("fp8fn")):
+            torch.sin(torch.ones(1))
+        assert private.function_modes()[-1].name == "user"
+    assert order == ["user", "fp8fn"] and private.function_modes() == []

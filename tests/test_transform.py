@@ -671,7 +671,9 @@ def test_recipe_function_errors_name_the_problem():
 
 def test_apply_errors_name_the_problem():
     model, fn, x, params, state = _transformed_mlp(batch=4)
-    with pytest.raises(ValueError, match=r"fp8fn.apply: .*unexpected \['extra'\]\. If the model"):
+    with pytest.raises(
+        ValueError, match=r"fp8fn.apply: .*unexpected \['extra'\]\. Key them as the model is now"
+    ):
         fn.apply({**params, "extra": torch.ones(1)}, state, x)
     with pytest.raises(TypeError, match=r"expected tensors in `params`, got \{'0.bias': 'list'\}"):
         fn.apply({**params, "0.bias": [0.0] * 32}, state, x)

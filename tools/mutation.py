@@ -48,6 +48,7 @@ DEFAULT_TESTS = [
     "tests/test_finer.py",
     "tests/test_reference.py",
     "tests/test_transform.py",
+    "tests/test_never_silent.py",
 ]
 QUICK_TESTS = ["tests/test_reference.py"]
 QUICK_DESELECT = ["compiled", "transformer"]  # tests left out by --quick (-k "not ...")
@@ -301,7 +302,7 @@ MUTATIONS = [
         "live-identity-only",
         "live-model routing by weight identity only (no `_holder_of` fallback: swapped-in "
         "weights run in high precision)",
-        "_transform/transformed.py",
+        "_transform/routing.py",
         (("return self.transformed._holder_of(weight, transposed)", "return None"),),
     ),
     Mutation(
@@ -333,6 +334,101 @@ MUTATIONS = [
             (
                 "grad_b = g.float().sum(0).to(b_dtype)",
                 "grad_b = g.float().sum(0).to(x_dtype).to(b_dtype)",
+            ),
+        ),
+    ),
+    # -- never silently wrong, part 4 (tests/test_never_silent.py) -------------------------------
+    Mutation(
+        "checkpoint-fn-prefix",
+        "checkpoint_fn: `blocks.10` taken for a submodule of the chosen `blocks.1` (a path "
+        "prefix, not a path)",
+        "_transform/transformed.py",
+        (
+            (
+                'p == "" or name.startswith(p + ".") for p in chosen',
+                'p == "" or name.startswith(p) for p in chosen',
+            ),
+        ),
+    ),
+    Mutation(
+        "linear-bias-keyword",
+        "F.linear's bias passed by keyword dropped",
+        "_transform/routing.py",
+        (
+            (
+                'bound["input"], bound["weight"], bound.get("bias"), False',
+                'bound["input"], bound["weight"], None, False',
+            ),
+        ),
+    ),
+    Mutation(
+        "autocast-default-device",
+        "autocast read for the default device type (CUDA), not for the input's",
+        "_ops/linear.py",
+        (("    if torch.is_autocast_enabled(device):", "    if torch.is_autocast_enabled():"),),
+    ),
+    Mutation(
+        "first-order-gradients-only",
+        "the first-order guard covers the gradients but not the observation",
+        "_ops/tensorwise.py",
+        (
+            (
+                "grads[:4] = _FirstOrderOnly.apply(x_amax, *grads[:4])",
+                "grads[:3] = _FirstOrderOnly.apply(x_amax, *grads[:3])",
+            ),
+        ),
+    ),
+    Mutation(
+        "tied-shared-weight",
+        "a tied converted layer runs with the shared weight itself (it becomes the other "
+        "layer's call: its site, recipe and scales)",
+        "_transform/swap.py",
+        (("            out[prefix + name] = t.view_as(t)", "            out[prefix + name] = t"),),
+    ),
+    Mutation(
+        "structure-not-reread",
+        "the module's structure not re-read by apply (a layer replaced after transform runs "
+        "in high precision, a tie made after it loses gradients)",
+        "_transform/transformed.py",
+        (
+            (
+                "    for m, children, n_params, params in structure:",
+                "    for m, children, n_params, params in structure[:0]:",
+            ),
+        ),
+    ),
+    Mutation(
+        "computed-weight-accepted",
+        "a weight made by a forward pre-hook (prune, weight_norm, spectral_norm) accepted",
+        "_transform/layers.py",
+        (
+            (
+                "        if isinstance(getattr(layer, attr, None), torch.Tensor):",
+                "        if False:",
+            ),
+        ),
+    ),
+    Mutation(
+        "addmm-options-ignored",
+        "torch.addmm's beta, alpha or out on a layer's weight ignored (silently `bias + x @ W`)",
+        "_transform/routing.py",
+        (("                    if options:", "                    if False:"),),
+    ),
+    Mutation(
+        "torch-checkpoint-around-apply-refused",
+        "torch.utils.checkpoint around fn.apply: its recompute taken for a second observation",
+        "_transform/transformed.py",
+        (("            if not recomputing_in_torch_checkpoint():", "            if True:"),),
+    ),
+    Mutation(
+        "mode-on-top",
+        "fp8fn's routing mode entered above the user's TorchFunctionModes (they never see the "
+        "converted layers' calls)",
+        "_transform/transformed.py",
+        (
+            (
+                "            innermost_function_mode(call),\n",
+                "            call,\n",
             ),
         ),
     ),

@@ -528,30 +528,20 @@ def gather_params(transformed, params: dict) -> dict:
     return out
 
 
+def gathered_for_split(weight, held):
+    """`weight` all-gathered in high precision when it is a functional FSDP shard (a DTensor
+    where the module holds a plain tensor) that the model splits (nn.MultiheadAttention's
+    packed in_proj, in cross-attention): its pieces are whole q, k, v weights, as the plain
+    model's. Else `weight` as it is."""
+    d = as_dtensor(weight)
+    if d is None or as_dtensor(held) is not None:
+        return weight
+    return _GatherParam.apply(weight, dtensor_spec(d), d.device_mesh.get_group())
+
+
 _TP_UNDER_FUNC = (
     "fp8fn.apply: expected plain autograd for a tensor-parallel model, got a torch.func "
     "transform: torch's parallel styles convert with DTensor.from_local, an autograd.Function "
     "without setup_context, which torch.func refuses. Differentiate with fp8fn.value_and_grad, "
     "or fp8fn.observe and loss.backward()."
 )
-_MIXED = "got mixed torch.Tensor and DTensor"
-_NO_SETUP_CONTEXT = "must override the setup_context"
-
-
-def explain_error(error: Exception, module) -> Exception | None:
-    """A clear fp8fn error for what torch raised on a sharded model in `apply`, else None."""
-    message = str(error)
-    if _MIXED in message:
-        return RuntimeError(
-            "fp8fn.apply: expected the model's DTensors to meet only DTensors, got a torch op "
-            f"mixing them with plain tensors ({message.splitlines()[0]}). {_FSDP_HOWTO} "
-            "fp8fn looks at the first entry of `params` to know whether they are DTensors: "
-            "give them all as DTensors, or none."
-        )
-    if (
-        _NO_SETUP_CONTEXT in message
-        and functorch_level() is not None
-        and any(as_dtensor(p) is not None for p in module.parameters())
-    ):
-        return RuntimeError(_TP_UNDER_FUNC)
-    return None

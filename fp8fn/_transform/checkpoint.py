@@ -18,6 +18,7 @@ from .._torch_private import (
     functorch_level,
     unwrapped,
 )
+from .swap import _functional_call, _Holder, _module_tensors
 
 _PASS_AS_ARGUMENTS = (
     "Pass it as an argument (`fp8fn.checkpoint(lambda w, x: x @ w, w, x)`, not "
@@ -236,51 +237,15 @@ def checkpoint(f, *args):
         return checkpoint_with_constants(
             lambda _, b, kw, a: call(*b, *a, **kw), (bound, keywords, args), ()
         )
-    names, params, buffers = _module_tensors(module)
+    slots, params, buffers = _module_tensors(module)
     holder = _Holder(module, call)
     if torch.is_grad_enabled():
         _refuse_closed_over(call, (params, bound, keywords, args))
 
     def run(buffers, params, b, kw, a):
-        tensors = {**buffers, **params}
-        swapped = {"m." + n: tensors[first] for n, first in names.items()}
-        return torch.func.functional_call(
-            holder, swapped, (*b, *a), kw, tie_weights=False, strict=False
-        )
+        return _functional_call(holder, slots, {**buffers, **params}, (*b, *a), kw, prefix="m.")
 
     return checkpoint_with_constants(run, (params, bound, keywords, args), buffers)
-
-
-class _Holder(nn.Module):
-    """`call` (a module, or a bound method of one) as a module holding that module under `m.`:
-    `functional_call` on it swaps in the tensors of the checkpoint's arguments."""
-
-    def __init__(self, module, call):
-        super().__init__()
-        self.m, self._call = module, (call,)  # in a tuple: a module call is not a submodule
-
-    def forward(self, *args, **kwargs):
-        return self._call[0](*args, **kwargs)
-
-
-def _module_tensors(module):
-    """`module`'s tensors, for `functional_call`: `{name: first}` for each place it holds one
-    (a submodule registered twice holds them once), `first` the first name of that tensor (tied
-    tensors are one); the parameters and the buffers a differentiation tracks, `{first: t}`;
-    the other buffers, `{first: t}` (constants)."""
-    names, firsts, slots, params, buffers = {}, {}, set(), {}, {}
-    named = [(n, t, True) for n, t in module.named_parameters(remove_duplicate=False)]
-    named += [(n, t, False) for n, t in module.named_buffers(remove_duplicate=False)]
-    for name, t, is_parameter in named:
-        path, _, attr = name.rpartition(".")
-        slot = (id(module.get_submodule(path)), attr)
-        if slot in slots:
-            continue
-        slots.add(slot)
-        first = names[name] = firsts.setdefault(id(t), name)
-        if first == name:
-            (params if is_parameter or differentiated(t) else buffers)[name] = t
-    return names, params, buffers
 
 
 def _closed_over(f):

@@ -2,28 +2,26 @@
 
 `apply` runs the user's own module as it is at the call (its buffers, dtype, device, training
 flags and hooks) under `torch.func.functional_call` with the given parameters. A `_Call` (one
-per forward pass, a `TorchFunctionMode`) routes the linear calls of the chosen layers, known by
-the identity of their weight, to `fp8fn.linear` with their site's state. `transform` keeps only
-the layers' names and recipes, and nothing is left on the module after a call.
+per forward pass, a `TorchFunctionMode`, `routing.py`) routes the linear calls of the chosen
+layers (`layers.py`), known by the identity of their weight, to `fp8fn.linear` with their site's
+state. `transform` keeps only the layers' names and recipes, and nothing is left on the module
+after a call.
+
+This module is the facade: `apply` checks its arguments, then enters in one `with` the context
+managers a call needs (torch's errors translated, `_torch_errors.py`; FSDP2's float8 weight
+scales, `fsdp.py`; the module's lock, `swap.py`; the routing `_Call`; the `checkpoint_fn`
+recompute, `recompute.py`), then calls the module.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-import dataclasses
-import threading
-import warnings
 import weakref
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-from .._core.checks import check_operands
-from .._core.recipes import RECIPES, CurrentScaling, DelayedScaling, NVFP4Scaling
+from .._core.recipes import RECIPES, DelayedScaling, NVFP4Scaling
 from .._core.state import (
     State,
     check_scales,
@@ -34,497 +32,68 @@ from .._core.state import (
     site_name,
     warn_if_superseded,
 )
-from .._ops.linear import fp8_linear
 from .._ops.nvfp4 import initial_key, seed_key
-from .._parallel.dtensor import explain_error as explain_sharded_error
-from .._parallel.dtensor import gather_params, sharded_linear, sharded_operands
-from .._parallel.fsdp_gather import (
-    SCALES,
-    Float8GatheredWeight,
-    ScalesForCall,
-    is_float8_gathered,
-    weight_scales,
-)
-from .._parallel.wrappers import (
-    ddp_parameter,
-    is_fsdp_module,
-    refuse_ddp_inner_module,
-    reshard_fsdp,
-)
+from .._parallel.dtensor import gather_params, sharded_operands
+from .._parallel.wrappers import ddp_parameter, refuse_ddp_inner_module, reshard_fsdp
+from .._torch_errors import translated_errors
 from .._torch_private import (
-    attention_forward,
-    inside_torch_checkpoint,
-    saved_tensor_hooks_active,
+    constant_under_compile,
+    innermost_function_mode,
+    recomputing_in_torch_checkpoint,
 )
-from .checkpoint import checkpoint_with_constants, refuse_compile
-
-# What torch raises when the model's own torch.utils.checkpoint runs under torch.func.
-_TORCH_CHECKPOINT_UNDER_FUNC = ("saved tensor hooks", "must override the setup_context")
-# What torch raises when a module updates a buffer in place under torch.func.grad.
-_TORCH_MUTATES_CAPTURED = "would mutate a captured Tensor"
-# What torch raises when a model (an HF input hook) calls requires_grad_() under torch.func.
-_TORCH_REQUIRES_GRAD_UNDER_FUNC = "call Tensor.requires_grad_() (or perhaps using"
-_SPLITS = (torch.Tensor.split, torch.Tensor.chunk)
-_USE_CHECKPOINT_FN = (
-    "Turn the model's own checkpointing off (HF: `model.gradient_checkpointing_disable()`) and "
-    "pass `checkpoint_fn=lambda name, module: ...` to fp8fn.transform."
-)
-
-# The `_Call` running in this thread, for the modules chosen by `checkpoint_fn`.
-_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("fp8fn_call", default=None)
+from .fsdp import Fsdp2
+from .layers import _find_layers, _is_linear_weight
+from .recompute import recomputing
+from .routing import _Call
+from .swap import _functional_call, _Slots, exclusive
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class _Layer:
-    """A layer that runs in float8: its module path, its parameters' names, its recipe."""
+@constant_under_compile
+def _reread_if_changed(transformed) -> bool:
+    """`transformed._read_module()` when its module's structure changed since it last ran.
 
-    path: str
-    weight: str  # the weight's name in `module.named_parameters()` (the first name when tied)
-    bias: str | None
-    recipe: object
-    transposed: bool  # HF Conv1D: weight stored `(in, out)`, called through torch.addmm
-    module: nn.Module = dataclasses.field(repr=False)  # the module holding the weight
-    attrs: tuple = ("weight", "bias")  # the weight's and the bias's names on `module`
-
-    def held(self):
-        """The weight the module holds now (FSDP2 swaps its shard and the unsharded weight)."""
-        return self.module._parameters.get(self.attrs[0])
-
-    def holds(self, weight) -> bool:
-        """Whether `weight` is what the module holds now."""
-        return self.held() is weight
-
-    def own(self, tensors: dict):
-        """`(weight, bias)` this layer runs with: from `tensors`, else the module's own."""
-        weight = tensors.get(self.weight)
-        if weight is None:
-            weight = getattr(self.module, self.attrs[0])
-        if self.bias is None:
-            return weight, None
-        bias = tensors.get(self.bias)
-        return weight, getattr(self.module, self.attrs[1]) if bias is None else bias
-
-
-def _is_hf_conv1d(module) -> bool:
-    """HF transformers' `Conv1D` (GPT-2 family): a linear layer with its weight `(in, out)`.
-
-    Duck-typed, so that transformers stays an optional dependency.
+    Run as it is, in eager; while torch.compile traces `apply`, run at trace time only (its
+    result a constant): a change that makes dynamo trace again (it guards on the submodules
+    and parameters a forward reads) is re-read then.
     """
-    return any(
-        c.__name__ == "Conv1D" and c.__module__.startswith("transformers")
-        for c in type(module).__mro__
-    )
+    if not _unchanged(transformed._structure):
+        with exclusive(transformed.module):
+            if not _unchanged(transformed._structure):
+                transformed._read_module()
+    return True
 
 
-def _linear_base(module):
-    """The base class of a linear-like module fp8fn converts (nn.Linear, HF Conv1D), or None."""
-    if isinstance(module, nn.Linear):
-        return nn.Linear
-    if _is_hf_conv1d(module):
-        return next(c for c in type(module).__mro__ if c.__name__ == "Conv1D")
-    return None
+def _inside(name: str, path: str) -> bool:
+    """Whether the tensor `name` belongs to the submodule at `path` ("" is the root)."""
+    return not path or name.startswith(path + ".")
 
 
-def _recipe_for(recipe, name, module):
-    """The recipe of one layer: `recipe` itself, or `recipe(name, module)` when a function."""
-    chosen = recipe if isinstance(recipe, RECIPES) else recipe(name, module)
-    if chosen is not None and not isinstance(chosen, RECIPES):
-        raise TypeError(
-            f"fp8fn.transform: expected the recipe of layer {name!r} to be an fp8fn recipe "
-            f"(e.g. fp8fn.DelayedScaling()) or None, got {type(chosen).__name__}."
+def _structure(module, managed) -> list:
+    """`[(submodule, its children, its parameters' (name, tensor))]`, by identity, less the
+    slots FSDP2 manages (`managed`: `{(id(submodule), name)}`; FSDP2 swaps them at each
+    forward): what `_read_module` read the module's layers, ties and slots from."""
+    return [
+        (
+            m,
+            tuple(m._modules.values()),
+            len(m._parameters),
+            tuple((a, p) for a, p in m._parameters.items() if (id(m), a) not in managed),
         )
-    return chosen
+        for m in module.modules()
+    ]
 
 
-def _attention_layers(path: str, attention: nn.MultiheadAttention, names: dict):
-    """`[(path, weight attr, bias attr)]` of an nn.MultiheadAttention's input projections: one
-    packed `in_proj`, or `q_proj`, `k_proj`, `v_proj` (its `out_proj` is an nn.Linear)."""
-    prefix = f"{path}." if path else ""
-    if attention.in_proj_weight is not None:
-        return [(f"{prefix}in_proj", "in_proj_weight", "in_proj_bias")]
-    return [(f"{prefix}{r}_proj", f"{r}_proj_weight", "in_proj_bias") for r in "qkv"]
-
-
-def _find_layers(module, recipe, filter_fn) -> list[_Layer]:
-    """The linear layers that run in float8, in module order: nn.Linear (and subclasses that
-    keep its forward), HF Conv1D, and nn.MultiheadAttention's projections (`<path>.in_proj`, or
-    `q_proj`/`k_proj`/`v_proj`, and its `out_proj`). Warns when there are none."""
-    names = {id(p): n for n, p in module.named_parameters()}  # tied: the first name
-    layers = []
-
-    def add(name, sub, attrs, transposed):
-        if filter_fn is not None and not filter_fn(name, sub):
-            return
-        chosen = _recipe_for(recipe, name, sub)
-        if chosen is None:
-            return
-        bias = getattr(sub, attrs[1])
-        layers.append(
-            _Layer(
-                path=name,
-                weight=names[id(getattr(sub, attrs[0]))],
-                bias=None if not isinstance(bias, torch.Tensor) else names[id(bias)],
-                recipe=chosen,
-                transposed=transposed,
-                module=sub,
-                attrs=attrs,
-            )
-        )
-
-    for name, sub in module.named_modules():
-        if isinstance(sub, nn.MultiheadAttention):
-            for path, weight, bias in _attention_layers(name, sub, names):
-                add(path, sub, (weight, bias), False)
-            continue
-        base = _linear_base(sub)
-        if base is None:
-            continue
-        refuse = None
-        if type(sub).forward is not base.forward:
-            refuse = f"a {type(sub).__name__}, a {base.__name__} subclass with its own forward"
-        elif torch.nn.utils.parametrize.is_parametrized(sub, "weight"):
-            refuse = "parametrized (torch.nn.utils.parametrize: its weight is made at each use)"
-        if refuse and (filter_fn is None or filter_fn(name, sub)):
-            raise TypeError(
-                f"fp8fn.transform: layer {name!r} is {refuse}, which fp8fn cannot convert "
-                "faithfully. Leave it in high precision with `filter_fn=lambda name, module: "
-                f"name != {name!r}`."
-            )
-        add(name, sub, ("weight", "bias"), base is not nn.Linear)
-    if not layers:
-        warnings.warn(
-            "fp8fn.transform: no layer was converted to float8, so the model runs entirely in "
-            "high precision. fp8fn converts nn.Linear, HF Conv1D and nn.MultiheadAttention's "
-            "projections, chosen by `filter_fn` and given a recipe.",
-            stacklevel=3,
-        )
-    return layers
-
-
-def _operands(func, args, kwargs):
-    """`(x, weight, bias, transposed)` of an `F.linear` call or of a `torch.addmm(bias, x,
-    weight)` (HF Conv1D) call; None for another use of addmm."""
-    if func is F.linear:
-        x, weight, *rest = args
-        return x, weight, rest[0] if rest else kwargs.get("bias"), False
-    if len(args) == 3 and not kwargs:
-        bias, x, weight = args
-        return x, weight, bias, True
-    return None
-
-
-class _Slots:
-    """Where a module holds its tensors, for swapping them in safely.
-
-    `torch.func.functional_call` with `tie_weights=True` swaps a submodule registered under two
-    paths twice and restores it wrongly, leaving the module holding the call's tensors (torch
-    2.13). So fp8fn swaps with `tie_weights=False` and ties by itself: each tensor is given once,
-    under its first name, and copied to the other names that are other slots (another module
-    sharing it, as tied weights); names of one slot seen through a shared submodule are dropped.
-    """
-
-    def __init__(self, module: nn.Module):
-        self.first, self.others, seen, slots = {}, {}, {}, set()
-        named = (
-            *module.named_parameters(remove_duplicate=False),
-            *module.named_buffers(remove_duplicate=False),
-        )
-        for name, t in named:
-            path, _, attr = name.rpartition(".")
-            first = self.first[name] = seen.setdefault(id(t), name)
-            slot = (id(module.get_submodule(path)), attr)
-            if slot not in slots:
-                slots.add(slot)
-                if first != name:
-                    self.others.setdefault(first, []).append(name)
-        self.aliases = {n for n, f in self.first.items() if n != f}
-
-    def expand(self, tensors: dict, api: str = "apply", prefix: str = "") -> dict:
-        """`tensors` (`{name: tensor}`) for `functional_call(..., tie_weights=False)`, each name
-        prefixed with `prefix`, in a new dict (`functional_call` writes back into its dict what
-        the module holds at the end, e.g. FSDP2's unsharded root tensors). Raises when a tied
-        tensor is given twice, as different tensors."""
-        if not self.others and not (tensors.keys() & self.aliases) and not prefix:
-            return dict(tensors)
-        out = {}
-        for name, t in tensors.items():
-            first = self.first.get(name, name)
-            if out.setdefault(prefix + first, t) is not t:
-                raise ValueError(
-                    f"fp8fn.{api}: `params` gives the tied tensor {first!r} twice, as {name!r} "
-                    "too, with another tensor. Give each tied parameter once: "
-                    "dict(model.named_parameters())."
-                )
-        for first, names in self.others.items():
-            t = out.get(prefix + first)
-            if t is not None:
-                out.update((prefix + n, t) for n in names)
-        return out
-
-
-def _functional_call(module, slots: _Slots, tensors: dict, args, kwargs, prefix=""):
-    """`module(*args, **kwargs)` with `tensors` swapped in for the call (see `_Slots`)."""
-    tensors = slots.expand(tensors, prefix=prefix)
-    return torch.func.functional_call(
-        module, tensors, args, kwargs, tie_weights=False, strict=False
-    )
-
-
-class _Call(TorchFunctionMode):
-    """One forward pass of a `Transformed`: routes its layers' linear calls to fp8fn.
-
-    Made per call, so one transform may run in several threads at once. It names each call of
-    a layer (`path`, `path#1`, ...) and hands it its rows of `state`; while discovering
-    (`state` None, for `fn.init`) it records the site names and runs the call as it is.
-
-    Args:
-      transformed: the `Transformed`.
-      tensors: `{name: tensor}` as given to `apply`; a layer whose weight is not in it runs
-        with the module's own (as in `functional_call`).
-      state: the `State`, or None when discovering.
-      counts: calls per layer path so far (a recompute starts from the forward's).
-      recompute: whether this pass is a recompute of a `checkpoint_fn` module.
-    """
-
-    def __init__(self, transformed, tensors, state, counts=None, recompute=False):
-        super().__init__()
-        self.transformed, self.state, self.recompute = transformed, state, recompute
-        self.counts = {} if counts is None else counts
-        self.sites = []
-        # Watch for the model's own torch.utils.checkpoint (see _refuse_torch_checkpoint).
-        self.watching = (
-            state is not None and torch.is_grad_enabled() and not torch.compiler.is_compiling()
-        )
-        self.passive = False
-        self._rows = None
-        # (layer, weight, bias): what each layer runs with
-        self._entries = [(layer, *layer.own(tensors)) for layer in transformed._layers]
-        self._by_weight = None  # {id(weight): entries}; None while compiling (see _layer_of)
-        if not torch.compiler.is_compiling():
-            self._by_weight = {}
-            for entry in self._entries:
-                self._by_weight.setdefault(id(entry[1]), []).append(entry)
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if self.passive:  # a `checkpoint_fn` module's own pass is under way
-            return func(*args, **kwargs)
-        if self.watching and (not torch.is_grad_enabled() or saved_tensor_hooks_active()):
-            self._refuse_torch_checkpoint()
-        if func is F.multi_head_attention_forward:
-            with self:  # its own linear calls come back here (see `attention_forward`)
-                return attention_forward(*args, **kwargs)
-        if func in _SPLITS:  # the packed in_proj weight, split into q, k, v
-            return self._split(func, args, kwargs)
-        if func is F.linear or func is torch.addmm:
-            operands = _operands(func, args, kwargs)
-            if operands is not None:
-                x, weight, bias, transposed = operands
-                layer = self._layer_of(weight, bias, transposed)
-                if layer is not None:
-                    if self.state is None:
-                        self._count(layer)
-                        return func(*args, **kwargs)
-                    return self._linear(layer, x, weight.t() if transposed else weight, bias)
-        if func is torch.Tensor.unflatten and torch.compiler.is_compiling():
-            func = torch.unflatten  # (dynamo cannot trace the method's `super()` call from here)
-        return func(*args, **kwargs)
-
-    def _refuse_torch_checkpoint(self):
-        """Raise if the model runs its own torch.utils.checkpoint (seen as gradients turned
-        off, or saved-tensor hooks, inside a forward that records gradients): its recompute
-        would run after `apply` has returned, with the module's own parameters and without
-        fp8fn. (Only walks the frames in such a stretch: a part run under no_grad on purpose
-        costs a few microseconds per op.)"""
-        if inside_torch_checkpoint(_APPLY_CODE):
-            raise RuntimeError(
-                "fp8fn.apply: the model runs torch.utils.checkpoint, whose recompute in the "
-                "backward would run outside fp8fn.apply: with the module's own parameters and "
-                f"without fp8fn's casts, so silently wrong gradients. {_USE_CHECKPOINT_FN}"
-            )
-
-    def _split(self, func, args, kwargs):
-        """`weight.split(...)` or `.chunk(...)`: the pieces of a layer's weight are that
-        layer's weights too (nn.MultiheadAttention's packed in_proj, for cross-attention)."""
-        pieces = func(*args, **kwargs)
-        whole = args[0]
-        layer = next(iter(self._given(whole)), (None,))[0]
-        if layer is None and isinstance(whole, nn.Parameter):  # swapped in (FSDP2)
-            layer = self.transformed._holder_of(whole, False)
-        if layer is not None:
-            for piece in pieces:
-                entry = (layer, piece, None)
-                self._entries.append(entry)
-                if self._by_weight is not None:
-                    self._by_weight[id(piece)] = [entry]
-        return pieces
-
-    def _given(self, weight) -> list:
-        """The entries whose weight `weight` is (compiling: compared with `is`, since a dict
-        keyed by `id` would make dynamo guard on the ids)."""
-        if self._by_weight is None:
-            return [e for e in self._entries if e[1] is weight]
-        return self._by_weight.get(id(weight), [])
-
-    def _layer_of(self, weight, bias, transposed):
-        """The layer whose weight `weight` is, or None for any other linear call.
-
-        Layers sharing a weight are told apart by their bias.
-        """
-        matches = [e for e in self._given(weight) if e[0].transposed == transposed]
-        if not matches:
-            return self.transformed._holder_of(weight, transposed)
-        return next((e[0] for e in matches if e[2] is bias), matches[0][0])
-
-    def _count(self, layer) -> str:
-        """The site name of this call of `layer`; counts the call."""
-        k = self.counts.get(layer.path, 0)
-        self.counts[layer.path] = k + 1
-        name = site_name(layer.path, k)
-        self.sites.append(name)
-        return name
-
-    def _linear(self, layer, x, weight, bias):
-        name = self._count(layer)
-        newest = stored = None
-        if isinstance(layer.recipe, DelayedScaling):
-            i = self.state._positions().get(name)
-            if i is None:
-                raise ValueError(
-                    f"fp8fn.apply: layer {layer.path!r} was called more often than in "
-                    f"`fn.init`: site {name!r} is not in `state`. Call `fn.init` with inputs "
-                    "that call it as often."
-                )
-            if self._rows is None:  # split once: the backward gathers all sites in one stack
-                self._rows = (self.state.amax_history[..., 0].unbind(0), self.state.scale.unbind(0))
-            newest, stored = self._rows[0][i], self._rows[1][i]
-        check_operands(f"apply: layer {layer.path!r}", x, weight, bias)
-        if sharded_operands(x, weight):  # functional FSDP, tensor parallel
-            return sharded_linear(self, layer, name, x, weight, bias, newest, stored)
-        random = (self.state.key, name) if isinstance(layer.recipe, NVFP4Scaling) else None
-        return fp8_linear(x, weight, bias, newest, stored, layer.recipe, random=random)
-
-    def checkpoint(self, module, path, forward, args, kwargs):
-        """`forward(*args, **kwargs)` of the `checkpoint_fn` module `module`, recomputed in the
-        backward with the tensors it has now, from this pass's call counts."""
-        prefix = path + "." if path else ""
-        params, buffers = dict(module.named_parameters()), dict(module.named_buffers())
-        start, end = dict(self.counts), {}
-        shim, slots = _Shim(module, forward), self.transformed._block_slots[id(module)]
-
-        def run(buffers, params, state, args, kwargs):
-            tensors = {**buffers, **params}
-            inner = _Call(
-                self.transformed,
-                {prefix + n: t for n, t in tensors.items()},
-                state,
-                dict(start),
-                recompute=True,
-            )
-            with self.transformed._exclusive(), inner, _activated(inner):
-                out = _functional_call(shim, slots, tensors, args, kwargs, prefix="m.")
-            end.update(inner.counts)
-            return out
-
-        self.passive = True
-        try:
-            out = checkpoint_with_constants(
-                run,
-                (params, self.state, args, kwargs),
-                buffers,
-                api="apply",
-                subject=f"module {path!r} (chosen by `checkpoint_fn`)",
-            )
-        finally:
-            self.passive = False
-        self.counts.update(end)
-        return out
-
-
-class _Shim(nn.Module):
-    """`forward` of `module` (a bound method) as a module owning `module`'s tensors under `m.`:
-    `functional_call` on it swaps them without running `module`'s hooks a second time."""
-
-    def __init__(self, module, forward):
-        super().__init__()
-        self.m, self._forward = module, forward
-
-    def forward(self, *args, **kwargs):
-        return self._forward(*args, **kwargs)
-
-
-@contextlib.contextmanager
-def _activated(call):
-    token = _ACTIVE.set(call)
-    try:
-        yield
-    finally:
-        _ACTIVE.reset(token)
-
-
-# Modules given a checkpointing `forward` while some `apply` runs: {id: [count, saved, module]}.
-_INSTALLED: dict = {}
-_INSTALL_LOCK = threading.Lock()
-_MISSING = object()
-
-
-def _checkpointing_forward(module, forward):
-    """The `forward` a `checkpoint_fn` module has during `apply`: recomputed when the running
-    `_Call` (of this thread) chose it, else the module's own (another thread's plain call)."""
-
-    def checkpointing(*args, **kwargs):
-        call = _ACTIVE.get()
-        if call is None or call.state is None or call.recompute:
-            return forward(*args, **kwargs)
-        path = call.transformed._checkpointed_ids.get(id(module))
-        if path is None:
-            return forward(*args, **kwargs)
-        return call.checkpoint(module, path, forward, args, kwargs)
-
-    return checkpointing
-
-
-@contextlib.contextmanager
-def _checkpoint_forwards(modules):
-    """Give `modules` their checkpointing `forward` (an instance attribute) while inside;
-    shared between concurrent calls, and removed when the last one ends."""
-    with _INSTALL_LOCK:
-        for m in modules:
-            entry = _INSTALLED.get(id(m))
-            if entry is None:
-                saved = m.__dict__.get("forward", _MISSING)
-                forward = saved if saved is not _MISSING else type(m).forward.__get__(m)
-                m.__dict__["forward"] = _checkpointing_forward(m, forward)
-                _INSTALLED[id(m)] = [1, saved, m]
-            else:
-                entry[0] += 1
-    try:
-        yield
-    finally:
-        with _INSTALL_LOCK:
-            for m in modules:
-                entry = _INSTALLED[id(m)]
-                entry[0] -= 1
-                if entry[0] == 0:
-                    del _INSTALLED[id(m)]
-                    if entry[1] is _MISSING:
-                        del m.__dict__["forward"]
-                    else:
-                        m.__dict__["forward"] = entry[1]
-
-
-_LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_LOCKS_LOCK = threading.Lock()
-
-
-def _module_lock(module) -> threading.RLock:
-    """One lock per module: `functional_call` swaps tensors into the module for a call, so
-    calls with other tensors must not overlap (two transforms of one module share it)."""
-    with _LOCKS_LOCK:
-        lock = _LOCKS.get(module)
-        if lock is None:
-            lock = _LOCKS[module] = threading.RLock()
-        return lock
+def _unchanged(structure) -> bool:
+    """Whether every submodule of `structure` (from `_structure`) still holds the same children
+    and parameters (compared by identity: a few microseconds per submodule)."""
+    for m, children, n_params, params in structure:
+        now = m._modules
+        if len(now) != len(children) or any(a is not b for a, b in zip(now.values(), children)):
+            return False
+        now = m._parameters
+        if len(now) != n_params or any(now.get(a) is not p for a, p in params):
+            return False
+    return True
 
 
 class Transformed:
@@ -553,102 +122,59 @@ class Transformed:
             )
         refuse_ddp_inner_module(module)
         self.module = module
+        self._choices = (recipe, filter_fn, checkpoint_fn)
+        self._read_module()
+
+    def _read_module(self):
+        """Read what `apply` needs from the module: its layers and their recipes, its slots and
+        ties, the submodules `checkpoint_fn` chooses, FSDP2's. Done by `transform`, and again
+        by `apply` when the module's structure changed since (`_structure`: a submodule
+        replaced, a parameter reassigned or tied), so that a transform made before such a
+        change runs as one made after it."""
+        module, (recipe, filter_fn, checkpoint_fn) = self.module, self._choices
         self._ddp_param = ddp_parameter(module)  # (name, parameter) of a DDP model, else None
         self._layers = _find_layers(module, recipe, filter_fn)
         self.recipes = {layer.path: layer.recipe for layer in self._layers}
         self.layers = list(self.recipes)
         self._delayed = self._delayed_recipe()
         self._stateful = [p for p, r in self.recipes.items() if isinstance(r, DelayedScaling)]
-        self._slots = _Slots(module)
+        self._fsdp = Fsdp2(module, self._layers)  # FSDP2's slots and float8 all-gathers
+        own = [m.slot for m in self._layers if m.slot not in self._fsdp.managed]
+        self._slots = _Slots(module, own)
+        self._refuse_fsdp_ties()
         self._held = {}  # {id(weight): (weakref, layer)}: weights swapped into layers (FSDP2)
         self.checkpointed = self._checkpoint_modules(checkpoint_fn)
         self._checkpointed_ids = {id(module.get_submodule(p)): p for p in self.checkpointed}
         self._checkpointed_modules = [module.get_submodule(p) for p in self.checkpointed]
-        self._block_slots = {id(m): _Slots(m) for m in self._checkpointed_modules}
+        self._block_slots = {
+            id(m): _Slots(m, [n[len(p) + 1 :] if p else n for n in own if _inside(n, p)])
+            for p, m in zip(self.checkpointed, self._checkpointed_modules)
+        }
         self._known_sites = None  # the `state.sites` last checked by `apply`
-        self._fsdp_slots = self._fsdp_managed()  # {name: (module, attr, shard)} under FSDP2
-        self._gathered = self._float8_gathered_layers()  # float8_all_gather's, under FSDP2
+        managed = {(id(m), attr) for m, attr, _ in self._fsdp.managed.values()}
+        self._structure = _structure(module, managed)
 
-    def _fsdp_managed(self) -> dict:
-        """`{name: (submodule, attribute, sharded parameter)}` of the parameters FSDP2 manages.
+    def _reread_if_changed(self):
+        """`_read_module` again when the module's structure changed since it last ran."""
+        _reread_if_changed(self)
 
-        FSDP2's hooks put each module's unsharded parameters on it for its forward and its
-        sharded ones back after, so `apply` must leave these slots to FSDP2 (a swap by
-        `functional_call` would be undone on its exit, leaving the module holding shards
-        while FSDP2 counts it unsharded). Empty without FSDP2.
-        """
-        if not any(is_fsdp_module(m) for m in self.module.modules()):
-            return {}
-        reshard_fsdp(self.module)  # all shards in place (a forward may have left the root not)
-        managed = {}
-        for prefix, sub in self.module.named_modules():
-            if not is_fsdp_module(sub):
+    def _refuse_fsdp_ties(self):
+        """Raise when layers sharing one FSDP2-managed weight get different choices (one left
+        in high precision, or another recipe): FSDP2 swaps the one unsharded weight into each,
+        so fp8fn cannot give each layer its own view of it, and would run them all as one."""
+        choice = {m.slot: m.recipe for m in self._layers}
+        for first, names in self._slots.others.items():
+            group = [n for n in (first, *names) if _is_linear_weight(self.module, n)]
+            if len(group) < 2 or not any(n in self._fsdp.managed for n in group):
                 continue
-            for name, p in sub.named_parameters():
-                if sharded_operands(p):
-                    full = f"{prefix}.{name}" if prefix else name
-                    path, _, attr = full.rpartition(".")
-                    managed.setdefault(full, (self.module.get_submodule(path), attr, p))
-        return managed
-
-    def _without_fsdp_params(self, params: dict) -> dict:
-        """`params` without the FSDP2-managed parameters, which must be the model's own."""
-        for name, (module, attr, shard) in self._fsdp_slots.items():
-            given = params.get(name)
-            if given is not None and given is not shard and given is not module._parameters[attr]:
+            if len({repr(choice.get(n)) for n in group}) > 1:
+                chosen = ", ".join(f"{n!r}: {choice.get(n)}" for n in group)
                 raise ValueError(
-                    f"fp8fn.apply: expected `params[{name!r}]` to be the model's own parameter, "
-                    f"which FSDP2 shards and gathers, got another tensor "
-                    f"({type(given).__name__}). Pass `dict(model.named_parameters())`: under "
-                    "FSDP2 the module's parameters are the ones that train."
+                    "fp8fn.transform: expected the layers sharing one FSDP2-managed weight to "
+                    f"have one recipe, got {chosen}. Under FSDP2 they run as one layer: give "
+                    "them the same choice in `filter_fn` and the recipe function, or untie the "
+                    "weights."
                 )
-        return {k: v for k, v in params.items() if k not in self._fsdp_slots}
-
-    def _float8_gathered_layers(self) -> list[_Layer]:
-        """The layers whose weights FSDP2 all-gathers in float8 (`fp8fn.float8_all_gather`);
-        raises unless each runs in float8 with a per-tensor recipe and is sharded."""
-        gathered = [m for m in self._layers if is_float8_gathered(m.held())]
-        layer_weights = {id(m.held()) for m in gathered}
-        for name, p in self.module.named_parameters():
-            if is_float8_gathered(p) and id(p) not in layer_weights:
-                raise ValueError(
-                    f"fp8fn.transform: parameter {name!r} is all-gathered in float8 "
-                    "(fp8fn.float8_all_gather), but its layer does not run in float8 under this "
-                    "transform (left out by `filter_fn` or its recipe). Give float8_all_gather "
-                    "the same `filter_fn` as fp8fn.transform."
-                )
-        for m in gathered:
-            if not isinstance(m.recipe, (DelayedScaling, CurrentScaling)):
-                raise ValueError(
-                    f"fp8fn.transform: expected layer {m.path!r}, whose weight is all-gathered in "
-                    "float8 (fp8fn.float8_all_gather), to use DelayedScaling or CurrentScaling, "
-                    f"got {type(m.recipe).__name__}. Leave it out of float8_all_gather."
-                )
-            weight = m.held()
-            if not (sharded_operands(weight) or isinstance(weight, Float8GatheredWeight)):
-                raise ValueError(
-                    f"fp8fn.transform: expected the float8_all_gather weight of layer {m.path!r} "
-                    "to be sharded by FSDP2, got an unsharded weight. Call fully_shard after "
-                    "fp8fn.float8_all_gather and before fp8fn.transform."
-                )
-        return gathered
-
-    def _weight_scales(self, state) -> ScalesForCall:
-        """The weight scales of this call's float8 all-gathers (`_parallel/fsdp_gather.py`)."""
-        if any(not sharded_operands(m.held()) for m in self._gathered):
-            # A weight still gathered from an earlier forward without backward (FSDP2 keeps the
-            # root unsharded) holds that call's scale: reshard, so it is gathered again.
-            reshard_fsdp(self.module)
-        positions = state._positions()
-        entries = [
-            (
-                m.module,
-                positions[site_name(m.path, 0)] if isinstance(m.recipe, DelayedScaling) else None,
-                getattr(m.recipe, "margin", 0),
-            )
-            for m in self._gathered
-        ]
-        return ScalesForCall(weight_scales(entries, state))
 
     def _delayed_recipe(self) -> DelayedScaling | None:
         """The one DelayedScaling config of the stateful layers (they share one packed state)."""
@@ -690,12 +216,6 @@ class Transformed:
                 self._held[id(weight)] = (weakref.ref(weight), layer)
         return layer if layer.transposed == transposed else None
 
-    def _exclusive(self):
-        """The module's lock (see `_module_lock`); nothing while compiling."""
-        if torch.compiler.is_compiling():
-            return contextlib.nullcontext()
-        return _module_lock(self.module)
-
     def init(self, *args, seed: int = 0, **kwargs) -> State:
         """Find every fp8 call site and return the initial scaling state.
 
@@ -721,6 +241,7 @@ class Transformed:
           layer uses NVFP4Scaling (else `state.key` is None).
         """
         seed_key(seed)  # checks the seed before the model runs
+        self._reread_if_changed()
         calls = {}
         for name in self._discover(args, kwargs):
             path, k = parse_site(name)
@@ -759,6 +280,8 @@ class Transformed:
             try:
                 sites = self._run_discovery({}, (args, kwargs))
             except Exception as e:
+                if str(e).startswith("fp8fn."):  # fp8fn refuses a call of the model's
+                    raise
                 raise RuntimeError(
                     f"fp8fn.init: the model raised on the example inputs ({type(e).__name__}: "
                     f"{e}). Call fn.init with inputs the model accepts."
@@ -769,14 +292,10 @@ class Transformed:
 
     def _run_discovery(self, tensors, args_kwargs) -> list[str]:
         args, kwargs = args_kwargs
+        tensors = self._slots.expand(tensors, "init")
         call = _Call(self, tensors, None)
-        token = SCALES.set(ScalesForCall(None)) if self._gathered else None
-        try:
-            with torch.no_grad(), self._exclusive(), call:
-                _functional_call(self.module, self._slots, tensors, args, kwargs)
-        finally:
-            if token is not None:
-                SCALES.reset(token)
+        with torch.no_grad(), self._fsdp.scales(None), exclusive(self.module), call:
+            _functional_call(self.module, None, tensors, args, kwargs)
         return call.sites
 
     def apply(self, params: dict, state: State, *args, **kwargs):
@@ -809,59 +328,29 @@ class Transformed:
           RuntimeError: when `state` already took part in another `apply` of the gradient being
             recorded: autograd would sum the two calls' observations, fp8fn combines by max.
         """
+        self._reread_if_changed()  # a layer replaced, weights tied, fully_shard: since transform
         self._check(params, state)
-        claim(state.amax_history, "apply", "state")
-        if not self._fsdp_slots and is_fsdp_module(self.module):  # fully_shard after transform
-            self._fsdp_slots = self._fsdp_managed()
-        if self._fsdp_slots:
-            params = self._without_fsdp_params(params)
+        try:
+            claim(state.amax_history, "apply", "state")
+        except RuntimeError:
+            # torch.utils.checkpoint around apply: its recompute reruns the forward whose
+            # observations are recorded (bit for bit), and observes nothing a second time.
+            if not recomputing_in_torch_checkpoint():
+                raise
+        params = self._fsdp.without_params(params)
         tensors = params
         if params and sharded_operands(next(iter(params.values()))):  # the first tells
             tensors = gather_params(self, params)
+        tensors = self._slots.expand(tensors)
         call = _Call(self, tensors, state)
-        token = SCALES.set(self._weight_scales(state)) if self._gathered else None
-        try:
-            if self._checkpointed_modules:
-                refuse_compile()
-                with self._exclusive(), call, _activated(call):
-                    with _checkpoint_forwards(self._checkpointed_modules):
-                        return _functional_call(self.module, self._slots, tensors, args, kwargs)
-            with self._exclusive(), call:
-                return _functional_call(self.module, self._slots, tensors, args, kwargs)
-        except TypeError as e:
-            bad = {n: type(v).__name__ for n, v in params.items() if not torch.is_tensor(v)}
-            if bad:
-                raise TypeError(f"fp8fn.apply: expected tensors in `params`, got {bad}.") from e
-            raise
-        except RuntimeError as e:
-            sharded = explain_sharded_error(e, self.module)
-            if sharded is not None:
-                raise sharded from e
-            message = str(e)
-            if any(m in message for m in _TORCH_CHECKPOINT_UNDER_FUNC):
-                raise RuntimeError(
-                    "fp8fn.apply: the model calls torch.utils.checkpoint, which does not work "
-                    f"under torch.func transforms. {_USE_CHECKPOINT_FN}"
-                ) from e
-            if _TORCH_REQUIRES_GRAD_UNDER_FUNC in message:
-                raise RuntimeError(
-                    "fp8fn.apply: the model calls requires_grad_() under a torch.func transform, "
-                    "which torch refuses. HF models do it in the input hook of their own "
-                    "gradient checkpointing: remove both with `model.gradient_checkpointing_"
-                    "disable()` and `model.disable_input_require_grads()`, and pass "
-                    "`checkpoint_fn=lambda name, module: ...` to fp8fn.transform."
-                ) from e
-            if _TORCH_MUTATES_CAPTURED in message:
-                raise RuntimeError(
-                    "fp8fn.apply: the model updates a buffer in place (e.g. batch-norm running "
-                    "statistics), which torch.func transforms refuse for tensors from outside "
-                    "them. Differentiate with plain autograd (fp8fn.value_and_grad, or "
-                    "fp8fn.observe and loss.backward()), or put the module in eval mode."
-                ) from e
-            raise
-        finally:
-            if token is not None:
-                SCALES.reset(token)
+        with (
+            translated_errors(self.module, params),
+            self._fsdp.scales(state),
+            exclusive(self.module),
+            innermost_function_mode(call),
+            recomputing(call, self._checkpointed_modules),
+        ):
+            return _functional_call(self.module, None, tensors, args, kwargs)
 
     def _check(self, params, state):
         if not isinstance(params, dict):
@@ -873,7 +362,9 @@ class Transformed:
             raise ValueError(
                 "fp8fn.apply: `params` must be keyed like module.named_parameters() (or "
                 f"named_buffers()); unexpected {sorted(params.keys() - self._slots.first.keys())}. "
-                "If the model changed after fp8fn.transform, transform it again."
+                "Key them as the model is now (apply re-reads parameters and submodules "
+                "changed after fp8fn.transform; a buffer registered after it needs a new "
+                "fp8fn.transform)."
             )
         check_state("apply", state)
         check_scales("apply", state.scale)
@@ -915,9 +406,6 @@ class Transformed:
                 )
             if not torch.compiler.is_compiling():  # no attribute write for dynamo to guard on
                 self._known_sites = state.sites
-
-
-_APPLY_CODE = Transformed.apply.__code__
 
 
 def transform(module, recipe, filter_fn=None, checkpoint_fn=None) -> Transformed:

@@ -1,0 +1,139 @@
+"""FSDP2 (`fully_shard`) bookkeeping of one transform: the parameter slots FSDP2 manages, and
+the layers whose weights it all-gathers in float8 (`fp8fn.float8_all_gather`)."""
+
+from __future__ import annotations
+
+import contextlib
+
+from .._core.recipes import CurrentScaling, DelayedScaling
+from .._core.state import site_name
+from .._parallel.dtensor import sharded_operands
+from .._parallel.fsdp_gather import (
+    SCALES,
+    Float8GatheredWeight,
+    ScalesForCall,
+    is_float8_gathered,
+    weight_scales,
+)
+from .._parallel.wrappers import is_fsdp_module, reshard_fsdp
+
+
+class Fsdp2:
+    """What a `Transformed` knows of FSDP2 in its module; empty without FSDP2.
+
+    Args:
+      module: the transformed module.
+      layers: its `_Layer`s that run in float8.
+
+    Attributes:
+      managed: `{name: (submodule, attribute, sharded parameter)}` of the parameters FSDP2
+        manages (found again at the first `apply` when `fully_shard` came after `transform`).
+      gathered: the layers whose weights FSDP2 all-gathers in float8.
+    """
+
+    def __init__(self, module, layers):
+        self.module = module
+        self.managed = self._managed()
+        self.gathered = self._float8_gathered_layers(layers)
+
+    def _managed(self) -> dict:
+        """`{name: (submodule, attribute, sharded parameter)}` of the parameters FSDP2 manages.
+
+        FSDP2's hooks put each module's unsharded parameters on it for its forward and its
+        sharded ones back after, so `apply` must leave these slots to FSDP2 (a swap by
+        `functional_call` would be undone on its exit, leaving the module holding shards
+        while FSDP2 counts it unsharded). Empty without FSDP2.
+        """
+        if not any(is_fsdp_module(m) for m in self.module.modules()):
+            return {}
+        reshard_fsdp(self.module)  # all shards in place (a forward may have left the root not)
+        managed = {}
+        for prefix, sub in self.module.named_modules():
+            if not is_fsdp_module(sub):
+                continue
+            for name, p in sub.named_parameters():
+                if sharded_operands(p):
+                    full = f"{prefix}.{name}" if prefix else name
+                    path, _, attr = full.rpartition(".")
+                    managed.setdefault(full, (self.module.get_submodule(path), attr, p))
+        return managed
+
+    def without_params(self, params: dict) -> dict:
+        """`params` without the FSDP2-managed parameters, which must be the model's own."""
+        if not self.managed and is_fsdp_module(self.module):  # fully_shard after transform
+            self.managed = self._managed()
+        if not self.managed:
+            return params
+        for name, (module, attr, shard) in self.managed.items():
+            given = params.get(name)
+            if given is not None and given is not shard and given is not module._parameters[attr]:
+                raise ValueError(
+                    f"fp8fn.apply: expected `params[{name!r}]` to be the model's own parameter, "
+                    f"which FSDP2 shards and gathers, got another tensor "
+                    f"({type(given).__name__}). Pass `dict(model.named_parameters())`: under "
+                    "FSDP2 the module's parameters are the ones that train."
+                )
+        return {k: v for k, v in params.items() if k not in self.managed}
+
+    def _float8_gathered_layers(self, layers) -> list:
+        """The layers whose weights FSDP2 all-gathers in float8 (`fp8fn.float8_all_gather`);
+        raises unless each runs in float8 with a per-tensor recipe and is sharded."""
+        gathered = [m for m in layers if is_float8_gathered(m.held())]
+        layer_weights = {id(m.held()) for m in gathered}
+        for name, p in self.module.named_parameters():
+            if is_float8_gathered(p) and id(p) not in layer_weights:
+                raise ValueError(
+                    f"fp8fn.transform: parameter {name!r} is all-gathered in float8 "
+                    "(fp8fn.float8_all_gather), but its layer does not run in float8 under this "
+                    "transform (left out by `filter_fn` or its recipe). Give float8_all_gather "
+                    "the same `filter_fn` as fp8fn.transform."
+                )
+        for m in gathered:
+            if not isinstance(m.recipe, (DelayedScaling, CurrentScaling)):
+                raise ValueError(
+                    f"fp8fn.transform: expected layer {m.path!r}, whose weight is all-gathered in "
+                    "float8 (fp8fn.float8_all_gather), to use DelayedScaling or CurrentScaling, "
+                    f"got {type(m.recipe).__name__}. Leave it out of float8_all_gather."
+                )
+            weight = m.held()
+            if not (sharded_operands(weight) or isinstance(weight, Float8GatheredWeight)):
+                raise ValueError(
+                    f"fp8fn.transform: expected the float8_all_gather weight of layer {m.path!r} "
+                    "to be sharded by FSDP2, got an unsharded weight. Call fully_shard after "
+                    "fp8fn.float8_all_gather and before fp8fn.transform."
+                )
+        return gathered
+
+    def scales(self, state):
+        """Inside, FSDP2's float8 all-gathers cast with the weight scales of `state` (None while
+        discovering); nothing without such all-gathers."""
+        if not self.gathered:
+            return contextlib.nullcontext()
+        scales = ScalesForCall(None) if state is None else self._weight_scales(state)
+        return _scales_for_call(scales)
+
+    def _weight_scales(self, state) -> ScalesForCall:
+        """The weight scales of this call's float8 all-gathers (`_parallel/fsdp_gather.py`)."""
+        if any(not sharded_operands(m.held()) for m in self.gathered):
+            # A weight still gathered from an earlier forward without backward (FSDP2 keeps the
+            # root unsharded) holds that call's scale: reshard, so it is gathered again.
+            reshard_fsdp(self.module)
+        positions = state._positions()
+        entries = [
+            (
+                m.module,
+                positions[site_name(m.path, 0)] if isinstance(m.recipe, DelayedScaling) else None,
+                getattr(m.recipe, "margin", 0),
+            )
+            for m in self.gathered
+        ]
+        return ScalesForCall(weight_scales(entries, state))
+
+
+@contextlib.contextmanager
+def _scales_for_call(scales: ScalesForCall):
+    token = SCALES.set(scales)
+    try:
+        yield
+    finally:
+        SCALES.reset(token)

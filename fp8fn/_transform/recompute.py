@@ -1,0 +1,131 @@
+"""`checkpoint_fn`: the chosen modules' forwards, recomputed in the backward inside `apply`.
+
+While an `apply` runs, each chosen module has an instance `forward` (installed by
+`_checkpoint_forwards`, removed after) that checkpoints its pass when the `_Call` of this thread
+(`_ACTIVE`) chose it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import threading
+
+from .checkpoint import checkpoint_with_constants, refuse_compile
+from .routing import _Call
+from .swap import _functional_call, _Holder, exclusive
+
+# The `_Call` running in this thread, for the modules chosen by `checkpoint_fn`.
+_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("fp8fn_call", default=None)
+
+
+@contextlib.contextmanager
+def recomputing(call, modules):
+    """Inside, `modules` (the `checkpoint_fn` choice) are recomputed in the backward of the
+    forward pass that the `_Call` `call` runs; nothing when there are none."""
+    if not modules:
+        yield
+        return
+    refuse_compile()
+    with _activated(call), _checkpoint_forwards(modules):
+        yield
+
+
+@contextlib.contextmanager
+def _activated(call):
+    token = _ACTIVE.set(call)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+# Modules given a checkpointing `forward` while some `apply` runs: {id: [count, saved, module]}.
+_INSTALLED: dict = {}
+_INSTALL_LOCK = threading.Lock()
+_MISSING = object()
+
+
+def _checkpointing_forward(module, forward):
+    """The `forward` a `checkpoint_fn` module has during `apply`: recomputed when the running
+    `_Call` (of this thread) chose it, else the module's own (another thread's plain call)."""
+
+    def checkpointing(*args, **kwargs):
+        call = _ACTIVE.get()
+        if call is None or call.state is None or call.recompute:
+            return forward(*args, **kwargs)
+        path = call.transformed._checkpointed_ids.get(id(module))
+        if path is None:
+            return forward(*args, **kwargs)
+        return recomputed(call, module, path, forward, args, kwargs)
+
+    return checkpointing
+
+
+@contextlib.contextmanager
+def _checkpoint_forwards(modules):
+    """Give `modules` their checkpointing `forward` (an instance attribute) while inside;
+    shared between concurrent calls, and removed when the last one ends."""
+    with _INSTALL_LOCK:
+        for m in modules:
+            entry = _INSTALLED.get(id(m))
+            if entry is None:
+                saved = m.__dict__.get("forward", _MISSING)
+                forward = saved if saved is not _MISSING else type(m).forward.__get__(m)
+                m.__dict__["forward"] = _checkpointing_forward(m, forward)
+                _INSTALLED[id(m)] = [1, saved, m]
+            else:
+                entry[0] += 1
+    try:
+        yield
+    finally:
+        with _INSTALL_LOCK:
+            for m in modules:
+                entry = _INSTALLED[id(m)]
+                entry[0] -= 1
+                if entry[0] == 0:
+                    del _INSTALLED[id(m)]
+                    if entry[1] is _MISSING:
+                        del m.__dict__["forward"]
+                    else:
+                        m.__dict__["forward"] = entry[1]
+
+
+def recomputed(call, module, path, forward, args, kwargs):
+    """`forward(*args, **kwargs)` of the `checkpoint_fn` module `module`, run by the `_Call`
+    `call`, recomputed in the backward with the tensors it holds now (each tied layer's own
+    view included), from `call`'s counts."""
+    prefix = path + "." if path else ""
+    params, buffers, layout = call.transformed._block_slots[id(module)].current()
+    start, end = dict(call.counts), {}
+    holder = _Holder(module, forward)
+
+    def run(buffers, params, state, args, kwargs):
+        given = {**buffers, **params}
+        tensors = {name: given[first] for name, first in layout.items()}
+        inner = _Call(
+            call.transformed,
+            {prefix + n: t for n, t in tensors.items()},
+            state,
+            dict(start),
+            recompute=True,
+        )
+        with exclusive(call.transformed.module), inner, _activated(inner):
+            held = {"m." + n: t for n, t in tensors.items()}
+            out = _functional_call(holder, None, held, args, kwargs)
+        end.update(inner.counts)
+        return out
+
+    call.passive = True
+    try:
+        out = checkpoint_with_constants(
+            run,
+            (params, call.state, args, kwargs),
+            buffers,
+            api="apply",
+            subject=f"module {path!r} (chosen by `checkpoint_fn`)",
+        )
+    finally:
+        call.passive = False
+    call.counts.update(end)
+    return out

@@ -1,0 +1,221 @@
+"""Routing: the `TorchFunctionMode` that sends a forward pass's linear calls of the chosen
+layers, known by the identity of their weight, to `fp8fn.linear` with their site's state."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from .._core.checks import check_operands
+from .._core.recipes import DelayedScaling, NVFP4Scaling
+from .._core.state import site_name
+from .._ops.linear import fp8_linear
+from .._parallel.dtensor import gathered_for_split, sharded_linear, sharded_operands
+from .._torch_errors import USE_CHECKPOINT_FN
+from .._torch_private import attention_forward, inside_torch_checkpoint, saved_tensor_hooks_active
+
+_SPLITS = (torch.Tensor.split, torch.Tensor.chunk)
+
+
+_LINEAR_ARGS = ("input", "weight", "bias")  # F.linear(input, weight, bias=None)
+_ADDMM_ARGS = ("input", "mat1", "mat2")  # torch.addmm(input, mat1, mat2, *, beta, alpha, out)
+
+
+def _bind(args, kwargs, names, required, keywords=()) -> dict | None:
+    """`{name: value}` of a call's arguments, each by position or by keyword, or None when the
+    call does not fit (torch then raises its own error, or it is another overload)."""
+    if len(args) > len(names) or kwargs.keys() - {*names, *keywords}:
+        return None
+    bound = dict(zip(names, args))
+    if bound.keys() & kwargs.keys():
+        return None
+    bound.update(kwargs)
+    return bound if all(n in bound for n in required) else None
+
+
+def _operands(func, args, kwargs):
+    """`(x, weight, bias, transposed, options)` of an `F.linear` call (`bias` None when not
+    given), or of `torch.addmm(bias, x, weight)` (HF Conv1D; also as `bias.addmm(x, weight)`),
+    each argument given by position or by keyword; `options` (`{name: shown value}`) the
+    addmm keywords other than their defaults (`beta`, `alpha`, `out`), which fp8fn does not
+    convert. None for a call of another form."""
+    if func is F.linear:
+        bound = _bind(args, kwargs, _LINEAR_ARGS, _LINEAR_ARGS[:2])
+        if bound is None:
+            return None
+        return bound["input"], bound["weight"], bound.get("bias"), False, {}
+    bound = _bind(args, kwargs, _ADDMM_ARGS, _ADDMM_ARGS, ("beta", "alpha", "out"))
+    if bound is None:
+        return None
+    options = {k: repr(bound[k]) for k in ("beta", "alpha") if bound.get(k, 1) != 1}
+    if bound.get("out") is not None:
+        options["out"] = "a tensor"
+    return bound["mat1"], bound["mat2"], bound["input"], True, options
+
+
+class _Call(TorchFunctionMode):
+    """One forward pass of a `Transformed`: routes its layers' linear calls to fp8fn.
+
+    Made per call, so one transform may run in several threads at once. It names each call of
+    a layer (`path`, `path#1`, ...) and hands it its rows of `state`; while discovering
+    (`state` None, for `fn.init`) it records the site names and runs the call as it is.
+
+    Args:
+      transformed: the `Transformed`.
+      tensors: `{name: tensor}` as given to `apply`; a layer whose weight is not in it runs
+        with the module's own (as in `functional_call`).
+      state: the `State`, or None when discovering.
+      counts: calls per layer path so far (a recompute starts from the forward's).
+      recompute: whether this pass is a recompute of a `checkpoint_fn` module.
+    """
+
+    def __init__(self, transformed, tensors, state, counts=None, recompute=False):
+        super().__init__()
+        self.transformed, self.state, self.recompute = transformed, state, recompute
+        self.counts = {} if counts is None else counts
+        self.sites = []
+        # Watch for the model's own torch.utils.checkpoint (see _refuse_torch_checkpoint).
+        self.watching = (
+            state is not None and torch.is_grad_enabled() and not torch.compiler.is_compiling()
+        )
+        self.passive = False
+        self._rows = None
+        # (layer, weight, bias): what each layer runs with
+        self._entries = [(layer, *layer.own(tensors)) for layer in transformed._layers]
+        self._by_weight = None  # {id(weight): entries}; None while compiling (see _layer_of)
+        self._held_before = {}  # {id(layer): the weight it held before the call}, if sharded
+        if not torch.compiler.is_compiling():
+            self._by_weight = {}
+            for entry in self._entries:
+                self._by_weight.setdefault(id(entry[1]), []).append(entry)
+                if sharded_operands(entry[1]):
+                    self._held_before[id(entry[0])] = entry[0].held()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.passive:  # a `checkpoint_fn` module's own pass is under way
+            return func(*args, **kwargs)
+        if self.watching and (not torch.is_grad_enabled() or saved_tensor_hooks_active()):
+            self._refuse_torch_checkpoint()
+        if func is F.multi_head_attention_forward:
+            with self:  # its own linear calls come back here (see `attention_forward`)
+                return attention_forward(*args, **kwargs)
+        if func in _SPLITS:  # the packed in_proj weight, split into q, k, v
+            return self._split(func, args, kwargs)
+        if func is F.linear or func is torch.addmm or func is torch.Tensor.addmm:
+            operands = _operands(func, args, kwargs)
+            if operands is None:  # another overload (addmm's out_dtype, its deprecated form)
+                self._refuse_other_form(func, args, kwargs)
+            else:
+                x, weight, bias, transposed, options = operands
+                layer = self._layer_of(weight, bias, transposed)
+                if layer is not None:
+                    if options:
+                        shown = ", ".join(f"{k}={v}" for k, v in options.items())
+                        self._refuse_call(layer, f"calls torch.addmm with {shown}")
+                    if self.state is None:
+                        self._count(layer)
+                        return func(*args, **kwargs)
+                    return self._linear(layer, x, weight.t() if transposed else weight, bias)
+        if func is torch.Tensor.unflatten and torch.compiler.is_compiling():
+            func = torch.unflatten  # (dynamo cannot trace the method's `super()` call from here)
+        return func(*args, **kwargs)
+
+    def _refuse_other_form(self, func, args, kwargs):
+        """Raise if a layer's weight is among the tensors of a linear call of a form that
+        `_operands` does not know: it would silently run in high precision."""
+        for t in (*args, *kwargs.values()):
+            layer = next(iter(self._given(t)), (None,))[0] if torch.is_tensor(t) else None
+            if layer is not None:
+                name = f"torch.{func.__name__}" if func is not F.linear else "F.linear"
+                self._refuse_call(
+                    layer, f"passes its weight to {name} in a form fp8fn does not convert"
+                )
+
+    def _refuse_call(self, layer, what: str):
+        api = "init" if self.state is None else "apply"
+        raise ValueError(
+            f"fp8fn.{api}: layer {layer.path!r} {what} (fp8fn runs `x @ weight.T + bias`). "
+            "Call it as `F.linear(x, weight, bias)` (HF Conv1D: `torch.addmm(bias, x, "
+            "weight)`), or leave the layer in high precision with `filter_fn=lambda name, "
+            f"module: name != {layer.path!r}`."
+        )
+
+    def _refuse_torch_checkpoint(self):
+        """Raise if the model runs its own torch.utils.checkpoint (seen as gradients turned
+        off, or saved-tensor hooks, inside a forward that records gradients): its recompute
+        would run after `apply` has returned, with the module's own parameters and without
+        fp8fn. (Only walks the frames in such a stretch: a part run under no_grad on purpose
+        costs a few microseconds per op.)"""
+        if inside_torch_checkpoint(type(self.transformed).apply.__code__):
+            raise RuntimeError(
+                "fp8fn.apply: the model runs torch.utils.checkpoint, whose recompute in the "
+                "backward would run outside fp8fn.apply: with the module's own parameters and "
+                f"without fp8fn's casts, so silently wrong gradients. {USE_CHECKPOINT_FN}"
+            )
+
+    def _split(self, func, args, kwargs):
+        """`weight.split(...)` or `.chunk(...)`: the pieces of a layer's weight are that
+        layer's weights too (nn.MultiheadAttention's packed in_proj, for cross-attention)."""
+        whole = args[0]
+        layer = next(iter(self._given(whole)), (None,))[0]
+        if layer is None and isinstance(whole, nn.Parameter):  # swapped in (FSDP2)
+            layer = self.transformed._holder_of(whole, False)
+        if layer is not None and self._held_before:  # sharded operands (never compiled)
+            held = self._held_before.get(id(layer))
+            args = (gathered_for_split(whole, held), *args[1:])
+        pieces = func(*args, **kwargs)
+        if layer is not None:
+            for piece in pieces:
+                entry = (layer, piece, None)
+                self._entries.append(entry)
+                if self._by_weight is not None:
+                    self._by_weight[id(piece)] = [entry]
+        return pieces
+
+    def _given(self, weight) -> list:
+        """The entries whose weight `weight` is (compiling: compared with `is`, since a dict
+        keyed by `id` would make dynamo guard on the ids)."""
+        if self._by_weight is None:
+            return [e for e in self._entries if e[1] is weight]
+        return self._by_weight.get(id(weight), [])
+
+    def _layer_of(self, weight, bias, transposed):
+        """The layer whose weight `weight` is, or None for any other linear call.
+
+        Layers sharing a weight are told apart by their bias.
+        """
+        matches = [e for e in self._given(weight) if e[0].transposed == transposed]
+        if not matches:
+            return self.transformed._holder_of(weight, transposed)
+        return next((e[0] for e in matches if e[2] is bias), matches[0][0])
+
+    def _count(self, layer) -> str:
+        """The site name of this call of `layer`; counts the call."""
+        k = self.counts.get(layer.path, 0)
+        self.counts[layer.path] = k + 1
+        name = site_name(layer.path, k)
+        self.sites.append(name)
+        return name
+
+    def _linear(self, layer, x, weight, bias):
+        name = self._count(layer)
+        newest = stored = None
+        if isinstance(layer.recipe, DelayedScaling):
+            i = self.state._positions().get(name)
+            if i is None:
+                raise ValueError(
+                    f"fp8fn.apply: layer {layer.path!r} was called more often than in "
+                    f"`fn.init`: site {name!r} is not in `state`. Call `fn.init` with inputs "
+                    "that call it as often."
+                )
+            if self._rows is None:  # split once: the backward gathers all sites in one stack
+                self._rows = (self.state.amax_history[..., 0].unbind(0), self.state.scale.unbind(0))
+            newest, stored = self._rows[0][i], self._rows[1][i]
+        check_operands(f"apply: layer {layer.path!r}", x, weight, bias)
+        if sharded_operands(x, weight):  # functional FSDP, tensor parallel
+            return sharded_linear(self, layer, name, x, weight, bias, newest, stored)
+        random = (self.state.key, name) if isinstance(layer.recipe, NVFP4Scaling) else None
+        return fp8_linear(x, weight, bias, newest, stored, layer.recipe, random=random)
