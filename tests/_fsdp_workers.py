@@ -473,6 +473,87 @@ def fp8_all_gather_eval_between_steps(rank):
         assert error < 0.1, error  # float8 weights (and inputs, in apply)
 
 
+def _trained_pair(rank):
+    """A float8-gathered model, its transform and two states with other weight scales: `late`
+    after a warm step, `early` with 3x the warm step's amaxes pushed on top (1/3 the scales)."""
+    model = _gathered_model()
+    fn = fp8fn.transform(model, RECIPE)
+    state = fn.init(_shard(_batch(0), rank))
+    observed = fp8fn.observe(state)
+    _loss(fn.apply(dict(model.named_parameters()), observed, _shard(_batch(0), rank))).backward()
+    model.zero_grad()
+    obs = fp8fn.all_reduce(fp8fn.observations(observed))
+    late = fp8fn.update(state, obs)
+    early = fp8fn.update(late, obs._replace(amax_history=obs.amax_history * 3))
+    return model, fn, late, early
+
+
+def _local_grads(model) -> dict:
+    grads = {k: p.grad.to_local().clone() for k, p in model.named_parameters()}
+    model.zero_grad()
+    return grads
+
+
+def fp8_all_gather_backward_after_another_forward(rank):
+    """Another forward of the same FSDP2 model between a training forward and its backward
+    (an evaluation under no_grad with another state; a second transform of the model,
+    evaluated, or trained with its own backward after) leaves that backward bit-identical to
+    one without: its float8 weights are cast with its own forward's scales (FSDP2's re-gather
+    casts with the last forward's, so the op gathers them again)."""
+    x, other = _shard(_batch(1), rank), _shard(_batch(2), rank)
+    margin = fp8fn.DelayedScaling(history_len=4, margin=1)  # another transform: other scales
+
+    def train(between=None, second=False):
+        """`({param: local grad}, [observations])` of one training forward and backward on a
+        fresh model (`early`'s scales), `between(model, fn, late)` run before the backward;
+        `second`: a second transform's step follows, forward before the first backward."""
+        model, fn, late, early = _trained_pair(rank)
+        observed = fp8fn.observe(early)
+        out = fn.apply(dict(model.named_parameters()), observed, x)
+        seen = []
+        if second:
+            fn2 = fp8fn.transform(model, margin)
+            observed2 = fp8fn.observe(fn2.init(other))
+            out2 = fn2.apply(dict(model.named_parameters()), observed2, other)
+        if between is not None:
+            between(model, fn, late)
+        _loss(out).backward()
+        seen.append(fp8fn.observations(observed))
+        if second:
+            _loss(out2).backward()
+            seen.append(fp8fn.observations(observed2))
+        return _local_grads(model), seen
+
+    def evaluate(model, fn, late):
+        with torch.no_grad():
+            fn.apply(dict(model.named_parameters()), late, other)
+
+    def evaluate_second(model, fn, late):
+        fn2 = fp8fn.transform(model, margin)
+        with torch.no_grad():
+            fn2.apply(dict(model.named_parameters()), fn2.init(other), other)
+
+    want, want_obs = train()
+    for between in (evaluate, evaluate_second):
+        grads, obs = train(between)
+        for k, g in grads.items():
+            assert torch.equal(g, want[k]), (between.__name__, k)
+        assert_bit_identical(obs, want_obs)
+
+    # two transforms, both trained, forwards before backwards == one after the other
+    grads, obs = train(second=True)
+    model, fn, _, early = _trained_pair(rank)
+    observed = fp8fn.observe(early)
+    _loss(fn.apply(dict(model.named_parameters()), observed, x)).backward()
+    fn2 = fp8fn.transform(model, margin)
+    observed2 = fp8fn.observe(fn2.init(other))
+    _loss(fn2.apply(dict(model.named_parameters()), observed2, other)).backward()
+    want = _local_grads(model)
+    for k, g in grads.items():
+        assert torch.equal(g, want[k]), ("two transforms", k)
+    assert_bit_identical(obs, [fp8fn.observations(observed), fp8fn.observations(observed2)])
+
+
 def fp8_all_gather_errors(rank):
     """Misuse raises a clear fp8fn error, the same on every rank (no rank left waiting in a
     collective)."""
@@ -602,6 +683,7 @@ SCENARIOS = [
     fp8_all_gather_uneven,
     fp8_all_gather_current_scaling,
     fp8_all_gather_eval_between_steps,
+    fp8_all_gather_backward_after_another_forward,
     fp8_all_gather_errors,
 ]
 

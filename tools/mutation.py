@@ -339,6 +339,72 @@ MUTATIONS = [
 ]
 
 
+# The sharded routes: functional FSDP and tensor parallel (`_parallel/dtensor.py`), FSDP2's float8
+# all-gather (`_parallel/fsdp_gather.py`). Their tests are multi-rank and marked slow:
+#   python tools/mutation.py --only NAME --tests tests/test_sharded.py tests/test_fsdp.py --slow
+MUTATIONS += [
+    Mutation(
+        "fsdp-step1-local-weight-amax",
+        "functional FSDP: an empty weight history casts with the shard's amax, not the whole's",
+        "_parallel/dtensor.py",
+        (("whole = (False, unobserved[1], False)", "whole = (False, False, False)"),),
+    ),
+    Mutation(
+        "fsdp-grad-weight-summed",
+        "functional FSDP: the float8 weight's gradient is the sum over ranks, not the mean",
+        "_parallel/dtensor.py",
+        (("local = local / dist.get_world_size(self.group)", "local = local"),),
+    ),
+    Mutation(
+        "gather-param-grad-summed",
+        "functional FSDP: a high-precision gathered parameter's gradient is summed over ranks",
+        "_parallel/dtensor.py",
+        (
+            (
+                "local = _ReduceScatter.apply(grad, ctx.group) / dist.get_world_size(ctx.group)",
+                "local = _ReduceScatter.apply(grad, ctx.group)",
+            ),
+        ),
+    ),
+    Mutation(
+        "max-over-ranks-every-role",
+        "sharded routes: every role's amax max-reduced over the ranks (a rank's own rows too)",
+        "_parallel/dtensor.py",
+        (
+            (
+                "return torch.where(torch.tensor(mask, device=amaxes.device), whole, amaxes)",
+                "return whole",
+            ),
+        ),
+    ),
+    Mutation(
+        "tp-grad-output-local-amax",
+        "tensor parallel: an empty grad_output history casts with the local shard's amax",
+        "_parallel/dtensor.py",
+        (("colwise and unobserved[2]),", "False),"),),
+    ),
+    Mutation(
+        "tp-rowwise-bias-every-rank",
+        "tensor parallel: RowwiseParallel's bias added on every rank (the partial sums add it "
+        "world-size times)",
+        "_parallel/dtensor.py",
+        (("add_bias=colwise or mesh.get_local_rank() == 0,", "add_bias=True,"),),
+    ),
+    Mutation(
+        "fsdp2-gathered-amax-first-rank",
+        "float8 all-gather: the weight's observation is the first rank's shard's amax",
+        "_parallel/fsdp_gather.py",
+        (("outputs[1].view(torch.float32).max()", "outputs[1].view(torch.float32)[0]"),),
+    ),
+    Mutation(
+        "fsdp2-backward-stale-scale",
+        "float8 all-gather: the backward takes FSDP2's re-gathered bytes, cast with the last "
+        "forward's scale, not its own forward's (0.3's bug)",
+        "_parallel/fsdp_gather.py",
+        (("if self.weight._scale is self.scale:", "if True:"),),
+    ),
+]
+
 class SetupError(Exception):
     pass
 
