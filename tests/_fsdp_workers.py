@@ -554,6 +554,42 @@ def fp8_all_gather_backward_after_another_forward(rank):
     assert_bit_identical(obs, [fp8fn.observations(observed), fp8fn.observations(observed2)])
 
 
+def fp8_all_gather_tied_weights(rank):
+    """Two Linears sharing one weight stay one parameter under float8_all_gather: after 3 AdamW
+    steps under FSDP2 they are still tied, and params and states are bitwise those of the same
+    FSDP2 model gathered in float32. A weight tied to an embedding is refused before
+    fully_shard, naming the fix."""
+    import pytest
+    from _models import Tied
+    from torch.distributed.fsdp import fully_shard
+
+    from fp8fn._parallel.fsdp_gather import Float8ShardWeight
+
+    with pytest.raises(ValueError, match=r"^fp8fn\.float8_all_gather: expected the weight of la"):
+        fp8fn.float8_all_gather(Tied(16, 32))
+    idx = torch.randint(0, 16, (BATCH, 3), generator=torch.Generator().manual_seed(5))
+    runs = []
+    for gathered in (True, False):
+        model = Tied(16, 32, seed=4)
+        if gathered:
+            fp8fn.float8_all_gather(model, filter_fn=lambda name, module: name != "head")
+            assert type(model.a.weight) is Float8ShardWeight  # (an nn.Parameter)
+            assert isinstance(model.a.weight, nn.Parameter) and model.b.weight is model.a.weight
+        fully_shard(model)
+        fn = fp8fn.transform(model, RECIPE)
+        state = fn.init(_shard(idx, rank))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for _ in range(3):
+            state = rank_step(model, fn, state, _shard(idx, rank), opt)
+        assert model.b.weight is model.a.weight
+        assert len(list(model.parameters())) == 4  # emb = head, a = b weights; a's, b's biases
+        runs.append(({k: _full(p) for k, p in model.named_parameters()}, state))
+    (params, state), (want, want_state) = runs
+    assert_bit_identical(state, want_state)
+    for k, p in params.items():
+        assert torch.equal(p, want[k]), k
+
+
 def fp8_all_gather_errors(rank):
     """Misuse raises a clear fp8fn error, the same on every rank (no rank left waiting in a
     collective)."""
@@ -684,6 +720,7 @@ SCENARIOS = [
     fp8_all_gather_current_scaling,
     fp8_all_gather_eval_between_steps,
     fp8_all_gather_backward_after_another_forward,
+    fp8_all_gather_tied_weights,
     fp8_all_gather_errors,
 ]
 

@@ -397,6 +397,10 @@ def float8_all_gather(model: nn.Module, filter_fn=None) -> nn.Module:
     weight's observation needs no collective. Every call of a layer in one forward pass uses the
     weight scale of its first site.
 
+    Linear layers that share one weight keep sharing it (one parameter, gathered once with the
+    scale of the first of them that FSDP2 names); a weight tied to any other module (an
+    embedding) or to a layer `filter_fn` leaves out is refused: leave its layers out.
+
     Weights are sharded along dim 0. One whose rows do not split evenly over the ranks is gathered
     padded, and its observation is the shard's amax until `fp8fn.all_reduce` (the usual loop)
     takes the max over the ranks.
@@ -414,8 +418,8 @@ def float8_all_gather(model: nn.Module, filter_fn=None) -> nn.Module:
       `model` itself, changed in place.
 
     Raises:
-      ValueError: when a chosen weight is already sharded (call this before `fully_shard`), or
-        when no layer was chosen.
+      ValueError: when a chosen weight is already sharded (call this before `fully_shard`), is
+        tied to a module other than chosen linear layers, or when no layer was chosen.
 
     Example (on every rank)::
 
@@ -433,24 +437,44 @@ def float8_all_gather(model: nn.Module, filter_fn=None) -> nn.Module:
     attention = {  # nn.MultiheadAttention uses its projections' weights itself
         id(m) for a in model.modules() if isinstance(a, nn.MultiheadAttention) for m in a.modules()
     }
-    chosen = []
+    layers = {}  # id(layer) -> (name, layer): the chosen layers
     for name, sub in model.named_modules():
         if not isinstance(sub, nn.Linear) or id(sub) in attention:
             continue
         if filter_fn is not None and not filter_fn(name, sub):
             continue
+        layers[id(sub)] = (name, sub)
+    holders: dict = {}  # id(parameter) -> [(path, module, attr)]: every module holding it
+    for path, sub in model.named_modules(remove_duplicate=False):
+        for attr, p in sub.named_parameters(recurse=False, remove_duplicate=False):
+            holders.setdefault(id(p), []).append((path, sub, attr))
+    chosen = []
+    for name, sub in layers.values():
         weight = sub.weight
         if shard_of(weight) is not None:
-            continue  # opted in already
+            continue  # opted in already (or tied to a layer converted before)
         if type(weight) is not nn.Parameter:
             raise ValueError(
                 f"fp8fn.float8_all_gather: expected layer {name!r} to hold a plain weight "
                 f"Parameter, got {type(weight).__name__}. Call float8_all_gather before "
                 "fully_shard (and before other wrappers)."
             )
-        sub.weight = nn.Parameter(
+        tied = holders[id(weight)]
+        others = [(p, m, a) for p, m, a in tied if id(m) not in layers or a != "weight"]
+        if others:
+            path, module, attr = others[0]
+            raise ValueError(
+                f"fp8fn.float8_all_gather: expected the weight of layer {name!r} to be held by "
+                f"chosen nn.Linear layers only, got it tied to {path + '.' + attr!r} "
+                f"({type(module).__name__}): a tied parameter is all-gathered once, in float8 "
+                f"for every module that holds it. Leave {name!r} out with `filter_fn` (it is "
+                "then gathered in high precision, and still runs in float8), or untie it."
+            )
+        shared = nn.Parameter(
             Float8ShardWeight(weight.detach(), name), requires_grad=weight.requires_grad
         )
+        for _, module, _ in tied:  # tied layers stay tied: one parameter
+            module.weight = shared
         chosen.append(name)
     if not chosen and not any(shard_of(p) is not None for p in model.parameters()):
         raise ValueError(
