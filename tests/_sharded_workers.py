@@ -28,6 +28,7 @@ be, as follows.
 from __future__ import annotations
 
 import copy
+import types
 
 import pytest
 import torch
@@ -508,6 +509,65 @@ def tp_colwise_rowwise(rank):
         rowwise_fn.apply(dict(model.named_parameters()), rowwise_fn.init(x), x)
 
 
+def tp_checkpoint_fn(rank):
+    """`checkpoint_fn` on a tensor-parallel model (a TP layer, the pair of them, the root):
+    plain autograd and fp8fn.value_and_grad give gradients (DTensors placed as without it) and
+    observations bitwise those without recompute; torch.func stays refused with fp8fn's
+    error. (The recompute runs under plain autograd: torch's parallel styles' Functions lack
+    setup_context.)"""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
+    x, t = _tp_data()
+    model = TPNet()
+    parallelize_module(model, mesh, {"net.0": ColwiseParallel(), "net.2": RowwiseParallel()})
+    plain = fp8fn.transform(model, RECIPE)
+    state = plain.init(x)
+
+    def grads_and_obs(fn, by_value_and_grad):
+        params = dict(model.named_parameters())
+
+        def loss(p, s):
+            return (fn.apply(p, s, x) - t).square().mean()
+
+        if by_value_and_grad:
+            _, (grads, obs) = fp8fn.value_and_grad(loss, argnums=(0, 1))(params, state)
+            return grads, obs
+        observed = fp8fn.observe(state)
+        loss(params, observed).backward()
+        grads = {k: p.grad for k, p in params.items()}
+        model.zero_grad()
+        return grads, fp8fn.observations(observed)
+
+    for by_value_and_grad in (False, True):
+        want, want_obs = grads_and_obs(plain, by_value_and_grad)
+        for chosen in ("net.0", "net", ""):
+            fn = fp8fn.transform(model, RECIPE, checkpoint_fn=lambda n, m, c=chosen: n == c)
+            grads, obs = grads_and_obs(fn, by_value_and_grad)
+            for k, g in grads.items():
+                assert type(g) is type(want[k]), (chosen, k)
+                assert getattr(g, "placements", None) == getattr(want[k], "placements", None)
+                assert torch.equal(_full(g), _full(want[k])), (chosen, by_value_and_grad, k)
+            assert_bit_identical(obs, want_obs)
+            loss = lambda p, s: (fn.apply(p, s, x) - t).square().mean()  # noqa: E731
+            with pytest.raises(RuntimeError, match=r"^fp8fn\.apply: expected plain autograd for"):
+                torch.func.grad(loss, argnums=(0, 1))(dict(model.named_parameters()), state)
+
+    # the recompute of DTensor inputs by plain autograd still refuses a tensor read from outside
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    outside = types.SimpleNamespace(w=torch.ones(2, 2, requires_grad=True))
+    d = distribute_tensor(torch.randn(4, 2), mesh, [Shard(0)]).requires_grad_()
+    out = fp8fn.checkpoint(lambda d: d.to_local() * outside.w, d)
+    with pytest.raises(RuntimeError, match=r"^fp8fn\.checkpoint: expected `f` to take every t"):
+        out.sum().backward()
+
+
 def tp_sequence_parallel(rank):
     """SequenceParallel around the TP pair (tokens sharded along the sequence): the op is
     unchanged; outputs, weight gradients and observations as one process's."""
@@ -650,6 +710,7 @@ SCENARIOS = {
         fsdp_tied_weights,
         torch_private_dtensor_helpers,
         tp_colwise_rowwise,
+        tp_checkpoint_fn,
         tp_sequence_parallel,
         current_scaling_sharded,
         two_d_tp_and_fsdp2,

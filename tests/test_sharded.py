@@ -26,6 +26,7 @@ RUNS = {
         "fsdp_tied_weights",
         "torch_private_dtensor_helpers",
         "tp_colwise_rowwise",
+        "tp_checkpoint_fn",
         "tp_sequence_parallel",
         "current_scaling_sharded",
     ],

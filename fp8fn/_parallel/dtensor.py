@@ -440,7 +440,13 @@ def gather_params(transformed, params: dict) -> dict:
     module, out = transformed.module, dict(params)
     for name, t in params.items():
         d = as_dtensor(t)
-        if d is None or name in in_op or as_dtensor(_own_tensor(module, name)) is not None:
+        if d is None or name in in_op:
+            continue
+        if as_dtensor(_own_tensor(module, name)) is not None:  # tensor parallel
+            # Refused here, before the model runs: under checkpoint_fn the forward would pass
+            # and torch.func raise its own error in the backward's recompute.
+            if functorch_level() is not None:
+                raise RuntimeError(_TP_UNDER_FUNC)
             continue
         if d.device_mesh.ndim != 1 or tuple(d.placements) != (_placements().Shard(0),):
             raise ValueError(
