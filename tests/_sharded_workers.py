@@ -317,6 +317,55 @@ def torch_private_dtensor_helpers(rank):
     assert not again.requires_grad
 
 
+class BnNet(nn.Module):
+    """fc (8 -> 6) -> BatchNorm1d(6); site `fc`."""
+
+    def __init__(self):
+        super().__init__()
+        with _seeded(5):
+            self.fc, self.bn = nn.Linear(8, 6), nn.BatchNorm1d(6)
+
+    def forward(self, x):
+        return self.bn(self.fc(x))
+
+
+def fsdp_edges(rank):
+    """Functional FSDP's edges, each run or refused with fp8fn's error: batch-norm buffers
+    given as Shard(0) DTensors are read in eval mode (output bitwise that of plain buffers) and
+    refused when train mode would change them (only a gathered copy would change); a state of
+    DTensors; vmap over a stacked state, and over the inputs only."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh, fn, params, _, _, _, (idx, mine) = _fsdp_setup()
+    model = BnNet()
+    bn_fn = fp8fn.transform(model, RECIPE)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    own = {k: v.detach().clone() for k, v in [*model.named_parameters(), *model.named_buffers()]}
+    sharded = {k: distribute_tensor(v.clone(), mesh, [Shard(0)]) for k, v in own.items() if v.dim()}
+    state = bn_fn.init(x)
+    model.eval()
+    assert_bit_identical(bn_fn.apply(sharded, state, x), bn_fn.apply(own, state, x))
+    model.train()
+    before = sharded["bn.running_mean"].full_tensor()
+    with pytest.raises(ValueError, match=r"^fp8fn\.apply: expected the buffers given as DTensors"):
+        bn_fn.apply(sharded, state, x)
+    assert torch.equal(sharded["bn.running_mean"].full_tensor(), before)
+    model.eval()
+
+    state = fn.init(idx[mine])
+    replicated = state._replace(
+        amax_history=distribute_tensor(state.amax_history, mesh, [Replicate()]),
+        scale=distribute_tensor(state.scale, mesh, [Replicate()]),
+    )
+    with pytest.raises(ValueError, match=r"^fp8fn\.apply: expected the state's tensors to be pl"):
+        fn.apply(params, replicated, idx[mine])
+    stacked = torch.utils._pytree.tree_map(lambda t: torch.stack([t, t]), state)
+    with pytest.raises(ValueError, match=r"^fp8fn\.apply: expected an unbatched state for DTen"):
+        torch.vmap(lambda s: fn.apply(params, s, idx[mine]))(stacked)
+    with pytest.raises(ValueError, match=r"^fp8fn\.apply: expected no vmap over a model with s"):
+        torch.vmap(lambda i: fn.apply(params, state, i))(idx[mine].unsqueeze(1))
+
+
 def fsdp_checkpoint_fn_and_higher_order(rank):
     """A `checkpoint_fn` layer recomputed in the backward gathers its float8 weight again:
     gradients and observations bitwise those without recompute. A gradient of a gradient is
@@ -706,6 +755,7 @@ SCENARIOS = {
         fsdp_functional_routes_and_steps,
         fsdp_finer_recipe_layer_gathers_in_high_precision,
         fsdp_errors,
+        fsdp_edges,
         fsdp_checkpoint_fn_and_higher_order,
         fsdp_tied_weights,
         torch_private_dtensor_helpers,

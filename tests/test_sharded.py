@@ -22,6 +22,7 @@ RUNS = {
         "fsdp_functional_routes_and_steps",
         "fsdp_finer_recipe_layer_gathers_in_high_precision",
         "fsdp_errors",
+        "fsdp_edges",
         "fsdp_checkpoint_fn_and_higher_order",
         "fsdp_tied_weights",
         "torch_private_dtensor_helpers",

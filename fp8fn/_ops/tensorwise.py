@@ -38,6 +38,7 @@ class Local:
     """
 
     whole = (False, False, False)
+    vmap_refusal = None  # the error a placement whose op cannot be vmapped raises under vmap
     takes_rows = True  # the op's `x` is rows `(m, k)` (callers flatten); else as `x` is placed
 
     def operands(self, x, weight):
@@ -230,14 +231,15 @@ class _Fp8Linear(_Fp8LinearOp):
     autograd around vmap), a vmap over the batch only (`x` batched) is the unbatched call on the
     whole batch: one amax, as without vmap. Elsewhere (vmap of grad: per-example gradients;
     inference; model ensembles) every member is its own call, batched by the generated rule.
-    Sharded placements are not vmapped (their callers refuse it first).
+    A placement with a `vmap_refusal` (the sharded ones) raises it.
     """
 
     generate_vmap_rule = False
 
     @staticmethod
     def vmap(info, in_dims, x, weight, bias, newest, stored, margin, backend, place):
-        assert type(place) is Local, "sharded placements are refused before vmap"
+        if place.vmap_refusal is not None:
+            raise ValueError(place.vmap_refusal)
         args = (x, weight, bias, newest, stored)
         tracked = any(tracked_below(t) for t in args if t is not None)
         if tracked and all(d is None for d in in_dims[1:5]):

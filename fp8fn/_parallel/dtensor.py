@@ -61,6 +61,14 @@ _FSDP_HOWTO = (
     "parallelize_module (ColwiseParallel / RowwiseParallel), with "
     "`params = dict(model.named_parameters())`."
 )
+_VMAP_STATE = (
+    "fp8fn.apply: expected an unbatched state for DTensor operands, got a stacked or vmapped one "
+    "(vmap over sharded models is not supported)."
+)
+_VMAP_OPERANDS = (
+    "fp8fn.apply: expected no vmap over a model with sharded (DTensor) parameters, got a vmapped "
+    "call (vmap over sharded models is not supported). Loop over the members instead."
+)
 
 # -- DTensors under torch.func's wrappers -------------------------------------------------------
 
@@ -174,6 +182,10 @@ class _GatherParam(torch.autograd.Function):
         ctx.spec, ctx.group = inputs[1], inputs[2]
 
     @staticmethod
+    def vmap(info, in_dims, p, spec, group):
+        raise ValueError(_VMAP_OPERANDS)
+
+    @staticmethod
     def backward(ctx, grad):
         local = _ReduceScatter.apply(grad, ctx.group) / dist.get_world_size(ctx.group)
         return _FromLocal.apply(local, ctx.spec), None, None
@@ -184,7 +196,9 @@ class _GatherParam(torch.autograd.Function):
 
 class _Sharded(Local):
     """A placement over the ranks of `self.group`: a role split over them (`whole`) is cast
-    with the max of the ranks' amaxes."""
+    with the max of the ranks' amaxes. The op is not vmapped."""
+
+    vmap_refusal = _VMAP_OPERANDS
 
     def max_over_ranks(self, amaxes, mask: list):
         """`amaxes` where `mask` is False, their max over the ranks where it is True (one
@@ -324,11 +338,7 @@ def sharded_linear(call, layer, site, x, weight, bias, newest, stored):
             f"DTensor operands, got {type(recipe).__name__}. Give this layer a per-tensor "
             "recipe, or None (high precision), through a recipe function."
         )
-    if newest is not None and unwrapped(call.state.amax_history).dim() != 3:
-        raise ValueError(
-            f"{api}: expected an unbatched state for DTensor operands, got a stacked or "
-            "vmapped one (vmap over sharded models is not supported)."
-        )
+    _check_state("fp8fn.apply", call.state)
     xd, wd, bd = as_dtensor(x), as_dtensor(weight), as_dtensor(bias)
     device = (wd if wd is not None else xd).device
     backend = resolve_backend(recipe, device)
@@ -342,6 +352,21 @@ def sharded_linear(call, layer, site, x, weight, bias, newest, stored):
     if xd is None:
         return _fsdp_linear(api, x, weight, wd, bias, bd, scaling, unobserved)
     return _tp_linear(api, x, xd, weight, wd, bias, bd, scaling, unobserved)
+
+
+def _check_state(api: str, state) -> None:
+    """Raise unless `state` is one plain, unbatched state (every rank holds all of it)."""
+    history = unwrapped(state.amax_history)
+    d = as_dtensor(history)
+    if d is not None:
+        raise ValueError(
+            f"{api}: expected the state's tensors to be plain tensors, the same on every rank, "
+            f"got DTensors ({_layout(d)}). Pass the state as fn.init and fp8fn.update make it; "
+            "one loaded as DTensors: `state._replace(amax_history=state.amax_history."
+            "full_tensor(), scale=state.scale.full_tensor())`."
+        )
+    if history.dim() != 3:
+        raise ValueError(_VMAP_STATE)
 
 
 def _fsdp_linear(api, x, weight, wd, bias, bd, scaling, unobserved):
@@ -420,17 +445,21 @@ def _own_tensor(module, name: str):
     return getattr(module.get_submodule(path), attr, None)
 
 
-def gather_params(transformed, params: dict) -> dict:
-    """`params` with each DTensor the module does not hold as one (functional FSDP) replaced by
-    its whole value, all-gathered in high precision, except the weights of the per-tensor
-    float8 layers (gathered in float8 by the op). A DTensor the module holds as one (tensor
-    parallel, FSDP2) stays as it is.
+def gather_params(transformed, params: dict, state):
+    """`(tensors, kept)`: `params` with each DTensor the module does not hold as one
+    (functional FSDP) replaced by its whole value, all-gathered in high precision, except the
+    weights of the per-tensor float8 layers (gathered in float8 by the op); a DTensor the module
+    holds as one (tensor parallel, FSDP2) stays as it is. `written_back`, a context manager
+    around the call, copies this rank's rows of each gathered buffer back into the given
+    DTensor when the call returns (a batch norm's running statistics, updated in train mode).
+    `state` (the call's) must be plain and unbatched.
     """
     if torch.compiler.is_compiling():
         raise RuntimeError(
             "fp8fn.apply: expected plain tensors in `params` under torch.compile, got "
             "DTensors, which fp8fn compiles not yet. Run the sharded model eagerly."
         )
+    _check_state("fp8fn.apply", state)
     tied = transformed._slots.others
     in_op = {  # (HF Conv1D's transposed weight and tied weights are gathered)
         m.weight
@@ -438,6 +467,8 @@ def gather_params(transformed, params: dict) -> dict:
         if isinstance(m.recipe, _TENSORWISE) and not m.transposed and m.weight not in tied
     }
     module, out = transformed.module, dict(params)
+    buffers = {name for name, _ in module.named_buffers()}
+    kept = _BuffersKept()
     for name, t in params.items():
         d = as_dtensor(t)
         if d is None or name in in_op:
@@ -454,7 +485,35 @@ def gather_params(transformed, params: dict) -> dict:
                 f"(the module holds a plain tensor there), got {_layout(d)}. {_FSDP_HOWTO}"
             )
         out[name] = _GatherParam.apply(t, dtensor_spec(d), d.device_mesh.get_group())
-    return out
+        if name in buffers:
+            kept.given.append((name, out[name], unwrapped(out[name]).detach().clone()))
+    return out, kept
+
+
+class _BuffersKept:
+    """Around the call: raises when the model changed a buffer that `params` gave as a DTensor
+    (it would change the gathered copy only). A batch norm's running statistics in train mode
+    are each rank's own (as under FSDP2), which one sharded tensor cannot hold."""
+
+    def __init__(self):
+        self.given = []  # (name, its gathered value, a copy of that value)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, error_type, *_):
+        if error_type is not None:
+            return
+        for name, whole, before in self.given:
+            now = unwrapped(whole).detach()
+            if not torch.equal(now.view(torch.uint8), before.view(torch.uint8)):  # bits: NaN too
+                raise ValueError(
+                    f"fp8fn.apply: expected the buffers given as DTensors in `params` to stay as "
+                    f"they are, got {name!r} changed by the model (batch norm in train mode): "
+                    "each rank's statistics are its own, which one sharded tensor cannot hold, "
+                    "and fp8fn gathers a copy. Give buffers as plain tensors, or leave them out "
+                    "of `params` (the module's own are used and updated), or run in eval mode."
+                )
 
 
 _TP_UNDER_FUNC = (

@@ -815,18 +815,18 @@ class Transformed:
             self._fsdp_slots = self._fsdp_managed()
         if self._fsdp_slots:
             params = self._without_fsdp_params(params)
-        tensors = params
+        tensors, kept = params, contextlib.nullcontext()
         if params and sharded_operands(next(iter(params.values()))):  # the first tells
-            tensors = gather_params(self, params)
+            tensors, kept = gather_params(self, params, state)
         call = _Call(self, tensors, state)
         token = SCALES.set(self._weight_scales(state)) if self._gathered else None
         try:
             if self._checkpointed_modules:
                 refuse_compile()
-                with self._exclusive(), call, _activated(call):
+                with self._exclusive(), call, _activated(call), kept:
                     with _checkpoint_forwards(self._checkpointed_modules):
                         return _functional_call(self.module, self._slots, tensors, args, kwargs)
-            with self._exclusive(), call:
+            with self._exclusive(), call, kept:
                 return _functional_call(self.module, self._slots, tensors, args, kwargs)
         except TypeError as e:
             bad = {n: type(v).__name__ for n, v in params.items() if not torch.is_tensor(v)}
