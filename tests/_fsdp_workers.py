@@ -590,6 +590,52 @@ def fp8_all_gather_tied_weights(rank):
         assert torch.equal(p, want[k]), k
 
 
+def probe_subnormal(t: torch.Tensor, fp8_max: float = 448.0, ulp: float = 2.0**-9) -> None:
+    """Make `t[0, 1]` (in place) a value whose float8 bits differ between scaling from `t`'s amax
+    with margin 0 and with margin 1: 3 subnormal ulps at `fp8_max / amax`, 1.5 (rounded to 2)
+    at half that scale. A margin other than the recipe's then changes the result for sure."""
+    with torch.no_grad():
+        t[0, 1] = 3 * ulp * t.abs().max() / fp8_max
+
+
+def fp8_all_gather_sharded_classes(rank):
+    """float8_all_gather against FSDP2's float32 gather of the same model, 3 SGD steps from a
+    cold state, params and states bitwise: DelayedScaling with margin=1 (a weight whose float8
+    bits depend on the margin), a frozen weight (stays as it was), layers of CurrentScaling
+    between the delayed ones (a recipe function), a head of 1 row (more ranks than rows), and
+    the state's sites in reverse order (scales are found by site name, not position)."""
+    delayed = fp8fn.DelayedScaling(history_len=4, margin=1)
+
+    def recipe(name, module):
+        return fp8fn.CurrentScaling() if name.startswith("blocks.1.") else delayed
+
+    x0 = _shard(_batch(0), rank)
+    runs = []
+    for gathered in (True, False):
+        model = Net(out=1)
+        for block in model.blocks:
+            probe_subnormal(block.fc1.weight)
+        model.blocks[0].fc1.weight.requires_grad_(False)
+        if gathered:
+            fp8fn.float8_all_gather(model)
+        frozen = model.blocks[0].fc1.weight.detach().clone()
+        _fully_shard(model)
+        fn = fp8fn.transform(model, recipe)
+        state = fn.init(x0)
+        flat = fp8fn.flatten_state(state)
+        state = fp8fn.unflatten_state(dict(reversed(list(flat.items()))), delayed)
+        assert list(state)[0] == list(flat)[-1].split(".")[0]  # reversed
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
+        for step in range(3):
+            state = rank_step(model, fn, state, _shard(_batch(step), rank), opt)
+        assert torch.equal(_full(model.blocks[0].fc1.weight), frozen)
+        runs.append(({k: _full(p) for k, p in model.named_parameters()}, state))
+    (params, state), (want, want_state) = runs
+    assert_bit_identical(fp8fn.flatten_state(state), fp8fn.flatten_state(want_state))
+    for k, p in params.items():
+        assert torch.equal(p, want[k]), k
+
+
 def fp8_all_gather_errors(rank):
     """Misuse raises a clear fp8fn error, the same on every rank (no rank left waiting in a
     collective)."""
@@ -721,6 +767,7 @@ SCENARIOS = [
     fp8_all_gather_eval_between_steps,
     fp8_all_gather_backward_after_another_forward,
     fp8_all_gather_tied_weights,
+    fp8_all_gather_sharded_classes,
     fp8_all_gather_errors,
 ]
 

@@ -30,6 +30,7 @@ RUNS = {
         "tp_checkpoint_fn",
         "tp_sequence_parallel",
         "current_scaling_sharded",
+        "sharded_margin_bias_and_rows",
     ],
     4: [
         "fsdp_step1_weight_cast_with_whole_amax",
