@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from _helpers import assert_bit_identical
 from _models import _seeded
+from _sharded_workers import probe_subnormal
 from _spawn import assert_state_same_on_all_ranks, run_scenarios
 from torch import nn
 from torch.utils import _pytree as pytree
@@ -588,14 +589,6 @@ def fp8_all_gather_tied_weights(rank):
     assert_bit_identical(state, want_state)
     for k, p in params.items():
         assert torch.equal(p, want[k]), k
-
-
-def probe_subnormal(t: torch.Tensor, fp8_max: float = 448.0, ulp: float = 2.0**-9) -> None:
-    """Make `t[0, 1]` (in place) a value whose float8 bits differ between scaling from `t`'s amax
-    with margin 0 and with margin 1: 3 subnormal ulps at `fp8_max / amax`, 1.5 (rounded to 2)
-    at half that scale. A margin other than the recipe's then changes the result for sure."""
-    with torch.no_grad():
-        t[0, 1] = 3 * ulp * t.abs().max() / fp8_max
 
 
 def fp8_all_gather_sharded_classes(rank):

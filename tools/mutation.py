@@ -404,6 +404,54 @@ MUTATIONS += [
         (("if self.weight._scale is self.scale:", "if True:"),),
     ),
 ]
+# Issue 30.12's classes on the sharded routes (run them as the block above; `bias-grad-no-float`,
+# the op's bias gradient, is the bf16 bias class there too: one op serves every placement).
+MUTATIONS += [
+    Mutation(
+        "sharded-margin-dropped",
+        "functional FSDP and tensor parallel: the recipe's margin dropped (cast as margin 0)",
+        "_parallel/dtensor.py",
+        (('margin = getattr(recipe, "margin", 0)', "margin = 0"),),
+    ),
+    Mutation(
+        "float8-gather-margin-dropped",
+        "float8 all-gather: the weights' current-scaling scales without the margin",
+        "_parallel/fsdp_gather.py",
+        (
+            (
+                "FP8_MAX[E4M3], margins[0]).unbind())",
+                "FP8_MAX[E4M3], 0).unbind())",
+            ),
+            (
+                "[scale_from_amax(a, FP8_MAX[E4M3], m) for a, m in zip(amaxes, margins)]",
+                "[scale_from_amax(a, FP8_MAX[E4M3], 0) for a, m in zip(amaxes, margins)]",
+            ),
+        ),
+    ),
+    Mutation(
+        "float8-gather-sites-sorted",
+        "float8 all-gather: the weights' stored scales read in site order, not the layers'",
+        "_parallel/fsdp_gather.py",
+        (
+            (
+                "index = torch.tensor(rows, device=state.scale.device)",
+                "index = torch.tensor(sorted(rows), device=state.scale.device)",
+            ),
+        ),
+    ),
+    Mutation(
+        "float8-gather-frozen-trains",
+        "float8_all_gather: a frozen weight (requires_grad=False) made trainable",
+        "_parallel/fsdp_gather.py",
+        (("requires_grad=weight.requires_grad", "requires_grad=True"),),
+    ),
+    Mutation(
+        "amax-of-empty-shard",
+        "the amax of an empty tensor (a rank holding no rows of a weight) not defined as 0",
+        "_numerics/fp8.py",
+        (("    if hp.numel() == 0:\n        return", "    if False:\n        return"),),
+    ),
+]
 
 class SetupError(Exception):
     pass
