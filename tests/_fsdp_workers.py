@@ -629,6 +629,50 @@ def fp8_all_gather_sharded_classes(rank):
         assert torch.equal(p, want[k]), k
 
 
+class SplitAttention(nn.Module):
+    """Cross-attention with separate q/k/v projections (kdim, vdim other than embed_dim) and a
+    head; sites `k_in`, `v_in`, `attn.q_proj`, `attn.k_proj`, `attn.v_proj`, `attn.out_proj`,
+    `head`. Input `(2 * n, 16)`: n sequences of 2 tokens."""
+
+    def __init__(self, seed=1):
+        super().__init__()
+        with _seeded(seed):
+            self.k_in, self.v_in = nn.Linear(16, 12), nn.Linear(16, 10)
+            self.attn = nn.MultiheadAttention(16, 2, kdim=12, vdim=10, batch_first=True)
+            self.head = nn.Linear(16, 8)
+
+    def forward(self, x):
+        x = x.view(-1, 2, 16)
+        out, _ = self.attn(x, self.k_in(x), self.v_in(x), need_weights=False)
+        return self.head(out).flatten(0, 1)
+
+
+def fsdp2_split_attention(rank):
+    """nn.MultiheadAttention's separate q/k/v projections under FSDP2 (the unsharded weights
+    swapped in): each projection is its own site, and 2 steps keep the states bitwise those of
+    one process, the params within 1e-5."""
+    from torch.distributed.fsdp import fully_shard
+
+    ref = SplitAttention()
+    ref_fn = fp8fn.transform(ref, RECIPE)
+    ref_state = ref_fn.init(_batch(0))
+    model = SplitAttention()
+    fully_shard(model.attn)
+    fully_shard(model)
+    fn = fp8fn.transform(model, RECIPE)
+    state = fn.init(_shard(_batch(0), rank))
+    assert list(state) == list(ref_state) and "attn.k_proj" in list(state)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for step in range(2):
+        ref_state = reference_step(ref, ref_fn, ref_state, _batch(step), ref_opt)
+        state = rank_step(model, fn, state, _shard(_batch(step), rank), opt)
+        assert_bit_identical(state, ref_state)
+    for name, p in model.named_parameters():
+        want = dict(ref.named_parameters())[name]
+        assert ((_full(p) - want).norm() / want.norm()).item() < 1e-5, name
+
+
 def fp8_all_gather_errors(rank):
     """Misuse raises a clear fp8fn error, the same on every rank (no rank left waiting in a
     collective)."""
@@ -761,6 +805,7 @@ SCENARIOS = [
     fp8_all_gather_backward_after_another_forward,
     fp8_all_gather_tied_weights,
     fp8_all_gather_sharded_classes,
+    fsdp2_split_attention,
     fp8_all_gather_errors,
 ]
 

@@ -451,6 +451,18 @@ MUTATIONS += [
         "_numerics/fp8.py",
         (("    if hp.numel() == 0:\n        return", "    if False:\n        return"),),
     ),
+    Mutation(
+        "held-first-parameter",
+        "a layer's held weight read as its module's first parameter (nn.MultiheadAttention's "
+        "split k/v projections under FSDP2 run in high precision)",
+        "_transform/transformed.py",
+        (
+            (
+                "return self.module._parameters.get(self.attrs[0])",
+                "return next(iter(self.module._parameters.values()))",
+            ),
+        ),
+    ),
 ]
 
 class SetupError(Exception):
