@@ -717,9 +717,10 @@ def sharded_margin_bias_and_rows(rank):
     float8 bits depend on the margin (DelayedScaling(margin=1), a cold state: every role cast
     from its amax): functional FSDP's output and input gradient, and a weight of 1 row (more
     ranks than rows) with its gradient the mean of the ranks'; a ColwiseParallel layer's output
-    and gradients (each rank's shards hold the whole tensors' amaxes). In float32 and bfloat16,
-    each bias gradient is the float32 sum of the output gradient's rows in the bias's dtype
-    (then the mean over the ranks, for functional FSDP), computed here without fp8fn."""
+    and gradients (each rank's shards hold the whole tensors' amaxes). In float32, bfloat16 and
+    under bfloat16 autocast, each bias gradient is the float32 sum of the output gradient's rows
+    in the bias's dtype (then the mean over the ranks, for functional FSDP), computed here
+    without fp8fn."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
@@ -728,71 +729,74 @@ def sharded_margin_bias_and_rows(rank):
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
     recipe = fp8fn.DelayedScaling(history_len=4, margin=1)
     g = torch.Generator().manual_seed(10 + rank)
-    for dtype in (torch.float32, torch.bfloat16):
-        for rows in (8, 1):  # functional FSDP; a weight of 1 row
-            with _seeded(6):
-                layer = nn.Linear(16, rows).to(dtype)
+    cases = ((torch.float32, False), (torch.bfloat16, False), (torch.float32, True))
+    for dtype, autocast in cases:  # (autocast: bf16 operands and output gradient, fp32 params)
+        g_dtype = torch.bfloat16 if autocast else dtype
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            for rows in (8, 1):  # functional FSDP; a weight of 1 row
+                with _seeded(6):
+                    layer = nn.Linear(16, rows).to(dtype)
+                probe_subnormal(layer.weight.data)
+                x = torch.randn(32, 16, generator=g).to(dtype)
+                c = torch.randn(32, rows, generator=g).to(dtype)
+                x[0, 0] = 4.0
+                probe_subnormal(x)
+                if rows > 1:
+                    probe_subnormal(c, 57344.0, 2.0**-16)
+                fn = fp8fn.transform(layer, recipe)
+                cold = fn.init(x)
+                own = {k: v.detach().clone() for k, v in layer.named_parameters()}
+                sharded = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in own.items()}
+
+                def loss(p, x):
+                    return (fn.apply(p, cold, x) * c).sum()
+
+                assert_bit_identical(fn.apply(sharded, cold, x), fn.apply(own, cold, x))
+                grads, gx = torch.func.grad(loss, argnums=(0, 1))(sharded, x)
+                want, want_gx = torch.func.grad(loss, argnums=(0, 1))(own, x)
+                assert torch.equal(gx, want_gx), (dtype, rows)
+                for k, grad in grads.items():
+                    assert torch.equal(grad.full_tensor(), _mean_over_ranks(want[k])), (dtype, k)
+                bias = _mean_over_ranks(c.to(g_dtype).float().sum(0).to(dtype))
+                assert torch.equal(grads["bias"].full_tensor(), bias), (dtype, rows)
+
+            # tensor parallel: ColwiseParallel, each rank's shards holding the whole amaxes
+            with _seeded(7):
+                layer = nn.Linear(16, 8).to(dtype)
+            with torch.no_grad():
+                layer.weight[:: 8 // world, 0] = 3.0  # the weight's amax in every rank's rows
             probe_subnormal(layer.weight.data)
-            x = torch.randn(32, 16, generator=g).to(dtype)
-            c = torch.randn(32, rows, generator=g).to(dtype)
+            same = torch.Generator().manual_seed(20)  # the same on every rank: Replicate
+            x, c = torch.randn(32, 16, generator=same).to(dtype), torch.randn(32, 8, generator=same)
             x[0, 0] = 4.0
             probe_subnormal(x)
-            if rows > 1:
-                probe_subnormal(c, 57344.0, 2.0**-16)
+            c = c.to(dtype)
+            c[0, :] = 8.0  # the output gradient's amax in every rank's columns
+            probe_subnormal(c, 57344.0, 2.0**-16)
+            columns = slice(rank * 8 // world, (rank + 1) * 8 // world)
+            local = {
+                k: v.detach()[columns].clone().requires_grad_() for k, v in layer.named_parameters()
+            }
+            parallelize_module(layer, mesh, ColwiseParallel(use_local_output=False))
             fn = fp8fn.transform(layer, recipe)
             cold = fn.init(x)
-            own = {k: v.detach().clone() for k, v in layer.named_parameters()}
-            sharded = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in own.items()}
-
-            def loss(p, x):
-                return (fn.apply(p, cold, x) * c).sum()
-
-            assert_bit_identical(fn.apply(sharded, cold, x), fn.apply(own, cold, x))
-            grads, gx = torch.func.grad(loss, argnums=(0, 1))(sharded, x)
-            want, want_gx = torch.func.grad(loss, argnums=(0, 1))(own, x)
-            assert torch.equal(gx, want_gx), (dtype, rows)
-            for k, grad in grads.items():
-                assert torch.equal(grad.full_tensor(), _mean_over_ranks(want[k])), (dtype, k)
-            bias = _mean_over_ranks(c.float().sum(0).to(dtype))
-            assert torch.equal(grads["bias"].full_tensor(), bias), (dtype, rows)
-
-        # tensor parallel: ColwiseParallel, each rank's shards holding the whole amaxes
-        with _seeded(7):
-            layer = nn.Linear(16, 8).to(dtype)
-        with torch.no_grad():
-            layer.weight[:: 8 // world, 0] = 3.0  # the weight's amax in every rank's rows
-        probe_subnormal(layer.weight.data)
-        same = torch.Generator().manual_seed(20)  # the same on every rank: Replicate
-        x, c = torch.randn(32, 16, generator=same).to(dtype), torch.randn(32, 8, generator=same)
-        x[0, 0] = 4.0
-        probe_subnormal(x)
-        c = c.to(dtype)
-        c[0, :] = 8.0  # the output gradient's amax in every rank's columns
-        probe_subnormal(c, 57344.0, 2.0**-16)
-        columns = slice(rank * 8 // world, (rank + 1) * 8 // world)
-        local = {
-            k: v.detach()[columns].clone().requires_grad_() for k, v in layer.named_parameters()
-        }
-        parallelize_module(layer, mesh, ColwiseParallel(use_local_output=False))
-        fn = fp8fn.transform(layer, recipe)
-        cold = fn.init(x)
-        observed = fp8fn.observe(cold)
-        xs = x.clone().requires_grad_()
-        out = fn.apply(dict(layer.named_parameters()), observed, xs)
-        (out.to_local() * c[:, columns]).sum().backward()
-        site = fp8fn.observe(cold)
-        xp = x.clone().requires_grad_()
-        want = fp8fn.linear(xp, local["weight"], local["bias"], site[""], recipe)
-        (want * c[:, columns]).sum().backward()
-        assert torch.equal(out.to_local(), want), dtype
-        summed = xp.grad.clone()
-        dist.all_reduce(summed)  # the ranks' partial sums (Colwise: Partial, then Replicate)
-        assert torch.equal(xs.grad, summed), dtype
-        for k, p in layer.named_parameters():
-            assert torch.equal(p.grad.to_local(), local[k].grad), (dtype, k)
-        bias = c[:, columns].float().sum(0).to(dtype)
-        assert torch.equal(layer.bias.grad.to_local(), bias), dtype
-        assert_bit_identical(fp8fn.observations(observed), fp8fn.observations(site))
+            observed = fp8fn.observe(cold)
+            xs = x.clone().requires_grad_()
+            out = fn.apply(dict(layer.named_parameters()), observed, xs)
+            (out.to_local() * c[:, columns]).sum().backward()
+            site = fp8fn.observe(cold)
+            xp = x.clone().requires_grad_()
+            want = fp8fn.linear(xp, local["weight"], local["bias"], site[""], recipe)
+            (want * c[:, columns]).sum().backward()
+            assert torch.equal(out.to_local(), want), dtype
+            summed = xp.grad.clone()
+            dist.all_reduce(summed)  # the ranks' partial sums (Colwise: Partial, then Replicate)
+            assert torch.equal(xs.grad, summed), dtype
+            for k, p in layer.named_parameters():
+                assert torch.equal(p.grad.to_local(), local[k].grad), (dtype, k)
+            bias = c[:, columns].to(g_dtype).float().sum(0).to(dtype)
+            assert torch.equal(layer.bias.grad.to_local(), bias), dtype
+            assert_bit_identical(fp8fn.observations(observed), fp8fn.observations(site))
 
 
 # --- 2-D: TP inside, FSDP2 over the data-parallel mesh dim -------------------------------------

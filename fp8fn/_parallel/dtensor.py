@@ -253,7 +253,6 @@ class _TPPlan(_Sharded):
     gradients are DTensors placed like the inputs (the input's Partial for Colwise).
     """
 
-    colwise: bool  # ColwiseParallel (x Replicate, weight Shard(0)); else RowwiseParallel
     mesh: object
     group: object
     whole: tuple  # (input, weight, grad_output): cast with the whole tensor's amax
@@ -414,7 +413,6 @@ def _tp_plan(api, xd, wd, bias, bd, unobserved) -> _TPPlan:
     out_place = p.Shard(last) if colwise else p.Partial()
     x_spec = dtensor_spec(xd)
     return _TPPlan(
-        colwise=colwise,
         mesh=mesh,
         group=mesh.get_group(),
         whole=(rowwise and unobserved[0], unobserved[1], colwise and unobserved[2]),
