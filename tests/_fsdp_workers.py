@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from _helpers import assert_bit_identical
 from _models import _seeded
+from _sharded_workers import probe_subnormal
 from _spawn import assert_state_same_on_all_ranks, run_scenarios
 from torch import nn
 from torch.utils import _pytree as pytree
@@ -473,6 +474,205 @@ def fp8_all_gather_eval_between_steps(rank):
         assert error < 0.1, error  # float8 weights (and inputs, in apply)
 
 
+def _trained_pair(rank):
+    """A float8-gathered model, its transform and two states with other weight scales: `late`
+    after a warm step, `early` with 3x the warm step's amaxes pushed on top (1/3 the scales)."""
+    model = _gathered_model()
+    fn = fp8fn.transform(model, RECIPE)
+    state = fn.init(_shard(_batch(0), rank))
+    observed = fp8fn.observe(state)
+    _loss(fn.apply(dict(model.named_parameters()), observed, _shard(_batch(0), rank))).backward()
+    model.zero_grad()
+    obs = fp8fn.all_reduce(fp8fn.observations(observed))
+    late = fp8fn.update(state, obs)
+    early = fp8fn.update(late, obs._replace(amax_history=obs.amax_history * 3))
+    return model, fn, late, early
+
+
+def _local_grads(model) -> dict:
+    grads = {k: p.grad.to_local().clone() for k, p in model.named_parameters()}
+    model.zero_grad()
+    return grads
+
+
+def fp8_all_gather_backward_after_another_forward(rank):
+    """Another forward of the same FSDP2 model between a training forward and its backward
+    (an evaluation under no_grad with another state; a second transform of the model,
+    evaluated, or trained with its own backward after) leaves that backward bit-identical to
+    one without: its float8 weights are cast with its own forward's scales (FSDP2's re-gather
+    casts with the last forward's, so the op gathers them again)."""
+    x, other = _shard(_batch(1), rank), _shard(_batch(2), rank)
+    margin = fp8fn.DelayedScaling(history_len=4, margin=1)  # another transform: other scales
+
+    def train(between=None, second=False):
+        """`({param: local grad}, [observations])` of one training forward and backward on a
+        fresh model (`early`'s scales), `between(model, fn, late)` run before the backward;
+        `second`: a second transform's step follows, forward before the first backward."""
+        model, fn, late, early = _trained_pair(rank)
+        observed = fp8fn.observe(early)
+        out = fn.apply(dict(model.named_parameters()), observed, x)
+        seen = []
+        if second:
+            fn2 = fp8fn.transform(model, margin)
+            observed2 = fp8fn.observe(fn2.init(other))
+            out2 = fn2.apply(dict(model.named_parameters()), observed2, other)
+        if between is not None:
+            between(model, fn, late)
+        _loss(out).backward()
+        seen.append(fp8fn.observations(observed))
+        if second:
+            _loss(out2).backward()
+            seen.append(fp8fn.observations(observed2))
+        return _local_grads(model), seen
+
+    def evaluate(model, fn, late):
+        with torch.no_grad():
+            fn.apply(dict(model.named_parameters()), late, other)
+
+    def evaluate_second(model, fn, late):
+        fn2 = fp8fn.transform(model, margin)
+        with torch.no_grad():
+            fn2.apply(dict(model.named_parameters()), fn2.init(other), other)
+
+    want, want_obs = train()
+    for between in (evaluate, evaluate_second):
+        grads, obs = train(between)
+        for k, g in grads.items():
+            assert torch.equal(g, want[k]), (between.__name__, k)
+        assert_bit_identical(obs, want_obs)
+
+    # two transforms, both trained, forwards before backwards == one after the other
+    grads, obs = train(second=True)
+    model, fn, _, early = _trained_pair(rank)
+    observed = fp8fn.observe(early)
+    _loss(fn.apply(dict(model.named_parameters()), observed, x)).backward()
+    fn2 = fp8fn.transform(model, margin)
+    observed2 = fp8fn.observe(fn2.init(other))
+    _loss(fn2.apply(dict(model.named_parameters()), observed2, other)).backward()
+    want = _local_grads(model)
+    for k, g in grads.items():
+        assert torch.equal(g, want[k]), ("two transforms", k)
+    assert_bit_identical(obs, [fp8fn.observations(observed), fp8fn.observations(observed2)])
+
+
+def fp8_all_gather_tied_weights(rank):
+    """Two Linears sharing one weight stay one parameter under float8_all_gather: after 3 AdamW
+    steps under FSDP2 they are still tied, and params and states are bitwise those of the same
+    FSDP2 model gathered in float32. A weight tied to an embedding is refused before
+    fully_shard, naming the fix."""
+    import pytest
+    from _models import Tied
+    from torch.distributed.fsdp import fully_shard
+
+    from fp8fn._parallel.fsdp_gather import Float8ShardWeight
+
+    with pytest.raises(ValueError, match=r"^fp8fn\.float8_all_gather: expected the weight of la"):
+        fp8fn.float8_all_gather(Tied(16, 32))
+    idx = torch.randint(0, 16, (BATCH, 3), generator=torch.Generator().manual_seed(5))
+    runs = []
+    for gathered in (True, False):
+        model = Tied(16, 32, seed=4)
+        if gathered:
+            fp8fn.float8_all_gather(model, filter_fn=lambda name, module: name != "head")
+            assert type(model.a.weight) is Float8ShardWeight  # (an nn.Parameter)
+            assert isinstance(model.a.weight, nn.Parameter) and model.b.weight is model.a.weight
+        fully_shard(model)
+        fn = fp8fn.transform(model, RECIPE)
+        state = fn.init(_shard(idx, rank))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for _ in range(3):
+            state = rank_step(model, fn, state, _shard(idx, rank), opt)
+        assert model.b.weight is model.a.weight
+        assert len(list(model.parameters())) == 4  # emb = head, a = b weights; a's, b's biases
+        runs.append(({k: _full(p) for k, p in model.named_parameters()}, state))
+    (params, state), (want, want_state) = runs
+    assert_bit_identical(state, want_state)
+    for k, p in params.items():
+        assert torch.equal(p, want[k]), k
+
+
+def fp8_all_gather_sharded_classes(rank):
+    """float8_all_gather against FSDP2's float32 gather of the same model, 3 SGD steps from a
+    cold state, params and states bitwise: DelayedScaling with margin=1 (a weight whose float8
+    bits depend on the margin), a frozen weight (stays as it was), layers of CurrentScaling
+    between the delayed ones (a recipe function), a head of 1 row (more ranks than rows), and
+    the state's sites in reverse order (scales are found by site name, not position)."""
+    delayed = fp8fn.DelayedScaling(history_len=4, margin=1)
+
+    def recipe(name, module):
+        return fp8fn.CurrentScaling() if name.startswith("blocks.1.") else delayed
+
+    x0 = _shard(_batch(0), rank)
+    runs = []
+    for gathered in (True, False):
+        model = Net(out=1)
+        for block in model.blocks:
+            probe_subnormal(block.fc1.weight)
+        model.blocks[0].fc1.weight.requires_grad_(False)
+        if gathered:
+            fp8fn.float8_all_gather(model)
+        frozen = model.blocks[0].fc1.weight.detach().clone()
+        _fully_shard(model)
+        fn = fp8fn.transform(model, recipe)
+        state = fn.init(x0)
+        flat = fp8fn.flatten_state(state)
+        state = fp8fn.unflatten_state(dict(reversed(list(flat.items()))), delayed)
+        assert list(state)[0] == list(flat)[-1].split(".")[0]  # reversed
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
+        for step in range(3):
+            state = rank_step(model, fn, state, _shard(_batch(step), rank), opt)
+        assert torch.equal(_full(model.blocks[0].fc1.weight), frozen)
+        runs.append(({k: _full(p) for k, p in model.named_parameters()}, state))
+    (params, state), (want, want_state) = runs
+    assert_bit_identical(fp8fn.flatten_state(state), fp8fn.flatten_state(want_state))
+    for k, p in params.items():
+        assert torch.equal(p, want[k]), k
+
+
+class SplitAttention(nn.Module):
+    """Cross-attention with separate q/k/v projections (kdim, vdim other than embed_dim) and a
+    head; sites `k_in`, `v_in`, `attn.q_proj`, `attn.k_proj`, `attn.v_proj`, `attn.out_proj`,
+    `head`. Input `(2 * n, 16)`: n sequences of 2 tokens."""
+
+    def __init__(self, seed=1):
+        super().__init__()
+        with _seeded(seed):
+            self.k_in, self.v_in = nn.Linear(16, 12), nn.Linear(16, 10)
+            self.attn = nn.MultiheadAttention(16, 2, kdim=12, vdim=10, batch_first=True)
+            self.head = nn.Linear(16, 8)
+
+    def forward(self, x):
+        x = x.view(-1, 2, 16)
+        out, _ = self.attn(x, self.k_in(x), self.v_in(x), need_weights=False)
+        return self.head(out).flatten(0, 1)
+
+
+def fsdp2_split_attention(rank):
+    """nn.MultiheadAttention's separate q/k/v projections under FSDP2 (the unsharded weights
+    swapped in): each projection is its own site, and 2 steps keep the states bitwise those of
+    one process, the params within 1e-5."""
+    from torch.distributed.fsdp import fully_shard
+
+    ref = SplitAttention()
+    ref_fn = fp8fn.transform(ref, RECIPE)
+    ref_state = ref_fn.init(_batch(0))
+    model = SplitAttention()
+    fully_shard(model.attn)
+    fully_shard(model)
+    fn = fp8fn.transform(model, RECIPE)
+    state = fn.init(_shard(_batch(0), rank))
+    assert list(state) == list(ref_state) and "attn.k_proj" in list(state)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for step in range(2):
+        ref_state = reference_step(ref, ref_fn, ref_state, _batch(step), ref_opt)
+        state = rank_step(model, fn, state, _shard(_batch(step), rank), opt)
+        assert_bit_identical(state, ref_state)
+    for name, p in model.named_parameters():
+        want = dict(ref.named_parameters())[name]
+        assert ((_full(p) - want).norm() / want.norm()).item() < 1e-5, name
+
+
 def fp8_all_gather_errors(rank):
     """Misuse raises a clear fp8fn error, the same on every rank (no rank left waiting in a
     collective)."""
@@ -602,6 +802,10 @@ SCENARIOS = [
     fp8_all_gather_uneven,
     fp8_all_gather_current_scaling,
     fp8_all_gather_eval_between_steps,
+    fp8_all_gather_backward_after_another_forward,
+    fp8_all_gather_tied_weights,
+    fp8_all_gather_sharded_classes,
+    fsdp2_split_attention,
     fp8_all_gather_errors,
 ]
 

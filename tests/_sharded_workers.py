@@ -28,6 +28,7 @@ be, as follows.
 from __future__ import annotations
 
 import copy
+import types
 
 import pytest
 import torch
@@ -316,6 +317,55 @@ def torch_private_dtensor_helpers(rank):
     assert not again.requires_grad
 
 
+class BnNet(nn.Module):
+    """fc (8 -> 6) -> BatchNorm1d(6); site `fc`."""
+
+    def __init__(self):
+        super().__init__()
+        with _seeded(5):
+            self.fc, self.bn = nn.Linear(8, 6), nn.BatchNorm1d(6)
+
+    def forward(self, x):
+        return self.bn(self.fc(x))
+
+
+def fsdp_edges(rank):
+    """Functional FSDP's edges, each run or refused with fp8fn's error: batch-norm buffers
+    given as Shard(0) DTensors are read in eval mode (output bitwise that of plain buffers) and
+    refused when train mode would change them (only a gathered copy would change); a state of
+    DTensors; vmap over a stacked state, and over the inputs only."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh, fn, params, _, _, _, (idx, mine) = _fsdp_setup()
+    model = BnNet()
+    bn_fn = fp8fn.transform(model, RECIPE)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    own = {k: v.detach().clone() for k, v in [*model.named_parameters(), *model.named_buffers()]}
+    sharded = {k: distribute_tensor(v.clone(), mesh, [Shard(0)]) for k, v in own.items() if v.dim()}
+    state = bn_fn.init(x)
+    model.eval()
+    assert_bit_identical(bn_fn.apply(sharded, state, x), bn_fn.apply(own, state, x))
+    model.train()
+    before = sharded["bn.running_mean"].full_tensor()
+    with pytest.raises(ValueError, match=r"^fp8fn\.apply: expected the buffers given as DTensors"):
+        bn_fn.apply(sharded, state, x)
+    assert torch.equal(sharded["bn.running_mean"].full_tensor(), before)
+    model.eval()
+
+    state = fn.init(idx[mine])
+    replicated = state._replace(
+        amax_history=distribute_tensor(state.amax_history, mesh, [Replicate()]),
+        scale=distribute_tensor(state.scale, mesh, [Replicate()]),
+    )
+    with pytest.raises(ValueError, match=r"^fp8fn\.apply: expected the state's tensors to be pl"):
+        fn.apply(params, replicated, idx[mine])
+    stacked = torch.utils._pytree.tree_map(lambda t: torch.stack([t, t]), state)
+    with pytest.raises(ValueError, match=r"^fp8fn\.apply: expected an unbatched state for DTen"):
+        torch.vmap(lambda s: fn.apply(params, s, idx[mine]))(stacked)
+    with pytest.raises(ValueError, match=r"^fp8fn\.apply: expected no vmap over a model with s"):
+        torch.vmap(lambda i: fn.apply(params, state, i))(idx[mine].unsqueeze(1))
+
+
 def fsdp_checkpoint_fn_and_higher_order(rank):
     """A `checkpoint_fn` layer recomputed in the backward gathers its float8 weight again:
     gradients and observations bitwise those without recompute. A gradient of a gradient is
@@ -508,6 +558,65 @@ def tp_colwise_rowwise(rank):
         rowwise_fn.apply(dict(model.named_parameters()), rowwise_fn.init(x), x)
 
 
+def tp_checkpoint_fn(rank):
+    """`checkpoint_fn` on a tensor-parallel model (a TP layer, the pair of them, the root):
+    plain autograd and fp8fn.value_and_grad give gradients (DTensors placed as without it) and
+    observations bitwise those without recompute; torch.func stays refused with fp8fn's
+    error. (The recompute runs under plain autograd: torch's parallel styles' Functions lack
+    setup_context.)"""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
+    x, t = _tp_data()
+    model = TPNet()
+    parallelize_module(model, mesh, {"net.0": ColwiseParallel(), "net.2": RowwiseParallel()})
+    plain = fp8fn.transform(model, RECIPE)
+    state = plain.init(x)
+
+    def grads_and_obs(fn, by_value_and_grad):
+        params = dict(model.named_parameters())
+
+        def loss(p, s):
+            return (fn.apply(p, s, x) - t).square().mean()
+
+        if by_value_and_grad:
+            _, (grads, obs) = fp8fn.value_and_grad(loss, argnums=(0, 1))(params, state)
+            return grads, obs
+        observed = fp8fn.observe(state)
+        loss(params, observed).backward()
+        grads = {k: p.grad for k, p in params.items()}
+        model.zero_grad()
+        return grads, fp8fn.observations(observed)
+
+    for by_value_and_grad in (False, True):
+        want, want_obs = grads_and_obs(plain, by_value_and_grad)
+        for chosen in ("net.0", "net", ""):
+            fn = fp8fn.transform(model, RECIPE, checkpoint_fn=lambda n, m, c=chosen: n == c)
+            grads, obs = grads_and_obs(fn, by_value_and_grad)
+            for k, g in grads.items():
+                assert type(g) is type(want[k]), (chosen, k)
+                assert getattr(g, "placements", None) == getattr(want[k], "placements", None)
+                assert torch.equal(_full(g), _full(want[k])), (chosen, by_value_and_grad, k)
+            assert_bit_identical(obs, want_obs)
+            loss = lambda p, s: (fn.apply(p, s, x) - t).square().mean()  # noqa: E731
+            with pytest.raises(RuntimeError, match=r"^fp8fn\.apply: expected plain autograd for"):
+                torch.func.grad(loss, argnums=(0, 1))(dict(model.named_parameters()), state)
+
+    # the recompute of DTensor inputs by plain autograd still refuses a tensor read from outside
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    outside = types.SimpleNamespace(w=torch.ones(2, 2, requires_grad=True))
+    d = distribute_tensor(torch.randn(4, 2), mesh, [Shard(0)]).requires_grad_()
+    out = fp8fn.checkpoint(lambda d: d.to_local() * outside.w, d)
+    with pytest.raises(RuntimeError, match=r"^fp8fn\.checkpoint: expected `f` to take every t"):
+        out.sum().backward()
+
+
 def tp_sequence_parallel(rank):
     """SequenceParallel around the TP pair (tokens sharded along the sequence): the op is
     unchanged; outputs, weight gradients and observations as one process's."""
@@ -588,6 +697,108 @@ def current_scaling_sharded(rank):
         assert _measure("tp_current_grad_rel_err", _rel(p.grad, ref_grads[k])) < 1e-6, k
 
 
+def probe_subnormal(t: torch.Tensor, fp8_max: float = 448.0, ulp: float = 2.0**-9) -> None:
+    """Make `t[0, 1]` (in place) a value whose float8 bits differ between scaling from `t`'s amax
+    with margin 0 and with margin 1: 3 subnormal ulps at `fp8_max / amax`, 1.5 (rounded to 2)
+    at half that scale. A margin other than the recipe's then changes the result for sure.
+    (`ulp`: 2**-9 for e4m3, 2**-16 for e5m2.)"""
+    with torch.no_grad():
+        t[0, 1] = 3 * ulp * t.abs().max() / fp8_max
+
+
+def _mean_over_ranks(t: torch.Tensor) -> torch.Tensor:
+    out = t.clone()
+    dist.all_reduce(out)
+    return out / dist.get_world_size()
+
+
+def sharded_margin_bias_and_rows(rank):
+    """The sharded routes against the plain one on the same process, bitwise, on inputs whose
+    float8 bits depend on the margin (DelayedScaling(margin=1), a cold state: every role cast
+    from its amax): functional FSDP's output and input gradient, and a weight of 1 row (more
+    ranks than rows) with its gradient the mean of the ranks'; a ColwiseParallel layer's output
+    and gradients (each rank's shards hold the whole tensors' amaxes). In float32, bfloat16 and
+    under bfloat16 autocast, each bias gradient is the float32 sum of the output gradient's rows
+    in the bias's dtype (then the mean over the ranks, for functional FSDP), computed here
+    without fp8fn."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    recipe = fp8fn.DelayedScaling(history_len=4, margin=1)
+    g = torch.Generator().manual_seed(10 + rank)
+    cases = ((torch.float32, False), (torch.bfloat16, False), (torch.float32, True))
+    for dtype, autocast in cases:  # (autocast: bf16 operands and output gradient, fp32 params)
+        g_dtype = torch.bfloat16 if autocast else dtype
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            for rows in (8, 1):  # functional FSDP; a weight of 1 row
+                with _seeded(6):
+                    layer = nn.Linear(16, rows).to(dtype)
+                probe_subnormal(layer.weight.data)
+                x = torch.randn(32, 16, generator=g).to(dtype)
+                c = torch.randn(32, rows, generator=g).to(dtype)
+                x[0, 0] = 4.0
+                probe_subnormal(x)
+                if rows > 1:
+                    probe_subnormal(c, 57344.0, 2.0**-16)
+                fn = fp8fn.transform(layer, recipe)
+                cold = fn.init(x)
+                own = {k: v.detach().clone() for k, v in layer.named_parameters()}
+                sharded = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in own.items()}
+
+                def loss(p, x):
+                    return (fn.apply(p, cold, x) * c).sum()
+
+                assert_bit_identical(fn.apply(sharded, cold, x), fn.apply(own, cold, x))
+                grads, gx = torch.func.grad(loss, argnums=(0, 1))(sharded, x)
+                want, want_gx = torch.func.grad(loss, argnums=(0, 1))(own, x)
+                assert torch.equal(gx, want_gx), (dtype, rows)
+                for k, grad in grads.items():
+                    assert torch.equal(grad.full_tensor(), _mean_over_ranks(want[k])), (dtype, k)
+                bias = _mean_over_ranks(c.to(g_dtype).float().sum(0).to(dtype))
+                assert torch.equal(grads["bias"].full_tensor(), bias), (dtype, rows)
+
+            # tensor parallel: ColwiseParallel, each rank's shards holding the whole amaxes
+            with _seeded(7):
+                layer = nn.Linear(16, 8).to(dtype)
+            with torch.no_grad():
+                layer.weight[:: 8 // world, 0] = 3.0  # the weight's amax in every rank's rows
+            probe_subnormal(layer.weight.data)
+            same = torch.Generator().manual_seed(20)  # the same on every rank: Replicate
+            x, c = torch.randn(32, 16, generator=same).to(dtype), torch.randn(32, 8, generator=same)
+            x[0, 0] = 4.0
+            probe_subnormal(x)
+            c = c.to(dtype)
+            c[0, :] = 8.0  # the output gradient's amax in every rank's columns
+            probe_subnormal(c, 57344.0, 2.0**-16)
+            columns = slice(rank * 8 // world, (rank + 1) * 8 // world)
+            local = {
+                k: v.detach()[columns].clone().requires_grad_() for k, v in layer.named_parameters()
+            }
+            parallelize_module(layer, mesh, ColwiseParallel(use_local_output=False))
+            fn = fp8fn.transform(layer, recipe)
+            cold = fn.init(x)
+            observed = fp8fn.observe(cold)
+            xs = x.clone().requires_grad_()
+            out = fn.apply(dict(layer.named_parameters()), observed, xs)
+            (out.to_local() * c[:, columns]).sum().backward()
+            site = fp8fn.observe(cold)
+            xp = x.clone().requires_grad_()
+            want = fp8fn.linear(xp, local["weight"], local["bias"], site[""], recipe)
+            (want * c[:, columns]).sum().backward()
+            assert torch.equal(out.to_local(), want), dtype
+            summed = xp.grad.clone()
+            dist.all_reduce(summed)  # the ranks' partial sums (Colwise: Partial, then Replicate)
+            assert torch.equal(xs.grad, summed), dtype
+            for k, p in layer.named_parameters():
+                assert torch.equal(p.grad.to_local(), local[k].grad), (dtype, k)
+            bias = c[:, columns].to(g_dtype).float().sum(0).to(dtype)
+            assert torch.equal(layer.bias.grad.to_local(), bias), dtype
+            assert_bit_identical(fp8fn.observations(observed), fp8fn.observations(site))
+
+
 # --- 2-D: TP inside, FSDP2 over the data-parallel mesh dim -------------------------------------
 
 
@@ -646,12 +857,15 @@ SCENARIOS = {
         fsdp_functional_routes_and_steps,
         fsdp_finer_recipe_layer_gathers_in_high_precision,
         fsdp_errors,
+        fsdp_edges,
         fsdp_checkpoint_fn_and_higher_order,
         fsdp_tied_weights,
         torch_private_dtensor_helpers,
         tp_colwise_rowwise,
+        tp_checkpoint_fn,
         tp_sequence_parallel,
         current_scaling_sharded,
+        sharded_margin_bias_and_rows,
         two_d_tp_and_fsdp2,
     )
 }

@@ -15,7 +15,7 @@ from torch._inductor.utils import run_and_get_code
 
 import fp8fn
 import fp8fn._ops.linear
-from fp8fn._ops.tensorwise import _Fp8Linear
+from fp8fn._ops.tensorwise import LOCAL, _Fp8Linear
 
 pytestmark = pytest.mark.slow  # torch.compile: tens of seconds a test on 2 cores
 DELAYED = fp8fn.DelayedScaling(history_len=4, backend="emulated")
@@ -229,7 +229,7 @@ def _func_setup():
         """The same forward math without the autograd.Function: what a dropped backward gives."""
         site = s[""]
         newest, stored = site.amax_history[:, 0], site.scale
-        out = _Fp8Linear.forward(x, p["weight"], p["bias"], newest, stored, 0, "emulated")[0]
+        out = _Fp8Linear.forward(x, p["weight"], p["bias"], newest, stored, 0, "emulated", LOCAL)[0]
         return (out * c).sum()
 
     fs = {"apply": _func_loss(fn), "linear": via_linear}

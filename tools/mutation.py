@@ -435,6 +435,132 @@ MUTATIONS = [
 ]
 
 
+# The sharded routes: functional FSDP and tensor parallel (`_parallel/dtensor.py`), FSDP2's float8
+# all-gather (`_parallel/fsdp_gather.py`). Their tests are multi-rank and marked slow:
+#   python tools/mutation.py --only NAME --tests tests/test_sharded.py tests/test_fsdp.py --slow
+MUTATIONS += [
+    Mutation(
+        "fsdp-step1-local-weight-amax",
+        "functional FSDP: an empty weight history casts with the shard's amax, not the whole's",
+        "_parallel/dtensor.py",
+        (("whole = (False, unobserved[1], False)", "whole = (False, False, False)"),),
+    ),
+    Mutation(
+        "fsdp-grad-weight-summed",
+        "functional FSDP: the float8 weight's gradient is the sum over ranks, not the mean",
+        "_parallel/dtensor.py",
+        (("local = local / dist.get_world_size(self.group)", "local = local"),),
+    ),
+    Mutation(
+        "gather-param-grad-summed",
+        "functional FSDP: a high-precision gathered parameter's gradient is summed over ranks",
+        "_parallel/dtensor.py",
+        (
+            (
+                "local = _ReduceScatter.apply(grad, ctx.group) / dist.get_world_size(ctx.group)",
+                "local = _ReduceScatter.apply(grad, ctx.group)",
+            ),
+        ),
+    ),
+    Mutation(
+        "max-over-ranks-every-role",
+        "sharded routes: every role's amax max-reduced over the ranks (a rank's own rows too)",
+        "_parallel/dtensor.py",
+        (
+            (
+                "return torch.where(torch.tensor(mask, device=amaxes.device), whole, amaxes)",
+                "return whole",
+            ),
+        ),
+    ),
+    Mutation(
+        "tp-grad-output-local-amax",
+        "tensor parallel: an empty grad_output history casts with the local shard's amax",
+        "_parallel/dtensor.py",
+        (("colwise and unobserved[2]),", "False),"),),
+    ),
+    Mutation(
+        "tp-rowwise-bias-every-rank",
+        "tensor parallel: RowwiseParallel's bias added on every rank (the partial sums add it "
+        "world-size times)",
+        "_parallel/dtensor.py",
+        (("add_bias=colwise or mesh.get_local_rank() == 0,", "add_bias=True,"),),
+    ),
+    Mutation(
+        "fsdp2-gathered-amax-first-rank",
+        "float8 all-gather: the weight's observation is the first rank's shard's amax",
+        "_parallel/fsdp_gather.py",
+        (("outputs[1].view(torch.float32).max()", "outputs[1].view(torch.float32)[0]"),),
+    ),
+    Mutation(
+        "fsdp2-backward-stale-scale",
+        "float8 all-gather: the backward takes FSDP2's re-gathered bytes, cast with the last "
+        "forward's scale, not its own forward's (0.3's bug)",
+        "_parallel/fsdp_gather.py",
+        (("if self.weight._scale is self.scale:", "if True:"),),
+    ),
+]
+# Issue 30.12's classes on the sharded routes (run them as the block above; `bias-grad-no-float`,
+# the op's bias gradient, is the bf16 bias class there too: one op serves every placement).
+MUTATIONS += [
+    Mutation(
+        "sharded-margin-dropped",
+        "functional FSDP and tensor parallel: the recipe's margin dropped (cast as margin 0)",
+        "_parallel/dtensor.py",
+        (('margin = getattr(recipe, "margin", 0)', "margin = 0"),),
+    ),
+    Mutation(
+        "float8-gather-margin-dropped",
+        "float8 all-gather: the weights' current-scaling scales without the margin",
+        "_parallel/fsdp_gather.py",
+        (
+            (
+                "FP8_MAX[E4M3], margins[0]).unbind())",
+                "FP8_MAX[E4M3], 0).unbind())",
+            ),
+            (
+                "[scale_from_amax(a, FP8_MAX[E4M3], m) for a, m in zip(amaxes, margins)]",
+                "[scale_from_amax(a, FP8_MAX[E4M3], 0) for a, m in zip(amaxes, margins)]",
+            ),
+        ),
+    ),
+    Mutation(
+        "float8-gather-sites-sorted",
+        "float8 all-gather: the weights' stored scales read in site order, not the layers'",
+        "_parallel/fsdp_gather.py",
+        (
+            (
+                "index = torch.tensor(rows, device=state.scale.device)",
+                "index = torch.tensor(sorted(rows), device=state.scale.device)",
+            ),
+        ),
+    ),
+    Mutation(
+        "float8-gather-frozen-trains",
+        "float8_all_gather: a frozen weight (requires_grad=False) made trainable",
+        "_parallel/fsdp_gather.py",
+        (("requires_grad=weight.requires_grad", "requires_grad=True"),),
+    ),
+    Mutation(
+        "amax-of-empty-shard",
+        "the amax of an empty tensor (a rank holding no rows of a weight) not defined as 0",
+        "_numerics/fp8.py",
+        (("    if hp.numel() == 0:\n        return", "    if False:\n        return"),),
+    ),
+    Mutation(
+        "held-first-parameter",
+        "a layer's held weight read as its module's first parameter (nn.MultiheadAttention's "
+        "split k/v projections under FSDP2 run in high precision)",
+        "_transform/transformed.py",
+        (
+            (
+                "return self.module._parameters.get(self.attrs[0])",
+                "return next(iter(self.module._parameters.values()))",
+            ),
+        ),
+    ),
+]
+
 class SetupError(Exception):
     pass
 

@@ -45,8 +45,7 @@ from .._numerics.nvfp4 import (
     random_hadamard,
     unpack_e2m1,
 )
-from .._torch_private import tracked_by_outer_differentiation
-from .tensorwise import _FirstOrderOnly
+from .first_order import first_order_only
 
 # Roles of the random draws (`random_bits`' `role`): the output gradient of the grad_input
 # GEMM, and of the grad_weight GEMM (whose Hadamard signs are stream 1 of the same role).
@@ -201,10 +200,7 @@ class _NVFP4Linear(torch.autograd.Function):
         *saved, key, anchor = ctx.saved_tensors
         with no_autocast(grad_out):
             grads = _NVFP4Linear._grads(ctx, grad_out, saved, key)
-        if torch.is_grad_enabled() and tracked_by_outer_differentiation(anchor):
-            # An outer differentiation records this backward: make its use raise.
-            grads = _FirstOrderOnly.apply(anchor, *grads)
-        return (*grads, None, None, None, None)
+        return (*first_order_only(grads, anchor), None, None, None, None)
 
     @staticmethod
     def _grads(ctx, grad_out, saved, key):

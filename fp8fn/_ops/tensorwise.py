@@ -1,7 +1,14 @@
-"""The per-tensor fp8 linear (delayed and current scaling): an autograd.Function whose gradient
-with respect to the site's state rows is the observed amaxes (Flax's overwrite-with-gradient).
+"""The per-tensor fp8 linear (delayed and current scaling): one autograd.Function whose gradient
+with respect to the site's state rows is the observed amaxes (Flax's overwrite-with-gradient),
+for every placement of its operands.
 
-Helpers first (scales, casts), then the op, then its vmap rule.
+The op is written once. What differs between plain tensors, a functional-FSDP weight shard, a
+tensor-parallel plan and FSDP2's float8-gathered weight is a small *placement* object passed to
+it (`Local` here; the others in `fp8fn/_parallel/`): where the float8 weight comes from, which
+amaxes are max-reduced over ranks before the scales are taken, and how the results and the
+gradients are placed.
+
+Helpers first (placement, scales, casts), then the op, then its vmap rule.
 """
 
 from __future__ import annotations
@@ -11,15 +18,71 @@ import torch
 from .._core.checks import no_autocast
 from .._kernels.cast import TritonCast
 from .._numerics.fp8 import E4M3, E5M2, amax, cast_to_fp8, scale_from_amax
-from .._parallel.fsdp_gather import Float8GatheredWeight
-from .._torch_private import tracked_below, tracked_by_outer_differentiation
+from .._torch_private import tracked_below
+from .first_order import first_order_only
 from .gemm import fp8_mm, scaled_mm_supported
 
-_HIGHER_ORDER = (
-    "fp8fn.linear: higher-order derivatives through float8 casts are not defined (the backward's "
-    "casts have no scales of their own). Differentiate fp8fn once; for a Hessian or "
-    "gradient penalty, run that part in high precision (filter_fn, or a recipe of None)."
-)
+
+class Local:
+    """Where the op's operands live: plain tensors of this process. Every hook is the identity.
+
+    The sharded placements (`fp8fn/_parallel/`) subclass it and override what differs:
+
+    * `whole`: per role (input, weight, grad_output), whether that role is cast with the amax of
+      the whole logical tensor, the max over the ranks (`max_over_ranks`), instead of the local
+      one (a history that is still empty, or current scaling, on a tensor split over ranks).
+    * `operands`, `float8_weight`, `gemm_weight`, `gemm_bias`, `output`: the forward's side.
+    * `grad_rows`, `weight_again`, `place_grads`: the backward's side.
+
+    A weight may give its own placement (`placement_of`): FSDP2's float8-gathered weight does.
+    """
+
+    whole = (False, False, False)
+    vmap_refusal = None  # the error a placement whose op cannot be vmapped raises under vmap
+    takes_rows = True  # the op's `x` is rows `(m, k)` (callers flatten); else as `x` is placed
+
+    def operands(self, x, weight):
+        """The high-precision local operands the forward casts: `(rows (m, k), weight (n, k))`."""
+        return x, weight
+
+    def float8_weight(self, weight):
+        """`(e4m3 weight, float32 () scale, float32 () amax)` of a weight that comes cast, else
+        None (the op casts it)."""
+        return None
+
+    def gemm_weight(self, w_fp8):
+        """The forward GEMM's e4m3 weight, from the cast (and saved) one."""
+        return w_fp8
+
+    def gemm_bias(self, bias):
+        """The bias the forward GEMM adds (a plain tensor), or None."""
+        return bias
+
+    def output(self, out):
+        """The op's output, from the GEMM's `(m, n)` result."""
+        return out
+
+    def grad_rows(self, grad_out):
+        """The output gradient's local rows, `(m, n)`, from the gradient the backward received."""
+        return grad_out
+
+    def weight_again(self, w_fp8):
+        """The e4m3 weight of the backward's `grad_input` GEMM, from the saved one."""
+        return w_fp8
+
+    def place_grads(self, grads: list) -> list:
+        """`[grad_input, grad_weight, grad_bias]` (None where not needed), placed as the inputs."""
+        return grads
+
+
+LOCAL = Local()
+
+
+def _whole(place: Local, amaxes, roles: tuple):
+    """`amaxes` (float32, one per entry of `roles`), max-reduced over the ranks where `place`
+    casts that role with the whole tensor's amax."""
+    mask = [place.whole[r] for r in roles]
+    return place.max_over_ranks(amaxes, mask) if any(mask) else amaxes
 
 
 def _scales(amaxes, newest, stored, margin: int, fp8_max: float):
@@ -30,13 +93,16 @@ def _scales(amaxes, newest, stored, margin: int, fp8_max: float):
     return current if newest is None else torch.where(newest > 0, stored, current)
 
 
-def _cast_operands(x, weight, newest, stored, margin: int, backend: str):
+def _cast_operands(x, weight, newest, stored, margin: int, backend: str, place: Local):
     """The forward's casts: `(x_fp8, w_fp8, x_scale, w_scale, x_amax, w_amax)`, e4m3 copies of
-    `x` and `weight`, the float32 `()` scales used and the observed amaxes. A weight that FSDP2
-    gathered in float8 (`float8_all_gather`) comes cast: its bytes, scale and amax are used."""
-    if isinstance(weight, Float8GatheredWeight):
+    `x` and `weight` (the local operands), the float32 `()` scales used and the observed (local)
+    amaxes. A weight that comes cast (`place.float8_weight`: FSDP2's float8 all-gather) is used
+    as it is: its bytes, scale and amax."""
+    cast = place.float8_weight(weight)
+    if cast is not None:
         x_fp8, x_scale, x_amax = _cast_input(x, newest, stored, margin, backend)
-        return x_fp8, weight._data, x_scale, weight._scale, x_amax, weight._amax
+        w_fp8, w_scale, w_amax = cast
+        return x_fp8, w_fp8, x_scale, w_scale, x_amax, w_amax
     if backend == "triton":  # one pass over each tensor at step >= 2
         (xn, wn, _), (xs, ws, _) = (None,) * 3, (None,) * 3
         if newest is not None:
@@ -48,7 +114,8 @@ def _cast_operands(x, weight, newest, stored, margin: int, backend: str):
     # formats' max are literals (448.0, 57344.0): torch.compile(dynamic=True) turns float
     # globals into symbols, which broke two chained layers.
     x_amax, w_amax = amax(x), amax(weight)
-    scales = _scales(torch.stack([x_amax, w_amax, w_amax]), newest, stored, margin, 448.0)
+    amaxes = _whole(place, torch.stack([x_amax, w_amax, w_amax]), (0, 1, 1))
+    scales = _scales(amaxes, newest, stored, margin, 448.0)
     x_scale, w_scale, _ = scales.unbind()
     x_fp8, w_fp8 = cast_to_fp8(x, x_scale, E4M3), cast_to_fp8(weight, w_scale, E4M3)
     return x_fp8, w_fp8, x_scale, w_scale, x_amax, w_amax
@@ -69,7 +136,8 @@ def _cast_input(x, newest, stored, margin: int, backend: str):
 def _cast_grad_output(grad_out, newest, stored, ctx):
     """The backward's e5m2 cast: `(g_fp8, g_fp8_t, g_scale, g_amax)`, `g_fp8_t` its `(n, m)`
     transpose: a view, or with the Triton casts before a float8 GEMM, a row-major copy the
-    kernel writes in the same pass (the GEMM wants row-major operands)."""
+    kernel writes in the same pass (the GEMM wants row-major operands). The scale of a role
+    split over ranks (`ctx.place.whole`) comes from the whole gradient's amax."""
     if ctx.backend == "triton":
         gn, gs = (None, None) if newest is None else (newest[2], stored[2])
         if not scaled_mm_supported(grad_out.device):  # emulated matmuls take any layout
@@ -77,41 +145,10 @@ def _cast_grad_output(grad_out, newest, stored, ctx):
             return g_fp8, g_fp8.t(), g_scale, g_amax
         return TritonCast.apply(grad_out, gn, gs, ctx.margin, E5M2, True)
     g_amax = amax(grad_out)
-    g_scale = _scales(g_amax, newest, stored, ctx.margin, 57344.0)
+    g_scale = _scales(_whole(ctx.place, g_amax, (2,)), newest, stored, ctx.margin, 57344.0)
     g_scale = g_scale if newest is None else g_scale[..., 2]
     g_fp8 = cast_to_fp8(grad_out, g_scale, E5M2)
     return g_fp8, g_fp8.t(), g_scale, g_amax
-
-
-class _FirstOrderOnly(torch.autograd.Function):
-    """Identity on the backward's results; differentiating through them raises.
-
-    `anchor` (the forward's x amax, a differentiable output) ties the results to every outer
-    differentiation that tracks the op's inputs, so grad-of-grad reaches this node.
-    """
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(anchor, *grads):
-        return grads
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        pass
-
-    @staticmethod
-    def backward(ctx, *_):
-        raise RuntimeError(_HIGHER_ORDER)
-
-
-def _first_order_only(grads: list, x_amax) -> list:
-    """`grads` (a backward's results), the first four made to raise when differentiated again
-    where an outer differentiation records this backward (`x_amax`, the forward's float32 `()`
-    input amax, is tracked by it); else `grads` as they are."""
-    if torch.is_grad_enabled() and tracked_by_outer_differentiation(x_amax):
-        grads[:4] = _FirstOrderOnly.apply(x_amax, *grads[:4])
-    return grads
 
 
 def _fp8_gemm(x_fp8, w_fp8, x_scale, w_scale, bias, out_dtype, backend: str):
@@ -134,50 +171,57 @@ def _fp8_gemm(x_fp8, w_fp8, x_scale, w_scale, bias, out_dtype, backend: str):
 
 
 class _Fp8LinearOp(torch.autograd.Function):
-    """y = x @ weight.T + bias with float8 operands. x (m, k), weight (n, k), bias (n,) or None.
+    """y = x @ weight.T + bias with float8 operands, placed by `place` (a `Local`).
 
-    `newest` and `stored` are the site's newest history entries and stored scales, float32
-    `(3,)` (roles input, weight, grad_output), or None for current scaling; `margin` an int.
-    The gradient with respect to `newest` is the observation `[x_amax, w_amax, g_amax]`.
+    Locally, x `(m, k)`, weight `(n, k)`, bias `(n,)` or None; a sharded placement takes its
+    DTensors (see `fp8fn/_parallel/dtensor.py`). `newest` and `stored` are the site's newest
+    history entries and stored scales, float32 `(3,)` (roles input, weight, grad_output), or
+    None for current scaling; `margin` an int; `backend` `fp8_mm`'s. The gradient with respect
+    to `newest` is the observation `[x_amax, w_amax, g_amax]` of the local operands.
     """
 
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x, weight, bias, newest, stored, margin, backend):
+    def forward(x, weight, bias, newest, stored, margin, backend, place):
+        x, w = place.operands(x, weight)
         x_fp8, w_fp8, x_scale, w_scale, x_amax, w_amax = _cast_operands(
-            x, weight, newest, stored, margin, backend
+            x, w, newest, stored, margin, backend, place
         )
-        out, x_inv, w_inv = _fp8_gemm(x_fp8, w_fp8, x_scale, w_scale, bias, x.dtype, backend)
-        return out, x_fp8, w_fp8, x_inv, w_inv, w_amax, x_amax
+        w_gemm, b_gemm = place.gemm_weight(w_fp8), place.gemm_bias(bias)
+        out, x_inv, w_inv = _fp8_gemm(x_fp8, w_gemm, x_scale, w_scale, b_gemm, x.dtype, backend)
+        return place.output(out), x_fp8, w_fp8, x_inv, w_inv, w_amax, x_amax
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, weight, bias, newest, stored, margin, backend = inputs
+        x, weight, bias, newest, stored, margin, backend, place = inputs
         ctx.mark_non_differentiable(*output[1:6])  # x_amax stays differentiable: see backward
         ctx.set_materialize_grads(False)  # the residual outputs get no gradient: no zeros made
         ctx.save_for_backward(*output[1:], newest, stored)
-        ctx.margin, ctx.backend = margin, backend
+        ctx.margin, ctx.backend, ctx.place = margin, backend, place
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
 
     @staticmethod
     def backward(ctx, grad_out, *_):
         x_fp8, w_fp8, x_inv, w_inv, w_amax, x_amax, newest, stored = ctx.saved_tensors
+        grad_out = ctx.place.grad_rows(grad_out)
         with no_autocast(grad_out):
             g_fp8, g_fp8_t, g_scale, g_amax = _cast_grad_output(grad_out, newest, stored, ctx)
             g_inv = g_scale.reciprocal()
             x_dtype, w_dtype, b_dtype = ctx.dtypes
             needs = ctx.needs_input_grad
-            grads = [None] * 7
+            grads = [None] * 4
             if needs[0]:
+                w_fp8 = ctx.place.weight_again(w_fp8)
                 grads[0] = fp8_mm(g_fp8, w_fp8.t(), g_inv, w_inv, x_dtype, ctx.backend)
             if needs[1]:
                 grads[1] = fp8_mm(g_fp8_t, x_fp8.t(), g_inv, x_inv, w_dtype, ctx.backend)
             if needs[2]:
                 grads[2] = grad_out.float().sum(0).to(b_dtype)
+            grads[:3] = ctx.place.place_grads(grads[:3])
             if needs[3]:  # [x_amax, w_amax, g_amax], made here: at the backward's level
                 grads[3] = torch.stack([x_amax, w_amax, g_amax])
-        return tuple(_first_order_only(grads, x_amax))
+        return (*first_order_only(grads, x_amax), None, None, None, None)
 
 
 class _Fp8Linear(_Fp8LinearOp):
@@ -187,17 +231,21 @@ class _Fp8Linear(_Fp8LinearOp):
     autograd around vmap), a vmap over the batch only (`x` batched) is the unbatched call on the
     whole batch: one amax, as without vmap. Elsewhere (vmap of grad: per-example gradients;
     inference; model ensembles) every member is its own call, batched by the generated rule.
+    A placement with a `vmap_refusal` (the sharded ones) raises it.
     """
 
     generate_vmap_rule = False
 
     @staticmethod
-    def vmap(info, in_dims, x, weight, bias, newest, stored, margin, backend):
+    def vmap(info, in_dims, x, weight, bias, newest, stored, margin, backend, place):
+        if place.vmap_refusal is not None:
+            raise ValueError(place.vmap_refusal)
         args = (x, weight, bias, newest, stored)
         tracked = any(tracked_below(t) for t in args if t is not None)
         if tracked and all(d is None for d in in_dims[1:5]):
             xb = x.movedim(in_dims[0], 0)
-            outs = _Fp8Linear.apply(xb.flatten(0, 1), weight, bias, newest, stored, margin, backend)
+            rows = xb.flatten(0, 1)
+            outs = _Fp8Linear.apply(rows, weight, bias, newest, stored, margin, backend, place)
             out, x_fp8, *rest = outs
             folded = (out.unflatten(0, xb.shape[:2]), x_fp8.unflatten(0, xb.shape[:2]))
             return (*folded, *rest), (0, 0) + (None,) * len(rest)
@@ -207,13 +255,21 @@ class _Fp8Linear(_Fp8LinearOp):
                 "would share one state and autograd would sum their observations. Give each "
                 "member its own state (stack the states and vmap over them too)."
             )
-        outs = torch.vmap(_Fp8LinearOp.apply, in_dims=(*in_dims[:5], None, None))(
-            *args, margin, backend
+        outs = torch.vmap(_Fp8LinearOp.apply, in_dims=(*in_dims[:5], None, None, None))(
+            *args, margin, backend, place
         )
         return outs, (0,) * len(outs)
 
 
-def tensorwise_linear(x, weight, bias, newest, stored, margin: int, backend: str):
+def placement_of(weight) -> Local:
+    """`LOCAL`, or the placement a weight gives itself through a `fp8fn_placement()` method
+    (FSDP2's float8-gathered weight; duck-typed, so that the op does not import FSDP2's
+    classes)."""
+    own = getattr(type(weight), "fp8fn_placement", None)
+    return LOCAL if own is None else own(weight)
+
+
+def tensorwise_linear(x, weight, bias, newest, stored, margin: int, backend: str, place=None):
     """`x @ weight.T + bias` under a per-tensor recipe, on checked operands.
 
     Args:
@@ -222,11 +278,15 @@ def tensorwise_linear(x, weight, bias, newest, stored, margin: int, backend: str
         (roles input, weight, grad_output), or None for current scaling.
       margin: the recipe's margin.
       backend: `"emulated"`, `"scaled_mm"` or `"triton"`.
+      place: where the operands live (a `Local`); None: `placement_of(weight)`.
 
     Returns:
-      `(..., n)` in `x.dtype`; the gradient with respect to `newest` is the observation.
+      `(..., n)` in `x.dtype` (placed by `place`); the gradient with respect to `newest` is the
+      observation.
     """
-    rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # (a reshape is a kernel call)
+    place = placement_of(weight) if place is None else place
+    flat = x.dim() == 2 or not place.takes_rows
+    rows = x if flat else x.reshape(-1, x.shape[-1])  # (a reshape is a kernel call)
     with no_autocast(x):
-        out = _Fp8Linear.apply(rows, weight, bias, newest, stored, margin, backend)[0]
-    return out if x.dim() == 2 else out.reshape(*x.shape[:-1], weight.shape[0])
+        out = _Fp8Linear.apply(rows, weight, bias, newest, stored, margin, backend, place)[0]
+    return out if flat else out.reshape(*x.shape[:-1], weight.shape[0])

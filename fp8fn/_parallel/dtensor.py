@@ -5,17 +5,18 @@
 * **Functional FSDP** (the torch.func way): `params` holds `distribute_tensor(p, mesh,
   [Shard(0)])` DTensors for a plain module. `gather_params` replaces each one that is not a
   float8 weight by its whole value, all-gathered in high precision (`_GatherParam`). A float8
-  weight reaches `F.linear` as the DTensor, next to a plain input (this rank's rows):
-  `_FsdpLinear` casts its local shard with the state's weight scale and all-gathers the float8
-  bytes, just in time (1 byte per element on the wire), and gathers them again in the backward
-  instead of keeping the whole weight (FSDP2's `reshard_after_forward`). Gradients come back as
-  DTensors placed like the params, holding the mean over the ranks of their gradients (FSDP2's
-  average).
+  weight reaches `F.linear` as the DTensor, next to a plain input (this rank's rows): the
+  per-tensor op, placed by `_FsdpShard`, casts its local shard with the state's weight scale
+  and all-gathers the float8 bytes, just in time (1 byte per element on the wire), and gathers
+  them again in the backward instead of keeping the whole weight (FSDP2's
+  `reshard_after_forward`). Gradients come back as DTensors placed like the params, holding the
+  mean over the ranks of their gradients (FSDP2's average).
 * **Tensor parallel**: `parallelize_module` made the module's own parameters DTensors, and its
-  styles' hooks hand `F.linear` a DTensor input. `_TPLinear` casts the local shards with the
-  state's (global) scales and returns a DTensor placed as DTensor's own `F.linear` places it:
-  `Shard(-1)` for `ColwiseParallel`, `Partial()` for `RowwiseParallel` (whose output hook
-  reduces it). Under FSDP2 on a 2-D mesh the same op runs on the unsharded TP weights.
+  styles' hooks hand `F.linear` a DTensor input. The per-tensor op, placed by a `_TPPlan`,
+  casts the local shards with the state's (global) scales and returns a DTensor placed as
+  DTensor's own `F.linear` places it: `Shard(-1)` for `ColwiseParallel`, `Partial()` for
+  `RowwiseParallel` (whose output hook reduces it). Under FSDP2 on a 2-D mesh the same op runs
+  on the unsharded TP weights.
 
 Rules that torch 2.13 imposes (see tests/test_sharded.py): every collective runs inside the
 `forward` of an autograd.Function with `setup_context`, the backward's too (torch.func refuses
@@ -39,11 +40,10 @@ import sys
 import torch
 import torch.distributed as dist
 
-from .._core.checks import no_autocast
 from .._core.recipes import CurrentScaling, DelayedScaling
-from .._numerics.fp8 import E4M3, E5M2, FP8_MAX, amax, cast_to_fp8
-from .._ops.gemm import fp8_mm, resolve_backend, scaled_mm_supported
-from .._ops.tensorwise import _first_order_only, _fp8_gemm, _scales
+from .._ops.first_order import BackwardOnly
+from .._ops.gemm import resolve_backend, scaled_mm_supported
+from .._ops.tensorwise import Local, tensorwise_linear
 from .._torch_private import (
     dtensor_local,
     dtensor_spec,
@@ -60,6 +60,14 @@ _FSDP_HOWTO = (
     "for a module whose own parameters are plain; tensor parallel takes the module made by "
     "parallelize_module (ColwiseParallel / RowwiseParallel), with "
     "`params = dict(model.named_parameters())`."
+)
+_VMAP_STATE = (
+    "fp8fn.apply: expected an unbatched state for DTensor operands, got a stacked or vmapped one "
+    "(vmap over sharded models is not supported)."
+)
+_VMAP_OPERANDS = (
+    "fp8fn.apply: expected no vmap over a model with sharded (DTensor) parameters, got a vmapped "
+    "call (vmap over sharded models is not supported). Loop over the members instead."
 )
 
 # -- DTensors under torch.func's wrappers -------------------------------------------------------
@@ -133,28 +141,7 @@ def _max_over(t: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
-_HIGHER_ORDER = (
-    "fp8fn.apply: higher-order derivatives over sharded (DTensor) parameters are not "
-    "supported: the gradient's collectives are differentiated once. Differentiate once, or "
-    "take the higher-order part with whole parameters."
-)
-
-
-class _InBackward(torch.autograd.Function):
-    """A Function that runs only inside backward passes (gathering the float8 weight again,
-    reducing gradients, making them DTensors): its own backward, a second derivative, raises.
-    Subclasses define `forward`."""
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        pass
-
-    @staticmethod
-    def backward(ctx, *grads):
-        raise RuntimeError(_HIGHER_ORDER)
-
-
-class _AllGather(_InBackward):
+class _AllGather(BackwardOnly):
     """A dim-0 shard -> the whole tensor of `rows` rows (inside a backward)."""
 
     @staticmethod
@@ -162,7 +149,7 @@ class _AllGather(_InBackward):
         return _all_gather_rows(local, group, rows)
 
 
-class _ReduceScatter(_InBackward):
+class _ReduceScatter(BackwardOnly):
     """The whole tensor -> this rank's dim-0 shard of the sum over the ranks (in a backward)."""
 
     @staticmethod
@@ -170,7 +157,7 @@ class _ReduceScatter(_InBackward):
         return _reduce_scatter_rows(full, group)
 
 
-class _FromLocal(_InBackward):
+class _FromLocal(BackwardOnly):
     """A local shard -> the DTensor of `spec` holding it (`DTensor.from_local` without a check,
     usable under torch.func; in a backward)."""
 
@@ -195,160 +182,112 @@ class _GatherParam(torch.autograd.Function):
         ctx.spec, ctx.group = inputs[1], inputs[2]
 
     @staticmethod
+    def vmap(info, in_dims, p, spec, group):
+        raise ValueError(_VMAP_OPERANDS)
+
+    @staticmethod
     def backward(ctx, grad):
         local = _ReduceScatter.apply(grad, ctx.group) / dist.get_world_size(ctx.group)
         return _FromLocal.apply(local, ctx.spec), None, None
 
 
-# -- the ops ------------------------------------------------------------------------------------
+# -- the placements of the per-tensor op (`fp8fn/_ops/tensorwise.py`) ---------------------------
 
 
-def _grad_output_scale(g_amax, newest, stored, margin: int):
-    """The e5m2 scale of the output gradient, as the per-tensor op computes it."""
-    scale = _scales(g_amax, newest, stored, margin, FP8_MAX[E5M2])
-    return scale if newest is None else scale[..., 2]
+class _Sharded(Local):
+    """A placement over the ranks of `self.group`: a role split over them (`whole`) is cast
+    with the max of the ranks' amaxes. The op is not vmapped."""
+
+    vmap_refusal = _VMAP_OPERANDS
+
+    def max_over_ranks(self, amaxes, mask: list):
+        """`amaxes` where `mask` is False, their max over the ranks where it is True (one
+        collective)."""
+        whole = _max_over(amaxes, self.group)
+        if all(mask):
+            return whole
+        return torch.where(torch.tensor(mask, device=amaxes.device), whole, amaxes)
 
 
-class _FsdpLinear(torch.autograd.Function):
-    """`x @ weight.T + bias`, float8 operands, `weight` a `Shard(0)` DTensor over the ranks.
+@dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
+class _FsdpShard(_Sharded):
+    """Functional FSDP: the weight a `Shard(0)` DTensor of `spec` over the ranks of `group`,
+    the input and output plain (this rank's rows), the bias plain (gathered).
 
-    Args (of `forward`):
-      x: plain `(m, k)`, this rank's rows. weight: DTensor `(n, k)`, `Shard(0)` on a 1-D mesh.
-      bias: plain `(n,)` (gathered) or None. newest, stored: float32 `(3,)` or None (current
-      scaling). margin: int. backend: `"emulated"` or `"scaled_mm"`. spec: the weight's
-      DTensorSpec. group: its mesh's process group. whole_amax: whether the weight is cast
-      with the whole weight's amax (empty history, current scaling) instead of `stored`.
-
-    The gradient with respect to `newest` is `[x_amax, w_amax, g_amax]` of this rank (its rows,
-    its weight shard); the weight's gradient a DTensor of `spec`, the mean over the ranks.
+    The weight's local shard is cast (with the whole weight's amax while `whole[1]`) and
+    all-gathered as e4m3 bytes for each GEMM, in the backward again instead of being kept
+    (FSDP2's `reshard_after_forward`); the weight's gradient is this rank's rows' sum,
+    reduce-scattered and divided by the number of ranks (the mean, as FSDP2), a DTensor of
+    `spec`.
     """
 
-    @staticmethod
-    def forward(x, weight, bias, newest, stored, margin, backend, spec, group, whole_amax):
-        w_local = dtensor_local(weight)
-        x_amax, w_amax = amax(x), amax(w_local)
-        w_whole = _max_over(w_amax, group) if whole_amax else w_amax
-        scales = _scales(
-            torch.stack([x_amax, w_whole, w_whole]), newest, stored, margin, FP8_MAX[E4M3]
-        )
-        x_scale, w_scale, _ = scales.unbind()
-        x_fp8, w_fp8_local = cast_to_fp8(x, x_scale, E4M3), cast_to_fp8(w_local, w_scale, E4M3)
-        w_fp8 = _all_gather_rows(w_fp8_local, group, spec.shape[0])  # 1 byte per element
-        out, x_inv, w_inv = _fp8_gemm(x_fp8, w_fp8, x_scale, w_scale, bias, x.dtype, backend)
-        return out, x_fp8, w_fp8_local, x_inv, w_inv, w_amax, x_amax
+    spec: object
+    group: object
+    whole: tuple
 
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        x, weight, bias, newest, stored, margin, backend, spec, group, _ = inputs
-        ctx.mark_non_differentiable(*output[1:6])
-        ctx.set_materialize_grads(False)
-        ctx.save_for_backward(*output[1:], newest, stored)
-        ctx.margin, ctx.backend, ctx.spec, ctx.group = margin, backend, spec, group
-        ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
+    def operands(self, x, weight):
+        return x, dtensor_local(weight)
 
-    @staticmethod
-    def backward(ctx, grad_out, *_):
-        x_fp8, w_fp8_local, x_inv, w_inv, w_amax, x_amax, newest, stored = ctx.saved_tensors
-        x_dtype, w_dtype, b_dtype = ctx.dtypes
-        needs = ctx.needs_input_grad
-        grads = [None] * 10
-        with no_autocast(grad_out):
-            g_amax = amax(grad_out)
-            g_scale = _grad_output_scale(g_amax, newest, stored, ctx.margin)
-            g_fp8, g_inv = cast_to_fp8(grad_out, g_scale, E5M2), g_scale.reciprocal()
-            if needs[0]:  # the float8 weight again (FSDP2 reshards after the forward)
-                w_fp8 = _AllGather.apply(w_fp8_local, ctx.group, ctx.spec.shape[0])
-                grads[0] = fp8_mm(g_fp8, w_fp8.t(), g_inv, w_inv, x_dtype, ctx.backend)
-            if needs[1]:  # this rank's rows' sum, reduce-scattered: the mean over the ranks
-                partial = fp8_mm(g_fp8.t(), x_fp8.t(), g_inv, x_inv, w_dtype, ctx.backend)
-                local = _ReduceScatter.apply(partial, ctx.group) / dist.get_world_size(ctx.group)
-                grads[1] = _FromLocal.apply(local, ctx.spec)
-            if needs[2]:
-                grads[2] = grad_out.float().sum(0).to(b_dtype)
-            if needs[3]:
-                grads[3] = torch.stack([x_amax, w_amax, g_amax])
-        return tuple(_first_order_only(grads, x_amax))
+    def gemm_weight(self, w_fp8):
+        return _all_gather_rows(w_fp8, self.group, self.spec.shape[0])  # 1 byte per element
+
+    def weight_again(self, w_fp8):
+        return _AllGather.apply(w_fp8, self.group, self.spec.shape[0])
+
+    def place_grads(self, grads: list) -> list:
+        grad_input, grad_weight, grad_bias = grads
+        if grad_weight is not None:
+            local = _ReduceScatter.apply(grad_weight, self.group)
+            local = local / dist.get_world_size(self.group)
+            grad_weight = _FromLocal.apply(local, self.spec)
+        return [grad_input, grad_weight, grad_bias]
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class _TPPlan:
-    """How one tensor-parallel call is placed (static; read outside the Function)."""
+@dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
+class _TPPlan(_Sharded):
+    """How one tensor-parallel call is placed (static; read outside the op).
 
-    colwise: bool  # ColwiseParallel (x Replicate, weight Shard(0)); else RowwiseParallel
+    Colwise: x Replicate `(..., k)`, weight Shard(0) `(n, k)`, bias Shard(0) -> output
+    Shard(-1) `(..., n)`. Rowwise: x Shard(-1), weight Shard(1), bias Replicate -> output
+    Partial (the sum of the ranks' partial products). The op runs on the local shards; its
+    gradients are DTensors placed like the inputs (the input's Partial for Colwise).
+    """
+
     mesh: object
     group: object
     whole: tuple  # (input, weight, grad_output): cast with the whole tensor's amax
     add_bias: bool  # Rowwise: only the mesh's first rank adds the bias to its partial sum
+    x_shape: tuple  # the input's local shape
     out_spec: object
     grad_placements: tuple  # what the output's gradient must be placed as
     grad_input_spec: object
     weight_spec: object
     bias_spec: object
+    takes_rows = False
 
+    def operands(self, x, weight):
+        x_local = dtensor_local(x)
+        return x_local.reshape(-1, x_local.shape[-1]), dtensor_local(weight)
 
-class _TPLinear(torch.autograd.Function):
-    """`x @ weight.T + bias` of a tensor-parallel layer, on the local shards, float8 operands.
+    def gemm_bias(self, bias):
+        return dtensor_local(bias) if bias is not None and self.add_bias else None
 
-    Colwise: x Replicate `(..., k)`, weight Shard(0) `(n, k)`, bias Shard(0) -> output
-    Shard(-1) `(..., n)`. Rowwise: x Shard(-1), weight Shard(1), bias Replicate -> output
-    Partial (the sum of the ranks' partial products). newest, stored: float32 `(3,)` or None.
-    The gradient with respect to `newest` is this rank's `[x_amax, w_amax, g_amax]` (of its
-    shards); the others are DTensors placed like the inputs (the input's Partial for Colwise).
-    """
+    def output(self, out):
+        return make_dtensor(out.reshape(*self.x_shape[:-1], out.shape[-1]), self.out_spec)
 
-    @staticmethod
-    def forward(x, weight, bias, newest, stored, margin, backend, plan):
-        x_local, w_local = dtensor_local(x), dtensor_local(weight)
-        rows = x_local.reshape(-1, x_local.shape[-1])
-        x_amax, w_amax = amax(rows), amax(w_local)
-        x_whole = _max_over(x_amax, plan.group) if plan.whole[0] else x_amax
-        w_whole = _max_over(w_amax, plan.group) if plan.whole[1] else w_amax
-        scales = _scales(
-            torch.stack([x_whole, w_whole, w_whole]), newest, stored, margin, FP8_MAX[E4M3]
-        )
-        x_scale, w_scale, _ = scales.unbind()
-        x_fp8, w_fp8 = cast_to_fp8(rows, x_scale, E4M3), cast_to_fp8(w_local, w_scale, E4M3)
-        b_local = dtensor_local(bias) if bias is not None and plan.add_bias else None
-        out, x_inv, w_inv = _fp8_gemm(x_fp8, w_fp8, x_scale, w_scale, b_local, rows.dtype, backend)
-        out = make_dtensor(out.reshape(*x_local.shape[:-1], out.shape[-1]), plan.out_spec)
-        return out, x_fp8, w_fp8, x_inv, w_inv, w_amax, x_amax
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        x, weight, bias, newest, stored, margin, backend, plan = inputs
-        ctx.mark_non_differentiable(*output[1:6])
-        ctx.set_materialize_grads(False)
-        ctx.save_for_backward(*output[1:], newest, stored)
-        ctx.margin, ctx.backend, ctx.plan = margin, backend, plan
-        ctx.x_shape = tuple(dtensor_local(unwrapped(x)).shape)
-        ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
-
-    @staticmethod
-    def backward(ctx, grad_out, *_):
-        x_fp8, w_fp8, x_inv, w_inv, w_amax, x_amax, newest, stored = ctx.saved_tensors
-        plan, (x_dtype, w_dtype, b_dtype) = ctx.plan, ctx.dtypes
-        if tuple(grad_out.placements) != plan.grad_placements:
-            grad_out = grad_out.redistribute(plan.mesh, plan.grad_placements)
+    def grad_rows(self, grad_out):
+        if tuple(grad_out.placements) != self.grad_placements:
+            grad_out = grad_out.redistribute(self.mesh, self.grad_placements)
         g_local = dtensor_local(grad_out)
-        needs = ctx.needs_input_grad
-        grads = [None] * 8
-        with no_autocast(g_local):
-            rows = g_local.reshape(-1, g_local.shape[-1])
-            g_amax = amax(rows)
-            g_whole = _max_over(g_amax, plan.group) if plan.whole[2] else g_amax
-            g_scale = _grad_output_scale(g_whole, newest, stored, ctx.margin)
-            g_fp8, g_inv = cast_to_fp8(rows, g_scale, E5M2), g_scale.reciprocal()
-            if needs[0]:
-                gx = fp8_mm(g_fp8, w_fp8.t(), g_inv, w_inv, x_dtype, ctx.backend)
-                grads[0] = make_dtensor(gx.reshape(ctx.x_shape), plan.grad_input_spec)
-            if needs[1]:
-                gw = fp8_mm(g_fp8.t(), x_fp8.t(), g_inv, x_inv, w_dtype, ctx.backend)
-                grads[1] = make_dtensor(gw, plan.weight_spec)
-            if needs[2]:
-                grads[2] = make_dtensor(rows.float().sum(0).to(b_dtype), plan.bias_spec)
-            if needs[3]:
-                grads[3] = torch.stack([x_amax, w_amax, g_amax])
-        return tuple(_first_order_only(grads, x_amax))
+        return g_local.reshape(-1, g_local.shape[-1])
+
+    def place_grads(self, grads: list) -> list:
+        shapes = (self.x_shape, None, None)
+        specs = (self.grad_input_spec, self.weight_spec, self.bias_spec)
+        return [
+            None if g is None else make_dtensor(g if s is None else g.reshape(s), spec)
+            for g, s, spec in zip(grads, shapes, specs)
+        ]
 
 
 # -- routing (from `fn.apply`) ------------------------------------------------------------------
@@ -398,11 +337,7 @@ def sharded_linear(call, layer, site, x, weight, bias, newest, stored):
             f"DTensor operands, got {type(recipe).__name__}. Give this layer a per-tensor "
             "recipe, or None (high precision), through a recipe function."
         )
-    if newest is not None and unwrapped(call.state.amax_history).dim() != 3:
-        raise ValueError(
-            f"{api}: expected an unbatched state for DTensor operands, got a stacked or "
-            "vmapped one (vmap over sharded models is not supported)."
-        )
+    _check_state("fp8fn.apply", call.state)
     xd, wd, bd = as_dtensor(x), as_dtensor(weight), as_dtensor(bias)
     device = (wd if wd is not None else xd).device
     backend = resolve_backend(recipe, device)
@@ -418,6 +353,21 @@ def sharded_linear(call, layer, site, x, weight, bias, newest, stored):
     return _tp_linear(api, x, xd, weight, wd, bias, bd, scaling, unobserved)
 
 
+def _check_state(api: str, state) -> None:
+    """Raise unless `state` is one plain, unbatched state (every rank holds all of it)."""
+    history = unwrapped(state.amax_history)
+    d = as_dtensor(history)
+    if d is not None:
+        raise ValueError(
+            f"{api}: expected the state's tensors to be plain tensors, the same on every rank, "
+            f"got DTensors ({_layout(d)}). Pass the state as fn.init and fp8fn.update make it; "
+            "one loaded as DTensors: `state._replace(amax_history=state.amax_history."
+            "full_tensor(), scale=state.scale.full_tensor())`."
+        )
+    if history.dim() != 3:
+        raise ValueError(_VMAP_STATE)
+
+
 def _fsdp_linear(api, x, weight, wd, bias, bd, scaling, unobserved):
     shard0 = wd.device_mesh.ndim == 1 and tuple(wd.placements) == (_placements().Shard(0),)
     if not shard0 or bd is not None:
@@ -426,12 +376,9 @@ def _fsdp_linear(api, x, weight, wd, bias, bd, scaling, unobserved):
             f"next to a plain input, got the weight {_layout(wd)} and the bias {_layout(bd)}. "
             f"{_FSDP_HOWTO}"
         )
-    rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-    group = wd.device_mesh.get_group()
-    with no_autocast(x):
-        spec = dtensor_spec(wd)
-        out = _FsdpLinear.apply(rows, weight, bias, *scaling, spec, group, unobserved[1])[0]
-    return out if x.dim() == 2 else out.reshape(*x.shape[:-1], out.shape[-1])
+    whole = (False, unobserved[1], False)
+    place = _FsdpShard(spec=dtensor_spec(wd), group=wd.device_mesh.get_group(), whole=whole)
+    return tensorwise_linear(x, weight, bias, *scaling, place)
 
 
 def _placements():
@@ -466,11 +413,11 @@ def _tp_plan(api, xd, wd, bias, bd, unobserved) -> _TPPlan:
     out_place = p.Shard(last) if colwise else p.Partial()
     x_spec = dtensor_spec(xd)
     return _TPPlan(
-        colwise=colwise,
         mesh=mesh,
         group=mesh.get_group(),
         whole=(rowwise and unobserved[0], unobserved[1], colwise and unobserved[2]),
         add_bias=colwise or mesh.get_local_rank() == 0,
+        x_shape=tuple(dtensor_local(xd).shape),
         out_spec=new_dtensor_spec(mesh, [out_place], out_shape, xd.dtype),
         grad_placements=(p.Shard(last),) if colwise else (p.Replicate(),),
         grad_input_spec=(
@@ -485,8 +432,7 @@ def _tp_linear(api, x, xd, weight, wd, bias, bd, scaling, unobserved):
     if functorch_level() is not None:
         raise RuntimeError(_TP_UNDER_FUNC)
     plan = _tp_plan(api, xd, wd, bias, bd, unobserved)
-    with no_autocast(x):
-        return _TPLinear.apply(x, weight, bias, *scaling, plan)[0]
+    return tensorwise_linear(x, weight, bias, *scaling, plan)
 
 
 # -- `fn.apply`: params and errors --------------------------------------------------------------
@@ -497,17 +443,21 @@ def _own_tensor(module, name: str):
     return getattr(module.get_submodule(path), attr, None)
 
 
-def gather_params(transformed, params: dict) -> dict:
-    """`params` with each DTensor the module does not hold as one (functional FSDP) replaced by
-    its whole value, all-gathered in high precision, except the weights of the per-tensor
-    float8 layers (gathered in float8 by the op). A DTensor the module holds as one (tensor
-    parallel, FSDP2) stays as it is.
+def gather_params(transformed, params: dict, state):
+    """`(tensors, kept)`: `params` with each DTensor the module does not hold as one
+    (functional FSDP) replaced by its whole value, all-gathered in high precision, except the
+    weights of the per-tensor float8 layers (gathered in float8 by the op); a DTensor the module
+    holds as one (tensor parallel, FSDP2) stays as it is. `written_back`, a context manager
+    around the call, copies this rank's rows of each gathered buffer back into the given
+    DTensor when the call returns (a batch norm's running statistics, updated in train mode).
+    `state` (the call's) must be plain and unbatched.
     """
     if torch.compiler.is_compiling():
         raise RuntimeError(
             "fp8fn.apply: expected plain tensors in `params` under torch.compile, got "
             "DTensors, which fp8fn compiles not yet. Run the sharded model eagerly."
         )
+    _check_state("fp8fn.apply", state)
     tied = transformed._slots.others
     in_op = {  # (HF Conv1D's transposed weight and tied weights are gathered)
         m.weight
@@ -515,9 +465,17 @@ def gather_params(transformed, params: dict) -> dict:
         if isinstance(m.recipe, _TENSORWISE) and not m.transposed and m.weight not in tied
     }
     module, out = transformed.module, dict(params)
+    buffers = {name for name, _ in module.named_buffers()}
+    kept = _BuffersKept()
     for name, t in params.items():
         d = as_dtensor(t)
-        if d is None or name in in_op or as_dtensor(_own_tensor(module, name)) is not None:
+        if d is None or name in in_op:
+            continue
+        if as_dtensor(_own_tensor(module, name)) is not None:  # tensor parallel
+            # Refused here, before the model runs: under checkpoint_fn the forward would pass
+            # and torch.func raise its own error in the backward's recompute.
+            if functorch_level() is not None:
+                raise RuntimeError(_TP_UNDER_FUNC)
             continue
         if d.device_mesh.ndim != 1 or tuple(d.placements) != (_placements().Shard(0),):
             raise ValueError(
@@ -525,7 +483,35 @@ def gather_params(transformed, params: dict) -> dict:
                 f"(the module holds a plain tensor there), got {_layout(d)}. {_FSDP_HOWTO}"
             )
         out[name] = _GatherParam.apply(t, dtensor_spec(d), d.device_mesh.get_group())
-    return out
+        if name in buffers:
+            kept.given.append((name, out[name], unwrapped(out[name]).detach().clone()))
+    return out, kept
+
+
+class _BuffersKept:
+    """Around the call: raises when the model changed a buffer that `params` gave as a DTensor
+    (it would change the gathered copy only). A batch norm's running statistics in train mode
+    are each rank's own (as under FSDP2), which one sharded tensor cannot hold."""
+
+    def __init__(self):
+        self.given = []  # (name, its gathered value, a copy of that value)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, error_type, *_):
+        if error_type is not None:
+            return
+        for name, whole, before in self.given:
+            now = unwrapped(whole).detach()
+            if not torch.equal(now.view(torch.uint8), before.view(torch.uint8)):  # bits: NaN too
+                raise ValueError(
+                    f"fp8fn.apply: expected the buffers given as DTensors in `params` to stay as "
+                    f"they are, got {name!r} changed by the model (batch norm in train mode): "
+                    "each rank's statistics are its own, which one sharded tensor cannot hold, "
+                    "and fp8fn gathers a copy. Give buffers as plain tensors, or leave them out "
+                    "of `params` (the module's own are used and updated), or run in eval mode."
+                )
 
 
 def gathered_for_split(weight, held):

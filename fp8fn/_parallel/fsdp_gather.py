@@ -13,12 +13,16 @@ are. The pieces:
   checkpoints, which see a plain tensor when pickled) and implements the two FSDP2 hooks.
 * `Float8GatheredWeight`: FSDP2's unsharded parameter, a tensor of the weight's dtype and shape
   for autograd and FSDP2 that holds the gathered e4m3 bytes, their scale and the whole weight's
-  amax. The per-tensor op (`_tensorwise`) takes them without casting again; any other use sees
-  the dequantized weight.
+  amax. The per-tensor op (`fp8fn/_ops/tensorwise.py`) takes them without casting again, placed
+  by `_Float8Gathered` (the weight gives it through `fp8fn_placement()`); any other use sees the
+  dequantized weight.
 * `ScalesForCall`: what `fp8fn.apply` hands the hooks for one forward pass (a context variable):
   each layer's weight scale. FSDP2's backward re-gather runs after `apply` has returned (and on
   CUDA in autograd's thread), so each shard keeps the scale of its last forward all-gather and
-  the backward gathers the same bytes.
+  the backward gathers the same bytes. Where another forward has gathered the weight with
+  another scale since (an evaluation with another state between a training forward and its
+  backward, two transforms of one model), the op's backward finds FSDP2's bytes cast with that
+  scale and all-gathers the shards again, cast with its own forward's scale.
 
 Wire format, per weight and rank: the e4m3 shard viewed as uint8 (gloo cannot all-gather float8)
 and the 4 bytes of the shard's float32 amax, in FSDP2's one all-gather of the block. The max of
@@ -38,6 +42,8 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from .._numerics.fp8 import E4M3, FP8_MAX, amax, cast_to_fp8, scale_from_amax
+from .._ops.tensorwise import Local
+from .dtensor import _AllGather
 
 # The running `apply`'s `ScalesForCall` (None outside apply: FSDP2's backward re-gather).
 SCALES: contextvars.ContextVar = contextvars.ContextVar("fp8fn_gather_scales", default=None)
@@ -155,21 +161,22 @@ class Float8ShardWeight(torch.Tensor):
         fp8 = cast_to_fp8(shard, scale, E4M3).view(torch.uint8)
         shard_amax = amax(shard)
         rows = -(-outer_size[0] // world)  # the padded shard's rows
+        source = (self, mesh, outer_size[0])  # to gather again with another scale
         if outer_size[0] % world:  # uneven: one input of the padded shard's shape
             if fp8.shape[0] < rows:
                 fp8 = torch.cat([fp8, fp8.new_zeros(rows - fp8.shape[0], *fp8.shape[1:])])
-            return (fp8,), (scale, shard_amax)
-        return (fp8, shard_amax.reshape(1).view(torch.uint8)), (scale, None)
+            return (fp8,), (scale, shard_amax, source)
+        return (fp8, shard_amax.reshape(1).view(torch.uint8)), (scale, None, source)
 
     def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
         """The gathered weight: a new `Float8GatheredWeight`, or `out` refreshed in place."""
-        scale, own_amax = metadata
+        scale, own_amax, source = metadata
         data = outputs[0].view(E4M3)
         whole_amax = own_amax if own_amax is not None else outputs[1].view(torch.float32).max()
         if out is not None:  # later all-gathers refill the same buffers
-            out._scale, out._amax = scale, whole_amax
+            out._scale, out._amax, out._source = scale, whole_amax, source
             return None
-        gathered = Float8GatheredWeight(data, scale, whole_amax, param_dtype)
+        gathered = Float8GatheredWeight(data, scale, whole_amax, param_dtype, source)
         return gathered, tuple(outputs)
 
 
@@ -179,27 +186,39 @@ class Float8GatheredWeight(torch.Tensor):
     To autograd and FSDP2 a tensor of the weight's shape `(out_features, in_features)` and
     high-precision dtype (so the weight gradient stays high precision); it holds `_data`, the
     gathered e4m3 weight, `_scale`, the float32 `()` scale it was cast with
-    (`_data = saturate(weight * _scale)`), and `_amax`, the float32 `()` amax of the whole weight
-    (of this rank's shard for an unevenly sharded weight). Views apply to `_data`; any other op
-    sees the dequantized weight `_data / _scale`.
+    (`_data = saturate(weight * _scale)`), `_amax`, the float32 `()` amax of the whole weight
+    (of this rank's shard for an unevenly sharded weight), and `_source`, what gathers it again
+    (this rank's `Float8ShardWeight`, the device mesh, the whole weight's rows). Views apply to
+    `_data`; any other op sees the dequantized weight `_data / _scale`.
     """
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @staticmethod
-    def __new__(cls, data, scale, whole_amax, dtype):
+    def __new__(cls, data, scale, whole_amax, dtype, source=None):
         return torch.Tensor._make_wrapper_subclass(
             cls, data.size(), strides=data.stride(), dtype=dtype, device=data.device
         )
 
-    def __init__(self, data, scale, whole_amax, dtype):
-        self._data, self._scale, self._amax = data, scale, whole_amax
+    def __init__(self, data, scale, whole_amax, dtype, source=None):
+        self._data, self._scale, self._amax, self._source = data, scale, whole_amax, source
 
     def __repr__(self):
         return f"Float8GatheredWeight(shape={tuple(self.shape)}, dtype={self.dtype})"
 
     def dequantize(self) -> torch.Tensor:
         return (self._data.float() / self._scale).to(self.dtype)
+
+    def fp8fn_placement(self) -> _Float8Gathered:
+        """The per-tensor op's placement for a call with this weight (duck-typed there)."""
+        return _Float8Gathered(self, self._scale)
+
+    def gathered_again(self, scale: torch.Tensor) -> torch.Tensor:
+        """The whole weight cast to e4m3 with `scale`, all-gathered again from the shards (in a
+        backward: every rank runs it)."""
+        shard, mesh, rows = self._source
+        local = cast_to_fp8(shard._tensor, scale, E4M3)
+        return _AllGather.apply(local, mesh.get_group(), rows)
 
     def __tensor_flatten__(self):
         return ["_data", "_scale", "_amax"], {"dtype": self.dtype}
@@ -213,7 +232,8 @@ class Float8GatheredWeight(torch.Tensor):
         kwargs = kwargs or {}
         if func in _GATHERED_VIEWS:
             src = args[0]
-            return cls(func(src._data, *args[1:], **kwargs), src._scale, src._amax, src.dtype)
+            data = func(src._data, *args[1:], **kwargs)
+            return cls(data, src._scale, src._amax, src.dtype, src._source)
         if func._schema.is_mutable:
             raise _api_error(
                 f"the gathered float8 weight cannot be changed in place ({func}). Change the "
@@ -221,6 +241,30 @@ class Float8GatheredWeight(torch.Tensor):
             )
         args, kwargs = pytree.tree_map_only(cls, lambda t: t.dequantize(), (args, kwargs))
         return func(*args, **kwargs)
+
+
+class _Float8Gathered(Local):
+    """The per-tensor op's placement for a weight FSDP2 gathered in float8: the op multiplies
+    the gathered bytes with the scale they were cast with, and its backward takes the bytes of
+    its own forward.
+
+    Args:
+      weight: the `Float8GatheredWeight` (FSDP2's unsharded parameter, refilled in place by each
+        all-gather). scale: its `_scale` at the forward, the object (float32 `()`).
+    """
+
+    def __init__(self, weight: Float8GatheredWeight, scale: torch.Tensor):
+        self.weight, self.scale = weight, scale
+
+    def float8_weight(self, weight):
+        return weight._data, weight._scale, weight._amax
+
+    def weight_again(self, w_fp8):
+        """FSDP2's bytes when they were gathered with this forward's scale (the same object:
+        no device read), else the shards cast with it and all-gathered again."""
+        if self.weight._scale is self.scale:
+            return w_fp8
+        return self.weight.gathered_again(self.scale)
 
 
 class ScalesForCall:
@@ -353,6 +397,10 @@ def float8_all_gather(model: nn.Module, filter_fn=None) -> nn.Module:
     weight's observation needs no collective. Every call of a layer in one forward pass uses the
     weight scale of its first site.
 
+    Linear layers that share one weight keep sharing it (one parameter, gathered once with the
+    scale of the first of them that FSDP2 names); a weight tied to any other module (an
+    embedding) or to a layer `filter_fn` leaves out is refused: leave its layers out.
+
     Weights are sharded along dim 0. One whose rows do not split evenly over the ranks is gathered
     padded, and its observation is the shard's amax until `fp8fn.all_reduce` (the usual loop)
     takes the max over the ranks.
@@ -370,8 +418,8 @@ def float8_all_gather(model: nn.Module, filter_fn=None) -> nn.Module:
       `model` itself, changed in place.
 
     Raises:
-      ValueError: when a chosen weight is already sharded (call this before `fully_shard`), or
-        when no layer was chosen.
+      ValueError: when a chosen weight is already sharded (call this before `fully_shard`), is
+        tied to a module other than chosen linear layers, or when no layer was chosen.
 
     Example (on every rank)::
 
@@ -389,24 +437,44 @@ def float8_all_gather(model: nn.Module, filter_fn=None) -> nn.Module:
     attention = {  # nn.MultiheadAttention uses its projections' weights itself
         id(m) for a in model.modules() if isinstance(a, nn.MultiheadAttention) for m in a.modules()
     }
-    chosen = []
+    layers = {}  # id(layer) -> (name, layer): the chosen layers
     for name, sub in model.named_modules():
         if not isinstance(sub, nn.Linear) or id(sub) in attention:
             continue
         if filter_fn is not None and not filter_fn(name, sub):
             continue
+        layers[id(sub)] = (name, sub)
+    holders: dict = {}  # id(parameter) -> [(path, module, attr)]: every module holding it
+    for path, sub in model.named_modules(remove_duplicate=False):
+        for attr, p in sub.named_parameters(recurse=False, remove_duplicate=False):
+            holders.setdefault(id(p), []).append((path, sub, attr))
+    chosen = []
+    for name, sub in layers.values():
         weight = sub.weight
         if shard_of(weight) is not None:
-            continue  # opted in already
+            continue  # opted in already (or tied to a layer converted before)
         if type(weight) is not nn.Parameter:
             raise ValueError(
                 f"fp8fn.float8_all_gather: expected layer {name!r} to hold a plain weight "
                 f"Parameter, got {type(weight).__name__}. Call float8_all_gather before "
                 "fully_shard (and before other wrappers)."
             )
-        sub.weight = nn.Parameter(
+        tied = holders[id(weight)]
+        others = [(p, m, a) for p, m, a in tied if id(m) not in layers or a != "weight"]
+        if others:
+            path, module, attr = others[0]
+            raise ValueError(
+                f"fp8fn.float8_all_gather: expected the weight of layer {name!r} to be held by "
+                f"chosen nn.Linear layers only, got it tied to {path + '.' + attr!r} "
+                f"({type(module).__name__}): a tied parameter is all-gathered once, in float8 "
+                f"for every module that holds it. Leave {name!r} out with `filter_fn` (it is "
+                "then gathered in high precision, and still runs in float8), or untie it."
+            )
+        shared = nn.Parameter(
             Float8ShardWeight(weight.detach(), name), requires_grad=weight.requires_grad
         )
+        for _, module, _ in tied:  # tied layers stay tied: one parameter
+            module.weight = shared
         chosen.append(name)
     if not chosen and not any(shard_of(p) is not None for p in model.parameters()):
         raise ValueError(

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from .._parallel.dtensor import sharded_operands
 from .._torch_private import (
     differentiated,
     differentiated_by_transform,
@@ -83,21 +84,21 @@ class _Checkpoint(torch.autograd.Function):
         plain = functorch_level() is None and not torch.is_grad_enabled()
         if plain:
             tensors = tuple(t.detach() for t in tensors)
+        # DTensors (tensor parallel): torch's parallel styles convert with autograd.Functions
+        # that torch.func refuses (no setup_context), so plain autograd differentiates.
+        by_autograd = plain and sharded_operands(*tensors)
 
         def run_diff(*diff_tensors):
             args = list(tensors)
             for i, t in zip(diff, diff_tensors):
                 args[i] = t
             outputs = tuple(ctx.run(*args))
-            if plain and any(unwrapped(o).requires_grad for o in outputs):
-                api, subject = ctx.run.names
-                raise RuntimeError(
-                    f"fp8fn.{api}: expected {subject} to take every tensor it differentiates "
-                    "through as an argument, got its recompute reading one that requires grad "
-                    "from elsewhere (a module's parameter, a global): its gradient would be "
-                    f"lost. {_PASS_AS_ARGUMENTS}"
-                )
+            if plain and not by_autograd and any(unwrapped(o).requires_grad for o in outputs):
+                _refuse_outside_input(ctx.run.names)
             return outputs
+
+        if by_autograd:
+            return (None, None, *_autograd_vjp(ctx, run_diff, tensors, diff, grad_outputs))
 
         def contracted(*diff_tensors):
             # sum(<output, cotangent>): its gradient is the vjp, bit for bit (the backward of
@@ -119,6 +120,58 @@ class _Checkpoint(torch.autograd.Function):
         for i, g in zip(diff, diff_grads):
             grads[i] = g
         return (None, None, *grads)
+
+
+def _refuse_outside_input(names) -> None:
+    api, subject = names
+    raise RuntimeError(
+        f"fp8fn.{api}: expected {subject} to take every tensor it differentiates through as an "
+        "argument, got its recompute reading one that requires grad from elsewhere (a module's "
+        f"parameter, a global): its gradient would be lost. {_PASS_AS_ARGUMENTS}"
+    )
+
+
+def _autograd_vjp(ctx, run_diff, tensors, diff, grad_outputs) -> list:
+    """`_Checkpoint.backward`'s gradients of the inputs (None where not differentiated) by
+    plain autograd on the recompute: the same vjp as the torch.func route's, bit for bit.
+    A recompute reaching a leaf that requires grad other than its inputs is refused."""
+    inputs = [tensors[i].detach().requires_grad_() for i in diff]
+    with _restored_rng(ctx.run.rng_state), torch.enable_grad():
+        outputs = run_diff(*inputs)
+        pairs = [
+            (o, g)
+            for o, g in zip(outputs, grad_outputs)
+            if g is not None and o.is_floating_point() and o.requires_grad
+        ]
+        given = {id(t) for t in inputs}
+        if any(id(leaf) not in given for leaf in _leaves([o for o, _ in pairs])):
+            _refuse_outside_input(ctx.run.names)
+        diff_grads = torch.autograd.grad(
+            [o for o, _ in pairs],
+            inputs,
+            [g for _, g in pairs],
+            allow_unused=True,
+            materialize_grads=True,
+        )
+    grads = [None] * len(tensors)
+    for i, g in zip(diff, diff_grads):
+        grads[i] = g
+    return grads
+
+
+def _leaves(outputs) -> list:
+    """The leaf tensors that `outputs`' autograd graph accumulates gradients into."""
+    stack = [o.grad_fn for o in outputs]
+    seen, leaves = set(), []
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if hasattr(node, "variable"):  # AccumulateGrad
+            leaves.append(node.variable)
+        stack.extend(n for n, _ in node.next_functions)
+    return leaves
 
 
 @functools.cache

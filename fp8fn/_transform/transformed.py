@@ -15,6 +15,7 @@ recompute, `recompute.py`), then calls the module.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
@@ -338,9 +339,9 @@ class Transformed:
             if not recomputing_in_torch_checkpoint():
                 raise
         params = self._fsdp.without_params(params)
-        tensors = params
+        tensors, kept = params, contextlib.nullcontext()
         if params and sharded_operands(next(iter(params.values()))):  # the first tells
-            tensors = gather_params(self, params)
+            tensors, kept = gather_params(self, params, state)
         tensors = self._slots.expand(tensors)
         call = _Call(self, tensors, state)
         with (
@@ -349,6 +350,7 @@ class Transformed:
             exclusive(self.module),
             innermost_function_mode(call),
             recomputing(call, self._checkpointed_modules),
+            kept,
         ):
             return _functional_call(self.module, None, tensors, args, kwargs)
 
