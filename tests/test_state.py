@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _helpers import observation
+from _helpers import assert_bit_identical, observation
 from _models import ReusedLayer
 from torch import nn
 
@@ -199,3 +199,68 @@ def test_a_state_saved_by_0_3_loads_and_keeps_its_values():
     buffer = io.BytesIO()
     torch.save(state, buffer)
     assert b"fp8fn\nState" in buffer.getvalue() and b"_core" not in buffer.getvalue()
+
+
+def test_unflatten_state_refuses_what_flatten_state_never_makes():
+    recipe = fp8fn.DelayedScaling(history_len=4)
+    state = fp8fn.init_state(recipe, ["fc"])
+    flat = fp8fn.flatten_state(state)
+    before = {k: v.clone() for k, v in flat.items()}
+    as_lists = {k: v.tolist() for k, v in flat.items()}
+    with pytest.raises(
+        TypeError,
+        match=r"^fp8fn\.unflatten_state: expected a tensor at 'fc\.input\.amax_history', got "
+        r"list\. Convert it: torch\.tensor\(value, dtype=torch\.float32\)\.$",
+    ):
+        fp8fn.unflatten_state(as_lists, recipe)
+    with pytest.raises(
+        ValueError,
+        match=r"^fp8fn\.unflatten_state: expected shape \(16,\) \(the history_len of "
+        r"DelayedScaling\(history_len=16, .*\)\) at 'fc\.input\.amax_history', got \(4,\)\. "
+        r"Pass the recipe the state was saved with\.$",
+    ):
+        fp8fn.unflatten_state(flat, fp8fn.DelayedScaling())  # 0.3 made a history of 4
+    doubles = {**flat, "fc.weight.scale": flat["fc.weight.scale"].double()}
+    with pytest.raises(
+        TypeError, match=r"^fp8fn\.unflatten_state: expected torch\.float32 at 'fc\.weight\.scale'"
+    ):
+        fp8fn.unflatten_state(doubles, recipe)
+    with pytest.raises(TypeError, match=r"^fp8fn\.unflatten_state: expected `flat` a dict .*list"):
+        fp8fn.unflatten_state(list(flat.items()), recipe)
+    with pytest.raises(ValueError, match=r"^fp8fn\.unflatten_state: expected keys .* got 3\.$"):
+        fp8fn.unflatten_state({**flat, 3: flat["fc.input.scale"]}, recipe)
+    with pytest.raises(
+        ValueError,
+        match=r"^fp8fn\.unflatten_state: expected no sites under CurrentScaling \(no scaling "
+        r"state\), got \['fc\.input\.amax_history', .*\]\. Pass the model's DelayedScaling",
+    ):
+        fp8fn.unflatten_state(flat, fp8fn.CurrentScaling())
+    with pytest.raises(TypeError, match=r"^fp8fn\.unflatten_state: expected `recipe` to be an "):
+        fp8fn.unflatten_state(flat, "delayed")
+    assert all(torch.equal(flat[k], v) for k, v in before.items())  # nothing changed
+    assert_bit_identical(fp8fn.unflatten_state(flat, recipe), state)
+
+
+def test_unflatten_state_of_a_model_without_delayed_layers_takes_its_recipe():
+    # 0.3 refused unflatten_state(flat, NVFP4Scaling()): an NVFP4-only state had to be
+    # unflattened with DelayedScaling(history_len=1), the recipe of fn.init's empty state.
+    model = nn.Linear(32, 16)
+    x = torch.randn(4, 32)
+    for recipe in (fp8fn.NVFP4Scaling(), fp8fn.CurrentScaling(), fp8fn.MXScaling()):
+        state = fp8fn.transform(model, recipe).init(x, seed=3)
+        back = fp8fn.unflatten_state(fp8fn.flatten_state(state), recipe)
+        assert_bit_identical(back, state)
+        assert back.static == state.static and back.history_len == state.history_len == 1
+
+
+def test_init_state_takes_a_list_of_sites_not_a_str():
+    # 0.3 made the sites 'f' and 'c' of init_state(recipe, "fc").
+    with pytest.raises(
+        TypeError,
+        match=r"^fp8fn\.init_state: expected `sites` a list of str site names, got str 'fc'\. "
+        r"For one site: \['fc'\]\.$",
+    ):
+        fp8fn.init_state(DELAYED, "fc")
+    with pytest.raises(TypeError, match=r"`sites` a list of str site names, got int 3\."):
+        fp8fn.init_state(DELAYED, 3)
+    assert fp8fn.init_state(DELAYED, ("fc" for _ in range(1))).sites == ("fc",)

@@ -40,7 +40,8 @@ from __future__ import annotations
 
 import torch
 
-from .._numerics.fp8 import E4M3, E5M2, check_margin
+from .._core.recipes import check_margin
+from .._numerics.fp8 import E4M3, E5M2
 
 _HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _FP8_DTYPES = (E4M3, E5M2)
@@ -114,7 +115,7 @@ def cast_and_amax(
       `(fp8, amax)`, or `(fp8, fp8_t, amax)` when `transpose`: `fp8` in `dtype` of `hp`'s shape,
       `clamp(hp.float() * scale, -max, max).to(dtype)`; `amax` float32 `()`, `hp.abs().amax()`.
     """
-    _check("cast_and_amax", hp, dtype, transpose, scale=scale)
+    _check("_kernels.cast.cast_and_amax", hp, dtype, transpose, scale=scale)
     return tuple(torch.ops.fp8fn.cast_and_amax(hp, scale, dtype, transpose))
 
 
@@ -144,8 +145,8 @@ def delayed_cast(
       `(fp8, scale, amax)`, or `(fp8, fp8_t, scale, amax)` when `transpose`: `scale` is the
       float32 `()` scale used, `amax` the float32 `()` amax of `hp` (the observation).
     """
-    margin = _margin("delayed_cast", margin)
-    _check("delayed_cast", hp, dtype, transpose, newest=newest, stored=stored)
+    margin = _margin("_kernels.cast.delayed_cast", margin)
+    _check("_kernels.cast.delayed_cast", hp, dtype, transpose, newest=newest, stored=stored)
     return tuple(torch.ops.fp8fn.scaled_cast(hp, newest, stored, margin, dtype, transpose))
 
 
@@ -156,8 +157,8 @@ def current_cast(
 
     Args and returns as `delayed_cast`, without `newest` and `stored`.
     """
-    margin = _margin("current_cast", margin)
-    _check("current_cast", hp, dtype, transpose)
+    margin = _margin("_kernels.cast.current_cast", margin)
+    _check("_kernels.cast.current_cast", hp, dtype, transpose)
     return tuple(torch.ops.fp8fn.scaled_cast(hp, None, None, margin, dtype, transpose))
 
 

@@ -23,6 +23,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from .._core.checks import check_operands
+from .._core.keys import initial_key, seed_key
 from .._core.recipes import RECIPES, CurrentScaling, DelayedScaling, NVFP4Scaling
 from .._core.state import (
     State,
@@ -35,7 +36,6 @@ from .._core.state import (
     warn_if_superseded,
 )
 from .._ops.linear import fp8_linear
-from .._ops.nvfp4 import initial_key, seed_key
 from .._parallel.dtensor import explain_error as explain_sharded_error
 from .._parallel.dtensor import gather_params, sharded_linear, sharded_operands
 from .._parallel.fsdp_gather import (
