@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _helpers import bits as _bits
-from _helpers import sqnr
+from _helpers import same, sqnr
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
@@ -23,15 +23,6 @@ GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float6
 THRESHOLD = 2688 * 2.0**-121  # below this amax fp8fn's tensor scale is clamped (not torchao's)
 SETTINGS = settings(max_examples=30, deadline=None)
 ONE = torch.tensor(1.0)
-
-
-def same(a, b):
-    """Same dtype, shape and bits (any NaN equals any NaN; -0 differs from 0)."""
-    assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, b.dtype, a.shape, b.shape)
-    if a.dtype == torch.uint8:
-        return torch.equal(a, b)
-    nan_a, nan_b = a.float().isnan(), b.float().isnan()
-    return torch.equal(nan_a, nan_b) and torch.equal(_bits(a)[~nan_a], _bits(b)[~nan_b])
 
 
 def torchao_nvfp4(hp, tensor_scale):

@@ -11,7 +11,7 @@ import optree
 import pytest
 import torch
 import torch.nn.functional as F
-from _helpers import assert_bit_identical, bits, mlp_run, outlier_mlp_case, sqnr
+from _helpers import assert_bit_identical, bits, loss_of, mlp_run, outlier_mlp_case, sqnr
 from _models import MLP
 from torch.utils import _pytree as pytree
 
@@ -313,18 +313,14 @@ def _model_and_data(seed=0):
     return model, x
 
 
-def _loss_of(fn):
-    return lambda p, s, x: fn.apply(p, s, x).square().mean()
-
-
 def _func_grads(fn, params, state, x):
-    return torch.func.grad(_loss_of(fn), argnums=(0, 1))(params, state, x)
+    return torch.func.grad(loss_of(fn), argnums=(0, 1))(params, state, x)
 
 
 def _autograd_grads(fn, params, state, x):
     params = {k: v.detach().clone().requires_grad_() for k, v in params.items()}
     observed = fp8fn.observe(state)
-    _loss_of(fn)(params, observed, x).backward()
+    loss_of(fn)(params, observed, x).backward()
     return {k: v.grad for k, v in params.items()}, fp8fn.observations(observed)
 
 
@@ -462,7 +458,7 @@ def test_same_params_state_x_give_bit_identical_grads_on_every_route():
     want, obs = _func_grads(fn, params, state, x)
     assert_bit_identical(want, _func_grads(fn, params, state, x)[0])
     assert_bit_identical(want, _autograd_grads(fn, params, state, x)[0])
-    _, (grads, obs_vg) = fp8fn.value_and_grad(_loss_of(fn), argnums=(0, 1))(params, state, x)
+    _, (grads, obs_vg) = fp8fn.value_and_grad(loss_of(fn), argnums=(0, 1))(params, state, x)
     assert_bit_identical(want, grads)
     for transformed in (ckpt, ckpt_inner):
         assert_bit_identical(want, _func_grads(transformed, params, state, x)[0])
@@ -667,7 +663,7 @@ def test_vmap_over_a_batch_and_over_an_ensemble_of_states():
     fn = fp8fn.transform(model, ALL_ON)
     xs = torch.randn(3, 20, 32)
     state = fn.init(xs[0], seed=0)
-    grad = torch.func.grad(_loss_of(fn))
+    grad = torch.func.grad(loss_of(fn))
     # Over the batch, state unbatched: each example as if alone.
     per_example = torch.func.vmap(grad, in_dims=(None, None, 0))(params, state, xs)
     for i in range(3):
@@ -788,8 +784,8 @@ def test_compiled_apply_and_value_and_grad_equal_eager_over_steps():
     forward = torch.compile(fn.apply, fullgraph=True)
     assert torch.equal(bits(forward(params, state, x)), bits(fn.apply(params, state, x)))
     counter = CompileCounterWithBackend("inductor")
-    step = torch.compile(fp8fn.value_and_grad(_loss_of(fn), argnums=(0, 1)), backend=counter)
-    eager = fp8fn.value_and_grad(_loss_of(fn), argnums=(0, 1))
+    step = torch.compile(fp8fn.value_and_grad(loss_of(fn), argnums=(0, 1)), backend=counter)
+    eager = fp8fn.value_and_grad(loss_of(fn), argnums=(0, 1))
     previous = frames = None
     for _ in range(2):
         loss, (grads, obs) = step(params, state, x)

@@ -6,22 +6,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from _helpers import assert_bit_identical, observation
+from _helpers import DELAYED, assert_bit_identical, loss_of, observation
 from _models import ReusedLayer
 from torch import nn
 
 import fp8fn
 
-DELAYED = fp8fn.DelayedScaling(history_len=4)
-
 
 def _warm(fn, params, x):
     state = fn.init(x)
-    return fp8fn.update(state, torch.func.grad(_loss(fn), argnums=1)(params, state, x))
-
-
-def _loss(fn):
-    return lambda p, s, x: fn.apply(p, s, x).square().mean()
+    return fp8fn.update(state, torch.func.grad(loss_of(fn), argnums=1)(params, state, x))
 
 
 def _setup():
@@ -79,7 +73,7 @@ def test_linear_refuses_a_recipe_that_disagrees_with_the_site_state():
 def test_an_observation_or_a_bad_scale_where_the_state_belongs_is_refused():
     fn, params, x = _setup()
     state = _warm(fn, params, x)
-    obs = torch.func.grad(_loss(fn), argnums=1)(params, state, x)
+    obs = torch.func.grad(loss_of(fn), argnums=1)(params, state, x)
     assert torch.equal(obs.scale, torch.zeros_like(obs.scale))
     for bad, name in (
         (obs, "an observation"),
@@ -91,7 +85,7 @@ def test_an_observation_or_a_bad_scale_where_the_state_belongs_is_refused():
         with pytest.raises(ValueError, match=r"fp8fn.apply: expected the scales of `state` fin"):
             fn.apply(params, bad, x)
         with pytest.raises(ValueError, match=r"fp8fn.apply: expected the scales"):
-            torch.func.grad(_loss(fn), argnums=1)(params, bad, x)
+            torch.func.grad(loss_of(fn), argnums=1)(params, bad, x)
         with pytest.raises(ValueError, match=r"fp8fn.linear: expected the scales of `site_state`"):
             fp8fn.linear(x, params["fc.weight"], None, bad["fc"], DELAYED)
     # A hand-made state with good scales is accepted (checked once).
@@ -102,7 +96,7 @@ def test_an_observation_or_a_bad_scale_where_the_state_belongs_is_refused():
 def test_update_refuses_swapped_or_state_arguments():
     fn, params, x = _setup()
     state = _warm(fn, params, x)
-    obs = torch.func.grad(_loss(fn), argnums=1)(params, state, x)
+    obs = torch.func.grad(loss_of(fn), argnums=1)(params, state, x)
     with pytest.raises(ValueError, match=r"fp8fn.update: expected the scales of `state` finite"):
         fp8fn.update(obs, state)
     with pytest.raises(ValueError, match=r"fp8fn.update: expected `obs` an observation .* a sta"):
@@ -114,12 +108,12 @@ def test_update_refuses_swapped_or_state_arguments():
 def test_dropping_the_result_of_update_warns():
     fn, params, x = _setup()
     state = _warm(fn, params, x)
-    obs = torch.func.grad(_loss(fn), argnums=1)(params, state, x)
+    obs = torch.func.grad(loss_of(fn), argnums=1)(params, state, x)
     fp8fn.update(state, obs)  # the result dropped: the old state is used again
     with pytest.warns(UserWarning, match=r"fp8fn.observe: this state was already updated"):
         fp8fn.observe(state)
     with pytest.warns(UserWarning, match=r"`state = fp8fn.update\(state, obs\)`"):
-        torch.func.grad(_loss(fn), argnums=1)(params, state, x)
+        torch.func.grad(loss_of(fn), argnums=1)(params, state, x)
     new = fp8fn.update(state, obs)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the kept result is fine
@@ -166,7 +160,7 @@ def test_a_flat_state_of_eleven_or_more_layers_comes_back_in_module_order():
     assert torch.equal(restored.scale, state.scale)
     # A step after a resume pairs with one that never stopped (update and merge check the sites
     # in order, as all_reduce does across ranks).
-    obs = torch.func.grad(_loss(fn), argnums=1)(params, state, x)
+    obs = torch.func.grad(loss_of(fn), argnums=1)(params, state, x)
     resumed = fp8fn.update(restored, obs)
     assert torch.equal(resumed.amax_history, fp8fn.update(state, obs).amax_history)
 
