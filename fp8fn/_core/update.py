@@ -46,9 +46,8 @@ def update(state: State, obs: State) -> State:
     with `amax` the max of the history ("max") or its newest entry ("most_recent"). An
     observation that is 0, inf or NaN leaves that role unchanged. The random key (`state.key`,
     of models with NVFP4 layers) advances by one, modulo 2**52 (it stays exact and in range past
-any step count), so the next step draws other random bits;
-    the observation's key (0) is not used. Pure, and a constant number of kernels whatever the
-    number of sites.
+    any step count), so the next step draws other random bits; the observation's key (0) is not
+    used. Pure, and a constant number of kernels whatever the number of sites.
 
     Warns (`fp8fn.update: ...`) and returns `state` when `obs` holds no tensor at all (its
     `amax_history` is None): the classic slip of a plain autograd loop whose state never

@@ -40,11 +40,9 @@ from __future__ import annotations
 
 import torch
 
+from .._core.checks import HP_DTYPES
 from .._core.recipes import check_margin
-from .._numerics.fp8 import E4M3, E5M2
-
-_HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_FP8_DTYPES = (E4M3, E5M2)
+from .._numerics.fp8 import FP8_DTYPES
 
 
 def _kernels():
@@ -66,7 +64,7 @@ def _check(api: str, hp, dtype, transpose, **scalars) -> None:
     """Register the ops if needed; raise a clear error unless the arguments are what the kernels
     take (metadata only, no torch op)."""
     interpreted = _kernels().register_ops()
-    if not isinstance(hp, torch.Tensor) or hp.dtype not in _HP_DTYPES:
+    if not isinstance(hp, torch.Tensor) or hp.dtype not in HP_DTYPES:
         got = hp.dtype if isinstance(hp, torch.Tensor) else type(hp).__name__
         raise TypeError(f"fp8fn.{api}: expected `hp` float32, bfloat16 or float16, got {got}.")
     if hp.device.type == "cpu" and not interpreted:
@@ -74,7 +72,7 @@ def _check(api: str, hp, dtype, transpose, **scalars) -> None:
             f"fp8fn.{api}: the Triton kernels need `hp` on a GPU, got a CPU tensor. To run them "
             "on CPU, set TRITON_INTERPRET=1 before their first use."
         )
-    if dtype not in _FP8_DTYPES:
+    if dtype not in FP8_DTYPES:
         raise ValueError(
             f"fp8fn.{api}: expected `dtype` torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}."
         )

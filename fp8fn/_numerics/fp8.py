@@ -29,7 +29,8 @@ from .._core.recipes import check_margin
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
-FP8_MAX = {E4M3: torch.finfo(E4M3).max, E5M2: torch.finfo(E5M2).max}  # 448.0, 57344.0
+FP8_DTYPES = (E4M3, E5M2)
+FP8_MAX = {d: torch.finfo(d).max for d in FP8_DTYPES}  # 448.0, 57344.0 (not for inside an op)
 ROLE_DTYPE = (E4M3, E4M3, E5M2)  # input, weight, grad_output
 ROLE_FP8_MAX = tuple(FP8_MAX[d] for d in ROLE_DTYPE)
 _E8M0_BIAS = 127
@@ -138,6 +139,11 @@ def scale_from_amax(amax: torch.Tensor, fp8_max, margin: int) -> torch.Tensor:
 def _fp8_scale(amax: torch.Tensor) -> torch.Tensor:
     """float32 `448 / clamp(amax, 1e-12)`, computed in float64 (any shape)."""
     return (amax.double().clamp(min=1e-12).reciprocal() * 448.0).float()
+
+
+def ceil_div(n: int, d: int) -> int:
+    """`ceil(n / d)` for ints, exactly (e.g. the rows of each of `d` equal shards of `n`)."""
+    return -(-n // d)
 
 
 def pad_last(hp: torch.Tensor, block: int) -> torch.Tensor:

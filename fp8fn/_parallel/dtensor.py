@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from .._core.checks import no_autocast
 from .._core.recipes import CurrentScaling, DelayedScaling
-from .._numerics.fp8 import E4M3, E5M2, FP8_MAX, amax, cast_to_fp8
+from .._numerics.fp8 import E4M3, E5M2, FP8_DTYPES, FP8_MAX, amax, cast_to_fp8, ceil_div
 from .._ops.gemm import fp8_mm, resolve_backend, scaled_mm_supported
 from .._ops.tensorwise import _first_order_only, _fp8_gemm, _scales
 from .._torch_private import (
@@ -54,7 +54,6 @@ from .._torch_private import (
 )
 
 _TENSORWISE = (DelayedScaling, CurrentScaling)
-_FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _FSDP_HOWTO = (
     "Functional FSDP takes `params` as `distribute_tensor(p, mesh, [Shard(0)])` on a 1-D mesh, "
     "for a module whose own parameters are plain; tensor parallel takes the module made by "
@@ -91,7 +90,7 @@ def sharded_operands(*tensors) -> bool:
 
 
 def _shard_rows(rows: int, world: int, rank: int) -> int:
-    chunk = -(-rows // world)
+    chunk = ceil_div(rows, world)
     return max(0, min(chunk, rows - rank * chunk))
 
 
@@ -106,20 +105,20 @@ def _all_gather_rows(local: torch.Tensor, group, rows: int) -> torch.Tensor:
     """The whole `(rows, ...)` tensor from each rank's dim-0 shard. Float8 goes over the wire
     as its bytes (gloo has no float8)."""
     world = dist.get_world_size(group)
-    chunk = -(-rows // world)
-    wire = local.view(torch.uint8) if local.dtype in _FLOAT8 else local
+    chunk = ceil_div(rows, world)
+    wire = local.view(torch.uint8) if local.dtype in FP8_DTYPES else local
     send = _padded(wire, chunk)
     out = send.new_empty((chunk * world, *send.shape[1:]))
     dist.all_gather_single(out, send, group=group)
     out = out[:rows]
-    return out.view(local.dtype) if local.dtype in _FLOAT8 else out
+    return out.view(local.dtype) if local.dtype in FP8_DTYPES else out
 
 
 def _reduce_scatter_rows(full: torch.Tensor, group) -> torch.Tensor:
     """This rank's dim-0 shard of the sum of `full` over the ranks."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     rows = full.shape[0]
-    chunk = -(-rows // world)
+    chunk = ceil_div(rows, world)
     send = _padded(full, chunk * world)
     out = send.new_empty((chunk, *send.shape[1:]))
     dist.reduce_scatter_single(out, send, group=group)

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from .._numerics.fp8 import E4M3, FP8_MAX, amax, cast_to_fp8, scale_from_amax
+from .._numerics.fp8 import E4M3, FP8_MAX, amax, cast_to_fp8, ceil_div, scale_from_amax
 
 # The running `apply`'s `ScalesForCall` (None outside apply: FSDP2's backward re-gather).
 SCALES: contextvars.ContextVar = contextvars.ContextVar("fp8fn_gather_scales", default=None)
@@ -154,7 +154,7 @@ class Float8ShardWeight(torch.Tensor):
         shard = self._tensor
         fp8 = cast_to_fp8(shard, scale, E4M3).view(torch.uint8)
         shard_amax = amax(shard)
-        rows = -(-outer_size[0] // world)  # the padded shard's rows
+        rows = ceil_div(outer_size[0], world)  # the padded shard's rows
         if outer_size[0] % world:  # uneven: one input of the padded shard's shape
             if fp8.shape[0] < rows:
                 fp8 = torch.cat([fp8, fp8.new_zeros(rows - fp8.shape[0], *fp8.shape[1:])])
