@@ -428,6 +428,16 @@ def test_fold_in_gives_each_microbatch_its_own_bits():
     assert fp8fn.fold_in(keyless, 3) is keyless
 
 
+@pytest.mark.slow
+def test_fold_in_compiles_in_one_graph_and_draws_eager_bits():
+    torch._dynamo.reset()
+    model, x = _model_and_data()
+    state = fp8fn.transform(model, ALL_ON).init(x, seed=6)
+    compiled = torch.compile(lambda s, i: fp8fn.fold_in(s, i), fullgraph=True)
+    for i in (0, 7, 2**40):
+        assert torch.equal(bits(compiled(state, i).key), bits(fp8fn.fold_in(state, i).key))
+
+
 @pytest.mark.parametrize(
     "data, error, match",
     [

@@ -68,8 +68,9 @@ def fold_key(key: torch.Tensor, data: int) -> torch.Tensor:
     shape, an integer in `[0, 2**52)`. Two 32-bit lanes absorb the key's halves and `data`'s
     through `mix32`; the result takes 32 bits of one lane and 20 of the other."""
     k = key.to(torch.int64)
+    d = torch.full_like(k, data)  # a tensor: compiled with a symbolic `data`, int64 bit ops
     lane_a, lane_b = torch.full_like(k, 0x3C6EF372), torch.full_like(k, 0x5BE0CD19)
-    for word in (k & _MASK32, k >> 32, data & _MASK32, data >> 32):
+    for word in (k & _MASK32, k >> 32, d & _MASK32, d >> 32):
         lane_a = mix32(lane_a ^ word)
         lane_b = mix32(lane_b ^ word ^ 0x510E527F)
     return ((lane_a << 20) | (lane_b >> 12)).to(torch.float64)
