@@ -752,7 +752,11 @@ def test_compile_apply_dynamic_two_layers_matches_eager(recipe):
     batches = [(torch.randn(n, 48, generator=gen), torch.randn(n, 24, generator=gen))
                for n in tokens]  # fmt: skip
     batches = [(x, (c * 16).round().clamp(-1000, 1000) / 16) for x, c in batches]
-    compiled = torch.compile(fn.apply, dynamic=True)
+    # NVFP4 through dynamo and AOTAutograd only: inductor's code for its dynamic graphs (the
+    # quantizers, random bits and Hadamard transforms of three GEMMs) took over 25 minutes on
+    # the 2-core CI machine. The assertion fixed here is dynamo's.
+    backend = "aot_eager" if isinstance(recipe, fp8fn.NVFP4Scaling) else "inductor"
+    compiled = torch.compile(fn.apply, dynamic=True, backend=backend)
     state = fn.init(batches[0][0], seed=3)
     for x, c in batches:
         results = []
