@@ -1,5 +1,7 @@
 """fp8fn: float8 training with delayed scaling as a pure, functional transform for PyTorch."""
 
+__version__ = "0.4.0.dev0"  # the one place of the version (pyproject.toml reads it)
+
 from ._core.observe import observations, observe, value_and_grad
 from ._core.recipes import (
     BlockwiseScaling,
@@ -7,10 +9,11 @@ from ._core.recipes import (
     DelayedScaling,
     MXScaling,
     NVFP4Scaling,
+    Recipe,
     RowwiseScaling,
 )
 from ._core.state import ScaleState, SiteState, State, flatten_state, init_state, unflatten_state
-from ._core.update import merge, update
+from ._core.update import fold_in, merge, update
 from ._numerics.fp8 import compute_scale
 from ._ops.linear import linear
 from ._parallel.all_reduce import all_reduce
@@ -24,16 +27,19 @@ __all__ = [
     "DelayedScaling",
     "MXScaling",
     "NVFP4Scaling",
+    "Recipe",
     "RowwiseScaling",
     "ScaleState",
     "SiteState",
     "State",
     "Transformed",
+    "__version__",
     "all_reduce",
     "checkpoint",
     "compute_scale",
     "flatten_state",
     "float8_all_gather",
+    "fold_in",
     "init_state",
     "linear",
     "merge",

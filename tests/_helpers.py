@@ -11,6 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import fp8fn
 
 ROLES = ("input", "weight", "grad_output")
+DELAYED = fp8fn.DelayedScaling(history_len=4, backend="emulated")  # the tests' delayed recipe
 FP8_MAX = {"input": 448.0, "weight": 448.0, "grad_output": 57344.0}
 F32_MAX = torch.finfo(torch.float32).max
 
@@ -52,12 +53,31 @@ def saved_and_loaded(obj):
     return torch.load(buffer, weights_only=True)
 
 
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bits (any NaN equals any NaN; -0 differs from 0)."""
+    assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, b.dtype, a.shape, b.shape)
+    if a.dtype == torch.uint8:
+        return torch.equal(a, b)
+    nan_a, nan_b = a.float().isnan(), b.float().isnan()
+    return torch.equal(nan_a, nan_b) and torch.equal(bits(a)[~nan_a], bits(b)[~nan_b])
+
+
+def loss_of(fn):
+    """The tests' loss of a transform: `(params, state, x) -> mean(fn.apply(...) ** 2)`."""
+    return lambda p, s, x: fn.apply(p, s, x).square().mean()
+
+
 def assert_bit_identical(a, b) -> None:
-    """Two pytrees have the same structure and bit-identical tensor leaves (other leaves equal)."""
-    la, spec_a = torch.utils._pytree.tree_flatten(a)
-    lb, spec_b = torch.utils._pytree.tree_flatten(b)
+    """Two pytrees have the same structure (for a `State`: its sites and static config) and
+    bit-identical tensor leaves (other leaves equal); a None leaf (autograd's gradient of an
+    unused parameter) equals a tensor of zeros (torch.func's)."""
+    la, spec_a = torch.utils._pytree.tree_flatten(a, is_leaf=lambda t: t is None)
+    lb, spec_b = torch.utils._pytree.tree_flatten(b, is_leaf=lambda t: t is None)
     assert spec_a == spec_b
     for x, y in zip(la, lb):
+        if (x is None) != (y is None):
+            assert torch.count_nonzero(y if x is None else x) == 0
+            continue
         assert type(x) is type(y)
         if not isinstance(x, torch.Tensor):
             assert x == y

@@ -10,12 +10,11 @@ import functools
 
 import pytest
 import torch
-from _helpers import assert_bit_identical
+from _helpers import DELAYED, assert_bit_identical
 from _models import MLP, Block, Transformer, tiny_hf_config
 
 import fp8fn
 
-DELAYED = fp8fn.DelayedScaling(history_len=4, backend="emulated")
 ROUTES = ["func", "autograd"]
 
 

@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
-from _helpers import assert_bit_identical
+from _helpers import DELAYED, assert_bit_identical
 from _models import MLP, Transformer
 from torch import nn
 from torch._dynamo.utils import counters
@@ -18,7 +18,6 @@ import fp8fn._ops.linear
 from fp8fn._ops.tensorwise import LOCAL, _Fp8Linear
 
 pytestmark = pytest.mark.slow  # torch.compile: tens of seconds a test on 2 cores
-DELAYED = fp8fn.DelayedScaling(history_len=4, backend="emulated")
 CURRENT = fp8fn.CurrentScaling(backend="emulated")
 RECIPES = pytest.mark.parametrize("recipe", [DELAYED, CURRENT], ids=["delayed", "current"])
 

@@ -6,11 +6,10 @@ The reference is the unbatched, single-use call on the same data (max, never sum
 import pytest
 import torch
 import torch.nn.functional as F
-from _helpers import CountOps, assert_bit_identical
+from _helpers import DELAYED, CountOps, assert_bit_identical
 
 import fp8fn
 
-DELAYED = fp8fn.DelayedScaling(history_len=4, backend="emulated")
 CURRENT = fp8fn.CurrentScaling(backend="emulated")
 
 

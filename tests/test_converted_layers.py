@@ -5,12 +5,11 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from _helpers import assert_bit_identical, sqnr
+from _helpers import DELAYED, assert_bit_identical, sqnr
 from _models import tiny_hf_config
 
 import fp8fn
 
-DELAYED = fp8fn.DelayedScaling(history_len=4, backend="emulated")
 transformers = pytest.importorskip("transformers")
 
 

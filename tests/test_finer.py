@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from _helpers import mlp_run, outlier_mlp_case, sqnr
+from _helpers import mlp_run, outlier_mlp_case, same, sqnr
 from _models import MLP
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -25,17 +25,6 @@ BLOCKWISE = BlockwiseScaling(backend="emulated")
 RECIPES = [ROWWISE, ROWWISE_GW_HP, MX_RCEIL, MX_FLOOR, BLOCKWISE]
 IDS = ["rowwise", "rowwise_gw_hp", "mx_rceil", "mx_floor", "blockwise"]
 SETTINGS = settings(max_examples=30, deadline=None)
-
-
-def same(a, b):
-    """Same dtype, shape and bits (any NaN equals any NaN; -0 differs from 0)."""
-    assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, b.dtype, a.shape, b.shape)
-    if a.dtype == torch.uint8:
-        return torch.equal(a, b)
-    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[a.element_size()]
-    nan_a, nan_b = a.float().isnan(), b.float().isnan()
-    ia, ib = a.contiguous().view(ints), b.contiguous().view(ints)
-    return torch.equal(nan_a, nan_b) and torch.equal(ia[~nan_a], ib[~nan_b])
 
 
 def _special(dtype, rows=16, cols=256, seed=0):
@@ -735,12 +724,22 @@ def test_finer_linear_compiled_is_bit_identical_to_eager(recipe, case):
         assert same(a, b), name
 
 
+EVERY_RECIPE = [
+    *RECIPES,
+    fp8fn.DelayedScaling(history_len=4, backend="emulated"),
+    fp8fn.CurrentScaling(backend="emulated"),
+    fp8fn.NVFP4Scaling(),
+]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", RECIPES, ids=IDS)
+@pytest.mark.parametrize("recipe", EVERY_RECIPE, ids=[*IDS, "delayed", "current", "nvfp4"])
 def test_compile_apply_dynamic_two_layers_matches_eager(recipe):
-    # Raised dynamo's `lift_tracked_freevar_to_input should not be called on root
-    # SubgraphTracer`: under dynamic=True float module globals read in the op (448.0, 1e-12)
-    # became symbolic floats in the first layer's subgraph, which the second layer's reused.
+    # docs/compile.md: every recipe compiles with dynamic=True. Raised dynamo's
+    # `lift_tracked_freevar_to_input should not be called on root SubgraphTracer`: under
+    # dynamic=True float module globals read in the op (448.0, 1e-12; NVFP4's 448.0, 6.0,
+    # 2**-6, 2**-121 until 0.4) became symbolic floats in the first layer's subgraph, which
+    # the second layer's reused.
     torch._dynamo.reset()
     model = MLP((48, 40, 24), seed=1)
     fn = fp8fn.transform(model, recipe)
@@ -753,8 +752,12 @@ def test_compile_apply_dynamic_two_layers_matches_eager(recipe):
     batches = [(torch.randn(n, 48, generator=gen), torch.randn(n, 24, generator=gen))
                for n in tokens]  # fmt: skip
     batches = [(x, (c * 16).round().clamp(-1000, 1000) / 16) for x, c in batches]
-    compiled = torch.compile(fn.apply, dynamic=True)
-    state = fn.init(batches[0][0])
+    # NVFP4 through dynamo and AOTAutograd only: inductor's code for its dynamic graphs (the
+    # quantizers, random bits and Hadamard transforms of three GEMMs) took over 25 minutes on
+    # the 2-core CI machine. The assertion fixed here is dynamo's.
+    backend = "aot_eager" if isinstance(recipe, fp8fn.NVFP4Scaling) else "inductor"
+    compiled = torch.compile(fn.apply, dynamic=True, backend=backend)
+    state = fn.init(batches[0][0], seed=3)
     for x, c in batches:
         results = []
         for apply in (compiled, fn.apply):

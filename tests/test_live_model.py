@@ -11,12 +11,10 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from _helpers import assert_bit_identical
+from _helpers import DELAYED, assert_bit_identical, loss_of
 from torch import nn
 
 import fp8fn
-
-DELAYED = fp8fn.DelayedScaling(history_len=4)
 
 
 def _model(seed=0):
@@ -24,19 +22,15 @@ def _model(seed=0):
     return nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.GELU(), nn.Linear(32, 8)).eval()
 
 
-def _loss(fn):
-    return lambda p, s, x: fn.apply(p, s, x).square().mean()
-
-
 def _step(fn, params, state, x):
     """Output, then gradients and observations on the torch.func route."""
     out = fn.apply(params, state, x)
-    return out, torch.func.grad(_loss(fn), argnums=(0, 1))(params, state, x)
+    return out, torch.func.grad(loss_of(fn), argnums=(0, 1))(params, state, x)
 
 
 def _warm_state(fn, params, x):
     state = fn.init(x)
-    return fp8fn.update(state, torch.func.grad(_loss(fn), argnums=1)(params, state, x))
+    return fp8fn.update(state, torch.func.grad(loss_of(fn), argnums=1)(params, state, x))
 
 
 def _own_params_warmed(fn, model, x):
@@ -186,8 +180,8 @@ def test_apply_leaves_the_module_as_it_was_even_when_it_raises():
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
     state = fn.init(x)
     snapshot = _snapshot(model)
-    _loss(fn)(params, fp8fn.observe(state), x).backward()
-    torch.func.grad(_loss(fn), argnums=(0, 1))(params, state, x)
+    loss_of(fn)(params, fp8fn.observe(state), x).backward()
+    torch.func.grad(loss_of(fn), argnums=(0, 1))(params, state, x)
     _assert_unchanged(model, snapshot)
     wrong = {**params, "3.weight": torch.randn(8, 7)}
     with pytest.raises(ValueError, match=r"fp8fn.apply: layer '3': expected `x` of shape"):
@@ -200,9 +194,9 @@ def test_apply_leaves_the_module_as_it_was_even_when_it_raises():
 def test_params_may_leave_out_frozen_tensors():
     model, fn, x, params, state = _transformed_and_warmed()
     trainable = {k: v.detach().clone() for k, v in params.items() if k.startswith("3.")}
-    grads = torch.func.grad(_loss(fn))(trainable, state, x)
+    grads = torch.func.grad(loss_of(fn))(trainable, state, x)
     assert grads.keys() == trainable.keys()
-    want = torch.func.grad(_loss(fn))({**params, **trainable}, state, x)
+    want = torch.func.grad(loss_of(fn))({**params, **trainable}, state, x)
     assert_bit_identical(grads, {k: want[k] for k in trainable})
 
 

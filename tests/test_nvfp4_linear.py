@@ -5,19 +5,20 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import re
 
 import optree
 import pytest
 import torch
 import torch.nn.functional as F
-from _helpers import assert_bit_identical, bits, mlp_run, outlier_mlp_case, sqnr
+from _helpers import assert_bit_identical, bits, loss_of, mlp_run, outlier_mlp_case, sqnr
 from _models import MLP
 from torch.utils import _pytree as pytree
 
 import fp8fn
 from fp8fn import NVFP4Scaling
+from fp8fn._core import keys as fp8keys
 from fp8fn._numerics import nvfp4 as nv
-from fp8fn._ops import nvfp4 as op
 
 ALL_ON = NVFP4Scaling()
 FLAGS = [
@@ -67,7 +68,7 @@ def _q(hp, **kwargs):
 def _reference_operands(x, w, g, key, site, recipe, rank=0):
     """The dequantized operands of the three GEMMs, built from the quantizers alone, as the
     recipe documents them: pairs `(a, b)` with the GEMM `a @ b.T`."""
-    site = op.site_id(site)
+    site = fp8keys.site_id(site)
     sr = recipe.stochastic_rounding
     x, w, g = x.float(), w.float(), g.float()
     w_tiles = _q(w, tile_2d=True)
@@ -285,7 +286,7 @@ def test_sr_grad_input_and_grad_weight_are_unbiased(hadamard):
     def conditional(key):
         g_t, x_t = g.t(), x.t()
         if hadamard:
-            signs = nv.hadamard_signs(key.long(), op.site_id("fc"), 3)
+            signs = nv.hadamard_signs(key.long(), fp8keys.site_id("fc"), 3)
             g_t, x_t = nv.random_hadamard(g_t, signs), nv.random_hadamard(x_t, signs)
         mean, var = _sr_expectation_and_variance(g_t)
         xq = _q(x_t).double()
@@ -312,18 +313,14 @@ def _model_and_data(seed=0):
     return model, x
 
 
-def _loss_of(fn):
-    return lambda p, s, x: fn.apply(p, s, x).square().mean()
-
-
 def _func_grads(fn, params, state, x):
-    return torch.func.grad(_loss_of(fn), argnums=(0, 1))(params, state, x)
+    return torch.func.grad(loss_of(fn), argnums=(0, 1))(params, state, x)
 
 
 def _autograd_grads(fn, params, state, x):
     params = {k: v.detach().clone().requires_grad_() for k, v in params.items()}
     observed = fp8fn.observe(state)
-    _loss_of(fn)(params, observed, x).backward()
+    loss_of(fn)(params, observed, x).backward()
     return {k: v.grad for k, v in params.items()}, fp8fn.observations(observed)
 
 
@@ -332,17 +329,130 @@ def test_init_seed_sets_the_key_and_update_advances_it():
     fn = fp8fn.transform(model, ALL_ON)
     state = fn.init(x, seed=5)
     assert len(state) == 0 and state.key.dtype == torch.float64 and state.key.shape == ()
-    assert state.key.item() == op.seed_key(5) == int(nv.make_key(5)) >> 10
+    assert state.key.item() == fp8keys.seed_key(5) == int(nv.make_key(5)) >> 10
     assert state.key.item() < 2**52 and state.key.item() == int(state.key.item())
     assert fn.init(x, seed=5).key.item() == state.key.item()  # a fresh init: the same key
-    assert fn.init(x).key.item() == op.seed_key(0) != op.seed_key(5)
+    assert fn.init(x).key.item() == fp8keys.seed_key(0) != fp8keys.seed_key(5)
     params = dict(model.named_parameters())
     _, obs = _func_grads(fn, params, state, x)
     assert obs.key.item() == 0.0 and obs.key.dtype == torch.float64  # observations carry 0
     new = fp8fn.update(state, obs)
     assert new.key.item() == state.key.item() + 1  # pure: the old state keeps its key
-    assert state.key.item() == op.seed_key(5)
+    assert state.key.item() == fp8keys.seed_key(5)
     assert fp8fn.update(new, obs).key.item() == state.key.item() + 2
+
+
+def _with_key(state, value):
+    """`state` with the key `value`, entered as a user would: through `unflatten_state`."""
+    flat = {**fp8fn.flatten_state(state), "key": _key(value)}
+    return fp8fn.unflatten_state(flat, ALL_ON)
+
+
+def test_update_advances_the_key_modulo_2_52_so_every_step_draws_fresh_bits():
+    # 0.3 added one in float64: from 2**53 on the key stopped moving and every later step drew
+    # the same bits. The key now stays in [0, 2**52) by construction and cycles through it.
+    model, x = _model_and_data()
+    fn = fp8fn.transform(model, ALL_ON)
+    params = dict(model.named_parameters())
+    state = _with_key(fn.init(x), 2**52 - 2)
+    _, obs = _func_grads(fn, params, state, x)
+    grads, seen = [], []
+    for _ in range(4):
+        seen.append(state.key.item())
+        grads.append(_func_grads(fn, params, state, x)[0]["layers.0.weight"])
+        state = fp8fn.update(state, obs)
+    assert seen == [2**52 - 2, 2**52 - 1, 0, 1]
+    assert all(not torch.equal(a, b) for i, a in enumerate(grads) for b in grads[i + 1 :])
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [float("nan"), float("inf"), -float("inf"), 2.0**63, 1e300, 2.0**53, 2.0**52, 0.5, -1.0],
+    ids=["nan", "inf", "-inf", "2**63", "1e300", "2**53", "2**52", "0.5", "-1"],
+)
+def test_a_key_that_is_not_an_integer_in_range_is_refused_wherever_it_enters(bad):
+    # 0.3 accepted all of these; NaN, inf, 2**63 and 1e300 drew identical bits (the int64
+    # conversion saturates), and a fraction drew the bits of its integer part.
+    model, x = _model_and_data()
+    fn = fp8fn.transform(model, ALL_ON)
+    params = dict(model.named_parameters())
+    good = fn.init(x, seed=3)
+    state = good._replace(key=_key(0).fill_(bad))  # e.g. a loaded state, or a key set by hand
+    refused = r" to hold integers in \[0, 2\*\*52\), got " + re.escape(repr(bad)) + r"\. Make "
+    with pytest.raises(ValueError, match=r"^fp8fn\.apply: expected `state\.key`" + refused):
+        fn.apply(params, state, x)
+    with pytest.raises(ValueError, match=r"^fp8fn\.linear: expected the key of `site_state`"):
+        fp8fn.linear(_X, _W, None, (state.key, "fc"), ALL_ON)
+    _, obs = _func_grads(fn, params, good, x)
+    with pytest.raises(ValueError, match=r"^fp8fn\.update: expected `state\.key`" + refused):
+        fp8fn.update(state, obs)
+    with pytest.raises(ValueError, match=r"^fp8fn\.fold_in: expected `state\.key`" + refused):
+        fp8fn.fold_in(state, 0)
+    flat = fp8fn.flatten_state(state)
+    with pytest.raises(ValueError, match=r"^fp8fn\.unflatten_state: expected `flat\['key'\]`"):
+        fp8fn.unflatten_state(flat, ALL_ON)
+    # Nothing changed by the refused calls.
+    assert torch.equal(bits(state.key), bits(_key(0).fill_(bad)))
+    assert torch.equal(bits(flat["key"]), bits(state.key))
+    assert fp8fn.update(good, obs).key.item() == good.key.item() + 1  # the good one still works
+
+
+def test_fold_in_gives_each_microbatch_its_own_bits():
+    # 0.3: the microbatches of one step (and two applies of one state) rounded with the same
+    # bits, so their rounding errors correlated. fold_in(state, i) derives a key per microbatch.
+    model, x = _model_and_data()
+    fn = fp8fn.transform(model, lambda n, m: fp8fn.DelayedScaling() if n == "layers.2" else ALL_ON)
+    params = dict(model.named_parameters())
+    state = fn.init(x, seed=4)
+    folded = [fp8fn.fold_in(state, i) for i in (0, 1, 2**40, 2**63 - 1)]
+    values = [s.key.item() for s in folded]
+    assert len(set(values) | {state.key.item()}) == 5
+    assert all(0 <= v < 2**52 and v == int(v) and s.key.dtype == torch.float64
+               for v, s in zip(values, folded))  # fmt: skip
+    assert fp8fn.fold_in(state, 1).key.item() == values[1]  # pure: the same data, the same key
+    assert folded[0].static == state.static and torch.equal(folded[0].scale, state.scale)
+    # Independent bits: the grad_input draws of the keys look uncorrelated, pairwise.
+    n = 50_000
+    draws = [nv.random_bits(s.key.long(), 7, 2, (n,)).double() / 2**32 for s in folded[:2]]
+    draws.append(nv.random_bits(state.key.long(), 7, 2, (n,)).double() / 2**32)
+    corr = torch.corrcoef(torch.stack(draws))
+    assert (corr - torch.eye(3)).abs().max() < 5 / n**0.5
+    # Two microbatches: other gradients than one state used twice, the same scales observed.
+    (g0, o0), (g1, o1) = (_func_grads(fn, params, s, x) for s in folded[:2])
+    assert not torch.equal(g0["layers.0.weight"], g1["layers.0.weight"])
+    assert torch.equal(g0["layers.2.weight"], g1["layers.2.weight"])  # the delayed layer's
+    assert_bit_identical(o0, o1)
+    new = fp8fn.update(state, fp8fn.merge(o0, o1))
+    assert new.key.item() == state.key.item() + 1 and fp8fn.fold_in(new, 1).key.item() not in values
+    keyless = fp8fn.transform(model, fp8fn.CurrentScaling()).init(x)
+    assert fp8fn.fold_in(keyless, 3) is keyless
+
+
+@pytest.mark.slow
+def test_fold_in_compiles_in_one_graph_and_draws_eager_bits():
+    torch._dynamo.reset()
+    model, x = _model_and_data()
+    state = fp8fn.transform(model, ALL_ON).init(x, seed=6)
+    compiled = torch.compile(lambda s, i: fp8fn.fold_in(s, i), fullgraph=True)
+    for i in (0, 7, 2**40):
+        assert torch.equal(bits(compiled(state, i).key), bits(fp8fn.fold_in(state, i).key))
+
+
+@pytest.mark.parametrize(
+    "data, error, match",
+    [
+        (-1, ValueError, r"`data` an int in \[0, 2\*\*63\), got -1\. Pass the microbatch's"),
+        (2**63, ValueError, r"`data` an int in \[0, 2\*\*63\), got 9223372036854775808\."),
+        (1.0, TypeError, r"`data` an int in \[0, 2\*\*63\), got float 1\.0\."),
+        (True, TypeError, r"`data` an int in \[0, 2\*\*63\), got bool True\."),
+    ],
+)
+def test_fold_in_errors(data, error, match):
+    state = fp8fn.unflatten_state({"key": _key(5)}, ALL_ON)
+    with pytest.raises(error, match=r"^fp8fn\.fold_in: expected " + match):
+        fp8fn.fold_in(state, data)
+    with pytest.raises(TypeError, match=r"^fp8fn\.fold_in: expected `state` to be an fp8fn\."):
+        fp8fn.fold_in({"key": _key(5)}, 0)
 
 
 def test_same_params_state_x_give_bit_identical_grads_on_every_route():
@@ -358,7 +468,7 @@ def test_same_params_state_x_give_bit_identical_grads_on_every_route():
     want, obs = _func_grads(fn, params, state, x)
     assert_bit_identical(want, _func_grads(fn, params, state, x)[0])
     assert_bit_identical(want, _autograd_grads(fn, params, state, x)[0])
-    _, (grads, obs_vg) = fp8fn.value_and_grad(_loss_of(fn), argnums=(0, 1))(params, state, x)
+    _, (grads, obs_vg) = fp8fn.value_and_grad(loss_of(fn), argnums=(0, 1))(params, state, x)
     assert_bit_identical(want, grads)
     for transformed in (ckpt, ckpt_inner):
         assert_bit_identical(want, _func_grads(transformed, params, state, x)[0])
@@ -425,12 +535,12 @@ def test_transform_sites_draw_what_linear_draws_with_the_site_name():
 
 def test_site_ids_are_stable_and_distinct():
     # FNV-1a of the name: fixed values (the same in every process and run).
-    assert op.site_id("") == 0x811C9DC5
-    assert op.site_id("a") == 0xE40C292C
-    assert op.site_id("blocks.0.attn.qkv") == op.site_id("blocks.0.attn.qkv")
+    assert fp8keys.site_id("") == 0x811C9DC5
+    assert fp8keys.site_id("a") == 0xE40C292C
+    assert fp8keys.site_id("blocks.0.attn.qkv") == fp8keys.site_id("blocks.0.attn.qkv")
     names = [f"blocks.{i}.{m}" for i in range(64) for m in ("qkv", "proj", "fc1", "fc2")]
     names += [f"{n}#{k}" for n in names[:8] for k in range(1, 4)]
-    assert len({op.site_id(n) for n in names}) == len(names)
+    assert len({fp8keys.site_id(n) for n in names}) == len(names)
 
 
 def test_ranks_fold_into_rounding_bits_but_share_hadamard_signs(monkeypatch):
@@ -439,9 +549,9 @@ def test_ranks_fold_into_rounding_bits_but_share_hadamard_signs(monkeypatch):
     x, w, b, g = _data()
     key = _key(11)
     single = _run(x, w, b, g, (key, "fc"), ALL_ON)
-    monkeypatch.setattr(op, "process_rank", lambda: 0)
+    monkeypatch.setattr(fp8keys, "process_rank", lambda: 0)
     assert_bit_identical(single, _run(x, w, b, g, (key, "fc"), ALL_ON))
-    monkeypatch.setattr(op, "process_rank", lambda: 1)
+    monkeypatch.setattr(fp8keys, "process_rank", lambda: 1)
     rank1 = _run(x, w, b, g, (key, "fc"), ALL_ON)
     assert torch.equal(rank1[0], single[0])  # the forward draws nothing
     assert not torch.equal(rank1[1], single[1]) and not torch.equal(rank1[2], single[2])
@@ -449,9 +559,9 @@ def test_ranks_fold_into_rounding_bits_but_share_hadamard_signs(monkeypatch):
     assert torch.equal(rank1[1], ref[1][0] @ ref[1][1].t())
     assert torch.equal(rank1[2], ref[2][0] @ ref[2][1].t())
     rht_only = NVFP4Scaling(stochastic_rounding=False)
-    monkeypatch.setattr(op, "process_rank", lambda: 0)
+    monkeypatch.setattr(fp8keys, "process_rank", lambda: 0)
     rank0 = _run(x, w, b, g, (key, "fc"), rht_only)
-    monkeypatch.setattr(op, "process_rank", lambda: 1)
+    monkeypatch.setattr(fp8keys, "process_rank", lambda: 1)
     assert_bit_identical(rank0, _run(x, w, b, g, (key, "fc"), rht_only))
 
 
@@ -483,7 +593,7 @@ def test_state_with_key_saves_loads_flattens_and_moves():
     x = torch.randn(8, 32)
     fn = fp8fn.transform(model, lambda n, m: ALL_ON if n == "layers.0" else fp8fn.DelayedScaling())
     state = fn.init(x, seed=2)
-    assert list(state) == ["layers.1"] and state.key.item() == op.seed_key(2)
+    assert list(state) == ["layers.1"] and state.key.item() == fp8keys.seed_key(2)
     assert repr(state).endswith("margin=0, key=())")
     buffer = io.BytesIO()
     torch.save(state, buffer)
@@ -563,7 +673,7 @@ def test_vmap_over_a_batch_and_over_an_ensemble_of_states():
     fn = fp8fn.transform(model, ALL_ON)
     xs = torch.randn(3, 20, 32)
     state = fn.init(xs[0], seed=0)
-    grad = torch.func.grad(_loss_of(fn))
+    grad = torch.func.grad(loss_of(fn))
     # Over the batch, state unbatched: each example as if alone.
     per_example = torch.func.vmap(grad, in_dims=(None, None, 0))(params, state, xs)
     for i in range(3):
@@ -684,8 +794,8 @@ def test_compiled_apply_and_value_and_grad_equal_eager_over_steps():
     forward = torch.compile(fn.apply, fullgraph=True)
     assert torch.equal(bits(forward(params, state, x)), bits(fn.apply(params, state, x)))
     counter = CompileCounterWithBackend("inductor")
-    step = torch.compile(fp8fn.value_and_grad(_loss_of(fn), argnums=(0, 1)), backend=counter)
-    eager = fp8fn.value_and_grad(_loss_of(fn), argnums=(0, 1))
+    step = torch.compile(fp8fn.value_and_grad(loss_of(fn), argnums=(0, 1)), backend=counter)
+    eager = fp8fn.value_and_grad(loss_of(fn), argnums=(0, 1))
     previous = frames = None
     for _ in range(2):
         loss, (grads, obs) = step(params, state, x)
@@ -746,7 +856,7 @@ def test_data_parallel_ranks_keep_one_key_and_round_independently(tmp_path, monk
     got = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
     # The state is the same on both ranks after all_reduce and update, the key advanced twice.
     assert_bit_identical(got[0]["state"], got[1]["state"])
-    assert got[0]["state"].key.item() == op.seed_key(0) + 2
+    assert got[0]["state"].key.item() == fp8keys.seed_key(0) + 2
     # On the same data the ranks round the gradients independently ...
     same = [g["same"] for g in got]
     assert not torch.equal(same[0]["layers.0.weight"], same[1]["layers.0.weight"])
@@ -755,7 +865,7 @@ def test_data_parallel_ranks_keep_one_key_and_round_independently(tmp_path, monk
     model, fn, x = _dp_setup()
     params = dict(model.named_parameters())
     for rank in range(2):
-        monkeypatch.setattr(op, "process_rank", lambda: rank)
+        monkeypatch.setattr(fp8keys, "process_rank", lambda: rank)
         want, _ = _func_grads(fn, params, got[rank]["state"], x)
         assert_bit_identical(same[rank], want)
 

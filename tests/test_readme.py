@@ -124,6 +124,8 @@ def _check_recipes(namespace):
     x = torch.randn(8, 64)
     assert torch.equal(nvfp4_state.key, nvfp4.init(x, seed=0).key)
     assert not torch.equal(nvfp4_state.key, nvfp4.init(x, seed=1).key)
+    net_fn, net_state = namespace["net_fn"], namespace["net_state"]  # fold_in's microbatches
+    assert net_state.key.item() == net_fn.init(x, seed=0).key.item() + 1
 
 
 CHECKS = {"semantics.md": _check_semantics, "compile.md": _check_compile}

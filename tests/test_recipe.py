@@ -1,5 +1,7 @@
 import dataclasses
 import types
+import typing
+from pathlib import Path
 
 import pytest
 
@@ -65,9 +67,10 @@ def test_recipe_valid_backends(backend):
 def test_public_api_is_exactly_all():
     want = [
         "BlockwiseScaling", "CurrentScaling", "DelayedScaling", "MXScaling", "NVFP4Scaling",
-        "RowwiseScaling",
-        "ScaleState", "SiteState", "State", "Transformed", "all_reduce", "checkpoint",
-        "compute_scale", "flatten_state", "float8_all_gather", "init_state", "linear", "merge",
+        "Recipe", "RowwiseScaling",
+        "ScaleState", "SiteState", "State", "Transformed", "__version__", "all_reduce",
+        "checkpoint", "compute_scale", "flatten_state", "float8_all_gather", "fold_in",
+        "init_state", "linear", "merge",
         "observations", "observe", "transform", "unflatten_state", "update", "value_and_grad",
     ]  # fmt: skip
     assert fp8fn.__all__ == want  # sorted, no duplicates
@@ -77,4 +80,23 @@ def test_public_api_is_exactly_all():
         for name, value in vars(fp8fn).items()
         if not name.startswith("_") and not isinstance(value, types.ModuleType)
     }
-    assert public == set(want)
+    assert public == set(want) - {"__version__"}
+
+
+def test_version_is_the_package_metadata_one():
+    # One source: pyproject.toml reads fp8fn.__version__ (setuptools' `attr`).
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    pyproject = tomllib.loads((Path(fp8fn.__file__).parents[1] / "pyproject.toml").read_text())
+    assert "version" not in pyproject["project"] and "version" in pyproject["project"]["dynamic"]
+    assert pyproject["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "fp8fn.__version__"}
+    assert fp8fn.__version__ == "0.4.0.dev0"
+
+
+def test_recipe_alias_is_the_union_of_the_recipes():
+    recipes = (
+        fp8fn.DelayedScaling(), fp8fn.CurrentScaling(), fp8fn.RowwiseScaling(),
+        fp8fn.BlockwiseScaling(), fp8fn.MXScaling(), fp8fn.NVFP4Scaling(),
+    )  # fmt: skip
+    assert typing.get_args(fp8fn.Recipe) == tuple(type(r) for r in recipes)
+    assert all(isinstance(r, fp8fn.Recipe) for r in recipes)
+    assert not isinstance("fp8", fp8fn.Recipe)

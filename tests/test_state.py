@@ -6,22 +6,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from _helpers import observation
+from _helpers import DELAYED, assert_bit_identical, loss_of, observation
 from _models import ReusedLayer
 from torch import nn
 
 import fp8fn
 
-DELAYED = fp8fn.DelayedScaling(history_len=4)
-
 
 def _warm(fn, params, x):
     state = fn.init(x)
-    return fp8fn.update(state, torch.func.grad(_loss(fn), argnums=1)(params, state, x))
-
-
-def _loss(fn):
-    return lambda p, s, x: fn.apply(p, s, x).square().mean()
+    return fp8fn.update(state, torch.func.grad(loss_of(fn), argnums=1)(params, state, x))
 
 
 def _setup():
@@ -79,7 +73,7 @@ def test_linear_refuses_a_recipe_that_disagrees_with_the_site_state():
 def test_an_observation_or_a_bad_scale_where_the_state_belongs_is_refused():
     fn, params, x = _setup()
     state = _warm(fn, params, x)
-    obs = torch.func.grad(_loss(fn), argnums=1)(params, state, x)
+    obs = torch.func.grad(loss_of(fn), argnums=1)(params, state, x)
     assert torch.equal(obs.scale, torch.zeros_like(obs.scale))
     for bad, name in (
         (obs, "an observation"),
@@ -91,7 +85,7 @@ def test_an_observation_or_a_bad_scale_where_the_state_belongs_is_refused():
         with pytest.raises(ValueError, match=r"fp8fn.apply: expected the scales of `state` fin"):
             fn.apply(params, bad, x)
         with pytest.raises(ValueError, match=r"fp8fn.apply: expected the scales"):
-            torch.func.grad(_loss(fn), argnums=1)(params, bad, x)
+            torch.func.grad(loss_of(fn), argnums=1)(params, bad, x)
         with pytest.raises(ValueError, match=r"fp8fn.linear: expected the scales of `site_state`"):
             fp8fn.linear(x, params["fc.weight"], None, bad["fc"], DELAYED)
     # A hand-made state with good scales is accepted (checked once).
@@ -102,7 +96,7 @@ def test_an_observation_or_a_bad_scale_where_the_state_belongs_is_refused():
 def test_update_refuses_swapped_or_state_arguments():
     fn, params, x = _setup()
     state = _warm(fn, params, x)
-    obs = torch.func.grad(_loss(fn), argnums=1)(params, state, x)
+    obs = torch.func.grad(loss_of(fn), argnums=1)(params, state, x)
     with pytest.raises(ValueError, match=r"fp8fn.update: expected the scales of `state` finite"):
         fp8fn.update(obs, state)
     with pytest.raises(ValueError, match=r"fp8fn.update: expected `obs` an observation .* a sta"):
@@ -114,12 +108,12 @@ def test_update_refuses_swapped_or_state_arguments():
 def test_dropping_the_result_of_update_warns():
     fn, params, x = _setup()
     state = _warm(fn, params, x)
-    obs = torch.func.grad(_loss(fn), argnums=1)(params, state, x)
+    obs = torch.func.grad(loss_of(fn), argnums=1)(params, state, x)
     fp8fn.update(state, obs)  # the result dropped: the old state is used again
     with pytest.warns(UserWarning, match=r"fp8fn.observe: this state was already updated"):
         fp8fn.observe(state)
     with pytest.warns(UserWarning, match=r"`state = fp8fn.update\(state, obs\)`"):
-        torch.func.grad(_loss(fn), argnums=1)(params, state, x)
+        torch.func.grad(loss_of(fn), argnums=1)(params, state, x)
     new = fp8fn.update(state, obs)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the kept result is fine
@@ -166,7 +160,7 @@ def test_a_flat_state_of_eleven_or_more_layers_comes_back_in_module_order():
     assert torch.equal(restored.scale, state.scale)
     # A step after a resume pairs with one that never stopped (update and merge check the sites
     # in order, as all_reduce does across ranks).
-    obs = torch.func.grad(_loss(fn), argnums=1)(params, state, x)
+    obs = torch.func.grad(loss_of(fn), argnums=1)(params, state, x)
     resumed = fp8fn.update(restored, obs)
     assert torch.equal(resumed.amax_history, fp8fn.update(state, obs).amax_history)
 
@@ -199,3 +193,68 @@ def test_a_state_saved_by_0_3_loads_and_keeps_its_values():
     buffer = io.BytesIO()
     torch.save(state, buffer)
     assert b"fp8fn\nState" in buffer.getvalue() and b"_core" not in buffer.getvalue()
+
+
+def test_unflatten_state_refuses_what_flatten_state_never_makes():
+    recipe = fp8fn.DelayedScaling(history_len=4)
+    state = fp8fn.init_state(recipe, ["fc"])
+    flat = fp8fn.flatten_state(state)
+    before = {k: v.clone() for k, v in flat.items()}
+    as_lists = {k: v.tolist() for k, v in flat.items()}
+    with pytest.raises(
+        TypeError,
+        match=r"^fp8fn\.unflatten_state: expected a tensor at 'fc\.input\.amax_history', got "
+        r"list\. Convert it: torch\.tensor\(value, dtype=torch\.float32\)\.$",
+    ):
+        fp8fn.unflatten_state(as_lists, recipe)
+    with pytest.raises(
+        ValueError,
+        match=r"^fp8fn\.unflatten_state: expected shape \(16,\) \(the history_len of "
+        r"DelayedScaling\(history_len=16, .*\)\) at 'fc\.input\.amax_history', got \(4,\)\. "
+        r"Pass the recipe the state was saved with\.$",
+    ):
+        fp8fn.unflatten_state(flat, fp8fn.DelayedScaling())  # 0.3 made a history of 4
+    doubles = {**flat, "fc.weight.scale": flat["fc.weight.scale"].double()}
+    with pytest.raises(
+        TypeError, match=r"^fp8fn\.unflatten_state: expected torch\.float32 at 'fc\.weight\.scale'"
+    ):
+        fp8fn.unflatten_state(doubles, recipe)
+    with pytest.raises(TypeError, match=r"^fp8fn\.unflatten_state: expected `flat` a dict .*list"):
+        fp8fn.unflatten_state(list(flat.items()), recipe)
+    with pytest.raises(ValueError, match=r"^fp8fn\.unflatten_state: expected keys .* got 3\.$"):
+        fp8fn.unflatten_state({**flat, 3: flat["fc.input.scale"]}, recipe)
+    with pytest.raises(
+        ValueError,
+        match=r"^fp8fn\.unflatten_state: expected no sites under CurrentScaling \(no scaling "
+        r"state\), got \['fc\.input\.amax_history', .*\]\. Pass the model's DelayedScaling",
+    ):
+        fp8fn.unflatten_state(flat, fp8fn.CurrentScaling())
+    with pytest.raises(TypeError, match=r"^fp8fn\.unflatten_state: expected `recipe` to be an "):
+        fp8fn.unflatten_state(flat, "delayed")
+    assert all(torch.equal(flat[k], v) for k, v in before.items())  # nothing changed
+    assert_bit_identical(fp8fn.unflatten_state(flat, recipe), state)
+
+
+def test_unflatten_state_of_a_model_without_delayed_layers_takes_its_recipe():
+    # 0.3 refused unflatten_state(flat, NVFP4Scaling()): an NVFP4-only state had to be
+    # unflattened with DelayedScaling(history_len=1), the recipe of fn.init's empty state.
+    model = nn.Linear(32, 16)
+    x = torch.randn(4, 32)
+    for recipe in (fp8fn.NVFP4Scaling(), fp8fn.CurrentScaling(), fp8fn.MXScaling()):
+        state = fp8fn.transform(model, recipe).init(x, seed=3)
+        back = fp8fn.unflatten_state(fp8fn.flatten_state(state), recipe)
+        assert_bit_identical(back, state)
+        assert back.static == state.static and back.history_len == state.history_len == 1
+
+
+def test_init_state_takes_a_list_of_sites_not_a_str():
+    # 0.3 made the sites 'f' and 'c' of init_state(recipe, "fc").
+    with pytest.raises(
+        TypeError,
+        match=r"^fp8fn\.init_state: expected `sites` a list of str site names, got str 'fc'\. "
+        r"For one site: \['fc'\]\.$",
+    ):
+        fp8fn.init_state(DELAYED, "fc")
+    with pytest.raises(TypeError, match=r"`sites` a list of str site names, got int 3\."):
+        fp8fn.init_state(DELAYED, 3)
+    assert fp8fn.init_state(DELAYED, ("fc" for _ in range(1))).sites == ("fc",)

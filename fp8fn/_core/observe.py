@@ -129,8 +129,8 @@ def value_and_grad(f, argnums=0, has_aux=False):
         for i in nums:
             if not -len(args) <= i < len(args):
                 raise ValueError(
-                    f"fp8fn.value_and_grad: argnums {i} is out of range for {len(args)} "
-                    "positional arguments."
+                    f"fp8fn.value_and_grad: expected each of `argnums` in [{-len(args)}, "
+                    f"{len(args)}) (the {len(args)} positional arguments), got {i}."
                 )
             leaves, spec = pytree.tree_flatten(args[i])
             for leaf in leaves:

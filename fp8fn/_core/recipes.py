@@ -4,11 +4,20 @@ from __future__ import annotations
 
 import dataclasses
 
-from .._numerics.fp8 import check_margin
-
 _BACKENDS = ("auto", "emulated", "scaled_mm")
 _TENSORWISE_BACKENDS = (*_BACKENDS, "triton")  # fused Triton casts: per-tensor recipes only
 _AMAX_COMPUTE = ("max", "most_recent")
+
+
+def check_margin(api: str, margin) -> None:
+    """The one check of a margin: an int (TypeError otherwise) from 0 to 64 (ValueError)."""
+    if isinstance(margin, bool) or not isinstance(margin, int):
+        raise TypeError(
+            f"fp8fn.{api}: expected `margin` an int from 0 to 64, got "
+            f"{type(margin).__name__} {margin!r}."
+        )
+    if not 0 <= margin <= 64:
+        raise ValueError(f"fp8fn.{api}: expected `margin` an int from 0 to 64, got {margin}.")
 
 
 def _check_backend(api: str, backend: object, allowed: tuple = _BACKENDS) -> None:
@@ -274,11 +283,5 @@ class NVFP4Scaling:
 Recipe = (
     DelayedScaling | CurrentScaling | RowwiseScaling | BlockwiseScaling | MXScaling | NVFP4Scaling
 )
-RECIPES = (
-    DelayedScaling,
-    CurrentScaling,
-    RowwiseScaling,
-    BlockwiseScaling,
-    MXScaling,
-    NVFP4Scaling,
-)
+"""Any recipe: the type of `transform`'s `recipe` (or of what a recipe function returns)."""
+RECIPES = Recipe.__args__  # the same classes, as a tuple (for isinstance and issubclass)

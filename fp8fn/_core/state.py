@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import warnings
+from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
 import optree
@@ -18,7 +19,8 @@ from torch.utils import _pytree as pytree
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .._torch_private import unwrapped
-from .recipes import DelayedScaling
+from .keys import check_key
+from .recipes import RECIPES, DelayedScaling
 
 ROLES = ("input", "weight", "grad_output")
 
@@ -319,6 +321,11 @@ def init_state(recipe: DelayedScaling, sites, device=None) -> State:
             f"fp8fn.init_state: expected `recipe` to be an fp8fn.DelayedScaling (the stateful "
             f"recipe), got {type(recipe).__name__}."
         )
+    if isinstance(sites, (str, bytes)) or not isinstance(sites, Iterable):
+        raise TypeError(
+            f"fp8fn.init_state: expected `sites` a list of str site names, got "
+            f"{type(sites).__name__} {sites!r}. For one site: [{sites!r}]."
+        )
     sites = tuple(sites)
     if not all(isinstance(s, str) for s in sites) or len(set(sites)) != len(sites):
         raise ValueError(f"fp8fn.init_state: expected distinct str site names, got {sites!r}.")
@@ -515,17 +522,38 @@ def flatten_state(state: State) -> dict[str, torch.Tensor]:
     return flat
 
 
-def unflatten_state(flat: dict[str, torch.Tensor], recipe: DelayedScaling) -> State:
-    """The inverse of `flatten_state`, with the static config (`amax_compute`, `margin`) of
-    `recipe`. Sites keep the order of `flat`.
+def unflatten_state(flat: dict[str, torch.Tensor], recipe) -> State:
+    """The inverse of `flatten_state`, with the static config (`history_len`, `amax_compute`,
+    `margin`) of `recipe`. Sites keep the order of `flat`.
+
+    Args:
+      flat: `{"site.role.field": tensor}` as from `flatten_state`: float32 `amax_history`
+        `(history_len,)` and `scale` `()` of every role of every site, and `"key"` (float64
+        `()`, an integer in `[0, 2**52)`) for a model with NVFP4 layers.
+      recipe: the model's `DelayedScaling`; for a model without delayed layers (no sites, e.g.
+        NVFP4 only), its recipe (any recipe but `DelayedScaling` then means no sites).
 
     Raises:
-      ValueError: naming the key, when a key is not 'site.role.field' or a field is missing.
+      TypeError: naming the entry, when `flat` is not a dict of tensors of those dtypes.
+      ValueError: naming the entry, when a key is not 'site.role.field', a field is missing, a
+        shape is not the recipe's, or the random key is not an integer in range.
     """
-    if not isinstance(recipe, DelayedScaling):
+    if not isinstance(recipe, RECIPES):
         raise TypeError(
-            f"fp8fn.unflatten_state: expected `recipe` to be an fp8fn.DelayedScaling, "
-            f"got {type(recipe).__name__}."
+            f"fp8fn.unflatten_state: expected `recipe` to be an fp8fn recipe (the model's "
+            f"DelayedScaling, if it has delayed layers), got {type(recipe).__name__}."
+        )
+    if not isinstance(flat, Mapping):
+        raise TypeError(
+            "fp8fn.unflatten_state: expected `flat` a dict {'site.role.field': tensor} (from "
+            f"fp8fn.flatten_state), got {type(flat).__name__}."
+        )
+    stateless = not isinstance(recipe, DelayedScaling)
+    if stateless and any(name != "key" for name in flat):
+        raise ValueError(
+            f"fp8fn.unflatten_state: expected no sites under {type(recipe).__name__} (no "
+            f"scaling state), got {[n for n in flat if n != 'key'][:3]}. Pass the model's "
+            "DelayedScaling recipe."
         )
     fields = ScaleState._fields
     leaves: dict[str, dict] = {}
@@ -533,7 +561,7 @@ def unflatten_state(flat: dict[str, torch.Tensor], recipe: DelayedScaling) -> St
     for key, leaf in flat.items():
         if key == "key":
             continue
-        parts = key.rsplit(".", 2)
+        parts = key.rsplit(".", 2) if isinstance(key, str) else ()
         if len(parts) != 3 or parts[1] not in ROLES or parts[2] not in fields:
             raise ValueError(
                 f"fp8fn.unflatten_state: expected keys 'site.role.field' with role in {ROLES} "
@@ -549,6 +577,9 @@ def unflatten_state(flat: dict[str, torch.Tensor], recipe: DelayedScaling) -> St
     ]
     if missing:
         raise ValueError(f"fp8fn.unflatten_state: missing keys {missing}.")
+    _check_flat(flat, 1 if stateless else recipe.history_len, recipe)
+    if stateless:  # the state fn.init makes for a model without delayed layers
+        recipe = DelayedScaling(history_len=1)
     sites = list(leaves)
     if not sites:
         return init_state(recipe, [])._replace(key=random_key)
@@ -559,3 +590,33 @@ def unflatten_state(flat: dict[str, torch.Tensor], recipe: DelayedScaling) -> St
     state = State(history, scale, sites, recipe.amax_compute, recipe.margin, random_key)
     check_state("unflatten_state", state)
     return state
+
+
+def _check_flat(flat: Mapping, history_len: int, recipe) -> None:
+    """Raise unless every entry of `flat` is a tensor of its field's dtype and shape (an
+    `amax_history` of `history_len` entries), and its `"key"` a valid key."""
+    want = {
+        "amax_history": (torch.float32, (history_len,)),
+        "scale": (torch.float32, ()),
+        "key": (torch.float64, ()),
+    }
+    for name, leaf in flat.items():
+        dtype, shape = want[name.rsplit(".", 1)[-1]]  # names are 'site.role.field' or 'key'
+
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(
+                f"fp8fn.unflatten_state: expected a tensor at {name!r}, got "
+                f"{type(leaf).__name__}. Convert it: torch.tensor(value, dtype={dtype})."
+            )
+        if leaf.dtype != dtype:
+            raise TypeError(
+                f"fp8fn.unflatten_state: expected {dtype} at {name!r}, got {leaf.dtype}."
+            )
+        if tuple(leaf.shape) != shape:
+            why = f" (the history_len of {recipe})" if name != "key" and shape else ""
+            raise ValueError(
+                f"fp8fn.unflatten_state: expected shape {shape}{why} at {name!r}, got "
+                f"{tuple(leaf.shape)}. Pass the recipe the state was saved with."
+            )
+    if "key" in flat:
+        check_key("unflatten_state", flat["key"], "`flat['key']`")

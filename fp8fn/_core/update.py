@@ -11,6 +11,7 @@ import warnings
 import torch
 
 from .._numerics.fp8 import ROLE_FP8_MAX, scale_from_amax
+from .keys import advance_key, check_key, fold_key, mark_key_valid
 from .state import State, check_scales, check_state, mark_valid, supersede
 
 
@@ -44,9 +45,9 @@ def update(state: State, obs: State) -> State:
     its history (the oldest entry drops) and the scale becomes `fp8_max / (amax * 2**margin)`,
     with `amax` the max of the history ("max") or its newest entry ("most_recent"). An
     observation that is 0, inf or NaN leaves that role unchanged. The random key (`state.key`,
-    of models with NVFP4 layers) advances by one, so the next step draws other random bits;
-    the observation's key (0) is not used. Pure, and a constant number of kernels whatever the
-    number of sites.
+    of models with NVFP4 layers) advances by one, modulo 2**52 (it stays exact and in range past
+    any step count), so the next step draws other random bits; the observation's key (0) is not
+    used. Pure, and a constant number of kernels whatever the number of sites.
 
     Warns (`fp8fn.update: ...`) and returns `state` when `obs` holds no tensor at all (its
     `amax_history` is None): the classic slip of a plain autograd loop whose state never
@@ -80,6 +81,8 @@ def update(state: State, obs: State) -> State:
         return state
     _check_pair("update", state, obs, "state", "obs")
     check_scales("update", state.scale)
+    if state.key is not None:
+        check_key("update", state.key)
     history, scale = state.amax_history, state.scale
     with torch.no_grad():  # state is data: no autograd history carried across steps
         looks_like_state = obs.amax_history is state.amax_history or (
@@ -103,10 +106,12 @@ def update(state: State, obs: State) -> State:
         window = history if state.amax_compute == "max" else history[..., :1]
         new_scale = scale_from_amax(window.amax(dim=-1), ROLE_FP8_MAX, state.margin)
         scale = torch.where(push, new_scale, scale)
-        key = None if state.key is None else state.key + 1
+        key = None if state.key is None else advance_key(state.key)
     new = state._replace(amax_history=history, scale=scale, key=key)
     if not torch.compiler.is_compiling():
         mark_valid(scale)
+        if key is not None:
+            mark_key_valid(key)
         supersede(state)
     return new
 
@@ -139,3 +144,52 @@ def merge(obs_a: State, obs_b: State) -> State:
 def observed_only(amax: torch.Tensor) -> torch.Tensor:
     """`amax` with inf and NaN (not observations) replaced by 0 (not observed)."""
     return torch.where(torch.isfinite(amax), amax, 0.0)
+
+
+def fold_in(state: State, data: int) -> State:
+    """`state` with its random key replaced by one derived from `(state.key, data)`.
+
+    Each cast of an NVFP4 layer draws its random bits from the state's key, the site and the
+    role, so two forward passes with one state round alike: the microbatches of one step, or
+    two `apply` calls in one loss, would correlate their rounding errors. Fold in the
+    microbatch's index to give each its own bits, and update the state itself with the merged
+    observations:
+
+        for i, (x, y) in enumerate(microbatches):
+            obs_i = grad_of_loss(params, fp8fn.fold_in(state, i), x, y)
+        state = fp8fn.update(state, obs)  # obs: the merged obs_i
+
+    Pure, a few kernels, no host read (compiles). A state without a key (no NVFP4 layer draws
+    random bits) is returned as it is. Within a step, distinct `data` give independent keys
+    (a hash, not `key + data`, so no microbatch draws another step's bits by construction).
+
+    Args:
+      state: an `fp8fn.State` (any leading dims).
+      data: an int in `[0, 2**63)`, e.g. the microbatch's index.
+
+    Returns:
+      A `State` of `state`'s structure; `key` float64, an integer in `[0, 2**52)`.
+
+    Example:
+      >>> import torch, fp8fn
+      >>> fn = fp8fn.transform(torch.nn.Linear(32, 16), fp8fn.NVFP4Scaling())
+      >>> state = fn.init(torch.randn(4, 32), seed=0)
+      >>> a, b = fp8fn.fold_in(state, 0), fp8fn.fold_in(state, 1)
+      >>> bool(a.key != b.key), bool(a.key == fp8fn.fold_in(state, 0).key)
+      (True, True)
+    """
+    check_state("fold_in", state, batch_dims=None)
+    if isinstance(data, bool) or not isinstance(data, int):
+        raise TypeError(
+            f"fp8fn.fold_in: expected `data` an int in [0, 2**63), got "
+            f"{type(data).__name__} {data!r}. Pass the microbatch's index."
+        )
+    if not 0 <= data < 2**63:
+        raise ValueError(
+            f"fp8fn.fold_in: expected `data` an int in [0, 2**63), got {data}. Pass the "
+            "microbatch's index."
+        )
+    if state.key is None:
+        return state
+    check_key("fold_in", state.key)
+    return state._replace(key=mark_key_valid(fold_key(state.key, data)))

@@ -40,10 +40,9 @@ from __future__ import annotations
 
 import torch
 
-from .._numerics.fp8 import E4M3, E5M2, check_margin
-
-_HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_FP8_DTYPES = (E4M3, E5M2)
+from .._core.checks import HP_DTYPES
+from .._core.recipes import check_margin
+from .._numerics.fp8 import FP8_DTYPES
 
 
 def _kernels():
@@ -65,7 +64,7 @@ def _check(api: str, hp, dtype, transpose, **scalars) -> None:
     """Register the ops if needed; raise a clear error unless the arguments are what the kernels
     take (metadata only, no torch op)."""
     interpreted = _kernels().register_ops()
-    if not isinstance(hp, torch.Tensor) or hp.dtype not in _HP_DTYPES:
+    if not isinstance(hp, torch.Tensor) or hp.dtype not in HP_DTYPES:
         got = hp.dtype if isinstance(hp, torch.Tensor) else type(hp).__name__
         raise TypeError(f"fp8fn.{api}: expected `hp` float32, bfloat16 or float16, got {got}.")
     if hp.device.type == "cpu" and not interpreted:
@@ -73,7 +72,7 @@ def _check(api: str, hp, dtype, transpose, **scalars) -> None:
             f"fp8fn.{api}: the Triton kernels need `hp` on a GPU, got a CPU tensor. To run them "
             "on CPU, set TRITON_INTERPRET=1 before their first use."
         )
-    if dtype not in _FP8_DTYPES:
+    if dtype not in FP8_DTYPES:
         raise ValueError(
             f"fp8fn.{api}: expected `dtype` torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}."
         )
@@ -114,7 +113,7 @@ def cast_and_amax(
       `(fp8, amax)`, or `(fp8, fp8_t, amax)` when `transpose`: `fp8` in `dtype` of `hp`'s shape,
       `clamp(hp.float() * scale, -max, max).to(dtype)`; `amax` float32 `()`, `hp.abs().amax()`.
     """
-    _check("cast_and_amax", hp, dtype, transpose, scale=scale)
+    _check("_kernels.cast.cast_and_amax", hp, dtype, transpose, scale=scale)
     return tuple(torch.ops.fp8fn.cast_and_amax(hp, scale, dtype, transpose))
 
 
@@ -144,8 +143,8 @@ def delayed_cast(
       `(fp8, scale, amax)`, or `(fp8, fp8_t, scale, amax)` when `transpose`: `scale` is the
       float32 `()` scale used, `amax` the float32 `()` amax of `hp` (the observation).
     """
-    margin = _margin("delayed_cast", margin)
-    _check("delayed_cast", hp, dtype, transpose, newest=newest, stored=stored)
+    margin = _margin("_kernels.cast.delayed_cast", margin)
+    _check("_kernels.cast.delayed_cast", hp, dtype, transpose, newest=newest, stored=stored)
     return tuple(torch.ops.fp8fn.scaled_cast(hp, newest, stored, margin, dtype, transpose))
 
 
@@ -156,8 +155,8 @@ def current_cast(
 
     Args and returns as `delayed_cast`, without `newest` and `stored`.
     """
-    margin = _margin("current_cast", margin)
-    _check("current_cast", hp, dtype, transpose)
+    margin = _margin("_kernels.cast.current_cast", margin)
+    _check("_kernels.cast.current_cast", hp, dtype, transpose)
     return tuple(torch.ops.fp8fn.scaled_cast(hp, None, None, margin, dtype, transpose))
 
 

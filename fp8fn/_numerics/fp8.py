@@ -25,9 +25,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .._core.recipes import check_margin
+
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
-FP8_MAX = {E4M3: torch.finfo(E4M3).max, E5M2: torch.finfo(E5M2).max}  # 448.0, 57344.0
+FP8_DTYPES = (E4M3, E5M2)
+FP8_MAX = {d: torch.finfo(d).max for d in FP8_DTYPES}  # 448.0, 57344.0 (not for inside an op)
 ROLE_DTYPE = (E4M3, E4M3, E5M2)  # input, weight, grad_output
 ROLE_FP8_MAX = tuple(FP8_MAX[d] for d in ROLE_DTYPE)
 _E8M0_BIAS = 127
@@ -76,17 +79,6 @@ def cast_to_fp8(
       Tensor of `hp`'s shape in `dtype`; finite values beyond the format's max become +-max.
     """
     return saturate(hp.float() * scale, dtype, keep_nonfinite)
-
-
-def check_margin(api: str, margin) -> None:
-    """The one check of a margin: an int (TypeError otherwise) from 0 to 64 (ValueError)."""
-    if isinstance(margin, bool) or not isinstance(margin, int):
-        raise TypeError(
-            f"fp8fn.{api}: expected `margin` an int from 0 to 64, got "
-            f"{type(margin).__name__} {margin!r}."
-        )
-    if not 0 <= margin <= 64:
-        raise ValueError(f"fp8fn.{api}: expected `margin` an int from 0 to 64, got {margin}.")
 
 
 def compute_scale(amax: torch.Tensor, fp8_max: float, margin: int = 0) -> torch.Tensor:
@@ -149,7 +141,12 @@ def _fp8_scale(amax: torch.Tensor) -> torch.Tensor:
     return (amax.double().clamp(min=1e-12).reciprocal() * 448.0).float()
 
 
-def _pad_last(hp: torch.Tensor, block: int) -> torch.Tensor:
+def ceil_div(n: int, d: int) -> int:
+    """`ceil(n / d)` for ints, exactly (e.g. the rows of each of `d` equal shards of `n`)."""
+    return -(-n // d)
+
+
+def pad_last(hp: torch.Tensor, block: int) -> torch.Tensor:
     """`hp` with zeros appended to its last dim up to a multiple of `block`.
 
     Zeros do not change a block's amax, so a partial last block is scaled by its own elements.
@@ -169,7 +166,7 @@ def _mul_blocks(hp: torch.Tensor, scale: torch.Tensor, block: int) -> torch.Tens
     dims (`g` and `g.t()` in the backward) fails with an InductorError.
     """
     k, nb = hp.shape[-1], scale.shape[-1]
-    blocks = _pad_last(hp, block).unflatten(-1, (nb, block))
+    blocks = pad_last(hp, block).unflatten(-1, (nb, block))
     return (blocks * scale.unsqueeze(-1)).flatten(-2)[..., :k]
 
 
@@ -258,7 +255,7 @@ def quantize_mx(
       `(fp8 (..., k) e4m3, exponent (..., ceil(k / block_size)) uint8)`, biased E8M0.
     """
     k = hp.shape[-1]
-    blocks = _pad_last(hp, block_size).unflatten(-1, (-1, block_size))
+    blocks = pad_last(hp, block_size).unflatten(-1, (-1, block_size))
     amax = blocks.abs().amax(-1).float()
     data = blocks.float()
     if rounding == "rceil":
@@ -312,7 +309,7 @@ def quantize_tiles(hp: torch.Tensor, tile: int = 128) -> tuple[torch.Tensor, tor
       `inverse_scale = 1 / scale` and `scale = 448 / clamp(amax, 1e-12)` (float64 -> float32).
     """
     k = hp.shape[-1]
-    tiles = _pad_last(hp, tile).unflatten(-1, (-1, tile))
+    tiles = pad_last(hp, tile).unflatten(-1, (-1, tile))
     scale = _fp8_scale(tiles.abs().amax(-1))
     fp8 = cast_to_fp8(tiles, scale.unsqueeze(-1), keep_nonfinite=False).flatten(-2)[..., :k]
     return fp8, scale.reciprocal()

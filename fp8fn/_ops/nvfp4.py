@@ -1,7 +1,7 @@
 """The NVFP4 linear (`NVFP4Scaling`): three emulated FP4 GEMMs, randomness drawn from a key.
 
 `x` is `(m, k)`, `weight` `(n, k)`, the output gradient `g` `(m, n)`. Each GEMM quantizes both
-operands to NVFP4 (`_nvfp4.quantize_nvfp4`) along its contraction dim, dequantizes them and
+operands to NVFP4 (`_numerics.nvfp4.quantize_nvfp4`) along its contraction dim, dequantizes them and
 multiplies in float32 (no FP4 GEMM here):
 
 * `output = x @ weight.T` over k: `x` in 1 x 16 blocks, `weight` in 16 x 16 tiles
@@ -14,8 +14,9 @@ multiplies in float32 (no FP4 GEMM here):
   arithmetic), then quantized in 1 x 16 blocks along m, `g.T` stochastically rounded.
 
 Randomness is data. Every draw is `random_bits(key, site, role, shape, stream)`, a pure
-function: `key` the integer in the state's float64 `key` leaf, `site` a stable 32-bit hash of
-the call's site name, `role` which operand. The Hadamard signs of a layer (one `(16,)` vector
+function: `key` the integer in the state's float64 `key` leaf (`_core.keys`), `site` a stable
+32-bit hash of the call's site name (`keys.site_id`), `role` which draw (`DRAW_GRAD_INPUT` or
+`DRAW_GRAD_WEIGHT`). The Hadamard signs of a layer (one `(16,)` vector
 for both `grad_weight` operands) are shared by all ranks; the stochastic-rounding bits fold in
 the process's rank (`stream = 2 * rank`), so data-parallel ranks round their own gradients
 independently and their rounding errors average out; rank 0 (and a single process) draws
@@ -29,16 +30,15 @@ quantized weight for `grad_input` and the (transformed) `x.T` quantized along m 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
+from .._core import keys
 from .._core.checks import no_autocast
 from .._core.recipes import NVFP4Scaling
 from .._numerics.nvfp4 import (
     NVFP4,
-    e2m1_to_float32,
+    dequantize_nvfp4,
     hadamard_signs,
-    make_key,
     pack_e2m1,
     quantize_nvfp4,
     random_bits,
@@ -47,47 +47,14 @@ from .._numerics.nvfp4 import (
 )
 from .first_order import first_order_only
 
-# Roles of the random draws (`random_bits`' `role`): the output gradient of the grad_input
-# GEMM, and of the grad_weight GEMM (whose Hadamard signs are stream 1 of the same role).
-ROLE_GRAD_INPUT = 2
-ROLE_GRAD_WEIGHT = 3
-# The largest key held exactly by the float64 key leaf, and the room left to advance it.
-KEY_BITS = 52
+# The draws' indices (`random_bits`' `role` argument; not the state's roles, `input`, `weight`
+# and `grad_output`, which index its rows): the output gradient of the grad_input GEMM, and of
+# the grad_weight GEMM (whose Hadamard signs are stream 1 of the same index).
+DRAW_GRAD_INPUT = 2
+DRAW_GRAD_WEIGHT = 3
 
 
 # -- randomness as data ---------------------------------------------------------------------------
-
-
-def site_id(name: str) -> int:
-    """A stable 32-bit id of the site name `name` (FNV-1a over its characters' code points).
-
-    The same in every process and run (Python's `hash` of a str is salted per process), and
-    plain integer arithmetic on a constant, which torch.compile folds away.
-    """
-    h = 0x811C9DC5
-    for ch in name:
-        h = ((h ^ ord(ch)) * 0x01000193) & 0xFFFFFFFF
-    return h
-
-
-def seed_key(seed: int) -> int:
-    """The initial key of `seed`: splitmix64 of it, in `[0, 2**52)` so that the float64 key
-    leaf holds it, and the `2**52` and more steps after it, exactly."""
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise TypeError(
-            f"fp8fn.init: expected `seed` to be an int, got {type(seed).__name__} {seed!r}."
-        )
-    return int(make_key(seed)) >> (62 - KEY_BITS)
-
-
-def initial_key(seed: int, device=None) -> torch.Tensor:
-    """`seed_key(seed)` as the state's key leaf: float64 `()` on `device`."""
-    return torch.tensor(float(seed_key(seed)), dtype=torch.float64, device=device)
-
-
-def process_rank() -> int:
-    """This process's rank in the default process group, or 0 without torch.distributed."""
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def _sr_bits(key, site, role, shape, rank, recipe):
@@ -112,14 +79,14 @@ def _pack(q: NVFP4) -> tuple:
 def _unpack(saved: tuple, k: int) -> torch.Tensor:
     """The float32 values of an operand saved by `_pack`, with last dim `k`."""
     packed, block_scale, tensor_scale = saved
-    return _dequantize(unpack_e2m1(packed)[..., :k], block_scale, tensor_scale)
+    return dequantize_nvfp4(unpack_e2m1(packed)[..., :k], block_scale, tensor_scale)
 
 
 def _hadamard(t, key, site, recipe):
     """`t` `(r, m)` times the random Hadamard transform along m, or `t` itself."""
     if not recipe.hadamard:
         return t
-    return random_hadamard(t, hadamard_signs(key, site, ROLE_GRAD_WEIGHT))
+    return random_hadamard(t, hadamard_signs(key, site, DRAW_GRAD_WEIGHT))
 
 
 def _weight_for_output(weight, recipe) -> NVFP4:
@@ -139,22 +106,8 @@ def _x_for_grad_weight(x, key, site, recipe) -> NVFP4:
     return quantize_nvfp4(_hadamard(x.t(), key, site, recipe))
 
 
-# The float32 value of each E2M1 code (code 8 is -0.0), for a gather instead of arithmetic.
-_E2M1_VALUES = e2m1_to_float32(torch.arange(16, dtype=torch.uint8))
-
-
-def _dequantize(codes, block_scale, tensor_scale) -> torch.Tensor:
-    """`dequantize_nvfp4` bit for bit (the same values times the same float32 scales), with
-    the codes' values gathered from a table: ~3x faster on CPU."""
-    k = codes.shape[-1]
-    values = _E2M1_VALUES.to(codes.device)[codes.long()]
-    values = F.pad(values, (0, -k % 16)).unflatten(-1, (-1, 16))
-    scale = tensor_scale * block_scale.float()
-    return (values * scale.unsqueeze(-1)).flatten(-2)[..., :k]
-
-
 def _deq(q: NVFP4) -> torch.Tensor:
-    return _dequantize(*q)
+    return dequantize_nvfp4(*q)
 
 
 # -- the op ---------------------------------------------------------------------------------------
@@ -214,7 +167,7 @@ class _NVFP4Linear(torch.autograd.Function):
         grad_x = grad_w = grad_b = None
         g = grad_out.float()
         if needs[0]:
-            bits = _sr_bits(key, site, ROLE_GRAD_INPUT, g.shape, rank, recipe)
+            bits = _sr_bits(key, site, DRAW_GRAD_INPUT, g.shape, rank, recipe)
             g_q = quantize_nvfp4(g, sr_bits=bits)
             if recipe.weight_2d:  # the forward's tiles, (n, k)
                 grad_x = torch.mm(_deq(g_q), _unpack(w_saved, k))
@@ -223,7 +176,7 @@ class _NVFP4Linear(torch.autograd.Function):
             grad_x = grad_x.to(x_dtype)
         if needs[1]:
             g_t = _hadamard(g.t(), key, site, recipe)  # (n, m) or (n, 16 * ceil(m / 16))
-            bits = _sr_bits(key, site, ROLE_GRAD_WEIGHT, g_t.shape, rank, recipe)
+            bits = _sr_bits(key, site, DRAW_GRAD_WEIGHT, g_t.shape, rank, recipe)
             g_q = quantize_nvfp4(g_t, sr_bits=bits)
             grad_w = torch.mm(_deq(g_q), _unpack(x_saved, g_t.shape[1]).t()).to(w_dtype)
         if needs[2]:
@@ -246,7 +199,8 @@ def check_random(api: str, random, recipe: NVFP4Scaling, device: torch.device) -
     if random is None and not recipe.random:
         return
     fix = (
-        "Pass `(key, site)`: `key` a float64 () tensor holding an integer (e.g. `state.key` "
+        "Pass `(key, site)`: `key` a float64 () tensor holding an integer in [0, 2**52) (e.g. "
+        "`state.key` "
         "of fn.init(..., seed=...)), `site` the call's name (e.g. 'fc1')."
     )
     if not (isinstance(random, (tuple, list)) and len(random) == 2):
@@ -271,6 +225,7 @@ def check_random(api: str, random, recipe: NVFP4Scaling, device: torch.device) -
             f"fp8fn.{api}: expected the key on the device of `x`, {device}, got {key.device}. "
             "Move the state: `state = state.to(device)`."
         )
+    keys.check_key(api, key, "the key of `site_state`")
 
 
 def nvfp4_linear(x, weight, bias, recipe: NVFP4Scaling, random):
@@ -281,17 +236,18 @@ def nvfp4_linear(x, weight, bias, recipe: NVFP4Scaling, random):
       weight: `(out_features, in_features)`.
       bias: `(out_features,)` or None.
       recipe: the `NVFP4Scaling`.
-      random: `(key, site)`: `key` float64 `()` holding an integer, `site` the site's name;
-        or None for a recipe without randomness.
+      random: `(key, site)`: `key` float64 `()` holding an integer in `[0, 2**52)`, `site`
+        the site's name; or None for a recipe without randomness.
 
     Returns:
       `(..., out_features)` in `x.dtype`.
     """
     key, site = (None, 0) if random is None else random
     if key is not None:
+        keys.check_key("apply", key)  # once per key tensor (fp8fn.linear's is checked already)
         key = key.detach().to(torch.int64)
-        site = site_id(site)
+        site = keys.site_id(site)
     out, _ = _NVFP4Linear.apply(
-        x.reshape(-1, x.shape[-1]), weight, bias, key, recipe, site, process_rank()
+        x.reshape(-1, x.shape[-1]), weight, bias, key, recipe, site, keys.process_rank()
     )
     return out.reshape(*x.shape[:-1], weight.shape[0])

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from .._core.recipes import CurrentScaling, DelayedScaling
+from .._numerics.fp8 import FP8_DTYPES, ceil_div
 from .._ops.first_order import BackwardOnly
 from .._ops.gemm import resolve_backend, scaled_mm_supported
 from .._ops.tensorwise import Local, tensorwise_linear
@@ -54,7 +55,6 @@ from .._torch_private import (
 )
 
 _TENSORWISE = (DelayedScaling, CurrentScaling)
-_FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _FSDP_HOWTO = (
     "Functional FSDP takes `params` as `distribute_tensor(p, mesh, [Shard(0)])` on a 1-D mesh, "
     "for a module whose own parameters are plain; tensor parallel takes the module made by "
@@ -99,7 +99,7 @@ def sharded_operands(*tensors) -> bool:
 
 
 def _shard_rows(rows: int, world: int, rank: int) -> int:
-    chunk = -(-rows // world)
+    chunk = ceil_div(rows, world)
     return max(0, min(chunk, rows - rank * chunk))
 
 
@@ -114,20 +114,20 @@ def _all_gather_rows(local: torch.Tensor, group, rows: int) -> torch.Tensor:
     """The whole `(rows, ...)` tensor from each rank's dim-0 shard. Float8 goes over the wire
     as its bytes (gloo has no float8)."""
     world = dist.get_world_size(group)
-    chunk = -(-rows // world)
-    wire = local.view(torch.uint8) if local.dtype in _FLOAT8 else local
+    chunk = ceil_div(rows, world)
+    wire = local.view(torch.uint8) if local.dtype in FP8_DTYPES else local
     send = _padded(wire, chunk)
     out = send.new_empty((chunk * world, *send.shape[1:]))
     dist.all_gather_single(out, send, group=group)
     out = out[:rows]
-    return out.view(local.dtype) if local.dtype in _FLOAT8 else out
+    return out.view(local.dtype) if local.dtype in FP8_DTYPES else out
 
 
 def _reduce_scatter_rows(full: torch.Tensor, group) -> torch.Tensor:
     """This rank's dim-0 shard of the sum of `full` over the ranks."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     rows = full.shape[0]
-    chunk = -(-rows // world)
+    chunk = ceil_div(rows, world)
     send = _padded(full, chunk * world)
     out = send.new_empty((chunk, *send.shape[1:]))
     dist.reduce_scatter_single(out, send, group=group)

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from .._numerics.fp8 import E4M3, FP8_MAX, amax, cast_to_fp8, scale_from_amax
+from .._numerics.fp8 import E4M3, FP8_MAX, amax, cast_to_fp8, ceil_div, scale_from_amax
 from .._ops.tensorwise import Local
 from .dtensor import _AllGather
 
@@ -160,7 +160,7 @@ class Float8ShardWeight(torch.Tensor):
         shard = self._tensor
         fp8 = cast_to_fp8(shard, scale, E4M3).view(torch.uint8)
         shard_amax = amax(shard)
-        rows = -(-outer_size[0] // world)  # the padded shard's rows
+        rows = ceil_div(outer_size[0], world)  # the padded shard's rows
         source = (self, mesh, outer_size[0])  # to gather again with another scale
         if outer_size[0] % world:  # uneven: one input of the padded shard's shape
             if fp8.shape[0] < rows:

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from .._core.keys import initial_key, seed_key
 from .._core.recipes import RECIPES, DelayedScaling, NVFP4Scaling
 from .._core.state import (
     State,
@@ -33,7 +34,6 @@ from .._core.state import (
     site_name,
     warn_if_superseded,
 )
-from .._ops.nvfp4 import initial_key, seed_key
 from .._parallel.dtensor import gather_params, sharded_operands
 from .._parallel.wrappers import ddp_parameter, refuse_ddp_inner_module, reshard_fsdp
 from .._torch_errors import translated_errors
