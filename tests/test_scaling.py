@@ -484,3 +484,28 @@ def test_state_torch_save_load_weights_only(stepped):
     loaded = saved_and_loaded(stepped)
     assert type(loaded) is fp8fn.State and loaded.static == stepped.static
     assert_bit_identical(loaded, stepped)
+
+
+def _golden_records():
+    """`tools/golden_v0_3.py`'s records, computed with today's code."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "tools" / "golden_v0_3.py"
+    spec = importlib.util.spec_from_file_location("golden_v0_3", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.records()
+
+
+def test_numbers_are_those_of_v0_3_bit_for_bit():
+    """Outputs, parameter gradients, observations, updated states and fp8 casts of every recipe
+    (delayed with empty and filled histories) and route equal fp8fn 0.3's (509a66d), recorded in
+    tests/data/golden_v0_3.pt by tools/golden_v0_3.py."""
+    from pathlib import Path
+
+    golden = torch.load(Path(__file__).parent / "data" / "golden_v0_3.pt", weights_only=True)
+    now = _golden_records()
+    assert sorted(now) == sorted(golden["records"])
+    differ = [name for name, d in golden["records"].items() if now[name] != d]
+    assert differ == []
