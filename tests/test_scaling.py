@@ -509,3 +509,102 @@ def test_numbers_are_those_of_v0_3_bit_for_bit():
     assert sorted(now) == sorted(golden["records"])
     differ = [name for name, d in golden["records"].items() if now[name] != d]
     assert differ == []
+
+
+def _mlp_fn(recipe=None):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 16)
+    )
+    fn = fp8fn.transform(model, recipe or fp8fn.DelayedScaling())
+    return fn, dict(model.named_parameters()), torch.randn(8, 32)
+
+
+def _loss_of(fn):
+    return lambda p, s, x: fn.apply(p, s, x).square().mean()
+
+
+def test_scales_changed_in_place_after_update_are_checked_again():
+    fn, params, x = _mlp_fn()
+    state = fn.init(x)
+    obs = torch.func.grad(_loss_of(fn), argnums=1)(params, state, x)
+    new = fp8fn.update(state, obs)
+    fn.apply(params, new, x)  # known valid: no check
+    new.scale.zero_()  # the same tensor, changed in place
+    with pytest.raises(ValueError, match=r"^fp8fn\.apply: expected the scales of `state` finite"):
+        fn.apply(params, new, x)
+    with pytest.raises(ValueError, match=r"^fp8fn\.update: expected the scales of `state` finit"):
+        fp8fn.update(new, obs)
+
+
+def test_update_refuses_a_state_it_does_not_know_in_the_graph():
+    """A state fp8fn did not make (loaded) passed as the observation: its older history entries
+    are refused by an assert in the graph (no host read)."""
+    fn, params, x = _mlp_fn()
+    state = fn.init(x)
+    for _ in range(2):
+        state = fp8fn.update(state, torch.func.grad(_loss_of(fn), argnums=1)(params, state, x))
+    loaded = saved_and_loaded(state)
+    with pytest.raises(RuntimeError, match=r"^fp8fn\.update: expected `obs` an observation"):
+        fp8fn.update(state, loaded)
+
+
+HOST_READS = ("__bool__", "item", "tolist", "__int__", "__float__", "__index__")
+
+
+class CountHostReads:
+    """Counts the Python-level reads of tensor values (`bool(t)`, `t.item()`, ...) inside."""
+
+    def __enter__(self):
+        self.reads, self.saved = [], {n: getattr(torch.Tensor, n) for n in HOST_READS}
+        for name, method in self.saved.items():
+
+            def counted(t, *args, _name=name, _method=method, **kwargs):
+                self.reads.append(_name)
+                return _method(t, *args, **kwargs)
+
+            setattr(torch.Tensor, name, counted)
+        return self
+
+    def __exit__(self, *exc):
+        for name, method in self.saved.items():
+            setattr(torch.Tensor, name, method)
+
+
+def test_count_host_reads_sees_each_kind():
+    t = torch.ones(())
+    with CountHostReads() as c:
+        bool(t), t.item(), t.tolist(), int(t), float(t), [0, 1][t.long()]
+    assert sorted(c.reads) == sorted(HOST_READS)
+
+
+def _func_step(fn, params, state, x):
+    _, obs = torch.func.grad(_loss_of(fn), argnums=(0, 1))(params, state, x)
+    return fp8fn.update(state, obs)
+
+
+def _autograd_step(fn, params, state, x):
+    observed = fp8fn.observe(state)
+    leaves = {k: v.detach().requires_grad_() for k, v in params.items()}
+    _loss_of(fn)(leaves, observed, x).backward()
+    return fp8fn.update(state, fp8fn.observations(observed))
+
+
+def _value_and_grad_merge_step(fn, params, state, x):
+    grad = fp8fn.value_and_grad(_loss_of(fn), argnums=(0, 1))
+    _, (_, obs_a) = grad(params, state, x[:4])
+    _, (_, obs_b) = grad(params, state, x[4:])
+    return fp8fn.update(state, fp8fn.merge(obs_a, obs_b))
+
+
+@pytest.mark.parametrize("step", [_func_step, _autograd_step, _value_and_grad_merge_step])
+def test_a_steady_state_step_reads_no_tensor_value_on_the_host(step):
+    """No `bool(t)`, `.item()`, ... (each a device sync on a GPU) in a step after the first."""
+    fn, params, x = _mlp_fn()
+    state = fn.init(x)
+    for _ in range(2):
+        state = step(fn, params, state, x)
+    with CountHostReads() as c:
+        new = step(fn, params, state, x)
+    assert c.reads == []
+    assert torch.equal(new.amax_history[..., 1:], state.amax_history[..., :-1])  # it stepped

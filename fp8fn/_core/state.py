@@ -17,7 +17,7 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .._torch_private import unwrapped
+from .._torch_private import tensor_version, unwrapped
 from .recipes import DelayedScaling
 
 ROLES = ("input", "weight", "grad_output")
@@ -388,28 +388,45 @@ def check_state(api: str, state, name: str = "state", batch_dims: int | None = 0
         )
 
 
-# Scale tensors known to be finite and > 0 (made by `init_state` and `update`): checked once.
+# Scale tensors known to be finite and > 0 (made by `init_state` and `update`, or checked once),
+# each with its version then: an in-place change since (`state.scale.zero_()`) makes it unknown.
 _VALID_SCALES = WeakIdKeyDictionary()
 
 
 def mark_valid(scale: torch.Tensor) -> torch.Tensor:
     """Record that `scale` (made by fp8fn from valid scales) is finite and > 0; returns it."""
-    _VALID_SCALES[scale] = True
+    _VALID_SCALES[scale] = tensor_version(scale)
     return scale
+
+
+def known_valid(scale: torch.Tensor) -> bool:
+    """Whether `scale` (or the tensor it views) holds scales known to be finite and > 0, unchanged
+    since they were checked (no host read)."""
+    base = unwrapped(scale)
+    for t in (base, base._base):
+        if t is not None and _VALID_SCALES.get(t) == tensor_version(t):
+            return True
+    return False
+
+
+def share_validity(source: torch.Tensor, copy: torch.Tensor) -> None:
+    """Mark `copy` (a tensor of `source`'s values, e.g. its `detach()`) valid if `source` is."""
+    if known_valid(source):
+        mark_valid(copy)
 
 
 def check_scales(api: str, scale: torch.Tensor, name: str = "state") -> None:
     """Raise unless every scale in `scale` (a `State`'s or a `SiteState`'s) is finite and > 0.
 
     A scale of 0 or NaN would cast everything to NaN, silently: it comes from passing an
-    observation (whose scales are zeros) where a state belongs. Checked once per tensor (a
-    host sync, none for the states `init` and `update` make), and not while compiling.
+    observation (whose scales are zeros) where a state belongs. Checked once per tensor and
+    version (a host read, none for the states `init` and `update` make, and again after an
+    in-place change), and not while compiling.
     """
     if torch.compiler.is_compiling():
         return
     base = unwrapped(scale)
-    root = base if base._base is None else base._base
-    if base.device.type == "meta" or base in _VALID_SCALES or root in _VALID_SCALES:
+    if base.device.type == "meta" or known_valid(base):
         return
     if not bool(((base > 0) & base.isfinite()).all()):
         raise ValueError(
@@ -418,7 +435,7 @@ def check_scales(api: str, scale: torch.Tensor, name: str = "state") -> None:
             "an observation's: pass the state (from fn.init or fp8fn.update) here, and the "
             "observation to fp8fn.update(state, obs)."
         )
-    _VALID_SCALES[base] = True
+    mark_valid(base)
 
 
 # History tensors of states that `update` has made a newer state from.

@@ -11,7 +11,8 @@ import warnings
 import torch
 
 from .._numerics.fp8 import ROLE_FP8_MAX, scale_from_amax
-from .state import State, check_scales, check_state, mark_valid, supersede
+from .._torch_private import assert_in_graph
+from .state import State, check_scales, check_state, known_valid, mark_valid, supersede
 
 
 def _check_pair(api: str, a, b, a_name: str, b_name: str) -> None:
@@ -35,6 +36,13 @@ def _check_pair(api: str, a, b, a_name: str, b_name: str) -> None:
             f"fp8fn.{api}: `{has}` has a random key (a model with NVFP4 layers) and `{lacks}` "
             "has none; both must come from the same model's fn.init."
         )
+
+
+_NOT_AN_OBSERVATION = (
+    "fp8fn.update: expected `obs` an observation (the amaxes seen, in `amax_history[..., 0]`, "
+    "zeros elsewhere, and a key of 0), got older history entries or a random key too: a state. "
+    "The order is fp8fn.update(state, obs), obs from the backward."
+)
 
 
 def update(state: State, obs: State) -> State:
@@ -81,21 +89,15 @@ def update(state: State, obs: State) -> State:
     _check_pair("update", state, obs, "state", "obs")
     check_scales("update", state.scale)
     history, scale = state.amax_history, state.scale
+    known = not torch.compiler.is_compiling() and known_valid(obs.scale)
+    if obs.amax_history is state.amax_history or known:
+        raise ValueError(_NOT_AN_OBSERVATION)  # a state, known as one (no host read)
     with torch.no_grad():  # state is data: no autograd history carried across steps
-        looks_like_state = obs.amax_history is state.amax_history or (
-            not torch.compiler.is_compiling()
-            and (
-                bool(obs.amax_history[..., 1:].any())
-                or (obs.key is not None and bool(obs.key.any()))
-            )
-        )
-        if looks_like_state:
-            raise ValueError(
-                "fp8fn.update: expected `obs` an observation (the amaxes seen, in "
-                "`amax_history[..., 0]`, zeros elsewhere, and a key of 0), got older history "
-                "entries or a random key too: a state. The order is fp8fn.update(state, obs), "
-                "obs from the backward."
-            )
+        # Any other state (older history entries or a random key) is refused in the graph.
+        older = obs.amax_history[..., 1:].any()
+        if obs.key is not None:
+            older = older | obs.key.any()
+        assert_in_graph(~older, _NOT_AN_OBSERVATION)
         amax = obs.amax_history[..., 0]
         push = (amax > 0) & torch.isfinite(amax)
         rolled = torch.cat([amax.unsqueeze(-1), history[..., :-1]], dim=-1)
