@@ -50,9 +50,7 @@ def _mlp_case():
     layers = [nn.Linear(512, 512, bias=False)]
     for _ in range(3):
         layers += [nn.ReLU(), nn.Linear(512, 512, bias=False)]
-    return nn.Sequential(*layers).to(torch.bfloat16), torch.randn(
-        256, 512, dtype=torch.bfloat16
-    )
+    return nn.Sequential(*layers).to(torch.bfloat16), torch.randn(256, 512, dtype=torch.bfloat16)
 
 
 def measure(step) -> tuple[int, int]:

@@ -513,9 +513,7 @@ def test_numbers_are_those_of_v0_3_bit_for_bit():
 
 def _mlp_fn(recipe=None):
     torch.manual_seed(0)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 16)
-    )
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 16))
     fn = fp8fn.transform(model, recipe or fp8fn.DelayedScaling())
     return fn, dict(model.named_parameters()), torch.randn(8, 32)
 
@@ -608,3 +606,55 @@ def test_a_steady_state_step_reads_no_tensor_value_on_the_host(step):
         new = step(fn, params, state, x)
     assert c.reads == []
     assert torch.equal(new.amax_history[..., 1:], state.amax_history[..., :-1])  # it stepped
+
+
+class _CastScales:
+    """Records the storage address of the scale of every per-tensor float8 cast inside."""
+
+    def __init__(self, monkeypatch):
+        from fp8fn._ops import tensorwise
+        from fp8fn._torch_private import unwrapped
+
+        self.scales, cast = [], tensorwise.cast_to_fp8
+
+        def recording(hp, scale, *args):
+            self.scales.append(unwrapped(scale).untyped_storage().data_ptr())
+            return cast(hp, scale, *args)
+
+        monkeypatch.setattr(tensorwise, "cast_to_fp8", recording)
+
+
+def test_filled_histories_cast_with_the_stored_scales_themselves(monkeypatch):
+    """Once a state's histories are filled (`update` records it in the tree structure), x, W
+    and dY are cast with the stored scales as they are: no value computed from the tensor's
+    own amax comes before its cast, so a compiler can take the amax in the cast's pass. At step
+    1 (empty histories) the scales are computed (current scaling)."""
+    fn, params, x = _mlp_fn()
+    state = fn.init(x)
+    assert state.filled == (False,) * 6
+    stored = state.scale.untyped_storage().data_ptr()
+    seen = _CastScales(monkeypatch)
+    torch.func.grad(_loss_of(fn), argnums=1)(params, state, x)
+    assert len(seen.scales) == 6 and stored not in seen.scales  # 2 sites x (x, W, dY)
+    state = _func_step(fn, params, state, x)
+    assert state.filled == (True,) * 6
+    for route in (_func_step, _autograd_step):
+        stored = state.scale.untyped_storage().data_ptr()
+        seen.scales.clear()
+        state = route(fn, params, state, x)
+        assert seen.scales == [stored] * 6
+    assert state.filled == (True,) * 6
+
+
+def test_filled_follows_the_histories():
+    """`filled` is set by `update` for the roles that observed something; a site that did not
+    run stays unfilled (and casts with current scaling); `_replace` of the history forgets it."""
+    state = _state(("a", "b"), history_len=2)
+    obs = observation(state, a=(1.0, 2.0, 0.0))  # a's grad_output not observed, b not at all
+    state = fp8fn.update(state, obs)
+    assert state.filled == (True, True, False, False, False, False)
+    assert saved_and_loaded(state).filled is None  # not saved: found again by the next update
+    assert fp8fn.update(saved_and_loaded(state), obs).filled == state.filled
+    assert state._replace(amax_history=state.amax_history.clone()).filled is None
+    assert state._replace(scale=state.scale.clone()).filled == state.filled
+    assert fp8fn.observe(state).filled == state.filled

@@ -6,7 +6,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .._torch_private import functorch_level
-from .state import State, check_state, share_validity, warn_if_superseded
+from .state import State, check_state, warn_if_superseded
 
 
 def observe(state: State) -> State:
@@ -31,7 +31,7 @@ def observe(state: State) -> State:
     history = state.amax_history.detach().requires_grad_()
     history._fp8fn_observed = True  # (for the advice when it is reused)
     history.register_hook(_one_gradient())
-    return state._replace(amax_history=history)
+    return state._observable(history)
 
 
 def _one_gradient():
@@ -71,14 +71,6 @@ def observations(state: State) -> State:
         )
     key = None if state.key is None else torch.zeros_like(state.key)  # observations never move it
     return state._replace(amax_history=grad, scale=torch.zeros_like(state.scale), key=key)
-
-
-def _leaf(t: torch.Tensor, compiling: bool) -> torch.Tensor:
-    """`t` detached, requiring grad; known valid scales stay known (no check of them again)."""
-    leaf = t.detach().requires_grad_()
-    if not compiling:
-        share_validity(t, leaf)
-    return leaf
 
 
 def value_and_grad(f, argnums=0, has_aux=False):
@@ -156,7 +148,7 @@ def value_and_grad(f, argnums=0, has_aux=False):
             # A tensor given twice in one argument (tied weights) stays one tensor; one given in
             # two arguments is two (two copies of a state, for two forward passes).
             memo = {}
-            leaves = [memo.setdefault(id(t), _leaf(t, compiling)) for t in leaves]
+            leaves = [memo.setdefault(id(t), t.detach().requires_grad_()) for t in leaves]
             args[i] = pytree.tree_unflatten(leaves, spec)
             specs.append((leaves, spec))
         with torch.enable_grad():

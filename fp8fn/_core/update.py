@@ -11,7 +11,7 @@ import warnings
 import torch
 
 from .._numerics.fp8 import ROLE_FP8_MAX, scale_from_amax
-from .._torch_private import assert_in_graph
+from .._torch_private import assert_in_graph, functorch_level
 from .state import State, check_scales, check_state, known_valid, mark_valid, supersede
 
 
@@ -89,9 +89,15 @@ def update(state: State, obs: State) -> State:
     _check_pair("update", state, obs, "state", "obs")
     check_scales("update", state.scale)
     history, scale = state.amax_history, state.scale
-    known = not torch.compiler.is_compiling() and known_valid(obs.scale)
+    # A state known as one (no host read): the same history, or other scales that fp8fn made
+    # or checked (an observation's scales are zeros, or `state`'s own when made by _replace).
+    known = (
+        not torch.compiler.is_compiling()
+        and obs.scale is not state.scale
+        and known_valid(obs.scale)
+    )
     if obs.amax_history is state.amax_history or known:
-        raise ValueError(_NOT_AN_OBSERVATION)  # a state, known as one (no host read)
+        raise ValueError(_NOT_AN_OBSERVATION)
     with torch.no_grad():  # state is data: no autograd history carried across steps
         # Any other state (older history entries or a random key) is refused in the graph.
         older = obs.amax_history[..., 1:].any()
@@ -106,11 +112,26 @@ def update(state: State, obs: State) -> State:
         new_scale = scale_from_amax(window.amax(dim=-1), ROLE_FP8_MAX, state.margin)
         scale = torch.where(push, new_scale, scale)
         key = None if state.key is None else state.key + 1
-    new = state._replace(amax_history=history, scale=scale, key=key)
+    new = State(history, scale, *state.static, key=key, filled=_filled(state, history))
     if not torch.compiler.is_compiling():
         mark_valid(scale)
         supersede(state)
     return new
+
+
+def _filled(state: State, history: torch.Tensor) -> tuple[bool, ...] | None:
+    """`filled` of the state after `update` (`history`, its new histories): one host read while
+    some history is empty (warm-up, or a site that has not run), none once all are filled.
+    Unknown (`state.filled`) where values cannot be read: compiled, or inside torch.func."""
+    if state.filled is not None and all(state.filled):
+        return state.filled  # a filled history stays filled: update pushes amaxes > 0 only
+    if torch.compiler.is_compiling() or functorch_level() is not None:
+        return state.filled
+    n = len(state.sites)
+    if not n:
+        return ()
+    newest = (history[..., 0] > 0).reshape(-1, 3 * n).all(0)
+    return tuple(newest.tolist())
 
 
 def merge(obs_a: State, obs_b: State) -> State:

@@ -22,20 +22,23 @@ _HIGHER_ORDER = (
 )
 
 
-def _scales(amaxes, newest, stored, margin: int, fp8_max: float):
+def _scales(amaxes, newest, stored, margin: int, fp8_max: float, filled: bool = False):
     """The scales the casts use, float32 of `amaxes`'s shape: `stored` where the history is
     non-empty (`newest > 0`), else current scaling from `amaxes`; current scaling when
-    stateless (`newest` None)."""
+    stateless (`newest` None). `filled` (static: every history used is known non-empty):
+    `stored` alone, so that the cast does not wait for `amaxes` (one pass over the tensor)."""
+    if filled:
+        return stored
     current = scale_from_amax(amaxes, fp8_max, margin)
     return current if newest is None else torch.where(newest > 0, stored, current)
 
 
-def _cast_operands(x, weight, newest, stored, margin: int, backend: str):
+def _cast_operands(x, weight, newest, stored, margin: int, backend: str, filled):
     """The forward's casts: `(x_fp8, w_fp8, x_scale, w_scale, x_amax, w_amax)`, e4m3 copies of
     `x` and `weight`, the float32 `()` scales used and the observed amaxes. A weight that FSDP2
     gathered in float8 (`float8_all_gather`) comes cast: its bytes, scale and amax are used."""
     if isinstance(weight, Float8GatheredWeight):
-        x_fp8, x_scale, x_amax = _cast_input(x, newest, stored, margin, backend)
+        x_fp8, x_scale, x_amax = _cast_input(x, newest, stored, margin, backend, filled)
         return x_fp8, weight._data, x_scale, weight._scale, x_amax, weight._amax
     if backend == "triton":  # one pass over each tensor at step >= 2
         (xn, wn, _), (xs, ws, _) = (None,) * 3, (None,) * 3
@@ -48,13 +51,14 @@ def _cast_operands(x, weight, newest, stored, margin: int, backend: str):
     # formats' max are literals (448.0, 57344.0): torch.compile(dynamic=True) turns float
     # globals into symbols, which broke two chained layers.
     x_amax, w_amax = amax(x), amax(weight)
-    scales = _scales(torch.stack([x_amax, w_amax, w_amax]), newest, stored, margin, 448.0)
+    known = filled is not None and filled[0] and filled[1]
+    scales = _scales(torch.stack([x_amax, w_amax, w_amax]), newest, stored, margin, 448.0, known)
     x_scale, w_scale, _ = scales.unbind()
     x_fp8, w_fp8 = cast_to_fp8(x, x_scale, E4M3), cast_to_fp8(weight, w_scale, E4M3)
     return x_fp8, w_fp8, x_scale, w_scale, x_amax, w_amax
 
 
-def _cast_input(x, newest, stored, margin: int, backend: str):
+def _cast_input(x, newest, stored, margin: int, backend: str, filled=None):
     """The forward's cast of `x` alone: `(x_fp8, x_scale, x_amax)`."""
     xn = xs = None
     if newest is not None:
@@ -62,7 +66,7 @@ def _cast_input(x, newest, stored, margin: int, backend: str):
     if backend == "triton":
         return TritonCast.apply(x, xn, xs, margin, E4M3)
     x_amax = amax(x)
-    x_scale = _scales(x_amax, xn, xs, margin, 448.0)
+    x_scale = _scales(x_amax, xn, xs, margin, 448.0, filled is not None and filled[0])
     return cast_to_fp8(x, x_scale, E4M3), x_scale, x_amax
 
 
@@ -77,7 +81,8 @@ def _cast_grad_output(grad_out, newest, stored, ctx):
             return g_fp8, g_fp8.t(), g_scale, g_amax
         return TritonCast.apply(grad_out, gn, gs, ctx.margin, E5M2, True)
     g_amax = amax(grad_out)
-    g_scale = _scales(g_amax, newest, stored, ctx.margin, 57344.0)
+    known = ctx.filled is not None and ctx.filled[2]
+    g_scale = _scales(g_amax, newest, stored, ctx.margin, 57344.0, known)
     g_scale = g_scale if newest is None else g_scale[..., 2]
     g_fp8 = cast_to_fp8(grad_out, g_scale, E5M2)
     return g_fp8, g_fp8.t(), g_scale, g_amax
@@ -137,27 +142,28 @@ class _Fp8LinearOp(torch.autograd.Function):
     """y = x @ weight.T + bias with float8 operands. x (m, k), weight (n, k), bias (n,) or None.
 
     `newest` and `stored` are the site's newest history entries and stored scales, float32
-    `(3,)` (roles input, weight, grad_output), or None for current scaling; `margin` an int.
+    `(3,)` (roles input, weight, grad_output), or None for current scaling; `margin` an int;
+    `filled` the roles whose histories are known non-empty (three bools), or None.
     The gradient with respect to `newest` is the observation `[x_amax, w_amax, g_amax]`.
     """
 
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x, weight, bias, newest, stored, margin, backend):
+    def forward(x, weight, bias, newest, stored, margin, backend, filled):
         x_fp8, w_fp8, x_scale, w_scale, x_amax, w_amax = _cast_operands(
-            x, weight, newest, stored, margin, backend
+            x, weight, newest, stored, margin, backend, filled
         )
         out, x_inv, w_inv = _fp8_gemm(x_fp8, w_fp8, x_scale, w_scale, bias, x.dtype, backend)
         return out, x_fp8, w_fp8, x_inv, w_inv, w_amax, x_amax
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, weight, bias, newest, stored, margin, backend = inputs
+        x, weight, bias, newest, stored, margin, backend, filled = inputs
         ctx.mark_non_differentiable(*output[1:6])  # x_amax stays differentiable: see backward
         ctx.set_materialize_grads(False)  # the residual outputs get no gradient: no zeros made
         ctx.save_for_backward(*output[1:], newest, stored)
-        ctx.margin, ctx.backend = margin, backend
+        ctx.margin, ctx.backend, ctx.filled = margin, backend, filled
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
 
     @staticmethod
@@ -168,7 +174,7 @@ class _Fp8LinearOp(torch.autograd.Function):
             g_inv = g_scale.reciprocal()
             x_dtype, w_dtype, b_dtype = ctx.dtypes
             needs = ctx.needs_input_grad
-            grads = [None] * 7
+            grads = [None] * 8
             if needs[0]:
                 grads[0] = fp8_mm(g_fp8, w_fp8.t(), g_inv, w_inv, x_dtype, ctx.backend)
             if needs[1]:
@@ -192,12 +198,14 @@ class _Fp8Linear(_Fp8LinearOp):
     generate_vmap_rule = False
 
     @staticmethod
-    def vmap(info, in_dims, x, weight, bias, newest, stored, margin, backend):
+    def vmap(info, in_dims, x, weight, bias, newest, stored, margin, backend, filled):
         args = (x, weight, bias, newest, stored)
         tracked = any(tracked_below(t) for t in args if t is not None)
         if tracked and all(d is None for d in in_dims[1:5]):
             xb = x.movedim(in_dims[0], 0)
-            outs = _Fp8Linear.apply(xb.flatten(0, 1), weight, bias, newest, stored, margin, backend)
+            outs = _Fp8Linear.apply(
+                xb.flatten(0, 1), weight, bias, newest, stored, margin, backend, filled
+            )
             out, x_fp8, *rest = outs
             folded = (out.unflatten(0, xb.shape[:2]), x_fp8.unflatten(0, xb.shape[:2]))
             return (*folded, *rest), (0, 0) + (None,) * len(rest)
@@ -207,13 +215,13 @@ class _Fp8Linear(_Fp8LinearOp):
                 "would share one state and autograd would sum their observations. Give each "
                 "member its own state (stack the states and vmap over them too)."
             )
-        outs = torch.vmap(_Fp8LinearOp.apply, in_dims=(*in_dims[:5], None, None))(
-            *args, margin, backend
+        outs = torch.vmap(_Fp8LinearOp.apply, in_dims=(*in_dims[:5], None, None, None))(
+            *args, margin, backend, filled
         )
         return outs, (0,) * len(outs)
 
 
-def tensorwise_linear(x, weight, bias, newest, stored, margin: int, backend: str):
+def tensorwise_linear(x, weight, bias, newest, stored, margin: int, backend: str, filled=None):
     """`x @ weight.T + bias` under a per-tensor recipe, on checked operands.
 
     Args:
@@ -222,11 +230,13 @@ def tensorwise_linear(x, weight, bias, newest, stored, margin: int, backend: str
         (roles input, weight, grad_output), or None for current scaling.
       margin: the recipe's margin.
       backend: `"emulated"`, `"scaled_mm"` or `"triton"`.
+      filled: which of the three roles' histories are known non-empty (static bools, from
+        `State.filled`): those cast with the stored scale alone. None: decided in the graph.
 
     Returns:
       `(..., n)` in `x.dtype`; the gradient with respect to `newest` is the observation.
     """
     rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # (a reshape is a kernel call)
     with no_autocast(x):
-        out = _Fp8Linear.apply(rows, weight, bias, newest, stored, margin, backend)[0]
+        out = _Fp8Linear.apply(rows, weight, bias, newest, stored, margin, backend, filled)[0]
     return out if x.dim() == 2 else out.reshape(*x.shape[:-1], weight.shape[0])
