@@ -47,6 +47,19 @@ def unwrapped(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def tensor_version(t: torch.Tensor) -> int:
+    """The version counter of `t`: it grows with every in-place change of `t` or of a tensor
+    sharing its counter (its views, `t.detach()`)."""
+    return t._version
+
+
+def assert_in_graph(condition: torch.Tensor, message: str) -> None:
+    """Raise `RuntimeError(message)` where the bool `()` tensor `condition` is False, without a
+    host read: on CPU at once, on CUDA as a device-side assert; torch.compile keeps it in the
+    graph."""
+    torch._assert_async(condition, message)
+
+
 def tracked_below(t: torch.Tensor) -> bool:
     """Whether a differentiation below the current transform level tracks `t`."""
     return _functorch.is_gradtrackingtensor(t) or t.requires_grad

@@ -27,6 +27,7 @@ HEADERS = {
     "memory.py": re.compile(r"^run\s+all saved\s+new memory", re.M),
     "overhead.py": re.compile(r"^route\s+forward\s+backward\s+total", re.M),
     "step.py": re.compile(r"^variant\s+MLP", re.M),
+    "traffic.py": re.compile(r"^model\s+variant\s+kernels\s+MB", re.M),
     "update_scaling.py": re.compile(r"^\s*sites\s+update ms\s+x 8 sites", re.M),
 }
 NUMBER = re.compile(r"(?<![\w.])\d+(\.\d+)?x?(?![\w.])")
@@ -77,9 +78,8 @@ def test_benchmark_helper_imports_neither_fp8fn_nor_the_tests():
     }
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.stem)
-def test_benchmark_quick_run_prints_its_table(script):
+def _run_quick(script: pathlib.Path) -> subprocess.CompletedProcess:
+    """`script --quick` run as a user would; skips when an optional dependency is missing."""
     result = subprocess.run(
         [sys.executable, str(script), "--quick"],
         cwd=ROOT,
@@ -91,6 +91,13 @@ def test_benchmark_quick_run_prints_its_table(script):
     if result.returncode != 0 and missing and missing.group(1) in OPTIONAL:
         pytest.skip(f"{script.name} needs {missing.group(1)}")
     assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.stem)
+def test_benchmark_quick_run_prints_its_table(script):
+    result = _run_quick(script)
     if "needs CUDA" in result.stdout + result.stderr and not torch.cuda.is_available():
         pytest.skip(f"{script.name} needs a GPU")
     header = HEADERS.get(script.name)
@@ -102,3 +109,21 @@ def test_benchmark_quick_run_prints_its_table(script):
     else:  # some table: two rows of numbers
         lines = result.stdout.splitlines()
         assert any(_rows("\n".join(lines[i:])) >= 2 for i in range(len(lines))), result.stdout
+
+
+@pytest.mark.slow
+def test_traffic_counts_on_the_linear():
+    """`traffic.py --quick`'s counts are deterministic: the linear's kernels and MB as measured
+    (issue 28's targets, delayed <= 0.75x torchao's bytes and <= torchao's kernels, are not met
+    yet: this pins the present figures so that a regression shows)."""
+    result = _run_quick(ROOT / "benchmarks" / "traffic.py")
+    rows = {
+        " ".join(line.split()[2:-4]): line.split()[-4:-2]
+        for line in result.stdout.splitlines()
+        if line.startswith("linear 512x1024")
+    }
+    assert rows == {
+        "torchao tensorwise": ["12", "5.51"],
+        "fp8fn current": ["15", "5.51"],
+        "fp8fn delayed": ["21", "7.60"],
+    }, result.stdout

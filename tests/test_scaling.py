@@ -484,3 +484,177 @@ def test_state_torch_save_load_weights_only(stepped):
     loaded = saved_and_loaded(stepped)
     assert type(loaded) is fp8fn.State and loaded.static == stepped.static
     assert_bit_identical(loaded, stepped)
+
+
+def _golden_records():
+    """`tools/golden_v0_3.py`'s records, computed with today's code."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "tools" / "golden_v0_3.py"
+    spec = importlib.util.spec_from_file_location("golden_v0_3", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.records()
+
+
+def test_numbers_are_those_of_v0_3_bit_for_bit():
+    """Outputs, parameter gradients, observations, updated states and fp8 casts of every recipe
+    (delayed with empty and filled histories) and route equal fp8fn 0.3's (509a66d), recorded in
+    tests/data/golden_v0_3.pt by tools/golden_v0_3.py."""
+    from pathlib import Path
+
+    golden = torch.load(Path(__file__).parent / "data" / "golden_v0_3.pt", weights_only=True)
+    now = _golden_records()
+    assert sorted(now) == sorted(golden["records"])
+    differ = [name for name, d in golden["records"].items() if now[name] != d]
+    assert differ == []
+
+
+def _mlp_fn(recipe=None):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 16))
+    fn = fp8fn.transform(model, recipe or fp8fn.DelayedScaling())
+    return fn, dict(model.named_parameters()), torch.randn(8, 32)
+
+
+def _loss_of(fn):
+    return lambda p, s, x: fn.apply(p, s, x).square().mean()
+
+
+def test_scales_changed_in_place_after_update_are_checked_again():
+    fn, params, x = _mlp_fn()
+    state = fn.init(x)
+    obs = torch.func.grad(_loss_of(fn), argnums=1)(params, state, x)
+    new = fp8fn.update(state, obs)
+    fn.apply(params, new, x)  # known valid: no check
+    new.scale.zero_()  # the same tensor, changed in place
+    with pytest.raises(ValueError, match=r"^fp8fn\.apply: expected the scales of `state` finite"):
+        fn.apply(params, new, x)
+    with pytest.raises(ValueError, match=r"^fp8fn\.update: expected the scales of `state` finit"):
+        fp8fn.update(new, obs)
+
+
+def test_update_refuses_a_state_it_does_not_know_in_the_graph():
+    """A state fp8fn did not make (loaded) passed as the observation: its older history entries
+    are refused by an assert in the graph (no host read)."""
+    fn, params, x = _mlp_fn()
+    state = fn.init(x)
+    for _ in range(2):
+        state = fp8fn.update(state, torch.func.grad(_loss_of(fn), argnums=1)(params, state, x))
+    loaded = saved_and_loaded(state)
+    with pytest.raises(RuntimeError, match=r"^fp8fn\.update: expected `obs` an observation"):
+        fp8fn.update(state, loaded)
+
+
+HOST_READS = ("__bool__", "item", "tolist", "__int__", "__float__", "__index__")
+
+
+class CountHostReads:
+    """Counts the Python-level reads of tensor values (`bool(t)`, `t.item()`, ...) inside."""
+
+    def __enter__(self):
+        self.reads, self.saved = [], {n: getattr(torch.Tensor, n) for n in HOST_READS}
+        for name, method in self.saved.items():
+
+            def counted(t, *args, _name=name, _method=method, **kwargs):
+                self.reads.append(_name)
+                return _method(t, *args, **kwargs)
+
+            setattr(torch.Tensor, name, counted)
+        return self
+
+    def __exit__(self, *exc):
+        for name, method in self.saved.items():
+            setattr(torch.Tensor, name, method)
+
+
+def test_count_host_reads_sees_each_kind():
+    t = torch.ones(())
+    with CountHostReads() as c:
+        bool(t), t.item(), t.tolist(), int(t), float(t), [0, 1][t.long()]
+    assert sorted(c.reads) == sorted(HOST_READS)
+
+
+def _func_step(fn, params, state, x):
+    _, obs = torch.func.grad(_loss_of(fn), argnums=(0, 1))(params, state, x)
+    return fp8fn.update(state, obs)
+
+
+def _autograd_step(fn, params, state, x):
+    observed = fp8fn.observe(state)
+    leaves = {k: v.detach().requires_grad_() for k, v in params.items()}
+    _loss_of(fn)(leaves, observed, x).backward()
+    return fp8fn.update(state, fp8fn.observations(observed))
+
+
+def _value_and_grad_merge_step(fn, params, state, x):
+    grad = fp8fn.value_and_grad(_loss_of(fn), argnums=(0, 1))
+    _, (_, obs_a) = grad(params, state, x[:4])
+    _, (_, obs_b) = grad(params, state, x[4:])
+    return fp8fn.update(state, fp8fn.merge(obs_a, obs_b))
+
+
+@pytest.mark.parametrize("step", [_func_step, _autograd_step, _value_and_grad_merge_step])
+def test_a_steady_state_step_reads_no_tensor_value_on_the_host(step):
+    """No `bool(t)`, `.item()`, ... (each a device sync on a GPU) in a step after the first."""
+    fn, params, x = _mlp_fn()
+    state = fn.init(x)
+    for _ in range(2):
+        state = step(fn, params, state, x)
+    with CountHostReads() as c:
+        new = step(fn, params, state, x)
+    assert c.reads == []
+    assert torch.equal(new.amax_history[..., 1:], state.amax_history[..., :-1])  # it stepped
+
+
+class _CastScales:
+    """Records the storage address of the scale of every per-tensor float8 cast inside."""
+
+    def __init__(self, monkeypatch):
+        from fp8fn._ops import tensorwise
+        from fp8fn._torch_private import unwrapped
+
+        self.scales, cast = [], tensorwise.cast_to_fp8
+
+        def recording(hp, scale, *args):
+            self.scales.append(unwrapped(scale).untyped_storage().data_ptr())
+            return cast(hp, scale, *args)
+
+        monkeypatch.setattr(tensorwise, "cast_to_fp8", recording)
+
+
+def test_filled_histories_cast_with_the_stored_scales_themselves(monkeypatch):
+    """Once a state's histories are filled (`update` records it in the tree structure), x, W
+    and dY are cast with the stored scales as they are: no value computed from the tensor's
+    own amax comes before its cast, so a compiler can take the amax in the cast's pass. At step
+    1 (empty histories) the scales are computed (current scaling)."""
+    fn, params, x = _mlp_fn()
+    state = fn.init(x)
+    assert state.filled == (False,) * 6
+    stored = state.scale.untyped_storage().data_ptr()
+    seen = _CastScales(monkeypatch)
+    torch.func.grad(_loss_of(fn), argnums=1)(params, state, x)
+    assert len(seen.scales) == 6 and stored not in seen.scales  # 2 sites x (x, W, dY)
+    state = _func_step(fn, params, state, x)
+    assert state.filled == (True,) * 6
+    for route in (_func_step, _autograd_step):
+        stored = state.scale.untyped_storage().data_ptr()
+        seen.scales.clear()
+        state = route(fn, params, state, x)
+        assert seen.scales == [stored] * 6
+    assert state.filled == (True,) * 6
+
+
+def test_filled_follows_the_histories():
+    """`filled` is set by `update` for the roles that observed something; a site that did not
+    run stays unfilled (and casts with current scaling); `_replace` of the history forgets it."""
+    state = _state(("a", "b"), history_len=2)
+    obs = observation(state, a=(1.0, 2.0, 0.0))  # a's grad_output not observed, b not at all
+    state = fp8fn.update(state, obs)
+    assert state.filled == (True, True, False, False, False, False)
+    assert saved_and_loaded(state).filled is None  # not saved: found again by the next update
+    assert fp8fn.update(saved_and_loaded(state), obs).filled == state.filled
+    assert state._replace(amax_history=state.amax_history.clone()).filled is None
+    assert state._replace(scale=state.scale.clone()).filled == state.filled
+    assert fp8fn.observe(state).filled == state.filled

@@ -4,6 +4,7 @@ A torch upgrade that renames or changes one of them fails here, by name, instead
 deep inside the op.
 """
 
+import pytest
 import torch
 import torch.utils.checkpoint
 
@@ -203,3 +204,20 @@ def test_innermost_function_mode_enters_below_the_modes_in_effect():
             torch.sin(torch.ones(1))
         assert private.function_modes()[-1].name == "user"
     assert order == ["user", "fp8fn"] and private.function_modes() == []
+
+
+def test_tensor_version_grows_with_in_place_changes_of_views_and_detached_copies():
+    t = torch.ones(3)
+    before = private.tensor_version(t)
+    t[1:].zero_()  # through a view
+    assert private.tensor_version(t) > before
+    before = private.tensor_version(t)
+    t.detach().add_(1)  # detach shares the counter
+    assert private.tensor_version(t) > before
+    assert private.tensor_version(t + 1) == 0  # a new tensor starts at 0
+
+
+def test_assert_in_graph_raises_its_message_where_false_only():
+    private.assert_in_graph(torch.tensor(True), "never")
+    with pytest.raises(RuntimeError, match="fp8fn.x: expected y"):
+        private.assert_in_graph(torch.tensor(False), "fp8fn.x: expected y")

@@ -31,7 +31,7 @@ def observe(state: State) -> State:
     history = state.amax_history.detach().requires_grad_()
     history._fp8fn_observed = True  # (for the advice when it is reused)
     history.register_hook(_one_gradient())
-    return state._replace(amax_history=history)
+    return state._observable(history)
 
 
 def _one_gradient():

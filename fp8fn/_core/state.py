@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import warnings
+import weakref
 from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
@@ -18,7 +19,7 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .._torch_private import unwrapped
+from .._torch_private import tensor_version, unwrapped
 from .keys import check_key
 from .recipes import RECIPES, DelayedScaling
 
@@ -137,6 +138,13 @@ class State(_Frozen):
       sites: the site names, a tuple of str (static).
       amax_compute: `"max"` or `"most_recent"` (static).
       margin: int >= 0 (static).
+      filled: which histories hold an observation, a tuple of `3 * n_sites` bools (site-major,
+        roles in order), or None when not known (static, in the tree structure, but not part of
+        `static`: states and observations of other `filled` still pair). A filled history casts
+        with its stored scale alone, so the cast needs no amax first (one pass over the tensor);
+        an unknown or empty one decides in the graph (empty: current scaling). `init_state`
+        sets all False, `update` keeps it (a host read only while some history is empty),
+        `_replace(amax_history=...)` forgets it.
 
     Example:
       >>> import fp8fn
@@ -154,12 +162,15 @@ class State(_Frozen):
         "amax_compute",
         "margin",
         "key",
+        "filled",
         "_index",
         "_views",
     )
 
-    def __init__(self, amax_history, scale, sites, amax_compute="max", margin=0, key=None):
-        values = (amax_history, scale, tuple(sites), amax_compute, margin, key, None, {})
+    def __init__(
+        self, amax_history, scale, sites, amax_compute="max", margin=0, key=None, filled=None
+    ):
+        values = (amax_history, scale, tuple(sites), amax_compute, margin, key, filled, None, {})
         for name, value in zip(self.__slots__, values):
             object.__setattr__(self, name, value)
 
@@ -176,14 +187,25 @@ class State(_Frozen):
         """A new `State` with `amax_history`, `scale` and/or `key` replaced (like NamedTuple's)."""
         fields = {"amax_history": self.amax_history, "scale": self.scale, "key": self.key}
         fields.update(_known_fields("State", leaves, ("amax_history", "scale", "key")))
-        return State(fields["amax_history"], fields["scale"], *self.static, key=fields["key"])
+        filled = None if "amax_history" in leaves else self.filled
+        return State(
+            fields["amax_history"], fields["scale"], *self.static, key=fields["key"], filled=filled
+        )
+
+    def _observable(self, amax_history) -> State:
+        """This state with `amax_history` replaced by a tensor of the same values (`filled`
+        kept)."""
+        return State(amax_history, self.scale, *self.static, key=self.key, filled=self.filled)
+
+    def site_filled(self, i: int) -> tuple[bool, bool, bool] | None:
+        """`filled` of the site at row `i` (its three roles), or None when not known."""
+        return None if self.filled is None else self.filled[3 * i : 3 * i + 3]
 
     def to(self, device) -> State:
         """The same state with its tensors on `device` (e.g. `"cuda"`, `torch.device`)."""
         key = None if self.key is None else self.key.to(device)
-        return self._replace(
-            amax_history=self.amax_history.to(device), scale=self.scale.to(device), key=key
-        )
+        history, scale = self.amax_history.to(device), self.scale.to(device)
+        return State(history, scale, *self.static, key=key, filled=self.filled)
 
     def __len__(self) -> int:
         return len(self.sites)
@@ -234,7 +256,7 @@ class State(_Frozen):
         return (State, (self.amax_history, self.scale, *self.static, self.key))
 
 
-def _register(cls, leaves, static):
+def _register(cls, leaves, static, make_from=None):
     """Register `cls` as a pytree node (torch and optree) of the fields `leaves`, with the
     static config `static(obj)` as aux data; and as safe for `torch.load(weights_only=True)`.
 
@@ -248,6 +270,8 @@ def _register(cls, leaves, static):
 
     def make(values, aux):
         *values, key = values if len(values) > len(leaves) else (*values, None)
+        if make_from is not None:
+            return make_from(values, aux, key)
         return cls(*values, *aux) if key is None else cls(*values, *aux, key=key)
 
     pytree.register_pytree_node(
@@ -274,7 +298,34 @@ def _register(cls, leaves, static):
 # they then lived in, and load through these aliases.
 for _cls in (ScaleState, SiteState, State):
     _cls.__module__ = "fp8fn"
-_register(State, ("amax_history", "scale"), lambda s: s.static)
+
+
+class _TreeContext:
+    """A `State`'s pytree aux data: its `static` config, and `filled` riding along. Equal by
+    `static` alone, so that states and observations of other `filled` have one tree structure
+    (torch.func, vmap, `merge`); torch.compile guards on `filled` where the op reads it."""
+
+    __slots__ = ("static", "filled")
+
+    def __init__(self, static, filled):
+        self.static, self.filled = static, filled
+
+    def __eq__(self, other):
+        return isinstance(other, _TreeContext) and self.static == other.static
+
+    def __hash__(self):
+        return hash(self.static)
+
+    def __repr__(self):
+        return repr(self.static)
+
+
+_register(
+    State,
+    ("amax_history", "scale"),
+    lambda s: _TreeContext(s.static, s.filled),
+    lambda values, aux, key: State(*values, *aux.static, key=key, filled=aux.filled),
+)
 _register(SiteState, ("amax_history", "scale"), lambda s: s.static)
 torch.serialization.add_safe_globals(
     [(State, "fp8fn._state.State"), (SiteState, "fp8fn._state.SiteState")]
@@ -336,6 +387,7 @@ def init_state(recipe: DelayedScaling, sites, device=None) -> State:
         sites,
         recipe.amax_compute,
         recipe.margin,
+        filled=(False,) * (3 * n),
     )
 
 
@@ -395,28 +447,57 @@ def check_state(api: str, state, name: str = "state", batch_dims: int | None = 0
         )
 
 
-# Scale tensors known to be finite and > 0 (made by `init_state` and `update`): checked once.
+# Scale tensors known to be finite and > 0 (made by `init_state` and `update`, or checked once),
+# each with its version then: an in-place change since (`state.scale.zero_()`) makes it unknown.
+# Also by memory (address, shape, strides, dtype, device), while the marked tensor lives (so the
+# memory is not reused): its `detach()` copies (`fp8fn.value_and_grad`'s leaves) share memory and
+# version counter.
 _VALID_SCALES = WeakIdKeyDictionary()
+_VALID_MEMORY: dict[tuple, tuple] = {}
+
+
+def _memory(t: torch.Tensor) -> tuple:
+    return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device)
 
 
 def mark_valid(scale: torch.Tensor) -> torch.Tensor:
     """Record that `scale` (made by fp8fn from valid scales) is finite and > 0; returns it."""
-    _VALID_SCALES[scale] = True
+    version, key = tensor_version(scale), _memory(scale)
+    _VALID_SCALES[scale] = version
+
+    def forget(ref):
+        if _VALID_MEMORY.get(key, (None,))[0] is ref:
+            del _VALID_MEMORY[key]
+
+    _VALID_MEMORY[key] = (weakref.ref(scale, forget), version)
     return scale
+
+
+def known_valid(scale: torch.Tensor) -> bool:
+    """Whether `scale` (or the tensor it views, or one whose memory it shares) holds scales known
+    to be finite and > 0, unchanged since they were checked (no host read)."""
+    base = unwrapped(scale)
+    for t in (base, base._base):
+        if t is not None and _VALID_SCALES.get(t) == tensor_version(t):
+            return True
+    if not base.numel():  # (empty tensors share the address 0)
+        return False
+    ref, version = _VALID_MEMORY.get(_memory(base), (None, None))
+    return ref is not None and ref() is not None and version == tensor_version(base)
 
 
 def check_scales(api: str, scale: torch.Tensor, name: str = "state") -> None:
     """Raise unless every scale in `scale` (a `State`'s or a `SiteState`'s) is finite and > 0.
 
     A scale of 0 or NaN would cast everything to NaN, silently: it comes from passing an
-    observation (whose scales are zeros) where a state belongs. Checked once per tensor (a
-    host sync, none for the states `init` and `update` make), and not while compiling.
+    observation (whose scales are zeros) where a state belongs. Checked once per tensor and
+    version (a host read, none for the states `init` and `update` make, and again after an
+    in-place change), and not while compiling.
     """
     if torch.compiler.is_compiling():
         return
     base = unwrapped(scale)
-    root = base if base._base is None else base._base
-    if base.device.type == "meta" or base in _VALID_SCALES or root in _VALID_SCALES:
+    if base.device.type == "meta" or known_valid(base):
         return
     if not bool(((base > 0) & base.isfinite()).all()):
         raise ValueError(
@@ -425,7 +506,7 @@ def check_scales(api: str, scale: torch.Tensor, name: str = "state") -> None:
             "an observation's: pass the state (from fn.init or fp8fn.update) here, and the "
             "observation to fp8fn.update(state, obs)."
         )
-    _VALID_SCALES[base] = True
+    mark_valid(base)
 
 
 # History tensors of states that `update` has made a newer state from.

@@ -11,8 +11,9 @@ import warnings
 import torch
 
 from .._numerics.fp8 import ROLE_FP8_MAX, scale_from_amax
+from .._torch_private import assert_in_graph, functorch_level
 from .keys import advance_key, check_key, fold_key, mark_key_valid
-from .state import State, check_scales, check_state, mark_valid, supersede
+from .state import State, check_scales, check_state, known_valid, mark_valid, supersede
 
 
 def _check_pair(api: str, a, b, a_name: str, b_name: str) -> None:
@@ -36,6 +37,13 @@ def _check_pair(api: str, a, b, a_name: str, b_name: str) -> None:
             f"fp8fn.{api}: `{has}` has a random key (a model with NVFP4 layers) and `{lacks}` "
             "has none; both must come from the same model's fn.init."
         )
+
+
+_NOT_AN_OBSERVATION = (
+    "fp8fn.update: expected `obs` an observation (the amaxes seen, in `amax_history[..., 0]`, "
+    "zeros elsewhere, and a key of 0), got older history entries or a random key too: a state. "
+    "The order is fp8fn.update(state, obs), obs from the backward."
+)
 
 
 def update(state: State, obs: State) -> State:
@@ -84,21 +92,21 @@ def update(state: State, obs: State) -> State:
     if state.key is not None:
         check_key("update", state.key)
     history, scale = state.amax_history, state.scale
+    # A state known as one (no host read): the same history, or other scales that fp8fn made
+    # or checked (an observation's scales are zeros, or `state`'s own when made by _replace).
+    known = (
+        not torch.compiler.is_compiling()
+        and obs.scale is not state.scale
+        and known_valid(obs.scale)
+    )
+    if obs.amax_history is state.amax_history or known:
+        raise ValueError(_NOT_AN_OBSERVATION)
     with torch.no_grad():  # state is data: no autograd history carried across steps
-        looks_like_state = obs.amax_history is state.amax_history or (
-            not torch.compiler.is_compiling()
-            and (
-                bool(obs.amax_history[..., 1:].any())
-                or (obs.key is not None and bool(obs.key.any()))
-            )
-        )
-        if looks_like_state:
-            raise ValueError(
-                "fp8fn.update: expected `obs` an observation (the amaxes seen, in "
-                "`amax_history[..., 0]`, zeros elsewhere, and a key of 0), got older history "
-                "entries or a random key too: a state. The order is fp8fn.update(state, obs), "
-                "obs from the backward."
-            )
+        # Any other state (older history entries or a random key) is refused in the graph.
+        older = obs.amax_history[..., 1:].any()
+        if obs.key is not None:
+            older = older | obs.key.any()
+        assert_in_graph(~older, _NOT_AN_OBSERVATION)
         amax = obs.amax_history[..., 0]
         push = (amax > 0) & torch.isfinite(amax)
         rolled = torch.cat([amax.unsqueeze(-1), history[..., :-1]], dim=-1)
@@ -107,13 +115,28 @@ def update(state: State, obs: State) -> State:
         new_scale = scale_from_amax(window.amax(dim=-1), ROLE_FP8_MAX, state.margin)
         scale = torch.where(push, new_scale, scale)
         key = None if state.key is None else advance_key(state.key)
-    new = state._replace(amax_history=history, scale=scale, key=key)
+    new = State(history, scale, *state.static, key=key, filled=_filled(state, history))
     if not torch.compiler.is_compiling():
         mark_valid(scale)
         if key is not None:
             mark_key_valid(key)
         supersede(state)
     return new
+
+
+def _filled(state: State, history: torch.Tensor) -> tuple[bool, ...] | None:
+    """`filled` of the state after `update` (`history`, its new histories): one host read while
+    some history is empty (warm-up, or a site that has not run), none once all are filled.
+    Unknown (`state.filled`) where values cannot be read: compiled, or inside torch.func."""
+    if state.filled is not None and all(state.filled):
+        return state.filled  # a filled history stays filled: update pushes amaxes > 0 only
+    if torch.compiler.is_compiling() or functorch_level() is not None:
+        return state.filled
+    n = len(state.sites)
+    if not n:
+        return ()
+    newest = (history[..., 0] > 0).reshape(-1, 3 * n).all(0)
+    return tuple(newest.tolist())
 
 
 def merge(obs_a: State, obs_b: State) -> State:

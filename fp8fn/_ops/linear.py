@@ -97,9 +97,10 @@ def linear(x, weight, bias, site_state, recipe):
     return fp8_linear(x, weight, bias, newest, stored, recipe)
 
 
-def fp8_linear(x, weight, bias, newest, stored, recipe, random=None):
+def fp8_linear(x, weight, bias, newest, stored, recipe, random=None, filled=None):
     """`linear` on checked operands: `newest`, `stored` float32 `(3,)` or None; `random`
-    `(key, site)` (NVFP4) or None."""
+    `(key, site)` (NVFP4) or None; `filled` the roles whose histories are known non-empty
+    (`State.site_filled`) or None."""
     refuse_compile_under_func("linear")
     if newest is not None and newest.device != x.device:
         raise ValueError(
@@ -118,4 +119,5 @@ def fp8_linear(x, weight, bias, newest, stored, recipe, random=None):
         check_finer(x, weight, recipe)
         with no_autocast(x):
             return finer_linear(x, weight, bias, recipe, backend)
-    return tensorwise_linear(x, weight, bias, newest, stored, getattr(recipe, "margin", 0), backend)
+    margin = getattr(recipe, "margin", 0)
+    return tensorwise_linear(x, weight, bias, newest, stored, margin, backend, filled=filled)

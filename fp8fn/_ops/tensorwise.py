@@ -85,22 +85,25 @@ def _whole(place: Local, amaxes, roles: tuple):
     return place.max_over_ranks(amaxes, mask) if any(mask) else amaxes
 
 
-def _scales(amaxes, newest, stored, margin: int, fp8_max: float):
+def _scales(amaxes, newest, stored, margin: int, fp8_max: float, filled: bool = False):
     """The scales the casts use, float32 of `amaxes`'s shape: `stored` where the history is
     non-empty (`newest > 0`), else current scaling from `amaxes`; current scaling when
-    stateless (`newest` None)."""
+    stateless (`newest` None). `filled` (static: every history used is known non-empty):
+    `stored` alone, so that the cast does not wait for `amaxes` (one pass over the tensor)."""
+    if filled:
+        return stored
     current = scale_from_amax(amaxes, fp8_max, margin)
     return current if newest is None else torch.where(newest > 0, stored, current)
 
 
-def _cast_operands(x, weight, newest, stored, margin: int, backend: str, place: Local):
+def _cast_operands(x, weight, newest, stored, margin: int, backend: str, place: Local, filled=None):
     """The forward's casts: `(x_fp8, w_fp8, x_scale, w_scale, x_amax, w_amax)`, e4m3 copies of
     `x` and `weight` (the local operands), the float32 `()` scales used and the observed (local)
     amaxes. A weight that comes cast (`place.float8_weight`: FSDP2's float8 all-gather) is used
     as it is: its bytes, scale and amax."""
     cast = place.float8_weight(weight)
     if cast is not None:
-        x_fp8, x_scale, x_amax = _cast_input(x, newest, stored, margin, backend)
+        x_fp8, x_scale, x_amax = _cast_input(x, newest, stored, margin, backend, filled)
         w_fp8, w_scale, w_amax = cast
         return x_fp8, w_fp8, x_scale, w_scale, x_amax, w_amax
     if backend == "triton":  # one pass over each tensor at step >= 2
@@ -115,13 +118,14 @@ def _cast_operands(x, weight, newest, stored, margin: int, backend: str, place: 
     # globals into symbols, which broke two chained layers.
     x_amax, w_amax = amax(x), amax(weight)
     amaxes = _whole(place, torch.stack([x_amax, w_amax, w_amax]), (0, 1, 1))
-    scales = _scales(amaxes, newest, stored, margin, 448.0)
+    known = filled is not None and filled[0] and filled[1]
+    scales = _scales(amaxes, newest, stored, margin, 448.0, known)
     x_scale, w_scale, _ = scales.unbind()
     x_fp8, w_fp8 = cast_to_fp8(x, x_scale, E4M3), cast_to_fp8(weight, w_scale, E4M3)
     return x_fp8, w_fp8, x_scale, w_scale, x_amax, w_amax
 
 
-def _cast_input(x, newest, stored, margin: int, backend: str):
+def _cast_input(x, newest, stored, margin: int, backend: str, filled=None):
     """The forward's cast of `x` alone: `(x_fp8, x_scale, x_amax)`."""
     xn = xs = None
     if newest is not None:
@@ -129,7 +133,7 @@ def _cast_input(x, newest, stored, margin: int, backend: str):
     if backend == "triton":
         return TritonCast.apply(x, xn, xs, margin, E4M3)
     x_amax = amax(x)
-    x_scale = _scales(x_amax, xn, xs, margin, 448.0)
+    x_scale = _scales(x_amax, xn, xs, margin, 448.0, filled is not None and filled[0])
     return cast_to_fp8(x, x_scale, E4M3), x_scale, x_amax
 
 
@@ -145,7 +149,8 @@ def _cast_grad_output(grad_out, newest, stored, ctx):
             return g_fp8, g_fp8.t(), g_scale, g_amax
         return TritonCast.apply(grad_out, gn, gs, ctx.margin, E5M2, True)
     g_amax = amax(grad_out)
-    g_scale = _scales(_whole(ctx.place, g_amax, (2,)), newest, stored, ctx.margin, 57344.0)
+    known = ctx.filled is not None and ctx.filled[2]
+    g_scale = _scales(_whole(ctx.place, g_amax, (2,)), newest, stored, ctx.margin, 57344.0, known)
     g_scale = g_scale if newest is None else g_scale[..., 2]
     g_fp8 = cast_to_fp8(grad_out, g_scale, E5M2)
     return g_fp8, g_fp8.t(), g_scale, g_amax
@@ -176,17 +181,19 @@ class _Fp8LinearOp(torch.autograd.Function):
     Locally, x `(m, k)`, weight `(n, k)`, bias `(n,)` or None; a sharded placement takes its
     DTensors (see `fp8fn/_parallel/dtensor.py`). `newest` and `stored` are the site's newest
     history entries and stored scales, float32 `(3,)` (roles input, weight, grad_output), or
-    None for current scaling; `margin` an int; `backend` `fp8_mm`'s. The gradient with respect
-    to `newest` is the observation `[x_amax, w_amax, g_amax]` of the local operands.
+    None for current scaling; `margin` an int; `backend` `fp8_mm`'s;
+    `filled` the roles whose histories are known non-empty (three static bools), or None.
+    The gradient with respect to `newest` is the observation `[x_amax, w_amax, g_amax]` of the
+    local operands.
     """
 
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x, weight, bias, newest, stored, margin, backend, place):
+    def forward(x, weight, bias, newest, stored, margin, backend, place, filled):
         x, w = place.operands(x, weight)
         x_fp8, w_fp8, x_scale, w_scale, x_amax, w_amax = _cast_operands(
-            x, w, newest, stored, margin, backend, place
+            x, w, newest, stored, margin, backend, place, filled
         )
         w_gemm, b_gemm = place.gemm_weight(w_fp8), place.gemm_bias(bias)
         out, x_inv, w_inv = _fp8_gemm(x_fp8, w_gemm, x_scale, w_scale, b_gemm, x.dtype, backend)
@@ -194,11 +201,11 @@ class _Fp8LinearOp(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, weight, bias, newest, stored, margin, backend, place = inputs
+        x, weight, bias, newest, stored, margin, backend, place, filled = inputs
         ctx.mark_non_differentiable(*output[1:6])  # x_amax stays differentiable: see backward
         ctx.set_materialize_grads(False)  # the residual outputs get no gradient: no zeros made
         ctx.save_for_backward(*output[1:], newest, stored)
-        ctx.margin, ctx.backend, ctx.place = margin, backend, place
+        ctx.margin, ctx.backend, ctx.place, ctx.filled = margin, backend, place, filled
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
 
     @staticmethod
@@ -221,7 +228,7 @@ class _Fp8LinearOp(torch.autograd.Function):
             grads[:3] = ctx.place.place_grads(grads[:3])
             if needs[3]:  # [x_amax, w_amax, g_amax], made here: at the backward's level
                 grads[3] = torch.stack([x_amax, w_amax, g_amax])
-        return (*first_order_only(grads, x_amax), None, None, None, None)
+        return (*first_order_only(grads, x_amax), None, None, None, None, None)
 
 
 class _Fp8Linear(_Fp8LinearOp):
@@ -237,7 +244,7 @@ class _Fp8Linear(_Fp8LinearOp):
     generate_vmap_rule = False
 
     @staticmethod
-    def vmap(info, in_dims, x, weight, bias, newest, stored, margin, backend, place):
+    def vmap(info, in_dims, x, weight, bias, newest, stored, margin, backend, place, filled):
         if place.vmap_refusal is not None:
             raise ValueError(place.vmap_refusal)
         args = (x, weight, bias, newest, stored)
@@ -245,7 +252,9 @@ class _Fp8Linear(_Fp8LinearOp):
         if tracked and all(d is None for d in in_dims[1:5]):
             xb = x.movedim(in_dims[0], 0)
             rows = xb.flatten(0, 1)
-            outs = _Fp8Linear.apply(rows, weight, bias, newest, stored, margin, backend, place)
+            outs = _Fp8Linear.apply(
+                rows, weight, bias, newest, stored, margin, backend, place, filled
+            )
             out, x_fp8, *rest = outs
             folded = (out.unflatten(0, xb.shape[:2]), x_fp8.unflatten(0, xb.shape[:2]))
             return (*folded, *rest), (0, 0) + (None,) * len(rest)
@@ -255,8 +264,8 @@ class _Fp8Linear(_Fp8LinearOp):
                 "would share one state and autograd would sum their observations. Give each "
                 "member its own state (stack the states and vmap over them too)."
             )
-        outs = torch.vmap(_Fp8LinearOp.apply, in_dims=(*in_dims[:5], None, None, None))(
-            *args, margin, backend, place
+        outs = torch.vmap(_Fp8LinearOp.apply, in_dims=(*in_dims[:5], None, None, None, None))(
+            *args, margin, backend, place, filled
         )
         return outs, (0,) * len(outs)
 
@@ -269,7 +278,9 @@ def placement_of(weight) -> Local:
     return LOCAL if own is None else own(weight)
 
 
-def tensorwise_linear(x, weight, bias, newest, stored, margin: int, backend: str, place=None):
+def tensorwise_linear(
+    x, weight, bias, newest, stored, margin: int, backend: str, place=None, filled=None
+):
     """`x @ weight.T + bias` under a per-tensor recipe, on checked operands.
 
     Args:
@@ -279,6 +290,8 @@ def tensorwise_linear(x, weight, bias, newest, stored, margin: int, backend: str
       margin: the recipe's margin.
       backend: `"emulated"`, `"scaled_mm"` or `"triton"`.
       place: where the operands live (a `Local`); None: `placement_of(weight)`.
+      filled: which of the three roles' histories are known non-empty (static bools, from
+        `State.filled`): those cast with the stored scale alone. None: decided in the graph.
 
     Returns:
       `(..., n)` in `x.dtype` (placed by `place`); the gradient with respect to `newest` is the
@@ -288,5 +301,7 @@ def tensorwise_linear(x, weight, bias, newest, stored, margin: int, backend: str
     flat = x.dim() == 2 or not place.takes_rows
     rows = x if flat else x.reshape(-1, x.shape[-1])  # (a reshape is a kernel call)
     with no_autocast(x):
-        out = _Fp8Linear.apply(rows, weight, bias, newest, stored, margin, backend, place)[0]
+        out = _Fp8Linear.apply(rows, weight, bias, newest, stored, margin, backend, place, filled)[
+            0
+        ]
     return out if flat else out.reshape(*x.shape[:-1], weight.shape[0])
