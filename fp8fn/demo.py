@@ -134,13 +134,27 @@ class GPT(nn.Module):
             elif name.endswith("bias"):
                 nn.init.zeros_(p)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """idx: `(batch, seq)` int64 -> logits `(batch, seq, vocab_size)` float32."""
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """The logits of the next character, or with `targets` their mean cross-entropy.
+
+        Args:
+          idx: `(batch, seq)` int64 character ids.
+          targets: `(batch, seq)` int64, the ids that follow (`idx` shifted by one), or None.
+
+        Returns:
+          logits `(batch, seq, vocab_size)` float32 without `targets`; with them the loss,
+          float32 `()`. Training takes the loss from the model, so that its output is not a
+          view of the logits: FSDP2 warns that an in-place op on a view returned by a sharded
+          module would skip its pre-backward hook.
+        """
         positions = torch.arange(idx.shape[1], device=idx.device)
         x = self.tok_emb(idx) + self.pos_emb(positions)
         for block in self.blocks:
             x = block(x)
-        return self.head(self.ln_f(x))
+        logits = self.head(self.ln_f(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
 # ----------------------------------------------------------------------------- the data
@@ -269,6 +283,9 @@ class Ranks:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    def __str__(self) -> str:
+        return f"{self.world_size} rank{'s' * (self.world_size != 1)} ({self.backend})"
+
     def shard(self, t: torch.Tensor) -> torch.Tensor:
         """This rank's contiguous `1 / world_size` share of the batch dim of `t`."""
         n = t.shape[0] // self.world_size
@@ -315,11 +332,8 @@ def setup_ranks(device_type: str) -> tuple[Ranks, torch.device]:
 
 @torch.no_grad()
 def evaluate(apply, params, state, data_batches) -> float:
-    """Mean cross-entropy of `apply(params, state, x)` over `data_batches`."""
-    losses = [
-        F.cross_entropy(apply(params, state, x).flatten(0, 1), y.flatten()).item()
-        for x, y in data_batches
-    ]
+    """Mean of the model's loss `apply(params, state, x, y)` over `data_batches` `(x, y)`."""
+    losses = [apply(params, state, x, y).item() for x, y in data_batches]
     return sum(losses) / len(losses)
 
 
@@ -337,7 +351,7 @@ class Run:
         self.opt = adamw_init(params)
 
         def loss_fn(params, state, x, y):
-            return F.cross_entropy(fn.apply(params, state, x).flatten(0, 1), y.flatten())
+            return fn.apply(params, state, x, y)  # the model's own loss (`GPT.forward`)
 
         self.value_and_grad = compiled_grad(loss_fn) if cfg.compile else functional_grad(loss_fn)
         self.train_curve, self.val_curve, self.step_times = [], [], []
@@ -415,8 +429,7 @@ class FsdpRun(Run):
         start = time.perf_counter()
         stateful = len(self.state) > 0
         observed = fp8fn.observe(self.state) if stateful else self.state
-        logits = self.fn.apply(self.params, observed, x)
-        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+        loss = self.fn.apply(self.params, observed, x, y)
         loss.backward()  # FSDP2 reduce-scatters the gradients (their mean over the ranks)
         if stateful:
             obs = fp8fn.all_reduce(fp8fn.observations(observed))
@@ -483,7 +496,7 @@ def sample(fn, params, state, corpus, prompt, n_chars, seq_len, seed, device) ->
 
 def fsdp_label(cfg, ranks) -> str:
     gather = " with float8 all-gathers" if cfg.recipe in FLOAT8_ALL_GATHER else ""
-    return f"FSDP2 on {ranks.world_size} ranks ({ranks.backend}){gather}"
+    return f"FSDP2 on {ranks}{gather}"
 
 
 def report(cfg, results) -> str:
@@ -494,7 +507,7 @@ def report(cfg, results) -> str:
     if cfg.fsdp:
         where = f"{cfg.device}, {fsdp_label(cfg, ranks)}"
     elif ranks.world_size > 1:
-        where = f"{cfg.device}, data parallel on {ranks.world_size} ranks ({ranks.backend})"
+        where = f"{cfg.device}, data parallel on {ranks}"
     label = f"fp8 ({cfg.recipe})"
     rows = [
         ("run", "train loss", "val loss", "step (ms)"),
@@ -742,10 +755,10 @@ def _main(cfg, ranks: Ranks, device: torch.device) -> dict:
             f"{len(fp8_fn.layers)} fp8 layers ({recipe}), "
             f"checkpointed: {fp8_fn.checkpointed or 'none'}"
         )
-        if ranks.world_size > 1:
+        if ranks.world_size > 1 or cfg.fsdp:
             how = fsdp_label(cfg, ranks) if cfg.fsdp else "data parallel"
             if not cfg.fsdp:
-                how += f" on {ranks.world_size} ranks ({ranks.backend})"
+                how += f" on {ranks}"
             say(f"{how}: {cfg.batch_size // ranks.world_size} sequences per rank and step")
 
     results = {

@@ -3,12 +3,15 @@
 The reference is the unbatched, single-use call on the same data (max, never sum).
 """
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
 from _helpers import CountOps, assert_bit_identical
 
 import fp8fn
+from fp8fn._parallel.fsdp_gather import Float8ShardWeight
 
 DELAYED = fp8fn.DelayedScaling(history_len=4, backend="emulated")
 CURRENT = fp8fn.CurrentScaling(backend="emulated")
@@ -318,6 +321,47 @@ def test_init_with_inputs_the_model_rejects_names_fp8fn():
     fn = fp8fn.transform(torch.nn.Sequential(torch.nn.Linear(8, 4)), DELAYED)
     with pytest.raises(RuntimeError, match=r"^fp8fn\.init: the model raised on the example inputs"):
         fn.init(torch.randn(4, 5))
+
+
+class _Raises(torch.nn.Module):
+    """A linear layer whose forward first runs `fault(x)`."""
+
+    def __init__(self, fault):
+        super().__init__()
+        self.fc, self.fault = torch.nn.Linear(8, 4), fault
+
+    def forward(self, x):
+        self.fault(x)
+        return self.fc(x)
+
+
+def _fp8fn_bug(x):  # an IndexError raised inside fp8fn (issue 31's one-rank FSDP2 crash)
+    Float8ShardWeight.fsdp_post_all_gather(None, (), (None, None), torch.float32)
+
+
+def _model_bug(x):
+    return (x,)[1]
+
+
+def test_init_blames_fp8fn_not_the_inputs_for_an_error_raised_inside_fp8fn():
+    fn = fp8fn.transform(_Raises(_fp8fn_bug), DELAYED)
+    with pytest.raises(RuntimeError, match=r"^fp8fn\.init: fp8fn raised inside the mo") as e:
+        fn.init(torch.randn(4, 8))
+    message = str(e.value)
+    assert "IndexError: tuple index out of range, in fsdp_post_all_gather at " in message
+    assert "fp8fn/_parallel/fsdp_gather.py:" in message and "not in the example inputs" in message
+    assert isinstance(e.value.__cause__, IndexError)
+    # The same exception raised by the model's own code is the model's.
+    fn = fp8fn.transform(_Raises(_model_bug), DELAYED)
+    with pytest.raises(RuntimeError, match=r"^fp8fn\.init: the model raised on the example inp"):
+        fn.init(torch.randn(4, 8))
+
+
+def test_init_passes_fp8fn_errors_through_unchanged():
+    fault = functools.partial(fp8fn.linear, weight=torch.ones(4, 8), bias=None, site_state=None)
+    fn = fp8fn.transform(_Raises(lambda x: fault(x, recipe="delayed")), DELAYED)
+    with pytest.raises(TypeError, match=r"^fp8fn\.linear: expected `recipe` to be an fp8fn rec"):
+        fn.init(torch.randn(4, 8))
 
 
 # one state used by two forward passes in one loss ------------------------------------------------

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import pathlib
+import sysconfig
+import traceback
+
 import torch
 
 from .._torch_private import functorch_level
@@ -70,3 +74,47 @@ def check_operands(api: str, x, weight, bias) -> None:
         raise ValueError(
             f"fp8fn.{api}: expected `bias` of shape ({weight.shape[0]},), got {tuple(bias.shape)}."
         )
+
+
+_PACKAGE = pathlib.Path(__file__).resolve().parents[1]  # fp8fn/
+_NOT_FP8FN = (_PACKAGE / "_transform", _PACKAGE / "demo.py")  # run the user's module; a model
+_TORCH = pathlib.Path(torch.__file__).resolve().parent
+_STDLIB = pathlib.Path(sysconfig.get_paths()["stdlib"]).resolve()
+_SITE = {pathlib.Path(sysconfig.get_paths()[k]).resolve() for k in ("purelib", "platlib")}
+
+
+def raised_by_fp8fn(error: BaseException) -> traceback.FrameSummary | None:
+    """The frame of fp8fn's own code that raised `error`, or None if the error is the model's.
+
+    The error's origin is its innermost frame outside torch and the standard library (code that
+    only forwards a call). It is fp8fn's when that frame is in the fp8fn package, outside
+    `_transform` (the routing that runs the user's module and forwards its torch calls: an op
+    that fails there failed on the model's data) and outside the demo's model.
+    """
+    for frame in reversed(traceback.extract_tb(error.__traceback__)):
+        path = pathlib.Path(frame.filename).resolve()
+        if path.is_relative_to(_PACKAGE):
+            return None if any(path.is_relative_to(p) for p in _NOT_FP8FN) else frame
+        in_site = any(path.is_relative_to(p) for p in _SITE)
+        if path.is_relative_to(_TORCH) or (path.is_relative_to(_STDLIB) and not in_site):
+            continue
+        return None
+    return None
+
+
+def init_error(error: Exception) -> RuntimeError:
+    """The error `fn.init` raises when the model's forward on the example inputs raised `error`:
+    it blames the inputs only when the error is not fp8fn's own (`raised_by_fp8fn`)."""
+    what = f"{type(error).__name__}: {error}"
+    frame = raised_by_fp8fn(error)
+    if frame is None:
+        return RuntimeError(
+            f"fp8fn.init: the model raised on the example inputs ({what}). Call fn.init with "
+            "inputs the model accepts."
+        )
+    where = f"{pathlib.Path(frame.filename).relative_to(_PACKAGE.parent)}:{frame.lineno}"
+    return RuntimeError(
+        f"fp8fn.init: fp8fn raised inside the model's forward ({what}, in {frame.name} at "
+        f"{where}). This is an error in fp8fn, not in the example inputs: please report it "
+        "with the traceback above."
+    )

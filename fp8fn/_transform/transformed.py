@@ -22,7 +22,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-from .._core.checks import check_operands
+from .._core.checks import check_operands, init_error
 from .._core.recipes import RECIPES, CurrentScaling, DelayedScaling, NVFP4Scaling
 from .._core.state import (
     State,
@@ -759,10 +759,9 @@ class Transformed:
             try:
                 sites = self._run_discovery({}, (args, kwargs))
             except Exception as e:
-                raise RuntimeError(
-                    f"fp8fn.init: the model raised on the example inputs ({type(e).__name__}: "
-                    f"{e}). Call fn.init with inputs the model accepts."
-                ) from e
+                if str(e).startswith("fp8fn."):
+                    raise  # fp8fn's own error names the mistake and its fix
+                raise init_error(e) from e
         if any(p is not tensors[n] for n, p in self.module.named_parameters()):
             reshard_fsdp(self.module)  # FSDP2 keeps the root unsharded after a forward
         return sites
