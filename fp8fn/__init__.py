@@ -9,7 +9,15 @@ from ._core.recipes import (
     NVFP4Scaling,
     RowwiseScaling,
 )
-from ._core.state import ScaleState, SiteState, State, flatten_state, init_state, unflatten_state
+from ._core.state import (
+    ScaleState,
+    SiteState,
+    State,
+    flatten_state,
+    init_state,
+    stack_states,
+    unflatten_state,
+)
 from ._core.update import merge, update
 from ._numerics.fp8 import compute_scale
 from ._ops.linear import linear
@@ -39,6 +47,7 @@ __all__ = [
     "merge",
     "observations",
     "observe",
+    "stack_states",
     "transform",
     "unflatten_state",
     "update",

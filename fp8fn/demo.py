@@ -645,6 +645,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--plot", metavar="PATH", help="save the loss curves and the fp8 - float32 gap as a PNG"
     )
     p.add_argument("--seed", type=int, default=0, help="seed of weights, data and sampling")
+    p.add_argument(
+        "--threads",
+        type=positive,
+        default=1,
+        help="CPU threads per process (default 1: the demo's matrices are small, and on a "
+        "busy machine more threads spin-wait for each other; see benchmarks/demo_load.py)",
+    )
     p.add_argument("--d-model", type=positive, default=128, help="model width (default 128)")
     p.add_argument("--layers", type=positive, default=2, help="transformer blocks (default 2)")
     p.add_argument("--heads", type=positive, default=4, help="attention heads (default 4)")
@@ -719,12 +726,15 @@ def main(argv=None) -> dict:
       `100 * (fp8 - float32) / float32`.
     """
     cfg = parse_args(argv)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(cfg.threads)  # restored after: tests call main in their process
     ranks, device = setup_ranks(cfg.device)
     try:
         return _main(cfg, ranks, device)
     finally:
         if ranks.owns_group:
             dist.destroy_process_group()
+        torch.set_num_threads(threads)
 
 
 def _main(cfg, ranks: Ranks, device: torch.device) -> dict:

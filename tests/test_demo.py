@@ -93,7 +93,8 @@ def test_main_plot_is_a_png_with_the_gap_panel(tiny_results):
 def test_every_flag_has_help():
     actions = [a for a in demo.build_parser()._actions if a.dest != "help"]
     assert [a.dest for a in actions] == [
-        "steps", "recipe", "checkpoint", "compile", "fsdp", "device", "plot", "seed", "d_model",
+        "steps", "recipe", "checkpoint", "compile", "fsdp", "device", "plot", "seed", "threads",
+        "d_model",
         "layers", "heads", "seq_len", "batch_size", "lr", "eval_batches", "sample_chars", "quiet",
     ]  # fmt: skip
     assert all(a.help and a.help.strip() for a in actions), [a.dest for a in actions if not a.help]

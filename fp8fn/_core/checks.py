@@ -8,7 +8,7 @@ import traceback
 
 import torch
 
-from .._torch_private import functorch_level
+from .._torch_private import traced_functorch_level
 
 HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -36,12 +36,13 @@ class no_autocast:
 def refuse_compile_under_func(api: str) -> None:
     """Refuse to let dynamo trace an fp8fn op inside a torch.func transform.
 
-    There it would drop the custom backward (pytorch#193279). Outside transforms dynamo folds
-    `maybe_current_level()` to None, so this check leaves nothing in the graph; inside one it
-    returns the level (an int), on which dynamo breaks the graph: `fullgraph=True` then fails,
-    and otherwise the frame runs eagerly, which is correct.
+    There it would drop the custom backward (pytorch#193279). Outside transforms the level is
+    None and this check leaves nothing in the graph. Inside one dynamo traces the `raise`: with
+    `fullgraph=True` it fails with `Unsupported: Observed exception`, caused by this error
+    (which names the fix); otherwise it breaks the graph and the frame runs eagerly, which is
+    correct.
     """
-    if torch.compiler.is_compiling() and functorch_level() is not None:
+    if torch.compiler.is_compiling() and traced_functorch_level() is not None:
         raise RuntimeError(
             f"fp8fn.{api}: torch.compile cannot trace fp8fn.linear inside a torch.func "
             "transform (grad, vjp, vmap): it would drop fp8fn's backward and return wrong "
@@ -73,6 +74,26 @@ def check_operands(api: str, x, weight, bias) -> None:
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
         raise ValueError(
             f"fp8fn.{api}: expected `bias` of shape ({weight.shape[0]},), got {tuple(bias.shape)}."
+        )
+
+
+def check_dtypes(api: str, x, weight, bias) -> None:
+    """Outside autocast, raise unless `x`, `weight` and `bias` share a dtype, as a module's
+    `F.linear` does ("mat1 and mat2 must have the same dtype"): a model that runs under fp8fn
+    must not fail once fp8fn is off. Under autocast the op casts them itself. (The primitive
+    `fp8fn.linear` takes mixed dtypes: its output has the dtype of `x`.)"""
+    if torch.is_autocast_enabled(x.device.type):
+        return
+    dtypes = {"x": x.dtype, "weight": weight.dtype}
+    if bias is not None:
+        dtypes["bias"] = bias.dtype
+    if len(set(dtypes.values())) > 1:
+        got = ", ".join(f"{name} {dtype}" for name, dtype in dtypes.items())
+        raise TypeError(
+            f"fp8fn.{api}: expected `x`, `weight` and `bias` of one dtype outside autocast, as "
+            f"the layer without fp8fn (which raises 'mat1 and mat2 must have the same dtype'), "
+            f"got {got}. Cast the input to the model's dtype (`x.to(dtype)`), or run "
+            "under torch.autocast."
         )
 
 

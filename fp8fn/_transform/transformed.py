@@ -22,7 +22,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-from .._core.checks import check_operands, init_error
+from .._core.checks import check_dtypes, check_operands, init_error
 from .._core.recipes import RECIPES, CurrentScaling, DelayedScaling, NVFP4Scaling
 from .._core.state import (
     State,
@@ -32,6 +32,7 @@ from .._core.state import (
     init_state,
     parse_site,
     site_name,
+    warn_if_never_updated,
     warn_if_superseded,
 )
 from .._ops.linear import fp8_linear
@@ -399,6 +400,7 @@ class _Call(TorchFunctionMode):
                 self._rows = (self.state.amax_history[..., 0].unbind(0), self.state.scale.unbind(0))
             newest, stored = self._rows[0][i], self._rows[1][i]
         check_operands(f"apply: layer {layer.path!r}", x, weight, bias)
+        check_dtypes(f"apply: layer {layer.path!r}", x, weight, bias)  # the module's rules
         if sharded_operands(x, weight):  # functional FSDP, tensor parallel
             return sharded_linear(self, layer, name, x, weight, bias, newest, stored)
         random = (self.state.key, name) if isinstance(layer.recipe, NVFP4Scaling) else None
@@ -877,6 +879,7 @@ class Transformed:
         check_state("apply", state)
         check_scales("apply", state.scale)
         warn_if_superseded("apply", state)
+        warn_if_never_updated("apply", state, params)
         if self._ddp_param is not None and torch.is_grad_enabled():
             name, own = self._ddp_param
             if params.get(name, own) is not own:
