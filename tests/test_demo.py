@@ -93,7 +93,8 @@ def test_main_plot_is_a_png_with_the_gap_panel(tiny_results):
 def test_every_flag_has_help():
     actions = [a for a in demo.build_parser()._actions if a.dest != "help"]
     assert [a.dest for a in actions] == [
-        "steps", "recipe", "checkpoint", "compile", "fsdp", "device", "plot", "seed", "threads",
+        "steps", "recipe", "checkpoint", "compile", "fsdp", "device", "plot", "seed", "seeds",
+        "threads",
         "d_model",
         "layers", "heads", "seq_len", "batch_size", "lr", "eval_batches", "sample_chars", "quiet",
     ]  # fmt: skip
@@ -384,3 +385,26 @@ def test_seed_gives_the_same_run_and_another_seed_another():
         assert a[name]["train_curve"] != c[name]["train_curve"]
     assert a["sample"] == b["sample"]
     assert torch.equal(a["fp8"]["state"].amax_history, b["fp8"]["state"].amax_history)
+
+
+@pytest.mark.slow
+def test_seeds_report_mean_and_spread_and_the_first_seed_is_the_single_run(tmp_path, capsys):
+    argv = [*TINY, "--steps", "6", "--sample-chars", "4"]
+    single = demo.main(argv)
+    capsys.readouterr()
+    several = demo.main([*argv, "--seeds", "3", "--plot", str(tmp_path / "band.png")])
+    out = capsys.readouterr().out
+    assert [r["config"]["seed"] for r in several["seeds"]] == [0, 1, 2]
+    first = several["seeds"][0]
+    for name in ("float32", "fp8"):  # seed 0 of three is the run of seed 0 alone
+        assert first[name]["train_curve"] == single[name]["train_curve"]
+    assert several["seeds"][1]["float32"]["train_curve"] != single["float32"]["train_curve"]
+    gaps = [r["val_gap_pct"] for r in several["seeds"]]
+    assert several["val_gap_pct"] == pytest.approx(sum(gaps) / 3, abs=1e-12)
+    mean = sum(gaps) / 3
+    std = math.sqrt(sum((g - mean) ** 2 for g in gaps) / 2)
+    assert several["val_gap_std"] == pytest.approx(std, abs=1e-12)
+    assert single["val_gap_std"] is None
+    assert "mean ± standard deviation over 3 seeds (0, 1, 2)" in out
+    assert f"{mean:+.2f} ± {std:.2f}" in out
+    assert (tmp_path / "band.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
