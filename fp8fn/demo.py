@@ -17,6 +17,15 @@ transformer blocks run in float8:
 
 The optimizer is AdamW written as a pure function of `(params, grads, opt_state)`.
 
+`--seeds N` repeats both runs with the seeds `seed`, ..., `seed + N - 1` (other initial weights
+and batches) and reports each loss and the fp8 - float32 gap as the mean ± standard deviation
+over the seeds, so that the gap can be read against float32's own seed-to-seed spread.
+
+`--threads` (default 1) sets torch's CPU threads. The demo's matrices are small, and with more
+threads than free cores every parallel op waits for a thread that lost its core (OpenMP
+threads spin while they wait): on a shared 2-core machine two threads made a step 5-50x slower,
+one thread keeps it at a fair share (`benchmarks/demo_load.py` measures it).
+
 Data parallel: `torchrun --nproc-per-node 2 -m fp8fn.demo` runs one process per rank (gloo on
 CPU, NCCL with `--device cuda`, one GPU per `LOCAL_RANK`). Every rank draws the same batch and
 trains on its `1 / world_size` share of it; after each backward the loss and the parameter
