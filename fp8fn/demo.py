@@ -23,8 +23,9 @@ over the seeds, so that the gap can be read against float32's own seed-to-seed s
 
 `--threads` (default 1) sets torch's CPU threads. The demo's matrices are small, and with more
 threads than free cores every parallel op waits for a thread that lost its core (OpenMP
-threads spin while they wait): on a shared 2-core machine two threads made a step 5-50x slower,
-one thread keeps it at a fair share (`benchmarks/demo_load.py` measures it).
+threads spin while they wait): on a shared 2-core machine at load 3-4, `--steps 1` took 54 s
+with two threads and 7 s with one, which keeps a fair share beside busy processes
+(`benchmarks/demo_load.py` measures it).
 
 Data parallel: `torchrun --nproc-per-node 2 -m fp8fn.demo` runs one process per rank (gloo on
 CPU, NCCL with `--device cuda`, one GPU per `LOCAL_RANK`). Every rank draws the same batch and
