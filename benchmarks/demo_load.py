@@ -1,7 +1,7 @@
 """The demo's wall time on an idle and on a busy machine, side by side.
 
 Runs `python -m fp8fn.demo --quiet --steps N --threads T` in fresh processes, alone and beside
-`--busy` processes that spin a CPU core each (`while True: pass`), for each `--threads` value,
+`--busy` processes that spin a CPU core each (a Python loop), for each `--threads` value,
 and prints one row per run: wall seconds, the fp8 run's median step, the ratio to the same
 threads alone, and the 1-minute load average (`os.getloadavg`) before and after the run, which
 includes whatever else the machine was doing. Then the start-up cost: `--steps 1` alone.
@@ -57,7 +57,9 @@ class Busy:
         self.n, self.procs = n, []
 
     def __enter__(self):
-        spin = [sys.executable, "-c", "while True: pass"]
+        # Each spins until this process ends, even if it is killed before __exit__.
+        loop = "import os\nparent = os.getppid()\nwhile os.getppid() == parent: pass"
+        spin = [sys.executable, "-c", loop]
         self.procs = [subprocess.Popen(spin) for _ in range(self.n)]
         time.sleep(0.5)  # let them take their cores
         return self
