@@ -12,7 +12,15 @@ from ._core.recipes import (
     Recipe,
     RowwiseScaling,
 )
-from ._core.state import ScaleState, SiteState, State, flatten_state, init_state, unflatten_state
+from ._core.state import (
+    ScaleState,
+    SiteState,
+    State,
+    flatten_state,
+    init_state,
+    stack_states,
+    unflatten_state,
+)
 from ._core.update import fold_in, merge, update
 from ._numerics.fp8 import compute_scale
 from ._ops.linear import linear
@@ -45,6 +53,7 @@ __all__ = [
     "merge",
     "observations",
     "observe",
+    "stack_states",
     "transform",
     "unflatten_state",
     "update",

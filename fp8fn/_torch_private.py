@@ -25,6 +25,18 @@ _functorch = torch._C._functorch
 functorch_level = _functorch.maybe_current_level
 
 
+def traced_functorch_level() -> int | None:
+    """`functorch_level()` as dynamo sees it: dynamo runs this while tracing and keeps the
+    result as a constant (the bare C function returns an int inside a transform, a graph break
+    that `fullgraph=True` reports as "returned non-Tensor", naming nothing)."""
+    return _functorch.maybe_current_level()
+
+
+# What `torch.compiler.assume_constant_result` sets; calling it would import dynamo, which
+# `import fp8fn` must not.
+traced_functorch_level._dynamo_marked_constant = True
+
+
 def tracked_by_outer_differentiation(t: torch.Tensor) -> bool:
     """Whether a differentiation other than the one running now tracks `t`: plain autograd
     (`requires_grad`, with no torch.func transform running), or a torch.func level below the

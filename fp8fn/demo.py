@@ -17,6 +17,16 @@ transformer blocks run in float8:
 
 The optimizer is AdamW written as a pure function of `(params, grads, opt_state)`.
 
+`--seeds N` repeats both runs with the seeds `seed`, ..., `seed + N - 1` (other initial weights
+and batches) and reports each loss and the fp8 - float32 gap as the mean ± standard deviation
+over the seeds, so that the gap can be read against float32's own seed-to-seed spread.
+
+`--threads` (default 1) sets torch's CPU threads. The demo's matrices are small, and with more
+threads than free cores every parallel op waits for a thread that lost its core (OpenMP
+threads spin while they wait): on a shared 2-core machine at load 3-4, `--steps 1` took 54 s
+with two threads and 7 s with one, which keeps a fair share beside busy processes
+(`benchmarks/demo_load.py` measures it).
+
 Data parallel: `torchrun --nproc-per-node 2 -m fp8fn.demo` runs one process per rank (gloo on
 CPU, NCCL with `--device cuda`, one GPU per `LOCAL_RANK`). Every rank draws the same batch and
 trains on its `1 / world_size` share of it; after each backward the loss and the parameter
@@ -134,13 +144,27 @@ class GPT(nn.Module):
             elif name.endswith("bias"):
                 nn.init.zeros_(p)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """idx: `(batch, seq)` int64 -> logits `(batch, seq, vocab_size)` float32."""
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """The logits of the next character, or with `targets` their mean cross-entropy.
+
+        Args:
+          idx: `(batch, seq)` int64 character ids.
+          targets: `(batch, seq)` int64, the ids that follow (`idx` shifted by one), or None.
+
+        Returns:
+          logits `(batch, seq, vocab_size)` float32 without `targets`; with them the loss,
+          float32 `()`. Training takes the loss from the model, so that its output is not a
+          view of the logits: FSDP2 warns that an in-place op on a view returned by a sharded
+          module would skip its pre-backward hook.
+        """
         positions = torch.arange(idx.shape[1], device=idx.device)
         x = self.tok_emb(idx) + self.pos_emb(positions)
         for block in self.blocks:
             x = block(x)
-        return self.head(self.ln_f(x))
+        logits = self.head(self.ln_f(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
 # ----------------------------------------------------------------------------- the data
@@ -269,6 +293,9 @@ class Ranks:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    def __str__(self) -> str:
+        return f"{self.world_size} rank{'s' * (self.world_size != 1)} ({self.backend})"
+
     def shard(self, t: torch.Tensor) -> torch.Tensor:
         """This rank's contiguous `1 / world_size` share of the batch dim of `t`."""
         n = t.shape[0] // self.world_size
@@ -315,11 +342,8 @@ def setup_ranks(device_type: str) -> tuple[Ranks, torch.device]:
 
 @torch.no_grad()
 def evaluate(apply, params, state, data_batches) -> float:
-    """Mean cross-entropy of `apply(params, state, x)` over `data_batches`."""
-    losses = [
-        F.cross_entropy(apply(params, state, x).flatten(0, 1), y.flatten()).item()
-        for x, y in data_batches
-    ]
+    """Mean of the model's loss `apply(params, state, x, y)` over `data_batches` `(x, y)`."""
+    losses = [apply(params, state, x, y).item() for x, y in data_batches]
     return sum(losses) / len(losses)
 
 
@@ -337,7 +361,7 @@ class Run:
         self.opt = adamw_init(params)
 
         def loss_fn(params, state, x, y):
-            return F.cross_entropy(fn.apply(params, state, x).flatten(0, 1), y.flatten())
+            return fn.apply(params, state, x, y)  # the model's own loss (`GPT.forward`)
 
         self.value_and_grad = compiled_grad(loss_fn) if cfg.compile else functional_grad(loss_fn)
         self.train_curve, self.val_curve, self.step_times = [], [], []
@@ -415,8 +439,7 @@ class FsdpRun(Run):
         start = time.perf_counter()
         stateful = len(self.state) > 0
         observed = fp8fn.observe(self.state) if stateful else self.state
-        logits = self.fn.apply(self.params, observed, x)
-        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+        loss = self.fn.apply(self.params, observed, x, y)
         loss.backward()  # FSDP2 reduce-scatters the gradients (their mean over the ranks)
         if stateful:
             obs = fp8fn.all_reduce(fp8fn.observations(observed))
@@ -483,7 +506,7 @@ def sample(fn, params, state, corpus, prompt, n_chars, seq_len, seed, device) ->
 
 def fsdp_label(cfg, ranks) -> str:
     gather = " with float8 all-gathers" if cfg.recipe in FLOAT8_ALL_GATHER else ""
-    return f"FSDP2 on {ranks.world_size} ranks ({ranks.backend}){gather}"
+    return f"FSDP2 on {ranks}{gather}"
 
 
 def report(cfg, results) -> str:
@@ -494,23 +517,35 @@ def report(cfg, results) -> str:
     if cfg.fsdp:
         where = f"{cfg.device}, {fsdp_label(cfg, ranks)}"
     elif ranks.world_size > 1:
-        where = f"{cfg.device}, data parallel on {ranks.world_size} ranks ({ranks.backend})"
+        where = f"{cfg.device}, data parallel on {ranks}"
     label = f"fp8 ({cfg.recipe})"
+    per_seed = results.get("seeds", [results])
+
+    def cell(values, fmt):  # one seed: the value; several: mean ± sample standard deviation
+        if len(values) == 1:
+            return format(values[0], fmt)
+        return f"{format(statistics.fmean(values), fmt)} ± {statistics.stdev(values):.{fmt[-2]}f}"
+
+    def run_row(name, key):
+        losses = [[r[key][f"{split}_loss"] for r in per_seed] for split in ("train", "val")]
+        return (
+            name,
+            cell(losses[0], ".4f"),
+            cell(losses[1], ".4f"),
+            f"{results[key]['step_ms']:.1f}",
+        )
+
+    gaps = [[r[f"{split}_gap_pct"] for r in per_seed] for split in ("train", "val")]
     rows = [
         ("run", "train loss", "val loss", "step (ms)"),
-        (
-            "float32",
-            f"{base['train_loss']:.4f}",
-            f"{base['val_loss']:.4f}",
-            f"{base['step_ms']:.1f}",
-        ),
-        (label, f"{fp8['train_loss']:.4f}", f"{fp8['val_loss']:.4f}", f"{fp8['step_ms']:.1f}"),
+        run_row("float32", "float32"),
+        run_row(label, "fp8"),
         (
             "gap (%)",
-            f"{results['train_gap_pct']:+.2f}",
-            f"{results['val_gap_pct']:+.2f}",
+            cell(gaps[0], "+.2f"),
+            cell(gaps[1], "+.2f"),
             f"x{fp8['step_ms'] / base['step_ms']:.2f}",
-        ),
+        ),  # fmt: skip
     ]
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     lines = [
@@ -519,44 +554,63 @@ def report(cfg, results) -> str:
     ]
     lines.insert(1, "-" * len(lines[0]))
     caption = f"{cfg.steps} steps of {cfg.batch_size} sequences x {cfg.seq_len} chars ({where})"
+    if len(per_seed) > 1:
+        seeds = ", ".join(str(r["config"]["seed"]) for r in per_seed)
+        caption += f"\nmean ± standard deviation over {len(per_seed)} seeds ({seeds})"
     return "\n".join([caption, *lines])
 
 
 def plot(path, cfg, results) -> None:
-    """Save the loss curves (top) and the fp8 - float32 loss difference per step (bottom)."""
+    """Save the loss curves (top) and the fp8 - float32 loss difference per step (bottom).
+
+    Over several seeds (`--seeds`) each curve is the mean over the seeds, in a band from their
+    minimum to their maximum.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    per_seed = results.get("seeds", [results])
+
+    def band(ax, steps, curves, color, **kwargs):
+        """The mean of `curves` (one list per seed) over `steps`, between their min and max."""
+        columns = list(zip(*curves))
+        ax.plot(steps, [statistics.fmean(c) for c in columns], color=color, **kwargs)
+        if len(curves) > 1:
+            low, high = [min(c) for c in columns], [max(c) for c in columns]
+            ax.fill_between(steps, low, high, color=color, alpha=0.2, lw=0)
+
     fig, (ax, gap_ax) = plt.subplots(
         2, 1, figsize=(7, 6), sharex=True, gridspec_kw={"height_ratios": [3, 2]}
     )
     label = f"fp8 ({cfg.recipe})"
+    steps = range(1, cfg.steps + 1)
+    val_steps = [s for s, _ in per_seed[0]["fp8"]["val_curve"]]
     for name, color in (("float32", "tab:blue"), ("fp8", "tab:orange")):
-        run = results[name]
-        steps = range(1, len(run["train_curve"]) + 1)
-        ax.plot(steps, run["train_curve"], color=color, alpha=0.35, lw=0.8)
-        val_steps, val_losses = zip(*run["val_curve"])
-        ax.plot(val_steps, val_losses, "o-", color=color, ms=3,
-                label=f"{name if name == 'float32' else label} (val)")  # fmt: skip
+        band(ax, steps, [r[name]["train_curve"] for r in per_seed], color, alpha=0.35, lw=0.8)
+        val = [[v for _, v in r[name]["val_curve"]] for r in per_seed]
+        shown = name if name == "float32" else label
+        band(ax, val_steps, val, color, marker="o", ms=3, label=f"{shown} (val)")
     ax.set_ylabel("cross-entropy (nats/char)")
-    ax.set_title("char-level GPT on Python's help texts: train (faint) and val")
+    seeds = f"\nmean of {len(per_seed)} seeds, band from min to max" if len(per_seed) > 1 else ""
+    ax.set_title(f"char-level GPT on Python's help texts: train (faint) and val{seeds}")
     ax.legend()
 
-    base, fp8 = results["float32"], results["fp8"]
-    diff = [a - b for a, b in zip(fp8["train_curve"], base["train_curve"])]
-    steps = range(1, len(diff) + 1)
+    def diff(r, curve):
+        return [a - b for a, b in zip(r["fp8"][curve], r["float32"][curve])]
+
+    train_diffs = [diff(r, "train_curve") for r in per_seed]
     gap_ax.axhline(0.0, color="black", lw=0.8)
-    gap_ax.plot(steps, diff, color="tab:orange", alpha=0.35, lw=0.8, label="train, per step")
-    window = max(1, len(diff) // 20)
+    band(gap_ax, steps, train_diffs, "tab:orange", alpha=0.35, lw=0.8, label="train, per step")
+    window = max(1, cfg.steps // 20)
     if window > 1:
-        smooth = [sum(diff[max(0, i - window + 1) : i + 1]) / min(i + 1, window)
-                  for i in range(len(diff))]  # fmt: skip
-        gap_ax.plot(steps, smooth, color="tab:orange", lw=1.5, label=f"train, mean of {window}")
-    val_steps = [s for s, _ in fp8["val_curve"]]
-    val_diff = [a - b for (_, a), (_, b) in zip(fp8["val_curve"], base["val_curve"])]
-    gap_ax.plot(val_steps, val_diff, "o", color="tab:red", ms=3, label="val")
+        smooth = [[sum(d[max(0, i - window + 1) : i + 1]) / min(i + 1, window)
+                   for i in range(len(d))] for d in train_diffs]  # fmt: skip
+        band(gap_ax, steps, smooth, "tab:orange", lw=1.5, label=f"train, mean of {window}")
+    val_diffs = [[a - b for (_, a), (_, b) in zip(r["fp8"]["val_curve"], r["float32"]["val_curve"])]
+                 for r in per_seed]  # fmt: skip
+    band(gap_ax, val_steps, val_diffs, "tab:red", marker="o", ms=3, ls="none", label="val")
     gap_ax.set_xlabel("step")
     gap_ax.set_ylabel(f"{label} - float32 loss")
     gap_ax.legend(fontsize=8)
@@ -632,6 +686,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--plot", metavar="PATH", help="save the loss curves and the fp8 - float32 gap as a PNG"
     )
     p.add_argument("--seed", type=int, default=0, help="seed of weights, data and sampling")
+    p.add_argument(
+        "--seeds",
+        type=positive,
+        default=1,
+        help="repeat both runs with the seeds seed, seed+1, ... and report the losses and the "
+        "gap as mean ± standard deviation over them, the fp8 gap beside float32's own "
+        "seed-to-seed spread (default 1)",
+    )
+    p.add_argument(
+        "--threads",
+        type=positive,
+        default=1,
+        help="CPU threads per process (default 1: the demo's matrices are small, and on a "
+        "busy machine more threads spin-wait for each other; see benchmarks/demo_load.py)",
+    )
     p.add_argument("--d-model", type=positive, default=128, help="model width (default 128)")
     p.add_argument("--layers", type=positive, default=2, help="transformer blocks (default 2)")
     p.add_argument("--heads", type=positive, default=4, help="attention heads (default 4)")
@@ -706,17 +775,46 @@ def main(argv=None) -> dict:
       `100 * (fp8 - float32) / float32`.
     """
     cfg = parse_args(argv)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(cfg.threads)  # restored after: tests call main in their process
     ranks, device = setup_ranks(cfg.device)
     try:
         return _main(cfg, ranks, device)
     finally:
         if ranks.owns_group:
             dist.destroy_process_group()
+        torch.set_num_threads(threads)
 
 
 def _main(cfg, ranks: Ranks, device: torch.device) -> dict:
     say = print if ranks.is_main else (lambda *args, **kwargs: None)
     corpus = Corpus.load()
+    per_seed = []
+    for i in range(cfg.seeds):
+        seed_cfg = argparse.Namespace(**{**vars(cfg), "seed": cfg.seed + i})
+        if i > 0:  # the header once, the sample of the first seed
+            seed_cfg.quiet, seed_cfg.sample_chars = True, 0
+        per_seed.append(compare(seed_cfg, corpus, ranks, device, say))
+    results = {**per_seed[0], "config": vars(cfg), "seeds": per_seed}
+    for split in ("train", "val"):
+        gaps = [r[f"{split}_gap_pct"] for r in per_seed]
+        results[f"{split}_gap_pct"] = statistics.fmean(gaps)
+        results[f"{split}_gap_std"] = statistics.stdev(gaps) if len(gaps) > 1 else None
+    if not cfg.quiet:
+        say()
+    say(report(cfg, results), flush=True)  # the table first: a failing plot cannot lose it
+    if not cfg.quiet:
+        say()
+        say(f"sample from the fp8 model:\n{results['sample']}")
+    if cfg.plot and ranks.is_main:
+        plot(cfg.plot, cfg, results)
+        if not cfg.quiet:
+            say(f"\nloss curves saved to {cfg.plot}")
+    return results
+
+
+def compare(cfg, corpus: Corpus, ranks: Ranks, device: torch.device, say) -> dict:
+    """The float32 and the fp8 run of one seed (`cfg.seed`): the results of `main` for it."""
     torch.manual_seed(cfg.seed)
     model = GPT(len(corpus.chars), cfg.seq_len, cfg.d_model, cfg.layers, cfg.heads).to(device)
     init = {k: v.detach().clone() for k, v in model.named_parameters()}
@@ -742,10 +840,10 @@ def _main(cfg, ranks: Ranks, device: torch.device) -> dict:
             f"{len(fp8_fn.layers)} fp8 layers ({recipe}), "
             f"checkpointed: {fp8_fn.checkpointed or 'none'}"
         )
-        if ranks.world_size > 1:
+        if ranks.world_size > 1 or cfg.fsdp:
             how = fsdp_label(cfg, ranks) if cfg.fsdp else "data parallel"
             if not cfg.fsdp:
-                how += f" on {ranks.world_size} ranks ({ranks.backend})"
+                how += f" on {ranks}"
             say(f"{how}: {cfg.batch_size // ranks.world_size} sequences per rank and step")
 
     results = {
@@ -785,16 +883,6 @@ def _main(cfg, ranks: Ranks, device: torch.device) -> dict:
         cfg.seed,
         device,
     )
-    if not cfg.quiet:
-        say()
-    say(report(cfg, results), flush=True)  # the table first: a failing plot cannot lose it
-    if not cfg.quiet:
-        say()
-        say(f"sample from the fp8 model:\n{results['sample']}")
-    if cfg.plot and ranks.is_main:
-        plot(cfg.plot, cfg, results)
-        if not cfg.quiet:
-            say(f"\nloss curves saved to {cfg.plot}")
     return results
 
 

@@ -93,7 +93,9 @@ def test_main_plot_is_a_png_with_the_gap_panel(tiny_results):
 def test_every_flag_has_help():
     actions = [a for a in demo.build_parser()._actions if a.dest != "help"]
     assert [a.dest for a in actions] == [
-        "steps", "recipe", "checkpoint", "compile", "fsdp", "device", "plot", "seed", "d_model",
+        "steps", "recipe", "checkpoint", "compile", "fsdp", "device", "plot", "seed", "seeds",
+        "threads",
+        "d_model",
         "layers", "heads", "seq_len", "batch_size", "lr", "eval_batches", "sample_chars", "quiet",
     ]  # fmt: skip
     assert all(a.help and a.help.strip() for a in actions), [a.dest for a in actions if not a.help]
@@ -204,10 +206,12 @@ def test_torchrun_two_ranks_train_data_parallel():
 
 
 @pytest.mark.slow
-def test_torchrun_two_ranks_fsdp2_trains_with_float8_all_gathers():
-    """`torchrun --nproc-per-node 2 -m fp8fn.demo --fsdp`: FSDP2 per block and root, float8
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_torchrun_fsdp2_trains_with_float8_all_gathers(nproc):
+    """`torchrun --nproc-per-node N -m fp8fn.demo --fsdp`: FSDP2 per block and root, float8
     weight all-gathers, torch.optim; it says so, and matches one process on the whole batch
-    (up to float32 summation order and torch.optim's AdamW against the demo's)."""
+    (up to float32 summation order and torch.optim's AdamW against the demo's). One rank is
+    where a torchrun script is debugged first (FSDP2 then copies instead of all-gathering)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -215,14 +219,16 @@ def test_torchrun_two_ranks_fsdp2_trains_with_float8_all_gathers():
     argv = [*argv, "--steps", "3", "--sample-chars", "5"]
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
     env["OMP_NUM_THREADS"] = "1"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
     command += ["--master-port", str(port), "-m", "fp8fn.demo", "--fsdp", *argv]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert "returned a view tensor" not in done.stderr  # FSDP2's wrong-gradient warning
     out = done.stdout
-    where = "FSDP2 on 2 ranks (gloo) with float8 all-gathers"
+    ranks = "1 rank" if nproc == 1 else f"{nproc} ranks"
+    where = f"FSDP2 on {ranks} (gloo) with float8 all-gathers"
     assert out.count(f"3 steps of 8 sequences x 16 chars (cpu, {where})") == 1, out
-    assert out.count(f"{where}: 4 sequences per rank and step") == 1, out
+    assert out.count(f"{where}: {8 // nproc} sequences per rank and step") == 1, out
     assert "checkpointed: none" in out
     one = demo.main([*argv, "--quiet", "--no-checkpoint"])
     two = _table(out)
@@ -379,3 +385,26 @@ def test_seed_gives_the_same_run_and_another_seed_another():
         assert a[name]["train_curve"] != c[name]["train_curve"]
     assert a["sample"] == b["sample"]
     assert torch.equal(a["fp8"]["state"].amax_history, b["fp8"]["state"].amax_history)
+
+
+@pytest.mark.slow
+def test_seeds_report_mean_and_spread_and_the_first_seed_is_the_single_run(tmp_path, capsys):
+    argv = [*TINY, "--steps", "6", "--sample-chars", "4"]
+    single = demo.main(argv)
+    capsys.readouterr()
+    several = demo.main([*argv, "--seeds", "3", "--plot", str(tmp_path / "band.png")])
+    out = capsys.readouterr().out
+    assert [r["config"]["seed"] for r in several["seeds"]] == [0, 1, 2]
+    first = several["seeds"][0]
+    for name in ("float32", "fp8"):  # seed 0 of three is the run of seed 0 alone
+        assert first[name]["train_curve"] == single[name]["train_curve"]
+    assert several["seeds"][1]["float32"]["train_curve"] != single["float32"]["train_curve"]
+    gaps = [r["val_gap_pct"] for r in several["seeds"]]
+    assert several["val_gap_pct"] == pytest.approx(sum(gaps) / 3, abs=1e-12)
+    mean = sum(gaps) / 3
+    std = math.sqrt(sum((g - mean) ** 2 for g in gaps) / 2)
+    assert several["val_gap_std"] == pytest.approx(std, abs=1e-12)
+    assert single["val_gap_std"] is None
+    assert "mean ± standard deviation over 3 seeds (0, 1, 2)" in out
+    assert f"{mean:+.2f} ± {std:.2f}" in out
+    assert (tmp_path / "band.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

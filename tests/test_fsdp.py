@@ -147,6 +147,22 @@ def test_gathered_weight_runs_the_op_as_the_cast_weight_does(rows):
         assert torch.equal(obs.amax_history[0, 1, 0], data[:4].abs().max())
 
 
+def test_one_rank_gathers_one_input_with_the_whole_weights_amax():
+    """FSDP2 on one rank copies only the first all-gather input (issue 31: torchrun with one
+    process crashed): the float8 bytes alone, the amax in the metadata."""
+    data = torch.randn(4, 8, generator=torch.Generator().manual_seed(3))
+    token = SCALES.set(ScalesForCall({None: torch.tensor(64.0)}))
+    try:
+        inputs, metadata = Float8ShardWeight(data, "fc").fsdp_pre_all_gather(
+            _Mesh(1), (4, 8), None, None, None
+        )
+    finally:
+        SCALES.reset(token)
+    assert len(inputs) == 1 and inputs[0].dtype == torch.uint8 and inputs[0].shape == (4, 8)
+    gathered = _gather([Float8ShardWeight(data, "fc")], torch.tensor(64.0))
+    assert torch.equal(gathered._amax, data.abs().max())
+
+
 def test_gathered_weight_is_its_dequantized_value_elsewhere():
     data = torch.randn(4, 8, generator=torch.Generator().manual_seed(2))
     scale = torch.tensor(64.0)

@@ -4,11 +4,13 @@ Blocks fenced ```python run, each file's in order in one namespace; blocks fence
 ranks, a GPU) are shown only, and are checked to be valid Python.
 """
 
+import copy
 import pathlib
 import re
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import fp8fn
 
@@ -40,7 +42,7 @@ def _amaxes_pushed(state):
 def test_readme_blocks_are_the_ones_tested():
     # every ```python block of the README is run by one of the tests below
     markers = ("torch.func.grad(loss_fn", "loss_fn(params, observed", "torch.compile(fp8fn.value")
-    markers += ("opt = torch.optim.AdamW", "transformers.GPT2Config")
+    markers += ("opt = torch.optim.AdamW", "torch.save({", "transformers.GPT2Config")
     assert len(_blocks(README)) == len(markers)
     for marker in markers:
         _readme_block(marker)
@@ -89,6 +91,37 @@ def test_readme_usual_loop_runs():
     assert torch.equal(_amaxes_pushed(state), torch.full((3, 3), 16))
     assert namespace["params"]["0.weight"] is model[0].weight
     assert len(losses) == 100 and losses[-1] < 0.5 * losses[0]
+
+
+@pytest.mark.slow
+def test_readme_save_and_resume_continues_bit_for_bit(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the block writes ckpt.pt
+    namespace = _run(README, [_readme_block("opt = torch.optim.AdamW")])
+    model, opt, state, fn = (namespace[k] for k in ("model", "opt", "state", "fn"))
+    saved = copy.deepcopy((model.state_dict(), state))
+    exec(compile(_readme_block("torch.save({"), "README.md", "exec"), namespace)
+    assert type(namespace["state"]) is fp8fn.State and namespace["state"].static == state.static
+    assert torch.equal(namespace["state"].amax_history, saved[1].amax_history)
+    # A fresh model and optimizer loaded from the file take the same next step as the originals.
+    fresh = copy.deepcopy(model)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=3e-3)
+    checkpoint = torch.load("ckpt.pt", weights_only=True)
+    fresh.load_state_dict(checkpoint["model"])
+    fresh_opt.load_state_dict(checkpoint["opt"])
+    x, y = namespace["batch"]()
+    steps = []
+    for m, o, s in ((model, opt, state), (fresh, fresh_opt, checkpoint["fp8fn"])):
+        observed = fp8fn.observe(s)
+        loss = F.cross_entropy(fn.apply(dict(m.named_parameters()), observed, x), y)
+        o.zero_grad()
+        loss.backward()
+        o.step()
+        steps.append((loss, m.state_dict(), fp8fn.update(s, fp8fn.observations(observed))))
+    (loss_a, weights_a, state_a), (loss_b, weights_b, state_b) = steps
+    assert torch.equal(loss_a, loss_b)
+    assert all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a)
+    assert torch.equal(state_a.amax_history, state_b.amax_history)
+    assert torch.equal(state_a.scale, state_b.scale)
 
 
 @pytest.mark.slow

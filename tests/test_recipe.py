@@ -71,7 +71,8 @@ def test_public_api_is_exactly_all():
         "ScaleState", "SiteState", "State", "Transformed", "__version__", "all_reduce",
         "checkpoint", "compute_scale", "flatten_state", "float8_all_gather", "fold_in",
         "init_state", "linear", "merge",
-        "observations", "observe", "transform", "unflatten_state", "update", "value_and_grad",
+        "observations", "observe", "stack_states", "transform", "unflatten_state", "update",
+        "value_and_grad",
     ]  # fmt: skip
     assert fp8fn.__all__ == want  # sorted, no duplicates
     assert all(hasattr(fp8fn, name) for name in want)

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import pathlib
+import sysconfig
+import traceback
+
 import torch
 
-from .._torch_private import functorch_level
+from .._torch_private import traced_functorch_level
 
 HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -32,12 +36,13 @@ class no_autocast:
 def refuse_compile_under_func(api: str) -> None:
     """Refuse to let dynamo trace an fp8fn op inside a torch.func transform.
 
-    There it would drop the custom backward (pytorch#193279). Outside transforms dynamo folds
-    `maybe_current_level()` to None, so this check leaves nothing in the graph; inside one it
-    returns the level (an int), on which dynamo breaks the graph: `fullgraph=True` then fails,
-    and otherwise the frame runs eagerly, which is correct.
+    There it would drop the custom backward (pytorch#193279). Outside transforms the level is
+    None and this check leaves nothing in the graph. Inside one dynamo traces the `raise`: with
+    `fullgraph=True` it fails with `Unsupported: Observed exception`, caused by this error
+    (which names the fix); otherwise it breaks the graph and the frame runs eagerly, which is
+    correct.
     """
-    if torch.compiler.is_compiling() and functorch_level() is not None:
+    if torch.compiler.is_compiling() and traced_functorch_level() is not None:
         raise RuntimeError(
             f"fp8fn.{api}: torch.compile cannot trace fp8fn.linear inside a torch.func "
             "transform (grad, vjp, vmap): it would drop fp8fn's backward and return wrong "
@@ -70,3 +75,67 @@ def check_operands(api: str, x, weight, bias) -> None:
         raise ValueError(
             f"fp8fn.{api}: expected `bias` of shape ({weight.shape[0]},), got {tuple(bias.shape)}."
         )
+
+
+def check_dtypes(api: str, x, weight, bias) -> None:
+    """Outside autocast, raise unless `x`, `weight` and `bias` share a dtype, as a module's
+    `F.linear` does ("mat1 and mat2 must have the same dtype"): a model that runs under fp8fn
+    must not fail once fp8fn is off. Under autocast the op casts them itself. (The primitive
+    `fp8fn.linear` takes mixed dtypes: its output has the dtype of `x`.)"""
+    if torch.is_autocast_enabled(x.device.type):
+        return
+    dtypes = {"x": x.dtype, "weight": weight.dtype}
+    if bias is not None:
+        dtypes["bias"] = bias.dtype
+    if len(set(dtypes.values())) > 1:
+        got = ", ".join(f"{name} {dtype}" for name, dtype in dtypes.items())
+        raise TypeError(
+            f"fp8fn.{api}: expected `x`, `weight` and `bias` of one dtype outside autocast, as "
+            f"the layer without fp8fn (which raises 'mat1 and mat2 must have the same dtype'), "
+            f"got {got}. Cast the input to the model's dtype (`x.to(dtype)`), or run "
+            "under torch.autocast."
+        )
+
+
+_PACKAGE = pathlib.Path(__file__).resolve().parents[1]  # fp8fn/
+_NOT_FP8FN = (_PACKAGE / "_transform", _PACKAGE / "demo.py")  # run the user's module; a model
+_TORCH = pathlib.Path(torch.__file__).resolve().parent
+_STDLIB = pathlib.Path(sysconfig.get_paths()["stdlib"]).resolve()
+_SITE = {pathlib.Path(sysconfig.get_paths()[k]).resolve() for k in ("purelib", "platlib")}
+
+
+def raised_by_fp8fn(error: BaseException) -> traceback.FrameSummary | None:
+    """The frame of fp8fn's own code that raised `error`, or None if the error is the model's.
+
+    The error's origin is its innermost frame outside torch and the standard library (code that
+    only forwards a call). It is fp8fn's when that frame is in the fp8fn package, outside
+    `_transform` (the routing that runs the user's module and forwards its torch calls: an op
+    that fails there failed on the model's data) and outside the demo's model.
+    """
+    for frame in reversed(traceback.extract_tb(error.__traceback__)):
+        path = pathlib.Path(frame.filename).resolve()
+        if path.is_relative_to(_PACKAGE):
+            return None if any(path.is_relative_to(p) for p in _NOT_FP8FN) else frame
+        in_site = any(path.is_relative_to(p) for p in _SITE)
+        if path.is_relative_to(_TORCH) or (path.is_relative_to(_STDLIB) and not in_site):
+            continue
+        return None
+    return None
+
+
+def init_error(error: Exception) -> RuntimeError:
+    """The error `fn.init` raises when the model's forward on the example inputs raised `error`:
+    it blames the inputs only when the error is not fp8fn's own (`raised_by_fp8fn`)."""
+    what = f"{type(error).__name__}: {error}"
+    frame = raised_by_fp8fn(error)
+    if frame is None:
+        return RuntimeError(
+            f"fp8fn.init: the model raised on the example inputs ({what}). Call fn.init with "
+            "inputs the model accepts."
+        )
+    where = f"{pathlib.Path(frame.filename).relative_to(_PACKAGE.parent)}:{frame.lineno}"
+    return RuntimeError(
+        f"fp8fn.init: fp8fn raised inside the model's forward ({what}, in {frame.name} at "
+        f"{where}). This is an error in fp8fn, not in the example inputs: please report it "
+        "with the traceback above."
+    )

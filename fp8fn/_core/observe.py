@@ -30,6 +30,7 @@ def observe(state: State) -> State:
     warn_if_superseded("observe", state)
     history = state.amax_history.detach().requires_grad_()
     history._fp8fn_observed = True  # (for the advice when it is reused)
+    history._fp8fn_source = state.amax_history  # (for `warn_if_never_updated`)
     history.register_hook(_one_gradient())
     return state._observable(history)
 

@@ -19,7 +19,7 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .._torch_private import tensor_version, unwrapped
+from .._torch_private import differentiated, tensor_version, unwrapped
 from .keys import check_key
 from .recipes import RECIPES, DelayedScaling
 
@@ -381,13 +381,59 @@ def init_state(recipe: DelayedScaling, sites, device=None) -> State:
     if not all(isinstance(s, str) for s in sites) or len(set(sites)) != len(sites):
         raise ValueError(f"fp8fn.init_state: expected distinct str site names, got {sites!r}.")
     n, h = len(sites), recipe.history_len
+    history = torch.zeros(n, 3, h, dtype=torch.float32, device=device)
+    _NEVER_UPDATED[history] = {}  # (see `warn_if_never_updated`)
     return State(
-        torch.zeros(n, 3, h, dtype=torch.float32, device=device),
+        history,
         mark_valid(torch.ones(n, 3, dtype=torch.float32, device=device)),
         sites,
         recipe.amax_compute,
         recipe.margin,
         filled=(False,) * (3 * n),
+    )
+
+
+def stack_states(states) -> State:
+    """The states of an ensemble's members as one `State`, for `torch.func.vmap` over members.
+
+    Args:
+      states: a non-empty list or tuple of `State`s of one transform (the same sites and static
+        config, e.g. `fn.init` once per member, or their updates), of equal shapes.
+
+    Returns:
+      A `State` with `amax_history` float32 `(E, n_sites, 3, history_len)`, `scale` float32
+      `(E, n_sites, 3)` and `key` float64 `(E,)` (or None), E = `len(states)`: member `i` is
+      `state[i]` along the leading dim (`pytree.tree_map(lambda t: t[i], stacked)`).
+
+    Example:
+      >>> import torch, fp8fn
+      >>> fn = fp8fn.transform(torch.nn.Linear(8, 4), fp8fn.DelayedScaling(history_len=4))
+      >>> stacked = fp8fn.stack_states([fn.init(torch.randn(2, 8)) for _ in range(3)])
+      >>> tuple(stacked.amax_history.shape), tuple(stacked.scale.shape)
+      ((3, 1, 3, 4), (3, 1, 3))
+    """
+    if not isinstance(states, (list, tuple)) or not states:
+        raise TypeError(
+            "fp8fn.stack_states: expected a non-empty list or tuple of fp8fn.State, got "
+            f"{type(states).__name__}{' (empty)' if isinstance(states, (list, tuple)) else ''}."
+        )
+    for i, state in enumerate(states):
+        check_state("stack_states", state, f"states[{i}]", batch_dims=None)
+        if state.static != states[0].static or (state.key is None) != (states[0].key is None):
+            raise ValueError(
+                f"fp8fn.stack_states: expected the states of one transform, got states[{i}] with "
+                f"sites {list(state.sites)} and config {state.static[1:]} against states[0]'s "
+                f"{list(states[0].sites)} and {states[0].static[1:]}. Stack the states of one "
+                "model's members (one fn.init each)."
+            )
+    shapes = {tuple(s.amax_history.shape) for s in states}
+    if len(shapes) > 1:
+        raise ValueError(f"fp8fn.stack_states: expected states of one shape, got {sorted(shapes)}.")
+    key = None if states[0].key is None else torch.stack([s.key for s in states])
+    return states[0]._replace(
+        amax_history=torch.stack([s.amax_history for s in states]),
+        scale=torch.stack([s.scale for s in states]),
+        key=key,
     )
 
 
@@ -528,6 +574,45 @@ def warn_if_superseded(api: str, state: State) -> None:
             "`state = fp8fn.update(state, obs)`.",
             stacklevel=3,
         )
+
+
+# Histories made by `init_state` (no `update` has advanced them), with what the training step
+# that first observed each saw: `{"seen": the first 64 values of the first parameter}`.
+_NEVER_UPDATED = WeakIdKeyDictionary()
+
+
+def warn_if_never_updated(api: str, state: State, params: dict) -> None:
+    """Warn when a state that `fp8fn.update` never advanced is observed by a second training
+    step: the loop drops the observations, so every step casts with current scaling.
+
+    A step is told from the next by the values of the parameters (the first 64 of the first
+    one, a plain tensor): microbatches of one step, or two routes compared on the same
+    parameters, see the same values and are not warned about. Only a state fresh from `init`
+    is checked (a host read from its second observation on), and each warns once.
+    """
+    history = state.amax_history
+    if torch.compiler.is_compiling() or not (torch.is_grad_enabled() and params):
+        return
+    source = getattr(history, "_fp8fn_source", history)  # `observe`'s copy tells its source
+    record = _NEVER_UPDATED.get(unwrapped(source))
+    if record is None or record.get("warned") or not differentiated(history):
+        return
+    param = unwrapped(next(iter(params.values())))
+    if type(param) not in (torch.Tensor, torch.nn.Parameter) or param.device.type == "meta":
+        return  # (a DTensor shard, a subclass: not worth a collective)
+    seen = param.detach().reshape(-1)[:64].clone()
+    if "seen" not in record:  # its first observation
+        record["seen"] = seen
+        return
+    if torch.equal(record["seen"], seen):
+        return  # another microbatch of the same step
+    record["warned"] = True
+    warnings.warn(
+        f"fp8fn.{api}: this state has never been updated and is observed by a second training "
+        "step: without fp8fn.update every step casts with current scaling and the amax "
+        "histories stay empty. After each step: `state = fp8fn.update(state, obs)`.",
+        stacklevel=4,  # the caller of fn.apply
+    )
 
 
 def check_site_state(api: str, site_state, where: str = "`site_state`") -> None:

@@ -87,6 +87,13 @@ def update(state: State, obs: State) -> State:
             stacklevel=2,
         )
         return state
+    if isinstance(obs, dict) and isinstance(state, State):  # the gradients of argument 0
+        raise TypeError(
+            "fp8fn.update: expected `obs` to be an fp8fn.State (the gradient with respect to the "
+            f"state), got dict ({len(obs)} tensors: parameter gradients?). torch.func.grad "
+            "differentiates argument 0 only unless told otherwise: "
+            "`grads, obs = torch.func.grad(loss_fn, argnums=(0, 1))(params, state, ...)`."
+        )
     _check_pair("update", state, obs, "state", "obs")
     check_scales("update", state.scale)
     if state.key is not None:

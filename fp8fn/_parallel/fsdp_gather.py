@@ -162,7 +162,9 @@ class Float8ShardWeight(torch.Tensor):
         shard_amax = amax(shard)
         rows = ceil_div(outer_size[0], world)  # the padded shard's rows
         source = (self, mesh, outer_size[0])  # to gather again with another scale
-        if outer_size[0] % world:  # uneven: one input of the padded shard's shape
+        # Uneven: one input of the padded shard's shape. One rank: FSDP2 copies only the first
+        # input (no all-gather), and the shard's amax is the whole weight's.
+        if outer_size[0] % world or world == 1:
             if fp8.shape[0] < rows:
                 fp8 = torch.cat([fp8, fp8.new_zeros(rows - fp8.shape[0], *fp8.shape[1:])])
             return (fp8,), (scale, shard_amax, source)

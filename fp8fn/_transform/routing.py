@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from .._core.checks import check_operands
+from .._core.checks import check_dtypes, check_operands
 from .._core.recipes import DelayedScaling, NVFP4Scaling
 from .._core.state import site_name
 from .._ops.linear import fp8_linear
@@ -216,6 +216,7 @@ class _Call(TorchFunctionMode):
             newest, stored = self._rows[0][i], self._rows[1][i]
             filled = self.state.site_filled(i)
         check_operands(f"apply: layer {layer.path!r}", x, weight, bias)
+        check_dtypes(f"apply: layer {layer.path!r}", x, weight, bias)  # the module's rules
         if sharded_operands(x, weight):  # functional FSDP, tensor parallel
             return sharded_linear(self, layer, name, x, weight, bias, newest, stored)
         random = (self.state.key, name) if isinstance(layer.recipe, NVFP4Scaling) else None

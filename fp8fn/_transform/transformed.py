@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from .._core.checks import init_error
 from .._core.keys import initial_key, seed_key
 from .._core.recipes import RECIPES, DelayedScaling, NVFP4Scaling
 from .._core.state import (
@@ -32,6 +33,7 @@ from .._core.state import (
     init_state,
     parse_site,
     site_name,
+    warn_if_never_updated,
     warn_if_superseded,
 )
 from .._parallel.dtensor import gather_params, sharded_operands
@@ -283,10 +285,7 @@ class Transformed:
             except Exception as e:
                 if str(e).startswith("fp8fn."):  # fp8fn refuses a call of the model's
                     raise
-                raise RuntimeError(
-                    f"fp8fn.init: the model raised on the example inputs ({type(e).__name__}: "
-                    f"{e}). Call fn.init with inputs the model accepts."
-                ) from e
+                raise init_error(e) from e
         if any(p is not tensors[n] for n, p in self.module.named_parameters()):
             reshard_fsdp(self.module)  # FSDP2 keeps the root unsharded after a forward
         return sites
@@ -371,6 +370,7 @@ class Transformed:
         check_state("apply", state)
         check_scales("apply", state.scale)
         warn_if_superseded("apply", state)
+        warn_if_never_updated("apply", state, params)
         if self._ddp_param is not None and torch.is_grad_enabled():
             name, own = self._ddp_param
             if params.get(name, own) is not own:
