@@ -112,3 +112,42 @@ def test_saturation_and_bfloat16_output_dtype():
     assert out.dtype == torch.bfloat16
     ref = _reference(x.float(), w.bfloat16().float(), ends, g, stored)[0]
     torch.testing.assert_close(out.double(), ref, rtol=1e-2, atol=1e-2)
+
+
+def test_rows_past_the_last_group_are_zero_without_gradient():
+    x, w, offs, g = _case([4, 9, 9, 14], seed=4)
+    x = torch.cat([x, torch.randn(3, x.shape[1])])
+    g = torch.cat([g, torch.randn(3, g.shape[1])])
+    out, gx, _ = _run(x, w, offs, g)
+    assert torch.equal(out[14:], torch.zeros_like(out[14:]))
+    assert torch.equal(gx[14:], torch.zeros_like(gx[14:]))
+    _close(out[:14], _reference(x[:14], w, [4, 9, 9, 14], g[:14])[0])
+
+
+def test_torch_func_grad_gives_the_same_gradients_and_observations():
+    ends = [3, 10, 10, 18]
+    x, w, offs, g = _case(ends, seed=5)
+    newest, stored = torch.ones(4, 3), torch.full((4, 3), 20.0)
+
+    def loss(w, newest):
+        return (grouped_mm(x, w, offs, newest, stored) * g).sum()
+
+    gw, obs = torch.func.grad(loss, argnums=(0, 1))(w, newest)
+    _, _, r_gw, r_obs = _run(x, w, offs, g, newest, stored)
+    assert torch.equal(gw, r_gw) and torch.equal(obs, r_obs)
+
+
+def test_second_order_raises():
+    x, w, offs, g = _case([5, 11], experts=2, seed=6)
+    w = w.requires_grad_()
+    (gw,) = torch.autograd.grad((grouped_mm(x, w, offs) * g).sum(), w, create_graph=True)
+    with pytest.raises(RuntimeError, match="higher-order derivatives"):
+        torch.autograd.grad(gw.square().sum(), w)
+
+
+def test_autocast_casts_x_first_and_outputs_its_dtype():
+    x, w, offs, g = _case([6, 13], experts=2, seed=7)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = grouped_mm(x, w, offs)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, grouped_mm(x.bfloat16(), w, offs))

@@ -19,6 +19,7 @@ import torch
 from .._core.checks import no_autocast
 from .._numerics.fp8 import E4M3, E5M2, cast_to_fp8, scale_from_amax
 from .gemm import fp8_mm
+from .tensorwise import _first_order_only
 
 
 def _group_ids(offs: torch.Tensor, rows: int) -> torch.Tensor:
@@ -80,19 +81,20 @@ class _Fp8GroupedMM(torch.autograd.Function):
         for e, (s, t) in enumerate(_bounds(offs)):
             if t > s:
                 out[s:t] = fp8_mm(x_fp8[s:t], w_fp8[e], x_inv[e], w_inv[e], x.dtype, backend)
-        return out, x_fp8, w_fp8, x_inv, w_inv, x_amax, w_amax
+        return out, x_amax, x_fp8, w_fp8, x_inv, w_inv, w_amax
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         x, weight, offs, newest, stored, margin, backend = inputs
-        ctx.mark_non_differentiable(*output[1:])
+        ctx.mark_non_differentiable(*output[2:])  # x_amax stays differentiable: the anchor of
+        # `_first_order_only` (as in the dense op)
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(*output[1:], offs, newest, stored)
+        ctx.save_for_backward(*output[2:], output[1], offs, newest, stored)
         ctx.margin, ctx.backend, ctx.dtypes = margin, backend, (x.dtype, weight.dtype)
 
     @staticmethod
     def backward(ctx, grad_out, *_):
-        x_fp8, w_fp8, x_inv, w_inv, x_amax, w_amax, offs, newest, stored = ctx.saved_tensors
+        x_fp8, w_fp8, x_inv, w_inv, w_amax, x_amax, offs, newest, stored = ctx.saved_tensors
         experts = w_fp8.shape[0]
         x_dtype, w_dtype = ctx.dtypes
         with no_autocast(grad_out):
@@ -121,7 +123,7 @@ class _Fp8GroupedMM(torch.autograd.Function):
                                          w_dtype, ctx.backend)
             if needs[3]:
                 grads[3] = torch.stack([x_amax, w_amax, g_amax], 1)
-        return tuple(grads)
+        return tuple(_first_order_only(grads, x_amax))
 
 
 def grouped_mm(x, weight, offs, newest=None, stored=None, margin: int = 0,
@@ -134,6 +136,11 @@ def grouped_mm(x, weight, offs, newest=None, stored=None, margin: int = 0,
         or None for current scaling. margin: int. backend: `"emulated"` or `"scaled_mm"`.
 
     Returns:
-      `(T, N)` tensor of `x`'s dtype.
+      `(T, N)` tensor of `x`'s dtype (the autocast dtype under autocast: `x` is cast to it
+      first and the op itself is not re-autocast, as `fp8fn.linear`).
     """
-    return _Fp8GroupedMM.apply(x, weight, offs, newest, stored, margin, backend)[0]
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        x = x.to(torch.get_autocast_dtype(device))
+    with no_autocast(x):
+        return _Fp8GroupedMM.apply(x, weight, offs, newest, stored, margin, backend)[0]
