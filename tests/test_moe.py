@@ -151,3 +151,13 @@ def test_autocast_casts_x_first_and_outputs_its_dtype():
         out = grouped_mm(x, w, offs)
     assert out.dtype == torch.bfloat16
     assert torch.equal(out, grouped_mm(x.bfloat16(), w, offs))
+
+
+def test_nan_in_one_group_is_observed_by_that_expert_only():
+    ends = [4, 9, 15]
+    x, w, offs, g = _case(ends, experts=3, seed=8)
+    x[6, 3] = float("nan")
+    _, _, _, obs = _run(x, w, offs, g, torch.ones(3, 3), torch.full((3, 3), 10.0))
+    assert obs[1, 0].isnan()
+    assert obs[0, 0].item() == x[:4].abs().max().item()
+    assert obs[2, 0].item() == x[9:15].abs().max().item()
