@@ -17,9 +17,9 @@ from __future__ import annotations
 import torch
 
 from .._core.checks import no_autocast
-from .._numerics.fp8 import E4M3, E5M2, cast_to_fp8, scale_from_amax
+from .._numerics.fp8 import E4M3, E5M2, cast_to_fp8
 from .gemm import fp8_mm
-from .tensorwise import _first_order_only
+from .tensorwise import _first_order_only, _scales
 
 
 def _group_ids(offs: torch.Tensor, rows: int) -> torch.Tensor:
@@ -37,13 +37,6 @@ def _group_amax(hp: torch.Tensor, ids: torch.Tensor, experts: int) -> torch.Tens
     out = out.scatter_reduce(0, ids, row_amax, "amax", include_self=True)
     nan = torch.zeros_like(out).scatter_add(0, ids, row_amax.isnan().float()) > 0
     return torch.where(nan, float("nan"), out)[:experts]
-
-
-def _scales(amaxes, newest, stored, margin: int, fp8_max):
-    """`stored` where a history is non-empty (`newest > 0`), else current scaling from
-    `amaxes` (float32, any shape); current scaling when stateless (`newest` None)."""
-    current = scale_from_amax(amaxes, fp8_max, margin)
-    return current if newest is None else torch.where(newest > 0, stored, current)
 
 
 def _bounds(offs: torch.Tensor) -> list[tuple[int, int]]:
