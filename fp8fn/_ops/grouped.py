@@ -1,0 +1,139 @@
+"""The per-expert float8 grouped GEMM (delayed and current tensorwise scaling): one
+autograd.Function for `out[rows of e] = x[rows of e] @ weight[e].T`, every expert with its own
+scales, whose gradient with respect to the experts' state rows is the observed amaxes (Flax's
+overwrite-with-gradient, as `fp8fn.linear`).
+
+An expert that received no token observes 0 for its input and its grad_output (0 = not
+observed: `update` keeps those histories); its weight is observed as usual.
+
+Backends: on CPU the GEMMs are emulated, one float32 matmul of the widened float8 operands per
+group (`fp8_mm`), which reads the group offsets on the host. On CUDA each group goes through
+`fp8_mm`'s `torch._scaled_mm` path; a single `torch._scaled_grouped_mm` call is not wired in,
+and the CUDA path is untested here (no GPU in this project's test runs).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._core.checks import no_autocast
+from .._numerics.fp8 import E4M3, E5M2, cast_to_fp8
+from .gemm import fp8_mm
+from .tensorwise import _first_order_only, _scales
+
+
+def _group_ids(offs: torch.Tensor, rows: int) -> torch.Tensor:
+    """The expert of each of `rows` rows, int64 `(rows,)`, from the cumulative group ends
+    `offs` (int `(E,)`, non-decreasing, last <= rows; rows past the last end get id E)."""
+    return torch.searchsorted(offs.to(torch.int64), torch.arange(rows, device=offs.device),
+                              right=True)
+
+
+def _group_amax(hp: torch.Tensor, ids: torch.Tensor, experts: int) -> torch.Tensor:
+    """Per-expert largest magnitude of the rows of `hp` `(rows, n)`: float32 `(E,)`, 0 for an
+    expert with no row. NaN in a group's rows gives NaN."""
+    row_amax = hp.abs().amax(1).float() if hp.shape[1] else hp.new_zeros(hp.shape[0]).float()
+    out = torch.zeros(experts + 1, dtype=torch.float32, device=hp.device)
+    out = out.scatter_reduce(0, ids, row_amax, "amax", include_self=True)
+    nan = torch.zeros_like(out).scatter_add(0, ids, row_amax.isnan().float()) > 0
+    return torch.where(nan, float("nan"), out)[:experts]
+
+
+def _bounds(offs: torch.Tensor) -> list[tuple[int, int]]:
+    """The `(start, end)` rows of each group (a host read of `offs`)."""
+    ends = offs.tolist()
+    return list(zip([0] + ends[:-1], ends))
+
+
+class _Fp8GroupedMM(torch.autograd.Function):
+    """out = concat_e(x[s_e:t_e] @ weight[e].T) with float8 operands and per-expert scales.
+
+    Inputs: x `(T, K)` floating; weight `(E, N, K)`; offs int32 `(E,)` cumulative group ends
+    (rows past `offs[-1]` get zeros and no gradient); `newest`, `stored` float32 `(E, 3)` (roles
+    input, weight, grad_output per expert) or None for current scaling; `margin` an int;
+    `backend` `fp8_mm`'s. The gradient with respect to `newest` is `(E, 3)`
+    `[x_amax_e, w_amax_e, g_amax_e]`.
+    """
+
+    @staticmethod
+    def forward(x, weight, offs, newest, stored, margin, backend):
+        experts = weight.shape[0]
+        ids = _group_ids(offs, x.shape[0])
+        x_amax = _group_amax(x, ids, experts)
+        w_amax = weight.abs().flatten(1).amax(1).float() if weight.numel() else (
+            weight.new_zeros(experts, dtype=torch.float32))
+        amaxes = torch.stack([x_amax, w_amax], 1)
+        scales = _scales(amaxes, None if newest is None else newest[:, :2],
+                         None if stored is None else stored[:, :2], margin, (448.0, 448.0))
+        x_scale, w_scale = scales.unbind(1)
+        x_rows = torch.cat([x_scale, x_scale.new_ones(1)])[ids]
+        x_fp8 = cast_to_fp8(x, x_rows[:, None], E4M3)
+        w_fp8 = cast_to_fp8(weight, w_scale[:, None, None], E4M3)
+        x_inv, w_inv = x_scale.reciprocal(), w_scale.reciprocal()
+        out = x.new_zeros(x.shape[0], weight.shape[1])
+        for e, (s, t) in enumerate(_bounds(offs)):
+            if t > s:
+                out[s:t] = fp8_mm(x_fp8[s:t], w_fp8[e], x_inv[e], w_inv[e], x.dtype, backend)
+        return out, x_amax, x_fp8, w_fp8, x_inv, w_inv, w_amax
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, weight, offs, newest, stored, margin, backend = inputs
+        ctx.mark_non_differentiable(*output[2:])  # x_amax stays differentiable: the anchor of
+        # `_first_order_only` (as in the dense op)
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(*output[2:], output[1], offs, newest, stored)
+        ctx.margin, ctx.backend, ctx.dtypes = margin, backend, (x.dtype, weight.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out, *_):
+        x_fp8, w_fp8, x_inv, w_inv, w_amax, x_amax, offs, newest, stored = ctx.saved_tensors
+        experts = w_fp8.shape[0]
+        x_dtype, w_dtype = ctx.dtypes
+        with no_autocast(grad_out):
+            ids = _group_ids(offs, grad_out.shape[0])
+            g_amax = _group_amax(grad_out, ids, experts)
+            g_scale = _scales(g_amax, None if newest is None else newest[:, 2],
+                              None if stored is None else stored[:, 2], ctx.margin, 57344.0)
+            g_rows = torch.cat([g_scale, g_scale.new_ones(1)])[ids]
+            g_fp8 = cast_to_fp8(grad_out, g_rows[:, None], E5M2)
+            g_inv = g_scale.reciprocal()
+            needs = ctx.needs_input_grad
+            grads = [None] * 7
+            if needs[0]:
+                grads[0] = torch.zeros(grad_out.shape[0], w_fp8.shape[2], dtype=x_dtype,
+                                       device=grad_out.device)
+            if needs[1]:
+                grads[1] = torch.zeros(w_fp8.shape, dtype=w_dtype, device=grad_out.device)
+            for e, (s, t) in enumerate(_bounds(offs)):
+                if t == s:
+                    continue
+                if needs[0]:
+                    grads[0][s:t] = fp8_mm(g_fp8[s:t], w_fp8[e].t(), g_inv[e], w_inv[e],
+                                           x_dtype, ctx.backend)
+                if needs[1]:
+                    grads[1][e] = fp8_mm(g_fp8[s:t].t(), x_fp8[s:t].t(), g_inv[e], x_inv[e],
+                                         w_dtype, ctx.backend)
+            if needs[3]:
+                grads[3] = torch.stack([x_amax, w_amax, g_amax], 1)
+        return tuple(_first_order_only(grads, x_amax))
+
+
+def grouped_mm(x, weight, offs, newest=None, stored=None, margin: int = 0,
+               backend: str = "emulated"):
+    """Float8 grouped GEMM: `(T, N)` of x's dtype, rows `offs[e-1]:offs[e]` of `x @ weight[e].T`.
+
+    Args:
+      x: `(T, K)` floating. weight: `(E, N, K)` (the layout of `F.linear` on `weight[e]`).
+      offs: int32 `(E,)` cumulative group ends. newest, stored: float32 `(E, 3)` state rows,
+        or None for current scaling. margin: int. backend: `"emulated"` or `"scaled_mm"`.
+
+    Returns:
+      `(T, N)` tensor of `x`'s dtype (the autocast dtype under autocast: `x` is cast to it
+      first and the op itself is not re-autocast, as `fp8fn.linear`).
+    """
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        x = x.to(torch.get_autocast_dtype(device))
+    with no_autocast(x):
+        return _Fp8GroupedMM.apply(x, weight, offs, newest, stored, margin, backend)[0]
