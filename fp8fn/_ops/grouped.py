@@ -18,8 +18,9 @@ import torch
 
 from .._core.checks import no_autocast
 from .._numerics.fp8 import E4M3, E5M2, cast_to_fp8
+from .first_order import first_order_only
 from .gemm import fp8_mm
-from .tensorwise import _first_order_only, _scales
+from .tensorwise import _scales
 
 
 def _group_ids(offs: torch.Tensor, rows: int) -> torch.Tensor:
@@ -80,7 +81,7 @@ class _Fp8GroupedMM(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         x, weight, offs, newest, stored, margin, backend = inputs
         ctx.mark_non_differentiable(*output[2:])  # x_amax stays differentiable: the anchor of
-        # `_first_order_only` (as in the dense op)
+        # `first_order_only` (as in the dense op)
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(*output[2:], output[1], offs, newest, stored)
         ctx.margin, ctx.backend, ctx.dtypes = margin, backend, (x.dtype, weight.dtype)
@@ -116,7 +117,7 @@ class _Fp8GroupedMM(torch.autograd.Function):
                                          w_dtype, ctx.backend)
             if needs[3]:
                 grads[3] = torch.stack([x_amax, w_amax, g_amax], 1)
-        return tuple(_first_order_only(grads, x_amax))
+        return tuple(first_order_only(grads, x_amax))
 
 
 def grouped_mm(x, weight, offs, newest=None, stored=None, margin: int = 0,
