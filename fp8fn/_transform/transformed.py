@@ -4,8 +4,10 @@
 flags and hooks) under `torch.func.functional_call` with the given parameters. A `_Call` (one
 per forward pass, a `TorchFunctionMode`, `routing.py`) routes the linear calls of the chosen
 layers (`layers.py`), known by the identity of their weight, to `fp8fn.linear` with their site's
-state. `transform` keeps only the layers' names and recipes, and nothing is left on the module
-after a call.
+state. `transform` reads the module (its layers and recipes, parameter slots and ties, the
+`checkpoint_fn` submodules, FSDP2's) and `apply` reads it again when its structure changed; during
+`apply` the `checkpoint_fn` submodules get an instance `forward`, removed after the call (the full
+list: docs/semantics.md, "What fp8fn touches outside the state").
 
 This module is the facade: `apply` checks its arguments, then enters in one `with` the context
 managers a call needs (torch's errors translated, `_torch_errors.py`; FSDP2's float8 weight
@@ -223,7 +225,9 @@ class Transformed:
         """Find every fp8 call site and return the initial scaling state.
 
         The model runs once, on the meta device when it can (no real activations are
-        computed), else for real without autograd and with the global RNG left as it was. A
+        computed), else for real without autograd and with the CPU random generator left as it
+        was (only the CPU generator is forked: a model that draws random numbers on an
+        accelerator while it runs for real advances that device's generator). A
         model with sharded (DTensor) parameters, as under FSDP2, always runs for real (FSDP2
         all-gathers, so every rank calls `init`), and its FSDP2 modules are resharded after.
         Sites are the stateful (DelayedScaling) layers' calls, in the order of the module tree
@@ -299,7 +303,15 @@ class Transformed:
         return call.sites
 
     def apply(self, params: dict, state: State, *args, **kwargs):
-        """Run the module with `params`, in fp8 with the scales in `state`. Pure.
+        """Run the module with `params`, in fp8 with the scales in `state`.
+
+        Not pure in memory (docs/semantics.md, "What fp8fn touches outside the state"): it
+        writes caches on this `Transformed` (the state's sites last checked, the layer holding
+        each weight a module swapped in itself, the module re-read when its structure changed);
+        it marks `state.amax_history` as used when gradients are recorded for it (a second use
+        is refused); an FSDP2 float8 weight keeps the scale of its forward all-gather; and
+        during the call the `checkpoint_fn` submodules have an instance `forward` (removed when
+        the call ends).
 
         The module runs as it is now: its buffers, dtype, device, training flags and hooks.
 
@@ -413,9 +425,11 @@ class Transformed:
 def transform(module, recipe, filter_fn=None, checkpoint_fn=None) -> Transformed:
     """Turn `module` into pure `init` / `apply` functions that run its linear layers in fp8.
 
-    The module is never modified: `apply` runs it as it is at each call (buffers, dtype,
-    device, training flags and hooks included), with the given parameters swapped in and its
-    chosen layers' linear calls routed to fp8fn for that call only.
+    `apply` runs the module as it is at each call (buffers, dtype, device, training flags and
+    hooks included), with the given parameters swapped in and its chosen layers' linear calls
+    routed to fp8fn for that call only. The module is modified during a call only: the
+    submodules chosen by `checkpoint_fn` get an instance `forward` (the recompute), removed
+    (or the user's own restored) when the call ends.
 
     Args:
       module: any nn.Module.
