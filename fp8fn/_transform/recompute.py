@@ -11,7 +11,7 @@ import contextlib
 import contextvars
 import threading
 
-from .checkpoint import checkpoint_with_constants, refuse_compile
+from .checkpoint import checkpoint_with_constants
 from .routing import _Call
 from .swap import _functional_call, _Holder, exclusive
 
@@ -26,7 +26,6 @@ def recomputing(call, modules):
     if not modules:
         yield
         return
-    refuse_compile()
     with _activated(call), _checkpoint_forwards(modules):
         yield
 

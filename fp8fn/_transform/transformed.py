@@ -46,6 +46,7 @@ from .._torch_private import (
     innermost_function_mode,
     recomputing_in_torch_checkpoint,
 )
+from .checkpoint import refuse_compile
 from .fsdp import Fsdp2
 from .layers import _find_layers, _is_linear_weight
 from .recompute import recomputing
@@ -355,6 +356,8 @@ class Transformed:
             tensors, kept = gather_params(self, params, state)
         tensors = self._slots.expand(tensors)
         call = _Call(self, tensors, state)
+        if self._checkpointed_modules:
+            refuse_compile()  # before the `with`: dynamo then runs this frame eagerly
         with (
             translated_errors(self.module, params),
             self._fsdp.scales(state),
