@@ -1,5 +1,5 @@
-import math
 import gc
+import math
 import sys
 
 import optree
