@@ -12,3 +12,9 @@ if not torch.cuda.is_available():
 
 # Without Triton the kernel module cannot even be imported for doctest collection.
 collect_ignore = [] if importlib.util.find_spec("triton") else ["fp8fn/_kernels/triton_jit.py"]
+
+# One intra-op thread in the test process: on a shared 2-core machine OpenMP threads spin-wait
+# (benchmarks/demo_load.py), and with 2 threads an inductor-generated CPU kernel of
+# tests/test_compile.py::test_compile_apply_model_matches_eager[transformer-delayed] aborts the
+# process (seen after the 0.4 merges, not yet bisected: an open defect, see the stop's note).
+torch.set_num_threads(1)
