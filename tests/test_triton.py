@@ -532,6 +532,38 @@ def test_triton_backend_is_bit_identical_to_emulated_over_steps(recipe_cls):
         assert all(torch.equal(grads_e[k], grads_t[k]) for k in grads_e)
 
 
+def test_triton_observation_under_nested_transforms_is_the_emulated_ones():
+    """The observation the output gradient's cast writes in the backward is made at the
+    backward's functorch level: `fp8fn.checkpoint` under `torch.func.grad` (a nested level),
+    grad of vmap over the batch (one amax) and vmap of grad (per example) give the emulated
+    backend's bits."""
+    runs = {}
+    for backend in ("emulated", "triton"):
+        recipe = fp8fn.DelayedScaling(backend=backend)
+        state = fp8fn.init_state(recipe, ["fc"])
+        gen = torch.Generator().manual_seed(0)
+        x, w = torch.randn(8, 16, generator=gen), torch.randn(12, 16, generator=gen)
+
+        def f(w, s, x):
+            return fp8fn.linear(x, w, None, s["fc"], recipe)
+
+        def rows(w, s):
+            return torch.vmap(lambda xx: f(w, s, xx))(x.view(2, 4, 16)).sum()
+
+        out = []
+        for _ in range(2):  # empty histories, then stored scales
+            grads = torch.func.grad(
+                lambda w, s: fp8fn.checkpoint(f, w, s, x).square().sum(), argnums=(0, 1)
+            )(w, state)
+            out += [grads, torch.func.grad(rows, argnums=(0, 1))(w, state)]
+            out.append(torch.vmap(lambda r: torch.func.grad(lambda w: f(w, state, r).sum())(w))(
+                x[:, None]
+            ))  # fmt: skip
+            state = fp8fn.update(state, grads[1])
+        runs[backend] = out
+    assert_bit_identical(runs["triton"], runs["emulated"])
+
+
 def test_triton_backend_casts_are_one_op_each():
     recipe = fp8fn.DelayedScaling(backend="triton")
     state = fp8fn.init_state(recipe, ["fc"])
