@@ -122,6 +122,39 @@ def test_hf_decoder_layers_without_kv_cache_are_bit_identical(kind, route):
     assert bool((obs.amax_history[..., 0] > 0).all())  # every site observed, once
 
 
+def _tiny_mixtral(implementation: str):
+    """A tiny HF Mixtral (2 layers, hidden 32, 4 experts, top 2) from a config, no cache."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.MixtralConfig(**{
+        **tiny_hf_config("mistral").to_dict(), "num_local_experts": 4,
+        "num_experts_per_tok": 2, "use_cache": False})  # fmt: skip
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = transformers.MixtralForCausalLM(config).train()
+    model.set_experts_implementation(implementation)
+    return model
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("implementation", ["eager", "batched_mm", "grouped_mm"])
+@pytest.mark.parametrize("precision", ["float8", "high"])
+def test_mixtral_decoder_layers_are_bit_identical(precision, implementation, route):
+    # Found in 0.3: under `backward()` the recompute was differentiated by torch.func, whose
+    # derivatives of `F.silu` and of the MoE block round differently: 17 of 21 gradients
+    # differed in high precision, 7 in float8.
+    model = _tiny_mixtral(implementation)
+    recipe = DELAYED if precision == "float8" else (lambda name, m: None)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    runs = []
+    for checkpoint_fn in (None, lambda n, m: type(m).__name__ == "MixtralDecoderLayer"):
+        fn = fp8fn.transform(model, recipe, checkpoint_fn=checkpoint_fn)
+        runs.append(_train(fn, params, fn.init(ids), _hf_loss(ids), route))
+    assert fn.checkpointed == ["model.layers.0", "model.layers.1"]
+    assert_bit_identical(runs[1], runs[0])
+
+
 @pytest.mark.parametrize("kind", ["DynamicCache", "ReformerDynamicCache"])
 def test_checkpoint_refuses_a_kv_cache_argument(kind):
     transformers = pytest.importorskip("transformers")
