@@ -368,3 +368,15 @@ def test_nvfp4_refuses_a_missing_key():
     x, w, offs, _ = _bf16_case([8, 16], 2)
     with pytest.raises(TypeError, match=r"expected `site_state` to be a pair `\(key, site\)`"):
         grouped_mm(x, w, offs, recipe=NVFP4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_current_scaling_is_the_dense_op_per_expert(dtype):
+    """Per expert, the dense `fp8fn.linear` under CurrentScaling (anchored to torchao's
+    tensorwise `Float8Linear` in test_reference), bit for bit, an idle expert included."""
+    ends = [7, 7, 40, 72]
+    x, w, offs, g = _bf16_case(ends, 4, seed=15, dtype=dtype)
+    got = _grads(x, w, offs, g, None)
+    want = _per_group(x, w, ends, g, _fp8fn_linear(fp8fn.CurrentScaling(backend="emulated")))
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
