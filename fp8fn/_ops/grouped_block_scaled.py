@@ -20,7 +20,8 @@ An expert with no token (an empty group) costs nothing and gets an exact zero we
 
 Backends: emulated, one dequantized matmul per group (as the dense op, reading `offs` on the
 host). Per-group `torch.mm` and one `torch._grouped_mm` give the same bits on CPU (torch 2.13,
-float32 and bfloat16), and about the same time (`benchmarks/moe.py`). The finer recipes have no
+float32 and bfloat16); the per-group matmul was the faster in `benchmarks/moe.py`'s full runs,
+and `torch._grouped_mm` on CPU needs 16-byte-aligned strides. The finer recipes have no
 GPU GEMM here (as the dense op: `resolve_backend` emulates them).
 """
 
