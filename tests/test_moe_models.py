@@ -225,3 +225,24 @@ def test_experts_sites_apart_in_the_state_raise():
     with pytest.raises(ValueError, match=r"expected the sites of the 4 experts of 'w' \(call 0\) "
                                          r"in `state`, one after another, got them apart"):
         fn.apply(dict(module.named_parameters()), fp8fn.unflatten_state(shuffled, recipe), x, ends)
+
+
+@pytest.mark.parametrize("implementation", ["eager", "batched_mm", "grouped_mm"])
+def test_checkpoint_fn_on_decoder_layers_is_bit_identical_with_float8_experts(implementation):
+    model = build("mixtral", implementation)
+    ids, params = batch(), dict(model.named_parameters())
+    runs = []
+    for checkpoint_fn in (None, lambda name, module: name.count(".") == 2 and "layers" in name):
+        fn = fp8fn.transform(model, fp8fn.DelayedScaling(), checkpoint_fn=checkpoint_fn)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the routers' high-precision GEMMs
+            state = fn.init(ids, use_cache=False)
+
+        def f(p, s, fn=fn):
+            return fn.apply(p, s, ids, labels=ids, use_cache=False).loss
+
+        runs.append(torch.func.grad(f, argnums=(0, 1))(params, state))
+    assert fn.checkpointed == ["model.layers.0", "model.layers.1"]
+    (grads, obs), (grads2, obs2) = runs
+    assert torch.equal(obs.amax_history, obs2.amax_history)
+    assert all(torch.equal(grads[n], grads2[n]) for n in grads)
