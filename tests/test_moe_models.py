@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 import fp8fn
+from fp8fn._ops.grouped import grouped_mm
 
 pytest.importorskip("transformers")
 
@@ -246,3 +247,22 @@ def test_checkpoint_fn_on_decoder_layers_is_bit_identical_with_float8_experts(im
     (grads, obs), (grads2, obs2) = runs
     assert torch.equal(obs.amax_history, obs2.amax_history)
     assert all(torch.equal(grads[n], grads2[n]) for n in grads)
+
+
+def test_grouped_mm_with_arguments_by_position_and_keyword():
+    class Keywords(_Experts):
+        def forward(self, x, ends):
+            offs = torch.tensor(ends, dtype=torch.int32)
+            a = torch._grouped_mm(x, self.w.transpose(-2, -1), offs)
+            return a + torch._grouped_mm(input=x, mat2=self.w.transpose(-2, -1), offs=offs)
+
+    module, ends = Keywords("grouped_mm"), [5, 5, 13, 20]
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(20, 32, generator=gen)
+    fn = fp8fn.transform(module, fp8fn.CurrentScaling())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fn.init(x, ends)
+    out = fn.apply(dict(module.named_parameters()), fn.init(x, ends), x, ends)
+    one = grouped_mm(x, module.w.detach(), torch.tensor(ends, dtype=torch.int32))
+    assert torch.equal(out, one + one)

@@ -200,13 +200,18 @@ def read_gemm(func, args, kwargs, derived_of) -> Gemm | None:
     None (`F.linear` is read by `_Call`, as for linear layers). `derived_of(t)` is the `Derived`
     of a tensor, or None."""
     if func in GROUPED_MM:
-        a, b = args[:2]
-        d = derived_of(b)
-        if d is None or d.expert is not None or b.dim() != 3:
+        names = ("input", "mat2") if func is getattr(torch, "_grouped_mm", None) else (
+            "mat_a", "mat_b")
+        names += ("offs", "bias", "out_dtype")
+        if len(args) > len(names) or kwargs.keys() - set(names):
             return None
-        if kwargs.get("bias") is not None or kwargs.get("out_dtype") is not None:
+        bound = {**dict(zip(names, args)), **kwargs}
+        a, b, offs = bound.get(names[0]), bound.get(names[1]), bound.get("offs")
+        d = derived_of(b) if isinstance(b, torch.Tensor) else None
+        if d is None or d.expert is not None or b.dim() != 3 or a is None:
             return None
-        offs = kwargs.get("offs")
+        if bound.get("bias") is not None or bound.get("out_dtype") is not None:
+            return None
         if a.dim() == 2 and offs is not None:
             return Gemm(d, a, b.transpose(-2, -1), offs=offs, finish=lambda out: out)
         if a.dim() == 3 and offs is None:

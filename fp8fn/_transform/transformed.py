@@ -505,7 +505,11 @@ def transform(module, recipe, filter_fn=None, checkpoint_fn=None) -> Transformed
         `(name, layer) -> recipe | None` choosing one per layer (None: high precision). The
         DelayedScaling layers share one packed state, so they need one static config.
       filter_fn: `(name, submodule) -> bool`, choosing the linear layers (`nn.Linear` and its
-        subclasses that keep its forward, HF `Conv1D`) that run in fp8; default: all.
+        subclasses that keep its forward, HF `Conv1D`) that run in fp8; default: all. It (and
+        a recipe function) is also asked about each 3-D parameter, with the parameter's name
+        and the module holding it: an experts weight (`(E, N, K)`, transformers'
+        `...experts.gate_up_proj`) whose GEMMs run per expert in fp8 once `init` sees one
+        (docs/moe.md), with DelayedScaling or CurrentScaling.
       checkpoint_fn: `(name, submodule) -> bool`, choosing submodules whose forward is
         recomputed in the backward (outermost choice wins), under torch.func and plain
         autograd alike; default: none.
