@@ -266,3 +266,18 @@ def test_grouped_mm_with_arguments_by_position_and_keyword():
     out = fn.apply(dict(module.named_parameters()), fn.init(x, ends), x, ends)
     one = grouped_mm(x, module.w.detach(), torch.tensor(ends, dtype=torch.int32))
     assert torch.equal(out, one + one)
+
+
+def test_conv_weights_are_not_asked_about_and_run_as_they_are():
+    model = nn.Sequential(nn.Conv1d(4, 8, 3), nn.Flatten(), nn.Linear(8 * 6, 5))
+    asked = []
+
+    def filter_fn(name, module):
+        asked.append(name)
+        return True
+
+    fn = fp8fn.transform(model, fp8fn.DelayedScaling(), filter_fn=filter_fn)
+    x = torch.randn(2, 4, 8)
+    state = fn.init(x)
+    assert asked == ["2"] and fn.layers == ["2"] and list(state) == ["2"]
+    assert "0.weight" not in fn.summary()

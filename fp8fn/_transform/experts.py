@@ -80,12 +80,15 @@ def owner_of(module: nn.Module, name: str) -> tuple[nn.Module, str]:
 
 
 def find_experts(module, choose) -> list[_Experts]:
-    """The 3-D floating parameters of `module` that `choose(name, owner)` gives a recipe."""
+    """The 3-D floating parameters of `module` that `choose(name, owner)` gives a recipe
+    (torch's convolutions' weights are not asked about: their op is a convolution)."""
     found = []
     for name, p in module.named_parameters():
         if p.dim() != 3 or not p.is_floating_point():
             continue
         owner, attr = owner_of(module, name)
+        if isinstance(owner, nn.modules.conv._ConvNd):
+            continue
         chosen = choose(name, owner)
         if chosen is not None:
             found.append(_Experts(name, owner, attr, chosen, p.shape[0]))
