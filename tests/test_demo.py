@@ -97,6 +97,7 @@ def test_every_flag_has_help():
         "threads",
         "d_model",
         "layers", "heads", "seq_len", "batch_size", "lr", "eval_batches", "sample_chars", "quiet",
+        "moe",
     ]  # fmt: skip
     assert all(a.help and a.help.strip() for a in actions), [a.dest for a in actions if not a.help]
 
