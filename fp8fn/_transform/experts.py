@@ -23,8 +23,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._core.recipes import CurrentScaling, DelayedScaling
-
 GROUPED_MM = tuple({f for f in (getattr(torch, "_grouped_mm", None),
                                 getattr(F, "grouped_mm", None)) if f is not None})
 _MATMULS = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.Tensor.mm)
@@ -38,7 +36,6 @@ _TRANSPOSES = (torch.Tensor.transpose, torch.transpose, torch.Tensor.swapaxes,
 _FLIPS = (torch.Tensor.t, torch.t, torch.Tensor.T.__get__, torch.Tensor.mT.__get__)
 DERIVING = (torch.Tensor.__getitem__, torch.Tensor.select, torch.select, torch.Tensor.unbind,
             torch.unbind, *_TRANSPOSES, *_FLIPS)
-EXPERTS_RECIPES = (DelayedScaling, CurrentScaling)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -252,15 +249,3 @@ def _batch_over_experts(d: Derived, x, weight, left) -> Gemm:
 
     offs = _equal_groups(experts, rows, x.device)
     return Gemm(d, x.reshape(experts * rows, k), weight, offs=offs, finish=finish)
-
-
-def check_experts_recipe(entry: _Experts) -> None:
-    """Raise unless `entry`'s recipe has a per-expert form (delayed, current tensorwise)."""
-    if not isinstance(entry.recipe, EXPERTS_RECIPES):
-        raise ValueError(
-            f"fp8fn.init: expected fp8fn.DelayedScaling or fp8fn.CurrentScaling for the experts "
-            f"weight {entry.path!r} (a 3-D weight used in a GEMM), got "
-            f"{type(entry.recipe).__name__}. Give it one of those with a recipe function "
-            "`(name, module) -> recipe`, or leave it in high precision with "
-            f"`filter_fn=lambda name, module: name != {entry.path!r}`."
-        )

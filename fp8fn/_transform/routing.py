@@ -22,7 +22,6 @@ from .experts import (
     GEMMS,
     Derived,
     _ExpertLayer,
-    check_experts_recipe,
     derive,
     read_gemm,
 )
@@ -179,9 +178,24 @@ class _Call(TorchFunctionMode):
     def _derived_of(self, t) -> Derived | None:
         """The `Derived` of an experts weight or a tensor made from one, else None."""
         if self._derived is None:
-            return next((d for u, d in self._derived_list if u is t), None)
-        hit = self._derived.get(id(t))
-        return None if hit is None or hit[0] is not t else hit[1]
+            hit = next((d for u, d in self._derived_list if u is t), None)
+        else:
+            hit = self._derived.get(id(t))
+            hit = None if hit is None or hit[0] is not t else hit[1]
+        if hit is None and isinstance(t, nn.Parameter):
+            hit = self._swapped_in(t)
+        return hit
+
+    def _swapped_in(self, t) -> Derived | None:
+        """The `Derived` of `t` when an experts module holds it now though `apply` was not
+        given it (FSDP2's unsharded weight, swapped in for the forward); tracked from then on.
+        """
+        for entry in self.transformed._experts:
+            if entry.module._parameters.get(entry.attr) is t:
+                derived = Derived(entry, t)
+                self._track(t, derived)
+                return derived
+        return None
 
     def _derive(self, func, args, kwargs):
         """Run a view, index or transpose of a tracked tensor, and track what it made."""
@@ -205,8 +219,6 @@ class _Call(TorchFunctionMode):
             name = self._names.get(id(t._base))
         if name is not None and self.weights.get(name, "") is not None:
             self.weights[name] = op
-            if op is None and derived is not None:
-                check_experts_recipe(derived.entry)
 
     def _expert_layer(self, derived):
         """Expert `derived.expert` of its experts weight, as a layer of its own."""
@@ -244,7 +256,11 @@ class _Call(TorchFunctionMode):
         check_dtypes(f"apply: experts {entry.path!r}", x, weight[0], None)
         backend = resolve_backend(entry.recipe, x.device)
         margin = getattr(entry.recipe, "margin", 0)
-        return gemm.finish(grouped_mm(x, weight, gemm.offs, newest, stored, margin, backend))
+        random = None  # NVFP4: expert e draws with the key folded with e, at the call's site
+        if isinstance(entry.recipe, NVFP4Scaling):
+            random = (self.state.key, site_name(entry.path, k))
+        return gemm.finish(grouped_mm(x, weight, gemm.offs, newest, stored, margin, backend,
+                                      recipe=entry.recipe, random=random))
 
     def _newest_rows(self):
         """`state.amax_history[..., 0]`, `(n_sites, 3)`, taken once per call."""

@@ -316,12 +316,16 @@ class Transformed:
         stateful = set(self._stateful)
         first = next((m for m in self._layers if m.path in stateful), None)
         nvfp4 = [m for m in self._layers if isinstance(m.recipe, NVFP4Scaling)]
+        nvfp4_experts = [
+            e for e in self._experts
+            if isinstance(e.recipe, NVFP4Scaling) and e.path in self._confirmed
+        ]
         first = first or next(iter(nvfp4), None)
         device = None if first is None else first.own({})[0].device
-        if first is None and experts:
-            device = experts[0].own({}).device
+        if first is None and (experts or nvfp4_experts):
+            device = (experts or nvfp4_experts)[0].own({}).device
         state = init_state(recipe, names, device)
-        return state._replace(key=initial_key(seed, device)) if nvfp4 else state
+        return state._replace(key=initial_key(seed, device)) if nvfp4 or nvfp4_experts else state
 
     def _discover(self, args, kwargs) -> _Call:
         """The `_Call` of one forward pass on the example inputs (its `sites`, in call order,
@@ -509,7 +513,7 @@ def transform(module, recipe, filter_fn=None, checkpoint_fn=None) -> Transformed
         a recipe function) is also asked about each 3-D parameter, with the parameter's name
         and the module holding it: an experts weight (`(E, N, K)`, transformers'
         `...experts.gate_up_proj`) whose GEMMs run per expert in fp8 once `init` sees one
-        (docs/moe.md), with DelayedScaling or CurrentScaling.
+        (docs/moe.md), with any recipe (per expert or per group).
       checkpoint_fn: `(name, submodule) -> bool`, choosing submodules whose forward is
         recomputed in the backward (outermost choice wins), under torch.func and plain
         autograd alike; default: none.
