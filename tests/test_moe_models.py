@@ -353,3 +353,57 @@ def test_conv_weights_are_not_asked_about_and_run_as_they_are():
     state = fn.init(x)
     assert asked == ["2"] and fn.layers == ["2"] and list(state) == ["2"]
     assert "0.weight" not in fn.summary()
+
+
+class _Routed(nn.Module):
+    """A router `nn.Linear(32, 4)` next to a 3-D experts weight `(4, 24, 32)` (top-1), inside
+    a model whose head `nn.Linear(24, 1)` is a dense layer with one output."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = nn.Module()
+        self.block.router = nn.Linear(32, 4)
+        self.block.w = nn.Parameter(torch.randn(4, 24, 32) / 32**0.5)
+        self.head = nn.Linear(24, 1)
+
+    def forward(self, x):
+        ids = self.block.router(x).argmax(-1)
+        order = torch.argsort(ids, stable=True)
+        offs = torch.bincount(ids, minlength=4).cumsum(0).int()
+        y = F.grouped_mm(x[order], self.block.w.transpose(-2, -1), offs=offs)
+        return self.head(y[torch.argsort(order)])
+
+
+def test_routers_and_gates_next_to_experts_stay_in_high_precision():
+    """Qwen2-MoE's `shared_expert_gate` `nn.Linear(32, 1)` and a user router `nn.Linear(32, 4)`
+    next to 4 experts: high precision by default, listed as router or gate, not warned about; a
+    dense `nn.Linear(24, 1)` elsewhere runs in float8; a recipe function chooses for them."""
+    model = build("qwen2_moe")
+    fn = fp8fn.transform(model, fp8fn.DelayedScaling())
+    with pytest.warns(UserWarning) as record:
+        fn.init(batch())
+    (warned,) = [str(w.message) for w in record]
+    assert "'model.layers.0.mlp.gate.weight'" in warned and "shared_expert_gate" not in warned
+    assert not any("shared_expert_gate" in n for n in fn.layers)
+    row = next(r for r in fn.summary().splitlines()
+               if r.startswith("model.layers.1.mlp.shared_expert_gate.weight "))
+    assert row.endswith("high precision (F.linear; router or gate)")
+    chosen = fp8fn.transform(model, lambda name, module: fp8fn.DelayedScaling())
+    assert "model.layers.0.mlp.shared_expert_gate" in chosen.layers
+
+    routed = _Routed()
+    fn = fp8fn.transform(routed, fp8fn.CurrentScaling())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fn.init(torch.randn(20, 32))
+    assert fn.layers == ["head", "block.w"]
+    x = torch.randn(20, 32)
+    out = fn.apply(dict(routed.named_parameters()), fn.init(x), x)
+    ids = routed.block.router(x).argmax(-1)  # the router in float32: the same experts chosen
+    y = torch.zeros(20, 24)
+    for e in ids.unique().tolist():  # each expert's rows, current scaling per expert
+        y[ids == e] = fp8fn.linear(x[ids == e], routed.block.w[e], None, None,
+                                   recipe=fp8fn.CurrentScaling())
+    want = fp8fn.linear(y, routed.head.weight, routed.head.bias, None,
+                        recipe=fp8fn.CurrentScaling())
+    torch.testing.assert_close(out, want, rtol=0, atol=0)

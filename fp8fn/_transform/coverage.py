@@ -20,6 +20,8 @@ def _rows(transformed, weights: dict) -> list[tuple[str, int, str]]:
     for name, op in weights.items():
         if name not in how and name in params:
             chosen = "chosen" if _chosen_out(transformed, name) else "not converted"
+            if name.rpartition(".")[0] in transformed._gates:
+                chosen = "router or gate"
             how[name] = "float8" if op is None else f"high precision ({op}; {chosen})"
     order = {n: i for i, n in enumerate(params)}
     rows = [(n, params[n].numel(), h) for n, h in how.items() if n in params]

@@ -92,6 +92,27 @@ def find_experts(module, choose) -> list[_Experts]:
     return found
 
 
+def find_gates(module, experts: list[_Experts]) -> set[str]:
+    """The paths of the routers and gates next to `experts`: the `nn.Linear` (or subclass)
+    direct children of the module holding an experts weight, or, when it has none, of that
+    module's parent (transformers' `mlp` holding `experts`, `gate`, `shared_expert_gate`), with
+    `out_features` at most that weight's number of experts E (a router scores the E experts; a
+    gate such as Qwen2-MoE's `shared_expert_gate` gives 1 output). Their GEMMs are tiny and
+    decide which experts run, so they stay in high precision by default."""
+    gates = set()
+
+    def linear_children(path):
+        prefix = f"{path}." if path else ""
+        return [(prefix + n, c) for n, c in module.get_submodule(path).named_children()
+                if isinstance(c, nn.Linear)]
+
+    for entry in experts:
+        owner_path = entry.path.rpartition(".")[0]
+        near = linear_children(owner_path) or linear_children(owner_path.rpartition(".")[0])
+        gates.update(n for n, c in near if c.out_features <= entry.experts)
+    return gates
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Derived:
     """A tensor made from an experts weight: per-expert matrices `M(e)` = `source[e]`, or its

@@ -48,7 +48,7 @@ from .._torch_private import (
 )
 from .checkpoint import refuse_compile
 from .coverage import report_high_precision, summarize
-from .experts import find_experts
+from .experts import find_experts, find_gates
 from .fsdp import Fsdp2
 from .layers import _find_layers, _is_linear_weight, _recipe_for
 from .recompute import recomputing
@@ -147,7 +147,11 @@ class Transformed:
         module, (recipe, filter_fn, checkpoint_fn) = self.module, self._choices
         self._ddp_param = ddp_parameter(module)  # (name, parameter) of a DDP model, else None
         self._experts = find_experts(module, self._chosen)
-        self._layers = _find_layers(module, recipe, filter_fn, warn=not self._experts)
+        # routers and gates next to the experts: high precision, unless a recipe function
+        # chooses for them
+        self._gates = find_gates(module, self._experts) if isinstance(recipe, RECIPES) else set()
+        self._layers = _find_layers(module, recipe, filter_fn, warn=not self._experts,
+                                    gates=self._gates)
         self.recipes = {layer.path: layer.recipe for layer in self._layers}
         self.recipes.update({e.path: e.recipe for e in self._experts if e.path in self._confirmed})
         self.layers = list(self.recipes)
