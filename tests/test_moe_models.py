@@ -377,24 +377,32 @@ class _Routed(nn.Module):
 def test_routers_and_gates_next_to_experts_stay_in_high_precision():
     """Qwen2-MoE's `shared_expert_gate` `nn.Linear(32, 1)` and a user router `nn.Linear(32, 4)`
     next to 4 experts: high precision by default, listed as router or gate, not warned about; a
-    dense `nn.Linear(24, 1)` elsewhere runs in float8; a recipe function chooses for them."""
+    dense `nn.Linear(24, 1)` elsewhere runs in float8; reported with the routers that call
+    `F.linear` themselves; a recipe function chooses for them."""
     model = build("qwen2_moe")
     fn = fp8fn.transform(model, fp8fn.DelayedScaling())
     with pytest.warns(UserWarning) as record:
         fn.init(batch())
     (warned,) = [str(w.message) for w in record]
-    assert "'model.layers.0.mlp.gate.weight'" in warned and "shared_expert_gate" not in warned
+    assert "4 weight(s)" in warned and "'model.layers.0.mlp.gate.weight' (F.linear)" in warned
+    assert "'model.layers.1.mlp.shared_expert_gate.weight' (F.linear; router or gate)" in warned
     assert not any("shared_expert_gate" in n for n in fn.layers)
     row = next(r for r in fn.summary().splitlines()
                if r.startswith("model.layers.1.mlp.shared_expert_gate.weight "))
-    assert row.endswith("high precision (F.linear; router or gate)")
+    assert row.endswith("high precision (F.linear; router or gate; not converted)")
+    quiet = fp8fn.transform(model, fp8fn.DelayedScaling(),
+                            filter_fn=lambda name, module: not name.endswith(
+                                ("mlp.gate.weight", "shared_expert_gate")))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        quiet.init(batch())
     chosen = fp8fn.transform(model, lambda name, module: fp8fn.DelayedScaling())
     assert "model.layers.0.mlp.shared_expert_gate" in chosen.layers
 
     routed = _Routed()
     fn = fp8fn.transform(routed, fp8fn.CurrentScaling())
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
+    with pytest.warns(UserWarning, match=r"1 weight\(s\).*'block.router.weight' \(F.linear; "
+                                         r"router or gate\)"):
         fn.init(torch.randn(20, 32))
     assert fn.layers == ["head", "block.w"]
     x = torch.randn(20, 32)
