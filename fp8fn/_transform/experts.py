@@ -31,6 +31,15 @@ _BMMS = (torch.bmm, torch.Tensor.bmm)
 # reported (`Transformed.init`).
 GEMMS = (F.linear, torch.addmm, torch.Tensor.addmm, torch.Tensor.__rmatmul__, torch.baddbmm,
          torch.einsum, *_MATMULS, *_BMMS, *GROUPED_MM)
+
+
+def grouped_ops() -> tuple:
+    """`GROUPED_MM`, and transformers' custom op `transformers::grouped_mm_fallback` (same
+    arguments as `torch._grouped_mm`) where transformers has registered it: its grouped_mm
+    experts run through it under torch.compile with a weight not in bfloat16, and on CPU where
+    `torch._grouped_mm` cannot run. Read at `transform` (it appears when transformers loads)."""
+    hf = getattr(getattr(torch.ops, "transformers", None), "grouped_mm_fallback", None)
+    return GROUPED_MM if hf is None else (*GROUPED_MM, hf)
 _TRANSPOSES = (torch.Tensor.transpose, torch.transpose, torch.Tensor.swapaxes,
                torch.swapaxes, torch.Tensor.swapdims, torch.swapdims)
 _FLIPS = (torch.Tensor.t, torch.t, torch.Tensor.T.__get__, torch.Tensor.mT.__get__)
@@ -216,13 +225,15 @@ def _grouped_by_ids(d: Derived, a: torch.Tensor, weight: torch.Tensor, left: boo
     return Gemm(d, a[perm].reshape(rows * m, k), weight, offs=offs, finish=finish)
 
 
-def read_gemm(func, args, kwargs, derived_of) -> Gemm | None:
+def read_gemm(func, args, kwargs, derived_of, grouped=GROUPED_MM) -> Gemm | None:
     """The `Gemm` of a call that multiplies an experts weight in a form fp8fn converts, or
     None (`F.linear` is read by `_Call`, as for linear layers). `derived_of(t)` is the `Derived`
-    of a tensor, or None."""
-    if func in GROUPED_MM:
-        names = ("input", "mat2") if func is getattr(torch, "_grouped_mm", None) else (
-            "mat_a", "mat_b")
+    of a tensor, or None; `grouped` the grouped GEMM ops (`grouped_ops()`)."""
+    if any(func is op for op in grouped):  # (by identity: an OpOverloadPacket's `==` is not)
+        if func is getattr(F, "grouped_mm", None):
+            names = ("mat_a", "mat_b")
+        else:
+            names = ("input", "mat2" if func is getattr(torch, "_grouped_mm", None) else "weight")
         names += ("offs", "bias", "out_dtype")
         if len(args) > len(names) or kwargs.keys() - set(names):
             return None

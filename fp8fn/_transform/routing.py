@@ -151,8 +151,8 @@ class _Call(TorchFunctionMode):
                         self._note(weight, None)
                         return func(*args, **kwargs)
                     return self._linear(layer, x, weight.t() if transposed else weight, bias)
-        if func in GEMMS:
-            gemm = read_gemm(func, args, kwargs, self._derived_of)
+        if func in GEMMS or any(func is op for op in self.transformed._grouped_ops):
+            gemm = read_gemm(func, args, kwargs, self._derived_of, self.transformed._grouped_ops)
             if gemm is not None:
                 single = None if gemm.expert is None else self._expert_layer(gemm.derived)
                 if self.state is None:

@@ -48,7 +48,7 @@ from .._torch_private import (
 )
 from .checkpoint import refuse_compile
 from .coverage import report_high_precision, summarize
-from .experts import find_experts, find_gates
+from .experts import find_experts, find_gates, grouped_ops
 from .fsdp import Fsdp2
 from .layers import _find_layers, _is_linear_weight, _recipe_for
 from .recompute import recomputing
@@ -147,6 +147,7 @@ class Transformed:
         module, (recipe, filter_fn, checkpoint_fn) = self.module, self._choices
         self._ddp_param = ddp_parameter(module)  # (name, parameter) of a DDP model, else None
         self._experts = find_experts(module, self._chosen)
+        self._grouped_ops = grouped_ops()  # the grouped GEMM ops (transformers' custom one)
         # routers and gates next to the experts: high precision, unless a recipe function
         # chooses for them
         self._gates = find_gates(module, self._experts) if isinstance(recipe, RECIPES) else set()
