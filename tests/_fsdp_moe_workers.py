@@ -104,7 +104,13 @@ def experts_eager(rank):
     _experts_under_fsdp2("eager", rank)
 
 
-SCENARIOS = [experts_grouped_mm, experts_eager]
+def experts_batched_mm(rank):
+    """batched_mm (`torch.bmm` on the copy `W[ids]` of FSDP2's unsharded weight): as
+    grouped_mm."""
+    _experts_under_fsdp2("batched_mm", rank)
+
+
+SCENARIOS = [experts_grouped_mm, experts_eager, experts_batched_mm]
 
 
 def main(rank: int, world_size: int, port: int, out_dir: str) -> None:

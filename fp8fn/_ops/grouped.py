@@ -7,7 +7,8 @@ An expert that received no token observes 0 for its input and its grad_output (0
 observed: `update` keeps those histories); its weight is observed as usual.
 
 Backends: on CPU the GEMMs are emulated, one float32 matmul of the widened float8 operands per
-group (`fp8_mm`), which reads the group offsets on the host. On CUDA (`backend="scaled_mm"`)
+group (`fp8_mm`), which reads the group offsets on the host (under torch.compile inside the
+custom ops of `grouped_gemm`, so the graph does not break). On CUDA (`backend="scaled_mm"`)
 the forward is one `torch._scaled_grouped_mm` call where the torch in use has it, the output is
 bfloat16 and K, N are multiples of 16 (per-expert scales given as its row and column scales);
 the backward's GEMMs, and the forward otherwise, go per group through `fp8_mm`'s
