@@ -56,3 +56,16 @@ def test_compiled_mixtral_grouped_mm_matches_eager_with_no_graph_break():
     experts = [i for i, s in enumerate(state.sites) if "experts" in s]
     assert len(experts) == 16 and bool((state.amax_history[experts, 0, :2] > 0).all())
     torch._dynamo.reset()
+
+
+def test_compiled_experts_with_a_stateless_recipe_raise_fp8fns_error_under_fullgraph():
+    torch._dynamo.reset()
+    model = build("mixtral", "grouped_mm")
+    fn = fp8fn.transform(model, lambda name, module: (
+        fp8fn.RowwiseScaling() if "experts" in name else fp8fn.DelayedScaling()))
+    with pytest.raises(RuntimeError, match=r"^fp8fn.apply: expected DelayedScaling or "
+                                           r"CurrentScaling for the experts weight 'model.layers"
+                                           r".0.mlp.experts.gate_up_proj' under torch.compile, "
+                                           r"got RowwiseScaling"):
+        _steps(torch.compile(fn.apply, fullgraph=True), fn, model, steps=1)
+    torch._dynamo.reset()
