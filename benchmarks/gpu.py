@@ -19,8 +19,9 @@ a table timed side by side (warmup, then rounds that call each variant in turn; 
    down projection's input, its output gradient with the transposed copy the weight gradient
    needs): fp8fn's cast (`_numerics.fp8`: cast with a given scale, and the amax) compiled as
    delayed scaling runs it (scale known: one pass) and as current scaling does (the amax first,
-   then the cast: two passes), fp8fn's Triton kernels (`_kernels.cast`: `delayed_cast`,
-   `current_cast`; CUDA only), and a device copy of the tensor (what the memory system gives).
+   then the cast: two passes), fp8fn's Triton kernels (`_kernels.cast`: `delayed_cast` with the
+   history known filled, `current_cast`), and a device copy of the tensor (what the memory
+   system gives).
    GB/s counts the bytes a cast must move (the bf16 tensor read once, each float8 copy written
    once), so a second pass shows as a lower figure; "% peak" is against the device's peak
    bandwidth (from its memory clock and bus width, or `--peak-gbps`).
@@ -32,9 +33,9 @@ under 5 minutes on an H100/H200 class device; it prints the seconds of each phas
 can run on CPU (the variants under torch.compile with fullgraph where the GPU run has it, with
 `torch._scaled_mm`'s CPU reference kernel, and the casts), host-clock times, and the same tables
 (the figures mean nothing on CPU). It compiles with the "aot_eager" backend (dynamo and
-AOTAutograd, not inductor's code generation, whose C++ compiles take minutes on a CPU); not
-run: inductor's GPU kernels, the Triton casts, CUDA events. `tests/test_benchmarks.py` runs
-it.
+AOTAutograd, not inductor's code generation, whose C++ compiles take minutes on a CPU); the
+Triton casts run under `TRITON_INTERPRET=1` only; not run: inductor's GPU kernels, CUDA events.
+`tests/test_benchmarks.py` runs it under the interpreter.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from __future__ import annotations
 import argparse
 import copy
 import importlib.util
+import os
 import sys
 import time
 
@@ -275,14 +277,14 @@ def casts(shape: dict, device: str, repeats: int, clock, peak: float | None) -> 
     delayed = torch.compile(_delayed_cast, **options)
     current = torch.compile(_current_cast, **options)
     copy_ = torch.compile(_copy, **options)
-    triton = device == "cuda"
+    # Triton's kernels: on CUDA, or on CPU under its interpreter (TRITON_INTERPRET=1)
+    triton = device == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
     if triton:
         import fp8fn._kernels.cast as kernels
     rows = []
     for name, size, dtype, transpose in tensors:
         hp = torch.randn(size, device=device, dtype=torch.bfloat16)
         scale = scale_from_amax(amax(hp), torch.finfo(dtype).max, 0)
-        newest = torch.ones((), device=device)
         fns = {
             "copy": lambda: copy_(hp),
             "delayed, compiled": lambda: delayed(hp, scale, dtype, transpose),
@@ -290,7 +292,9 @@ def casts(shape: dict, device: str, repeats: int, clock, peak: float | None) -> 
         }
         if triton:
             t = {"transpose": transpose}
-            fns["delayed, Triton"] = lambda: kernels.delayed_cast(hp, newest, scale, 0, dtype, **t)
+            fns["delayed, Triton"] = lambda: kernels.delayed_cast(
+                hp, None, scale, 0, dtype, filled=True, **t
+            )
             fns["current, Triton"] = lambda: kernels.current_cast(hp, 0, dtype, **t)
         seconds = median_times(fns, repeats, warmup=2, inner=5, clock=clock)
         n = hp.numel()
@@ -300,13 +304,13 @@ def casts(shape: dict, device: str, repeats: int, clock, peak: float | None) -> 
             rows.append(
                 (f"{name} {tuple(size)}", variant, f"{s * 1e6:.1f}", f"{gbps:.1f}",
                  f"{100 * gbps / peak:.0f}%" if peak else "-",
-                 ratio(s, seconds["current, compiled"], 2) if variant.startswith("delayed")
-                 else "")
+                 ratio(s, seconds[variant.replace("delayed", "current")], 2)
+                 if variant.startswith("delayed") else "")
             )  # fmt: skip
     peak_text = f"{peak:.0f} GB/s" if peak else "not known"
     print()
     print_table(
-        ["tensor", "variant", "us", "GB/s", "% peak", "time / current"],
+        ["tensor", "variant", "us", "GB/s", "% peak", "time / current"],  # compiled or Triton alike
         rows,
         f"float8 casts, median of {repeats} (peak bandwidth: {peak_text}); GB/s: the bytes a "
         "cast must move (bf16 read once, each float8 copy written once) per second",
