@@ -268,6 +268,19 @@ class CommCounter(TorchDispatchMode):
         return out
 
 
+def _float32_step_collectives(net: dict, x, steps: int) -> CommCounter:
+    """The collectives of the last of `steps` SGD steps of `Net(**net)` under FSDP2 in float32
+    (`x(step)`: this rank's batch of the step)."""
+    plain = _fully_shard(Net(**net))
+    opt = torch.optim.SGD(plain.parameters(), lr=LR)
+    for step in range(steps):
+        with CommCounter() as comm:
+            _loss(plain(x(step))).backward()
+            opt.step()
+            plain.zero_grad()
+    return comm
+
+
 def _gathered_model(**net):
     return _fully_shard(fp8fn.float8_all_gather(Net(**net)))
 
@@ -340,14 +353,7 @@ def fp8_all_gather_bytes_and_collectives(rank):
     def x(step):
         return _shard(_batch(step, 64), rank)
 
-    plain = _fully_shard(Net(**net))
-    opt = torch.optim.SGD(plain.parameters(), lr=LR)
-    for step in range(2):
-        with CommCounter() as comm:
-            _loss(plain(x(step))).backward()
-            opt.step()
-            plain.zero_grad()
-    fp32 = comm.summary()
+    fp32 = _float32_step_collectives(net, x, steps=2).summary()
 
     model = _gathered_model(**net)
     fn = fp8fn.transform(model, RECIPE)
@@ -408,14 +414,8 @@ def fp8_all_gather_residual_model_bytes(rank):
     def all_gathers(comm):
         return [b for n, b in comm.log if n == "_allgather_base_"]
 
-    plain = _fully_shard(Net(**net))
-    opt = torch.optim.SGD(plain.parameters(), lr=LR)
-    for step in range(3):
-        with CommCounter() as fp32:
-            _loss(plain(x(step))).backward()
-            opt.step()
-            plain.zero_grad()
-        assert all_gathers(fp32) == [528] + [8384] * 6, fp32.log
+    fp32 = _float32_step_collectives(net, x, steps=3)
+    assert all_gathers(fp32) == [528] + [8384] * 6, fp32.log
 
     model = _fully_shard(fp8fn.float8_all_gather(Net(**net)))
     fn = fp8fn.transform(model, RECIPE)
