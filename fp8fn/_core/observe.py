@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import torch
-from torch.utils import _pytree as pytree
 
-from .._torch_private import functorch_level
+from .._torch_private import functorch_level, tree_flatten, tree_unflatten
 from .state import State, check_state, warn_if_superseded
 
 
@@ -133,7 +132,7 @@ def value_and_grad(f, argnums=0, has_aux=False):
                     f"fp8fn.value_and_grad: expected each of `argnums` in [{-len(args)}, "
                     f"{len(args)}) (the {len(args)} positional arguments), got {i}."
                 )
-            leaves, spec = pytree.tree_flatten(args[i])
+            leaves, spec = tree_flatten(args[i])
             for leaf in leaves:
                 if not (isinstance(leaf, torch.Tensor) and leaf.is_floating_point()):
                     raise TypeError(
@@ -150,7 +149,7 @@ def value_and_grad(f, argnums=0, has_aux=False):
             # two arguments is two (two copies of a state, for two forward passes).
             memo = {}
             leaves = [memo.setdefault(id(t), t.detach().requires_grad_()) for t in leaves]
-            args[i] = pytree.tree_unflatten(leaves, spec)
+            args[i] = tree_unflatten(leaves, spec)
             specs.append((leaves, spec))
         with torch.enable_grad():
             out = f(*args, **kwargs)
@@ -163,7 +162,7 @@ def value_and_grad(f, argnums=0, has_aux=False):
             )
         flat = [t for leaves, _ in specs for t in leaves]
         grads = iter(torch.autograd.grad(value, flat, allow_unused=True, materialize_grads=True))
-        trees = tuple(pytree.tree_unflatten([next(grads) for _ in ls], sp) for ls, sp in specs)
+        trees = tuple(tree_unflatten([next(grads) for _ in ls], sp) for ls, sp in specs)
         result = trees[0] if isinstance(argnums, int) else trees
         value = value.detach()
         return ((value, aux) if has_aux else value), result

@@ -16,10 +16,16 @@ from typing import NamedTuple
 
 import optree
 import torch
-from torch.utils import _pytree as pytree
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .._torch_private import differentiated, tensor_version, unwrapped
+from .._torch_private import (
+    GetAttrKey,
+    differentiated,
+    register_pytree_node,
+    tensor_version,
+    unwrapped,
+    view_base,
+)
 from .keys import check_key
 from .recipes import RECIPES, DelayedScaling
 
@@ -274,13 +280,13 @@ def _register(cls, leaves, static, make_from=None):
             return make_from(values, aux, key)
         return cls(*values, *aux) if key is None else cls(*values, *aux, key=key)
 
-    pytree.register_pytree_node(
+    register_pytree_node(
         cls,
         lambda obj: ([getattr(obj, f) for f in fields(obj)], static(obj)),
         make,
         serialized_type_name=f"fp8fn.{cls.__name__}",
         flatten_with_keys_fn=lambda obj: (
-            [(pytree.GetAttrKey(f), getattr(obj, f)) for f in fields(obj)],
+            [(GetAttrKey(f), getattr(obj, f)) for f in fields(obj)],
             static(obj),
         ),
     )
@@ -523,7 +529,7 @@ def known_valid(scale: torch.Tensor) -> bool:
     """Whether `scale` (or the tensor it views, or one whose memory it shares) holds scales known
     to be finite and > 0, unchanged since they were checked (no host read)."""
     base = unwrapped(scale)
-    for t in (base, base._base):
+    for t in (base, view_base(base)):
         if t is not None and _VALID_SCALES.get(t) == tensor_version(t):
             return True
     if not base.numel():  # (empty tensors share the address 0)
