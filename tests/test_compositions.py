@@ -351,10 +351,36 @@ def test_init_blames_fp8fn_not_the_inputs_for_an_error_raised_inside_fp8fn():
     assert "IndexError: tuple index out of range, in fsdp_post_all_gather at " in message
     assert "fp8fn/_parallel/fsdp_gather.py:" in message and "not in the example inputs" in message
     assert isinstance(e.value.__cause__, IndexError)
-    # The same exception raised by the model's own code is the model's.
+    # The same exception raised by the model's own code is the model's (and keeps its type).
     fn = fp8fn.transform(_Raises(_model_bug), DELAYED)
-    with pytest.raises(RuntimeError, match=r"^fp8fn\.init: the model raised on the example inp"):
+    with pytest.raises(IndexError, match=r"^fp8fn\.init: the model raised on the example inp"):
         fn.init(torch.randn(4, 8))
+
+
+@pytest.mark.parametrize(
+    "inputs, error, what",
+    [
+        ((torch.randn(4, 8), "s"), TypeError, "TypeError: unsupported operand"),
+        ((torch.randn(4, 8),), TypeError, "TypeError: .*missing 1 required positional"),
+        ((torch.randn(4, 8), torch.ones(5)), RuntimeError, "RuntimeError: The size of tensor"),
+    ],
+    ids=["wrong-type", "missing-argument", "wrong-shape"],
+)
+def test_init_keeps_the_type_of_the_models_own_error(inputs, error, what):
+    class Shifted(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(8, 4)
+
+        def forward(self, x, shift):
+            return self.fc(x) + shift
+
+    fn = fp8fn.transform(Shifted(), DELAYED)
+    with pytest.raises(
+        error, match=rf"^fp8fn\.init: the model raised on the example inputs \({what}"
+    ) as e:
+        fn.init(*inputs)
+    assert type(e.value) is error and type(e.value.__cause__) is error
 
 
 def test_init_passes_fp8fn_errors_through_unchanged():

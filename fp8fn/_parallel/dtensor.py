@@ -340,7 +340,7 @@ def sharded_linear(call, layer, site, x, weight, bias, newest, stored):
     _check_state("fp8fn.apply", call.state)
     xd, wd, bd = as_dtensor(x), as_dtensor(weight), as_dtensor(bias)
     device = (wd if wd is not None else xd).device
-    backend = resolve_backend(recipe, device)
+    backend = resolve_backend(recipe, device, "apply")
     if backend == "triton":  # fused casts are for plain tensors; the matmul as "auto"
         backend = "scaled_mm" if scaled_mm_supported(device) else "emulated"
     unobserved = [True] * 3 if newest is None else _unobserved(call, site)

@@ -268,6 +268,11 @@ def checkpoint(f, *args):
             "without its float8 casts (silently wrong gradients and observations). Checkpoint "
             "the module with `checkpoint_fn=lambda name, module: ...` in fp8fn.transform."
         )
+    if not callable(f):
+        raise TypeError(
+            "fp8fn.checkpoint: expected `f` to be a function of the arguments that follow it, "
+            f"got {type(f).__name__}. Call it as fp8fn.checkpoint(f, *args)."
+        )
     call, bound, keywords = f, (), {}
     while isinstance(call, functools.partial):  # its bound arguments become arguments
         bound, keywords = (*call.args, *bound), {**call.keywords, **keywords}

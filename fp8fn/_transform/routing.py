@@ -202,6 +202,7 @@ class _Call(TorchFunctionMode):
 
     def _linear(self, layer, x, weight, bias):
         name = self._count(layer)
+        api = f"apply: layer {layer.path!r}"
         newest = stored = filled = None
         if isinstance(layer.recipe, DelayedScaling):
             i = self.state._positions().get(name)
@@ -215,9 +216,9 @@ class _Call(TorchFunctionMode):
                 self._rows = (self.state.amax_history[..., 0].unbind(0), self.state.scale.unbind(0))
             newest, stored = self._rows[0][i], self._rows[1][i]
             filled = self.state.site_filled(i)
-        check_operands(f"apply: layer {layer.path!r}", x, weight, bias)
-        check_dtypes(f"apply: layer {layer.path!r}", x, weight, bias)  # the module's rules
+        check_operands(api, x, weight, bias)
+        check_dtypes(api, x, weight, bias)  # the module's rules
         if sharded_operands(x, weight):  # functional FSDP, tensor parallel
             return sharded_linear(self, layer, name, x, weight, bias, newest, stored)
         random = (self.state.key, name) if isinstance(layer.recipe, NVFP4Scaling) else None
-        return fp8_linear(x, weight, bias, newest, stored, layer.recipe, random, filled)
+        return fp8_linear(x, weight, bias, newest, stored, layer.recipe, random, filled, api)

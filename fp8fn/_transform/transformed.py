@@ -23,7 +23,7 @@ import weakref
 import torch
 from torch import nn
 
-from .._core.checks import init_error
+from .._core.checks import check_function, init_error
 from .._core.keys import initial_key, seed_key
 from .._core.recipes import RECIPES, DelayedScaling, NVFP4Scaling
 from .._core.state import (
@@ -74,6 +74,10 @@ def _reread_if_changed(transformed) -> bool:
 def _inside(name: str, path: str) -> bool:
     """Whether the tensor `name` belongs to the submodule at `path` ("" is the root)."""
     return not path or name.startswith(path + ".")
+
+
+# The parameters of the user's choice functions: the recipe function, `filter_fn`, `checkpoint_fn`.
+_CHOICE = ("name", "module")
 
 
 def _structure(module, managed) -> list:
@@ -128,6 +132,11 @@ class Transformed:
                 "fp8fn.DelayedScaling()) or a function (name, module) -> recipe or None, "
                 f"got {type(recipe).__name__}."
             )
+        if not isinstance(recipe, RECIPES):
+            check_function("transform", "recipe", recipe, _CHOICE, "recipe or None")
+        for arg, f in (("filter_fn", filter_fn), ("checkpoint_fn", checkpoint_fn)):
+            if f is not None:
+                check_function("transform", arg, f, _CHOICE, "bool")
         refuse_ddp_inner_module(module)
         self.module = module
         self._choices = (recipe, filter_fn, checkpoint_fn)
