@@ -406,6 +406,34 @@ def test_a_site_used_twice_in_one_loss_is_refused_on_both_routes():
         twice(fp8fn.observe(state))
 
 
+def test_a_site_used_twice_is_refused_without_the_states_view_cache(monkeypatch):
+    # Each `state["fc"]` a new view (no cache): the site is still known by (history, index).
+    getitem = fp8fn.State.__getitem__
+
+    def uncached(self, site):
+        self._views.clear()
+        return getitem(self, site)
+
+    monkeypatch.setattr(fp8fn.State, "__getitem__", uncached)
+    x, w, b, c = _data(batch=(6,))
+    observed = fp8fn.observe(_state())
+    assert observed["fc"].amax_history is not observed["fc"].amax_history
+    _loss(x, w, b, observed, c)
+    with pytest.raises(
+        RuntimeError,
+        match=r"^fp8fn\.linear: this site_state was already used .* Call `observed = "
+        r"fp8fn\.observe\(state\)` inside the training loop",
+    ):
+        _loss(2 * x, w, b, observed, c)
+    with pytest.raises(RuntimeError, match=r"^fp8fn\.linear: this site_state was already used"):
+        torch.func.grad(lambda s: _loss(x, w, b, s, c) + _loss(2 * x, w, b, s, c))(_state())
+
+
+def test_observe_marks_no_attribute_on_the_history():
+    history = fp8fn.observe(_state()).amax_history
+    assert not [a for a in vars(history) if a.startswith("_fp8fn")]
+
+
 def test_the_documented_fix_for_two_passes_gives_the_max_of_the_passes():
     x, w, b, c = _data(batch=(6,))
 

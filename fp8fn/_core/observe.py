@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .._torch_private import functorch_level, tree_flatten, tree_unflatten
-from .state import State, check_state, warn_if_superseded
+from .state import OBSERVED, State, check_state, warn_if_superseded
 
 
 def observe(state: State) -> State:
@@ -28,8 +28,7 @@ def observe(state: State) -> State:
     check_state("observe", state, batch_dims=None)
     warn_if_superseded("observe", state)
     history = state.amax_history.detach().requires_grad_()
-    history._fp8fn_observed = True  # (for the advice when it is reused)
-    history._fp8fn_source = state.amax_history  # (for `warn_if_never_updated`)
+    OBSERVED[history] = state.amax_history  # (for `claim`'s advice, `warn_if_never_updated`)
     history.register_hook(_one_gradient())
     return state._observable(history)
 

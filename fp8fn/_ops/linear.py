@@ -82,7 +82,7 @@ def linear(x, weight, bias, site_state, recipe):
                 "fp8fn.init_state(recipe, sites) (or fn.init) for this recipe."
             )
         check_scales("linear", site_state.scale, "site_state")
-        claim(site_state.amax_history, "linear", "site_state")
+        claim(site_state.amax_history, "linear", "site_state", site_state._row)
         newest, stored = site_state.amax_history[:, 0], site_state.scale
     elif isinstance(recipe, NVFP4Scaling):
         check_random("linear", site_state, recipe, x.device)

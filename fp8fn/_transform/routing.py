@@ -82,6 +82,9 @@ class _Call(TorchFunctionMode):
         )
         self.passive = False
         self._rows = None
+        # `[input, weight, grad_output]` bools a site, whether its histories are empty: read to
+        # the host once per sharded forward (`_parallel.dtensor`), None until then
+        self.unobserved = None
         # (layer, weight, bias): what each layer runs with
         self._entries = [(layer, *layer.own(tensors)) for layer in transformed._layers]
         self._by_weight = None  # {id(weight): entries}; None while compiling (see _layer_of)
