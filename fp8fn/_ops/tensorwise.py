@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from .._core.checks import no_autocast
-from .._kernels.cast import TritonCast
+from .._kernels.cast import backward_cast, forward_cast
 from .._numerics.fp8 import E4M3, E5M2, amax, cast_to_fp8, scale_from_amax
 from .._torch_private import tracked_below
 from .first_order import first_order_only
@@ -97,22 +97,24 @@ def _scales(amaxes, newest, stored, margin: int, fp8_max: float, filled: bool = 
 
 
 def _cast_operands(x, weight, newest, stored, margin: int, backend: str, place: Local, filled=None):
-    """The forward's casts: `(x_fp8, w_fp8, x_scale, w_scale, x_amax, w_amax)`, e4m3 copies of
-    `x` and `weight` (the local operands), the float32 `()` scales used and the observed (local)
-    amaxes. A weight that comes cast (`place.float8_weight`: FSDP2's float8 all-gather) is used
-    as it is: its bytes, scale and amax."""
+    """The forward's casts: `(x_fp8, w_fp8, x_inv, w_inv, x_amax, w_amax, x_keep, w_keep)`, e4m3
+    copies of `x` and `weight` (the local operands) for the forward GEMM, the float32 `()`
+    reciprocals of the scales used, the observed (local) amaxes, and the e4m3 `(m, k)`, `(n, k)`
+    copies the backward keeps: `x_fp8`, `w_fp8`, or from the Triton casts before float8 GEMMs,
+    transposes of the row-major transposed copies those casts wrote. A weight that comes cast
+    (`place.float8_weight`: FSDP2's float8 all-gather) is used as it is: its bytes, scale and
+    amax."""
     cast = place.float8_weight(weight)
     if cast is not None:
-        x_fp8, x_scale, x_amax = _cast_input(x, newest, stored, margin, backend, filled)
+        x_fp8, x_inv, x_amax, x_keep = _cast_input(x, newest, stored, margin, backend, filled)
         w_fp8, w_scale, w_amax = cast
-        return x_fp8, w_fp8, x_scale, w_scale, x_amax, w_amax
-    if backend == "triton":  # one pass over each tensor at step >= 2
-        (xn, wn, _), (xs, ws, _) = (None,) * 3, (None,) * 3
-        if newest is not None:
-            (xn, wn, _), (xs, ws, _) = newest.unbind(), stored.unbind()
-        x_fp8, x_scale, x_amax = TritonCast.apply(x, xn, xs, margin, E4M3)
-        w_fp8, w_scale, w_amax = TritonCast.apply(weight, wn, ws, margin, E4M3)
-        return x_fp8, w_fp8, x_scale, w_scale, x_amax, w_amax
+        return x_fp8, w_fp8, x_inv, w_scale.reciprocal(), x_amax, w_amax, x_keep, w_fp8
+    if backend == "triton":  # one op per tensor; one pass over it at steady state
+        x_fp8, x_inv, x_amax, x_keep = _cast_input(x, newest, stored, margin, backend, filled)
+        wn, ws, known = _role(newest, stored, filled, 1)
+        rowmajor = scaled_mm_supported(x.device)
+        w_fp8, w_inv, w_amax, w_keep = forward_cast(weight, wn, ws, margin, known, rowmajor)
+        return x_fp8, w_fp8, x_inv, w_inv, x_amax, w_amax, x_keep, w_keep
     # Three roles at once (the last entry stands in for grad_output): no slicing of rows. The
     # formats' max are literals (448.0, 57344.0): torch.compile(dynamic=True) turns float
     # globals into symbols, which broke two chained layers.
@@ -122,57 +124,63 @@ def _cast_operands(x, weight, newest, stored, margin: int, backend: str, place: 
     scales = _scales(amaxes, newest, stored, margin, 448.0, known)
     x_scale, w_scale, _ = scales.unbind()
     x_fp8, w_fp8 = cast_to_fp8(x, x_scale, E4M3), cast_to_fp8(weight, w_scale, E4M3)
-    return x_fp8, w_fp8, x_scale, w_scale, x_amax, w_amax
+    x_inv, w_inv = x_scale.reciprocal(), w_scale.reciprocal()
+    return x_fp8, w_fp8, x_inv, w_inv, x_amax, w_amax, x_fp8, w_fp8
+
+
+def _role(newest, stored, filled, role: int):
+    """`(newest, stored, filled)` of one role (0 input, 1 weight, 2 grad_output): float32 `()`
+    views, or None for current scaling; whether its history is known non-empty."""
+    known = filled is not None and filled[role]
+    return (None, None, known) if newest is None else (newest[role], stored[role], known)
 
 
 def _cast_input(x, newest, stored, margin: int, backend: str, filled=None):
-    """The forward's cast of `x` alone: `(x_fp8, x_scale, x_amax)`."""
-    xn = xs = None
-    if newest is not None:
-        xn, xs = newest[0], stored[0]
+    """The forward's cast of `x` alone: `(x_fp8, x_inv, x_amax, x_keep)`, as `_cast_operands`."""
+    xn, xs, known = _role(newest, stored, filled, 0)
     if backend == "triton":
-        return TritonCast.apply(x, xn, xs, margin, E4M3)
+        return forward_cast(x, xn, xs, margin, known, scaled_mm_supported(x.device))
     x_amax = amax(x)
-    x_scale = _scales(x_amax, xn, xs, margin, 448.0, filled is not None and filled[0])
-    return cast_to_fp8(x, x_scale, E4M3), x_scale, x_amax
+    x_scale = _scales(x_amax, xn, xs, margin, 448.0, known)
+    x_fp8 = cast_to_fp8(x, x_scale, E4M3)
+    return x_fp8, x_scale.reciprocal(), x_amax, x_fp8
 
 
-def _cast_grad_output(grad_out, newest, stored, ctx):
-    """The backward's e5m2 cast: `(g_fp8, g_fp8_t, g_scale, g_amax)`, `g_fp8_t` its `(n, m)`
+def _cast_grad_output(grad_out, newest, stored, ctx, observe):
+    """The backward's e5m2 cast: `(g_fp8, g_fp8_t, g_inv, observed)`, `g_fp8_t` its `(n, m)`
     transpose: a view, or with the Triton casts before a float8 GEMM, a row-major copy the
-    kernel writes in the same pass (the GEMM wants row-major operands). The scale of a role
-    split over ranks (`ctx.place.whole`) comes from the whole gradient's amax."""
-    if ctx.backend == "triton":
-        gn, gs = (None, None) if newest is None else (newest[2], stored[2])
-        if not scaled_mm_supported(grad_out.device):  # emulated matmuls take any layout
-            g_fp8, g_scale, g_amax = TritonCast.apply(grad_out, gn, gs, ctx.margin, E5M2)
-            return g_fp8, g_fp8.t(), g_scale, g_amax
-        return TritonCast.apply(grad_out, gn, gs, ctx.margin, E5M2, True)
+    kernel writes in the same pass (the GEMM wants row-major operands); `observed` the float32
+    `(3,)` `[*observe, g_amax]`, or None without `observe` (the forward's two amaxes). The scale
+    of a role split over ranks (`ctx.place.whole`) comes from the whole gradient's amax."""
+    if ctx.backend == "triton":  # one op: the amax, the cast, its transpose, the observation
+        gn, gs, known = _role(newest, stored, ctx.filled, 2)
+        # (emulated matmuls take any layout; torch's float8 GEMM wants row-major operands)
+        rowmajor = scaled_mm_supported(grad_out.device)
+        return backward_cast(grad_out, gn, gs, ctx.margin, known, rowmajor, observe)
     g_amax = amax(grad_out)
     known = ctx.filled is not None and ctx.filled[2]
     g_scale = _scales(_whole(ctx.place, g_amax, (2,)), newest, stored, ctx.margin, 57344.0, known)
     g_scale = g_scale if newest is None else g_scale[..., 2]
     g_fp8 = cast_to_fp8(grad_out, g_scale, E5M2)
-    return g_fp8, g_fp8.t(), g_scale, g_amax
+    observed = None if observe is None else torch.stack([*observe, g_amax])
+    return g_fp8, g_fp8.t(), g_scale.reciprocal(), observed
 
 
-def _fp8_gemm(x_fp8, w_fp8, x_scale, w_scale, bias, out_dtype, backend: str):
-    """The forward's float8 GEMM with its dequantization and bias: `(out, x_inv, w_inv)`.
+def _fp8_gemm(x_fp8, w_fp8, x_inv, w_inv, bias, out_dtype, backend: str):
+    """The forward's float8 GEMM with its dequantization and bias.
 
     Args:
-      x_fp8: e4m3 `(m, k)`. w_fp8: e4m3 `(n, k)`. x_scale, w_scale: the float32 `()` scales
-        they were cast with. bias: `(n,)`, added in `out_dtype`, or None. out_dtype: the
-        output's dtype (the input's). backend: `fp8_mm`'s backend.
+      x_fp8: e4m3 `(m, k)`. w_fp8: e4m3 `(n, k)`. x_inv, w_inv: the float32 `()` reciprocals of
+        the scales they were cast with. bias: `(n,)`, added in `out_dtype`, or None. out_dtype:
+        the output's dtype (the input's). backend: `fp8_mm`'s backend.
 
     Returns:
-      `out = (x_fp8 @ w_fp8.T) * x_inv * w_inv (+ bias)`, `(m, n)` of `out_dtype`, and the
-      float32 `()` reciprocal scales `x_inv`, `w_inv` (saved for the backward's GEMMs).
+      `out = (x_fp8 @ w_fp8.T) * x_inv * w_inv (+ bias)`, `(m, n)` of `out_dtype`.
     """
-    x_inv, w_inv = x_scale.reciprocal(), w_scale.reciprocal()
     out = fp8_mm(x_fp8, w_fp8, x_inv, w_inv, out_dtype, backend)
     if bias is not None:
         out = out + bias.to(out.dtype)
-    return out, x_inv, w_inv
+    return out
 
 
 class _Fp8LinearOp(torch.autograd.Function):
@@ -192,12 +200,12 @@ class _Fp8LinearOp(torch.autograd.Function):
     @staticmethod
     def forward(x, weight, bias, newest, stored, margin, backend, place, filled):
         x, w = place.operands(x, weight)
-        x_fp8, w_fp8, x_scale, w_scale, x_amax, w_amax = _cast_operands(
+        x_fp8, w_fp8, x_inv, w_inv, x_amax, w_amax, x_keep, w_keep = _cast_operands(
             x, w, newest, stored, margin, backend, place, filled
         )
         w_gemm, b_gemm = place.gemm_weight(w_fp8), place.gemm_bias(bias)
-        out, x_inv, w_inv = _fp8_gemm(x_fp8, w_gemm, x_scale, w_scale, b_gemm, x.dtype, backend)
-        return place.output(out), x_fp8, w_fp8, x_inv, w_inv, w_amax, x_amax
+        out = _fp8_gemm(x_fp8, w_gemm, x_inv, w_inv, b_gemm, x.dtype, backend)
+        return place.output(out), x_keep, w_keep, x_inv, w_inv, w_amax, x_amax
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -212,11 +220,13 @@ class _Fp8LinearOp(torch.autograd.Function):
     def backward(ctx, grad_out, *_):
         x_fp8, w_fp8, x_inv, w_inv, w_amax, x_amax, newest, stored = ctx.saved_tensors
         grad_out = ctx.place.grad_rows(grad_out)
+        needs = ctx.needs_input_grad
         with no_autocast(grad_out):
-            g_fp8, g_fp8_t, g_scale, g_amax = _cast_grad_output(grad_out, newest, stored, ctx)
-            g_inv = g_scale.reciprocal()
+            observe = (x_amax, w_amax) if needs[3] else None
+            g_fp8, g_fp8_t, g_inv, observed = _cast_grad_output(
+                grad_out, newest, stored, ctx, observe
+            )
             x_dtype, w_dtype, b_dtype = ctx.dtypes
-            needs = ctx.needs_input_grad
             grads = [None] * 4
             if needs[0]:
                 w_fp8 = ctx.place.weight_again(w_fp8)
@@ -227,7 +237,7 @@ class _Fp8LinearOp(torch.autograd.Function):
                 grads[2] = grad_out.float().sum(0).to(b_dtype)
             grads[:3] = ctx.place.place_grads(grads[:3])
             if needs[3]:  # [x_amax, w_amax, g_amax], made here: at the backward's level
-                grads[3] = torch.stack([x_amax, w_amax, g_amax])
+                grads[3] = observed
         return (*first_order_only(grads, x_amax), None, None, None, None, None)
 
 
