@@ -180,6 +180,8 @@ class Corpus:
 
     @classmethod
     def load(cls) -> Corpus:
+        """The corpus: the texts of `pydoc_data.topics` (shipped with Python) joined in key
+        order; `chars` is their sorted set of characters, and a character's id its index."""
         from pydoc_data.topics import topics
 
         text = "\n\n".join(topics[key] for key in sorted(topics))
@@ -190,10 +192,12 @@ class Corpus:
         return cls(chars, ids[:n_train], ids[n_train:])
 
     def encode(self, text: str) -> torch.Tensor:
+        """The ids of `text`'s characters, int64 `(len,)`; characters not in `chars` dropped."""
         index = {c: i for i, c in enumerate(self.chars)}
         return torch.tensor([index[c] for c in text if c in index], dtype=torch.int64)
 
     def decode(self, ids) -> str:
+        """The text of the ids `ids` (ints, or a tensor's `.tolist()`)."""
         return "".join(self.chars[i] for i in ids)
 
 
@@ -341,9 +345,13 @@ def setup_ranks(device_type: str) -> tuple[Ranks, torch.device]:
 
 
 @torch.no_grad()
-def evaluate(apply, params, state, data_batches) -> float:
-    """Mean of the model's loss `apply(params, state, x, y)` over `data_batches` `(x, y)`."""
-    losses = [apply(params, state, x, y).item() for x, y in data_batches]
+def batch_losses(apply, params, state, data_batches) -> list[float]:
+    """The model's loss `apply(params, state, x, y)` on each of `data_batches` `(x, y)`."""
+    return [apply(params, state, x, y).item() for x, y in data_batches]
+
+
+def mean(losses: list[float]) -> float:
+    """The mean of `losses`, summed in order (the same float for the same losses)."""
     return sum(losses) / len(losses)
 
 
@@ -380,19 +388,24 @@ class Run:
         self.train_curve.append(loss)
         return loss
 
-    def evaluate(self, data_batches) -> float:
-        return evaluate(self.fn.apply, self.params, self.state, data_batches)
+    def losses(self, data_batches) -> list[float]:
+        return batch_losses(self.fn.apply, self.params, self.state, data_batches)
 
-    def summary(self, train_fixed, val_fixed) -> dict:
-        """Final params, state, curves, losses on fixed batches, median step time (ms)."""
+    def summary(self, train_fixed, val_fixed, curve_batches) -> dict:
+        """Final params, state, curves, losses on fixed batches, median step time (ms).
+
+        The val curve's last point is the mean over the first `curve_batches` of `val_fixed`,
+        read from the final evaluation (the same losses, not computed twice)."""
         measured = self.step_times[min(5, len(self.step_times) - 1) :]  # skip warm-up
+        val = self.losses(val_fixed)
+        self.val_curve.append((len(self.train_curve), mean(val[:curve_batches])))
         return {
             "params": self.params,
             "state": self.state,
             "train_curve": self.train_curve,
             "val_curve": self.val_curve,
-            "train_loss": self.evaluate(train_fixed),
-            "val_loss": self.evaluate(val_fixed),
+            "train_loss": mean(self.losses(train_fixed)),
+            "val_loss": mean(val),
             "step_ms": 1000 * statistics.median(measured),
         }
 
@@ -481,12 +494,12 @@ def train(runs: list[Run], corpus: Corpus, cfg, device, ranks=Ranks()) -> dict:
     for step, (x, y) in enumerate(bar):
         x, y = ranks.shard(x).to(device), ranks.shard(y).to(device)
         losses = {run.name: f"{run.step(step, x, y):.3f}" for run in runs}
-        if (step + 1) % eval_every == 0 or step + 1 == cfg.steps:
+        if (step + 1) % eval_every == 0 and step + 1 < cfg.steps:  # the last: in `summary`
             for run in runs:
-                run.val_curve.append((step + 1, run.evaluate(val_fixed[:2])))
+                run.val_curve.append((step + 1, mean(run.losses(val_fixed[:2]))))
         bar.set_postfix(losses)
     bar.close()
-    return {run.name: run.summary(train_fixed, val_fixed) for run in runs}
+    return {run.name: run.summary(train_fixed, val_fixed, 2) for run in runs}
 
 
 @torch.no_grad()
@@ -719,7 +732,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="batches in the final train and val losses (default 8)",
     )
     p.add_argument(
-        "--sample-chars", type=int, default=200, help="characters sampled from the fp8 model"
+        "--sample-chars",
+        type=int,
+        help="characters sampled from the fp8 model (default 200, or 0 with --quiet, which "
+        "does not print the sample)",
     )
     p.add_argument(
         "--quiet",
@@ -732,6 +748,8 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv=None) -> argparse.Namespace:
     p = build_parser()
     args = p.parse_args(argv)
+    if args.sample_chars is None:
+        args.sample_chars = 0 if args.quiet else 200
     if args.sample_chars < 0:
         p.error(f"--sample-chars: expected an integer >= 0, got {args.sample_chars}")
     if args.d_model % args.heads:

@@ -559,3 +559,28 @@ def test_checkpoint_fn_t5_blocks_match_without_checkpointing(route):
     match = r"^fp8fn\.apply: .* of module 'decoder\.block\.0' .* got a EncoderDecoderCache"
     with pytest.raises(ValueError, match=match):
         _train(fn, params, fn.init(ids, labels=labels), loss, route, steps=1)
+
+
+def test_checkpoint_fn_without_gradients_runs_the_forward_once(monkeypatch):
+    # Evaluation under no_grad has no backward to recompute in: the chosen blocks run as
+    # without checkpoint_fn, bit for bit, and no checkpoint is made.
+    torch.manual_seed(0)
+    model = Transformer(64, 16, 2, 2, 8)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    plain = fp8fn.transform(model, DELAYED)
+    chosen = fp8fn.transform(model, DELAYED, checkpoint_fn=lambda n, m: isinstance(m, Block))
+    assert len(chosen.checkpointed) == 2
+    state = plain.init(ids)
+    params = dict(model.named_parameters())
+    made, real = [], fp8fn._transform.recompute.checkpoint_with_constants
+
+    def counted(*args, **kwargs):
+        made.append(kwargs["subject"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fp8fn._transform.recompute, "checkpoint_with_constants", counted)
+    with torch.no_grad():
+        assert_bit_identical(chosen.apply(params, state, ids), plain.apply(params, state, ids))
+    assert made == []
+    chosen.apply(params, state, ids)  # with gradients: each chosen block is checkpointed
+    assert made == [f"module {p!r} (chosen by `checkpoint_fn`)" for p in chosen.checkpointed]
