@@ -333,6 +333,30 @@ def aten_copy_ops() -> tuple:
     return aten._to_copy.default, aten._pin_memory.default
 
 
+def private_grouped_mm():
+    """`torch._grouped_mm` (the grouped GEMM HF's `grouped_mm` experts call: `(input, mat2,
+    offs=None, bias=None, out_dtype=None)`), or None on a torch without it."""
+    return getattr(torch, "_grouped_mm", None)
+
+
+def scaled_grouped_mm_available() -> bool:
+    """Whether this torch has `torch._scaled_grouped_mm` (float8 grouped GEMM, CUDA)."""
+    return hasattr(torch, "_scaled_grouped_mm")
+
+
+def scaled_grouped_mm(a, b, scale_a, scale_b, offs, out_dtype):
+    """`torch._scaled_grouped_mm` of the float8 `a` `(T, K)` and `b` `(E, K, N)` with row scales
+    `scale_a` float32 `(T,)` and column scales `scale_b` float32 `(E, N)`, groups of rows ending
+    at `offs` (int32 `(E,)`)."""
+    return torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=offs, out_dtype=out_dtype)
+
+
+def is_convolution(module: torch.nn.Module) -> bool:
+    """Whether `module` is one of torch's convolutions (`nn.Conv1d/2d/3d` and their transposed
+    forms: `nn.modules.conv._ConvNd`)."""
+    return isinstance(module, torch.nn.modules.conv._ConvNd)
+
+
 def legacy_scaled_mm(a, b, scale_a, scale_b, out_dtype):
     """`torch._scaled_mm` with tensorwise scales, for a torch without `F.scaled_mm` (< 2.10)."""
     return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)

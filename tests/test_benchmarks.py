@@ -25,6 +25,7 @@ OPTIONAL = ("torchao",)
 HEADERS = {
     "import_time.py": re.compile(r"^import\s+heavy modules loaded\s+median s", re.M),
     "memory.py": re.compile(r"^run\s+all saved\s+new memory", re.M),
+    "moe.py": re.compile(r"^variant\s+ops\s+MB\s+ms", re.M),
     "overhead.py": re.compile(r"^route\s+forward\s+backward\s+total", re.M),
     "step.py": re.compile(r"^variant\s+MLP", re.M),
     "traffic.py": re.compile(r"^model\s+variant\s+kernels\s+MB", re.M),

@@ -664,3 +664,29 @@ def test_the_fence_scan_passes_fp8fns_own_underscored_names():
     source += "def f(a, t):\n    return a._x, t.__torch_function__, torch.ops.aten.add.Tensor"
     tree = ast.parse(source)
     assert _private_torch_uses(tree, _own_names([tree])) == []
+
+
+def test_private_grouped_mm_is_torchs_grouped_gemm():
+    grouped = private.private_grouped_mm()
+    assert grouped is torch._grouped_mm
+    a, b = torch.randn(6, 8), torch.randn(2, 8, 4)  # rows 8 floats: 16-byte strides
+    offs = torch.tensor([2, 6], dtype=torch.int32)
+    want = torch.cat([a[:2] @ b[0], a[2:] @ b[1]])
+    torch.testing.assert_close(grouped(a, b, offs=offs), want, rtol=1e-6, atol=1e-6)
+
+
+def test_scaled_grouped_mm_binds_its_arguments_and_has_no_cpu_kernel():
+    # A CUDA kernel: on CPU the dispatcher refuses the device, after the arguments bound (a
+    # renamed or removed keyword would raise TypeError first).
+    assert private.scaled_grouped_mm_available()
+    a = torch.zeros(16, 16, dtype=torch.float8_e4m3fn)
+    b = torch.zeros(2, 16, 16, dtype=torch.float8_e4m3fn)
+    offs = torch.tensor([8, 16], dtype=torch.int32)
+    with pytest.raises(NotImplementedError, match="'aten::_scaled_grouped_mm' with arguments"):
+        private.scaled_grouped_mm(a, b, torch.ones(16), torch.ones(2, 16), offs, torch.bfloat16)
+
+
+def test_is_convolution_is_every_torch_convolution_only():
+    convs = (torch.nn.Conv1d(2, 2, 1), torch.nn.Conv2d(2, 2, 1), torch.nn.ConvTranspose3d(2, 2, 1))
+    assert all(map(private.is_convolution, convs))
+    assert not private.is_convolution(torch.nn.Linear(2, 2))
