@@ -290,13 +290,14 @@ def test_func_grad_of_compiled_fullgraph_raises(route):
 
 @ROUTES
 def test_compiled_func_grad_fullgraph_raises_fp8fns_error(route):
-    # The refusal in fp8fn.linear raises at trace time, past dynamo: the user sees fp8fn's
-    # RuntimeError naming the fix, not dynamo's `Unsupported: Observed exception`.
+    # The refusal in the float8 op raises at trace time, past dynamo: the user sees fp8fn's
+    # RuntimeError naming the fix and the API they called, not dynamo's `Unsupported`.
     params, state, x, c, fs, _ = _func_setup()
+    api = "linear" if route == "linear" else "apply: layer ''"  # what the user called
     with pytest.raises(
         RuntimeError,
-        match=r"^fp8fn.linear: torch.compile cannot trace fp8fn.linear inside a torch.func "
-        r"transform .* Use fp8fn.value_and_grad",
+        match=rf"^fp8fn.{api}: torch.compile cannot trace fp8fn's float8 linear op inside a "
+        r"torch.func transform .* Use fp8fn.value_and_grad",
     ) as e:
         torch.compile(_grad(fs[route]), fullgraph=True)(params, state, x, c)
     assert not isinstance(e.value, torch._dynamo.exc.TorchDynamoException)
