@@ -85,44 +85,66 @@ def _whole(place: Local, amaxes, roles: tuple):
     return place.max_over_ranks(amaxes, mask) if any(mask) else amaxes
 
 
-def _scales(amaxes, newest, stored, margin: int, fp8_max: float, filled: bool = False):
+def _scales(amaxes, newest, stored, margin: int, fp8_max: float):
     """The scales the casts use, float32 of `amaxes`'s shape: `stored` where the history is
     non-empty (`newest > 0`), else current scaling from `amaxes`; current scaling when
-    stateless (`newest` None). `filled` (static: every history used is known non-empty):
-    `stored` alone, so that the cast does not wait for `amaxes` (one pass over the tensor)."""
-    if filled:
-        return stored
+    stateless (`newest` None). (A role whose history is known filled, `State.filled`, casts
+    with `stored` alone and never comes here: see `_cast_then_amax`.)"""
     current = scale_from_amax(amaxes, fp8_max, margin)
     return current if newest is None else torch.where(newest > 0, stored, current)
 
 
 def _cast_operands(x, weight, newest, stored, margin: int, backend: str, place: Local, filled=None):
-    """The forward's casts: `(x_fp8, w_fp8, x_scale, w_scale, x_amax, w_amax)`, e4m3 copies of
-    `x` and `weight` (the local operands), the float32 `()` scales used and the observed (local)
-    amaxes. A weight that comes cast (`place.float8_weight`: FSDP2's float8 all-gather) is used
-    as it is: its bytes, scale and amax."""
+    """The forward's casts: `(x_fp8, w_fp8, x_inv, w_inv, x_amax, w_amax)`, e4m3 copies of
+    `x` and `weight` (the local operands), the float32 `()` reciprocals of the scales used (the
+    GEMMs' dequantization scales) and the observed (local) amaxes. A weight that comes cast
+    (`place.float8_weight`: FSDP2's float8 all-gather) is used as it is: its bytes, scale and
+    amax. An amax is None where the cast took a stored scale (`filled`): the caller takes it
+    after the GEMM (`_after_gemm`)."""
     cast = place.float8_weight(weight)
     if cast is not None:
         x_fp8, x_scale, x_amax = _cast_input(x, newest, stored, margin, backend, filled)
         w_fp8, w_scale, w_amax = cast
-        return x_fp8, w_fp8, x_scale, w_scale, x_amax, w_amax
+        return x_fp8, w_fp8, x_scale.reciprocal(), w_scale.reciprocal(), x_amax, w_amax
     if backend == "triton":  # one pass over each tensor at step >= 2
         (xn, wn, _), (xs, ws, _) = (None,) * 3, (None,) * 3
         if newest is not None:
             (xn, wn, _), (xs, ws, _) = newest.unbind(), stored.unbind()
         x_fp8, x_scale, x_amax = TritonCast.apply(x, xn, xs, margin, E4M3)
         w_fp8, w_scale, w_amax = TritonCast.apply(weight, wn, ws, margin, E4M3)
-        return x_fp8, w_fp8, x_scale, w_scale, x_amax, w_amax
+        return x_fp8, w_fp8, x_scale.reciprocal(), w_scale.reciprocal(), x_amax, w_amax
+    if filled is not None and filled[0] and filled[1]:  # the stored scales: one pass each
+        x_scale, w_scale, _ = stored.unbind()
+        x_fp8, w_fp8 = cast_to_fp8(x, x_scale, E4M3), cast_to_fp8(weight, w_scale, E4M3)
+        x_inv, w_inv, _ = stored.reciprocal().unbind()  # one kernel for both
+        return x_fp8, w_fp8, x_inv, w_inv, None, None
     # Three roles at once (the last entry stands in for grad_output): no slicing of rows. The
     # formats' max are literals (448.0, 57344.0): torch.compile(dynamic=True) turns float
     # globals into symbols, which broke two chained layers.
     x_amax, w_amax = amax(x), amax(weight)
     amaxes = _whole(place, torch.stack([x_amax, w_amax, w_amax]), (0, 1, 1))
-    known = filled is not None and filled[0] and filled[1]
-    scales = _scales(amaxes, newest, stored, margin, 448.0, known)
+    scales = _scales(amaxes, newest, stored, margin, 448.0)
     x_scale, w_scale, _ = scales.unbind()
     x_fp8, w_fp8 = cast_to_fp8(x, x_scale, E4M3), cast_to_fp8(weight, w_scale, E4M3)
-    return x_fp8, w_fp8, x_scale, w_scale, x_amax, w_amax
+    x_inv, w_inv, _ = scales.reciprocal().unbind()  # one kernel for both
+    return x_fp8, w_fp8, x_inv, w_inv, x_amax, w_amax
+
+
+def _after_gemm(amax_or_none, hp, transposed: bool = False):
+    """The amax of `hp`, taken now where the cast did not need it (None: a stored scale).
+
+    Where the cast took a stored scale, its amax is taken after the GEMM that consumes the
+    cast: compiled, inductor realizes a cast only where a GEMM needs it, and fuses a reduction
+    into a pointwise loop over the same elements only when the pointwise comes first, so in
+    this order each tensor is read once, for its cast and its amax together. `transposed`:
+    the cast writes `hp` `(m, n)` transposed (also), so its loop keeps `hp`'s two dims apart
+    instead of running over the flat elements, and the amax is taken by rows, then over the
+    rows (the same value: a max is exact), so that its loop matches the cast's."""
+    if amax_or_none is not None:
+        return amax_or_none
+    if transposed and hp.dim() == 2 and hp.numel():
+        return hp.abs().amax(1).float().amax()  # (float32 before the last max: one kernel)
+    return amax(hp)
 
 
 def _cast_input(x, newest, stored, margin: int, backend: str, filled=None):
@@ -132,8 +154,10 @@ def _cast_input(x, newest, stored, margin: int, backend: str, filled=None):
         xn, xs = newest[0], stored[0]
     if backend == "triton":
         return TritonCast.apply(x, xn, xs, margin, E4M3)
+    if filled is not None and filled[0]:
+        return cast_to_fp8(x, xs, E4M3), xs, None
     x_amax = amax(x)
-    x_scale = _scales(x_amax, xn, xs, margin, 448.0, filled is not None and filled[0])
+    x_scale = _scales(x_amax, xn, xs, margin, 448.0)
     return cast_to_fp8(x, x_scale, E4M3), x_scale, x_amax
 
 
@@ -148,31 +172,40 @@ def _cast_grad_output(grad_out, newest, stored, ctx):
             g_fp8, g_scale, g_amax = TritonCast.apply(grad_out, gn, gs, ctx.margin, E5M2)
             return g_fp8, g_fp8.t(), g_scale, g_amax
         return TritonCast.apply(grad_out, gn, gs, ctx.margin, E5M2, True)
+    if ctx.filled is not None and ctx.filled[2]:  # g_amax None: taken after the GEMMs
+        g_fp8 = cast_to_fp8(grad_out, stored[2], E5M2)
+        return g_fp8, g_fp8.t(), stored[2], None
     g_amax = amax(grad_out)
-    known = ctx.filled is not None and ctx.filled[2]
-    g_scale = _scales(_whole(ctx.place, g_amax, (2,)), newest, stored, ctx.margin, 57344.0, known)
+    g_scale = _scales(_whole(ctx.place, g_amax, (2,)), newest, stored, ctx.margin, 57344.0)
     g_scale = g_scale if newest is None else g_scale[..., 2]
     g_fp8 = cast_to_fp8(grad_out, g_scale, E5M2)
     return g_fp8, g_fp8.t(), g_scale, g_amax
 
 
-def _fp8_gemm(x_fp8, w_fp8, x_scale, w_scale, bias, out_dtype, backend: str):
-    """The forward's float8 GEMM with its dequantization and bias: `(out, x_inv, w_inv)`.
+def _fp8_gemm(x_fp8, w_fp8, x_inv, w_inv, bias, out_dtype, backend: str):
+    """The forward's float8 GEMM with its dequantization and bias.
 
     Args:
-      x_fp8: e4m3 `(m, k)`. w_fp8: e4m3 `(n, k)`. x_scale, w_scale: the float32 `()` scales
-        they were cast with. bias: `(n,)`, added in `out_dtype`, or None. out_dtype: the
-        output's dtype (the input's). backend: `fp8_mm`'s backend.
+      x_fp8: e4m3 `(m, k)`. w_fp8: e4m3 `(n, k)`. x_inv, w_inv: the float32 `()` reciprocals
+        of the scales they were cast with. bias: `(n,)`, added in `out_dtype`, or None.
+        out_dtype: the output's dtype (the input's). backend: `fp8_mm`'s backend.
 
     Returns:
-      `out = (x_fp8 @ w_fp8.T) * x_inv * w_inv (+ bias)`, `(m, n)` of `out_dtype`, and the
-      float32 `()` reciprocal scales `x_inv`, `w_inv` (saved for the backward's GEMMs).
+      `out = (x_fp8 @ w_fp8.T) * x_inv * w_inv (+ bias)`, `(m, n)` of `out_dtype`.
     """
-    x_inv, w_inv = x_scale.reciprocal(), w_scale.reciprocal()
     out = fp8_mm(x_fp8, w_fp8, x_inv, w_inv, out_dtype, backend)
     if bias is not None:
         out = out + bias.to(out.dtype)
-    return out, x_inv, w_inv
+    return out
+
+
+def _observation(x_amax, w_amax, g_amax):
+    """`[x_amax, w_amax, g_amax]`, float32 `(3,)`. Compiled, one pointwise kernel selects the
+    entries (a stack is a copy kernel per entry); eager, a stack (one kernel)."""
+    if torch.compiler.is_compiling():
+        role = torch.arange(3, device=g_amax.device)
+        return torch.where(role == 0, x_amax, torch.where(role == 1, w_amax, g_amax))
+    return torch.stack([x_amax, w_amax, g_amax])
 
 
 class _Fp8LinearOp(torch.autograd.Function):
@@ -192,11 +225,15 @@ class _Fp8LinearOp(torch.autograd.Function):
     @staticmethod
     def forward(x, weight, bias, newest, stored, margin, backend, place, filled):
         x, w = place.operands(x, weight)
-        x_fp8, w_fp8, x_scale, w_scale, x_amax, w_amax = _cast_operands(
+        x_fp8, w_fp8, x_inv, w_inv, x_amax, w_amax = _cast_operands(
             x, w, newest, stored, margin, backend, place, filled
         )
         w_gemm, b_gemm = place.gemm_weight(w_fp8), place.gemm_bias(bias)
-        out, x_inv, w_inv = _fp8_gemm(x_fp8, w_gemm, x_scale, w_scale, b_gemm, x.dtype, backend)
+        out = _fp8_gemm(x_fp8, w_gemm, x_inv, w_inv, b_gemm, x.dtype, backend)
+        # Compiled, a scaled_mm backward that needs `grad_input` (`x` differentiated) wants the
+        # weight transposed too; inductor writes both layouts from one loop over `w`'s two dims.
+        both = backend == "scaled_mm" and x.requires_grad and torch.compiler.is_compiling()
+        x_amax, w_amax = _after_gemm(x_amax, x), _after_gemm(w_amax, w, both)
         return place.output(out), x_fp8, w_fp8, x_inv, w_inv, w_amax, x_amax
 
     @staticmethod
@@ -225,9 +262,13 @@ class _Fp8LinearOp(torch.autograd.Function):
                 grads[1] = fp8_mm(g_fp8_t, x_fp8.t(), g_inv, x_inv, w_dtype, ctx.backend)
             if needs[2]:
                 grads[2] = grad_out.float().sum(0).to(b_dtype)
+            # Compiled, a scaled_mm backward that needs `g` only as `g_fp8_t` writes it from a
+            # loop over `g`'s transpose: the amax's loop follows it there (see `_after_gemm`).
+            alone_t = not needs[0] and ctx.backend == "scaled_mm"
+            g_amax = _after_gemm(g_amax, grad_out, alone_t and torch.compiler.is_compiling())
             grads[:3] = ctx.place.place_grads(grads[:3])
             if needs[3]:  # [x_amax, w_amax, g_amax], made here: at the backward's level
-                grads[3] = torch.stack([x_amax, w_amax, g_amax])
+                grads[3] = _observation(x_amax, w_amax, g_amax)
         return (*first_order_only(grads, x_amax), None, None, None, None, None)
 
 
