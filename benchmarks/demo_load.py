@@ -14,6 +14,7 @@ per process has no barrier to wait at.
 
     python benchmarks/demo_load.py                # 50 steps, 2 busy processes, 1 and 2 threads
     python benchmarks/demo_load.py --quick        # 5 steps, one round
+    python benchmarks/demo_load.py --startup 3    # only the start-up, 3 rounds alone + busy
 """
 
 from __future__ import annotations
@@ -71,6 +72,22 @@ class Busy:
             proc.wait()
 
 
+def startup(rounds: int, busy: int, env: dict) -> None:
+    """One row per `--steps 1 --quiet` run (the demo's fixed cost), alone and beside `busy`
+    spinning processes in turn."""
+    rows = []
+    for _ in range(rounds):
+        for n in (0, busy):
+            if n:
+                with Busy(n):
+                    wall, _, load = run_demo(1, 1, env)
+            else:
+                wall, _, load = run_demo(1, 1, env)
+            rows.append((n, f"{wall:.1f}", load))
+    header = ("busy", "wall s", "load 1-min before-after")
+    print_table(header, rows, title="python -m fp8fn.demo --quiet --steps 1", left=0)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=50, help="demo steps per run (default 50)")
@@ -78,10 +95,19 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="default: 1 2")
     p.add_argument("--repeats", type=int, default=1, help="rounds of alone + busy (default 1)")
     p.add_argument("--quick", action="store_true", help="5 steps, threads 1 only")
+    p.add_argument(
+        "--startup",
+        type=int,
+        metavar="N",
+        help="only the start-up (--steps 1, default threads): N rounds alone and beside --busy",
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.steps, args.threads = 5, [1]
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "WORLD_SIZE")}
+    if args.startup:
+        startup(args.startup, args.busy, env)
+        return
     cores = os.cpu_count()
     rows = []
     for threads in args.threads:

@@ -155,6 +155,33 @@ def constant_under_compile(fn):
     return fn
 
 
+class TraceRefused(RuntimeError, AssertionError):
+    """A `RuntimeError` that fp8fn raises while dynamo traces with `fullgraph=True`.
+
+    Dynamo (torch 2.13, `convert_frame`) re-raises an `AssertionError` raised during tracing as
+    it is, where it wraps a `RuntimeError` in its `InternalTorchDynamoError`; being both, this
+    error reaches the user as fp8fn's own, with dynamo's "from user code" trace appended.
+    """
+
+
+@constant_under_compile
+def refuse_fullgraph_trace(message: str) -> bool:
+    """Under `torch.compile(..., fullgraph=True)` (or `torch._dynamo.error_on_graph_break`),
+    raise `TraceRefused(message)`; else return False.
+
+    Call it only while compiling: dynamo runs it at trace time (a constant function), so the
+    error is raised by dynamo's own frame instead of traced (a traced `raise` under fullgraph
+    becomes dynamo's `Unsupported: Observed exception`, with the error only as its cause).
+    Without fullgraph the caller's traced `raise` breaks the graph and that frame runs eagerly.
+    """
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    tx = InstructionTranslator.current_tx()
+    if tx.one_graph or getattr(tx, "error_on_graph_break", False):
+        raise TraceRefused(message)
+    return False
+
+
 def recomputing_in_torch_checkpoint() -> bool:
     """Whether the caller runs in the recompute of a non-reentrant `torch.utils.checkpoint`:
     the backward unpacking a saved tensor reruns the checkpointed function (from the

@@ -17,6 +17,12 @@ transformer blocks run in float8:
 
 The optimizer is AdamW written as a pure function of `(params, grads, opt_state)`.
 
+`--moe` gives each block a mixture of experts instead of its MLP (`MoE`: 4 experts, top 2, an
+`nn.Linear` router; the experts are two 3-D weights run by `F.grouped_mm`, as transformers'
+`grouped_mm` experts). The fp8 run's experts GEMMs run in float8 per expert (recipe `delayed`
+or `current`), the router stays in float32 like the head; the header gives the share of the
+matmul weights in float8 (`fn.summary()`).
+
 `--seeds N` repeats both runs with the seeds `seed`, ..., `seed + N - 1` (other initial weights
 and batches) and reports each loss and the fp8 - float32 gap as the mean ± standard deviation
 over the seeds, so that the gap can be read against float32's own seed-to-seed spread.
@@ -113,15 +119,43 @@ class MLP(nn.Module):
         return self.fc2(F.gelu(self.fc1(x)))
 
 
-class Block(nn.Module):
-    """A pre-norm transformer block: `x + attn(ln1(x))`, then `x + mlp(ln2(x))`."""
+class MoE(nn.Module):
+    """A mixture of `experts` GELU MLPs (2x wide), each token to its `top_k` best by a linear
+    `router` (softmax weights over the chosen ones); the experts are 3-D weights `w_in`
+    `(E, 2d, d)` and `w_out` `(E, d, 2d)`, run by `F.grouped_mm` on the tokens sorted by
+    expert."""
 
-    def __init__(self, d_model: int, n_heads: int):
+    def __init__(self, d_model: int, experts: int = 4, top_k: int = 2):
+        super().__init__()
+        self.top_k = top_k
+        self.router = nn.Linear(d_model, experts, bias=False)
+        self.w_in = nn.Parameter(torch.randn(experts, 2 * d_model, d_model) * 0.02)
+        self.w_out = nn.Parameter(torch.randn(experts, d_model, 2 * d_model) * 0.02)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.reshape(-1, x.shape[-1])
+        weights, chosen = self.router(tokens).softmax(-1).topk(self.top_k, dim=-1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        ids, order = chosen.flatten().sort(stable=True)
+        offs = torch.bincount(ids, minlength=self.w_in.shape[0]).cumsum(0).int()
+        rows = tokens[order // self.top_k]
+        h = F.gelu(F.grouped_mm(rows, self.w_in.transpose(-2, -1), offs=offs))
+        out = F.grouped_mm(h, self.w_out.transpose(-2, -1), offs=offs)
+        out = out * weights.flatten()[order, None]
+        combined = torch.zeros_like(tokens).index_add(0, order // self.top_k, out)
+        return combined.reshape(x.shape)
+
+
+class Block(nn.Module):
+    """A pre-norm transformer block: `x + attn(ln1(x))`, then `x + mlp(ln2(x))` (`mlp` a `MoE`
+    with `moe`)."""
+
+    def __init__(self, d_model: int, n_heads: int, moe: bool = False):
         super().__init__()
         self.ln1 = nn.LayerNorm(d_model)
         self.attn = CausalSelfAttention(d_model, n_heads)
         self.ln2 = nn.LayerNorm(d_model)
-        self.mlp = MLP(d_model)
+        self.mlp = MoE(d_model) if moe else MLP(d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -131,11 +165,14 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """A character-level GPT: token and position embeddings, `Block`s, a linear `head`."""
 
-    def __init__(self, vocab_size: int, seq_len: int, d_model: int, n_layers: int, n_heads: int):
+    def __init__(
+        self, vocab_size: int, seq_len: int, d_model: int, n_layers: int, n_heads: int,
+        moe: bool = False,
+    ):
         super().__init__()
         self.tok_emb = nn.Embedding(vocab_size, d_model)
         self.pos_emb = nn.Embedding(seq_len, d_model)
-        self.blocks = nn.ModuleList(Block(d_model, n_heads) for _ in range(n_layers))
+        self.blocks = nn.ModuleList(Block(d_model, n_heads, moe) for _ in range(n_layers))
         self.ln_f = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab_size)
         for name, p in self.named_parameters():
@@ -180,6 +217,8 @@ class Corpus:
 
     @classmethod
     def load(cls) -> Corpus:
+        """The corpus: the texts of `pydoc_data.topics` (shipped with Python) joined in key
+        order; `chars` is their sorted set of characters, and a character's id its index."""
         from pydoc_data.topics import topics
 
         text = "\n\n".join(topics[key] for key in sorted(topics))
@@ -190,10 +229,12 @@ class Corpus:
         return cls(chars, ids[:n_train], ids[n_train:])
 
     def encode(self, text: str) -> torch.Tensor:
+        """The ids of `text`'s characters, int64 `(len,)`; characters not in `chars` dropped."""
         index = {c: i for i, c in enumerate(self.chars)}
         return torch.tensor([index[c] for c in text if c in index], dtype=torch.int64)
 
     def decode(self, ids) -> str:
+        """The text of the ids `ids` (ints, or a tensor's `.tolist()`)."""
         return "".join(self.chars[i] for i in ids)
 
 
@@ -341,9 +382,13 @@ def setup_ranks(device_type: str) -> tuple[Ranks, torch.device]:
 
 
 @torch.no_grad()
-def evaluate(apply, params, state, data_batches) -> float:
-    """Mean of the model's loss `apply(params, state, x, y)` over `data_batches` `(x, y)`."""
-    losses = [apply(params, state, x, y).item() for x, y in data_batches]
+def batch_losses(apply, params, state, data_batches) -> list[float]:
+    """The model's loss `apply(params, state, x, y)` on each of `data_batches` `(x, y)`."""
+    return [apply(params, state, x, y).item() for x, y in data_batches]
+
+
+def mean(losses: list[float]) -> float:
+    """The mean of `losses`, summed in order (the same float for the same losses)."""
     return sum(losses) / len(losses)
 
 
@@ -380,19 +425,24 @@ class Run:
         self.train_curve.append(loss)
         return loss
 
-    def evaluate(self, data_batches) -> float:
-        return evaluate(self.fn.apply, self.params, self.state, data_batches)
+    def losses(self, data_batches) -> list[float]:
+        return batch_losses(self.fn.apply, self.params, self.state, data_batches)
 
-    def summary(self, train_fixed, val_fixed) -> dict:
-        """Final params, state, curves, losses on fixed batches, median step time (ms)."""
+    def summary(self, train_fixed, val_fixed, curve_batches) -> dict:
+        """Final params, state, curves, losses on fixed batches, median step time (ms).
+
+        The val curve's last point is the mean over the first `curve_batches` of `val_fixed`,
+        read from the final evaluation (the same losses, not computed twice)."""
         measured = self.step_times[min(5, len(self.step_times) - 1) :]  # skip warm-up
+        val = self.losses(val_fixed)
+        self.val_curve.append((len(self.train_curve), mean(val[:curve_batches])))
         return {
             "params": self.params,
             "state": self.state,
             "train_curve": self.train_curve,
             "val_curve": self.val_curve,
-            "train_loss": self.evaluate(train_fixed),
-            "val_loss": self.evaluate(val_fixed),
+            "train_loss": mean(self.losses(train_fixed)),
+            "val_loss": mean(val),
             "step_ms": 1000 * statistics.median(measured),
         }
 
@@ -481,12 +531,12 @@ def train(runs: list[Run], corpus: Corpus, cfg, device, ranks=Ranks()) -> dict:
     for step, (x, y) in enumerate(bar):
         x, y = ranks.shard(x).to(device), ranks.shard(y).to(device)
         losses = {run.name: f"{run.step(step, x, y):.3f}" for run in runs}
-        if (step + 1) % eval_every == 0 or step + 1 == cfg.steps:
+        if (step + 1) % eval_every == 0 and step + 1 < cfg.steps:  # the last: in `summary`
             for run in runs:
-                run.val_curve.append((step + 1, run.evaluate(val_fixed[:2])))
+                run.val_curve.append((step + 1, mean(run.losses(val_fixed[:2]))))
         bar.set_postfix(losses)
     bar.close()
-    return {run.name: run.summary(train_fixed, val_fixed) for run in runs}
+    return {run.name: run.summary(train_fixed, val_fixed, 2) for run in runs}
 
 
 @torch.no_grad()
@@ -719,12 +769,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="batches in the final train and val losses (default 8)",
     )
     p.add_argument(
-        "--sample-chars", type=int, default=200, help="characters sampled from the fp8 model"
+        "--sample-chars",
+        type=int,
+        help="characters sampled from the fp8 model (default 200, or 0 with --quiet, which "
+        "does not print the sample)",
     )
     p.add_argument(
         "--quiet",
         action="store_true",
         help="print only the final table (no progress bar, header or sample)",
+    )
+    p.add_argument(
+        "--moe",
+        action="store_true",
+        help="a mixture of experts (4, top 2) in each block instead of its MLP; the experts "
+        "run in float8 per expert (--recipe delayed or current)",
     )
     return p
 
@@ -732,6 +791,8 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv=None) -> argparse.Namespace:
     p = build_parser()
     args = p.parse_args(argv)
+    if args.sample_chars is None:
+        args.sample_chars = 0 if args.quiet else 200
     if args.sample_chars < 0:
         p.error(f"--sample-chars: expected an integer >= 0, got {args.sample_chars}")
     if args.d_model % args.heads:
@@ -761,6 +822,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         if args.compile:
             p.error("--fsdp: --compile is not available with FSDP2 in this demo")
         args.checkpoint = False  # fp8fn.checkpoint under FSDP2 is not part of this demo
+    if args.moe:
+        if args.recipe not in ("delayed", "current"):
+            p.error(f"--moe: expected --recipe delayed or current, got {args.recipe}")
+        if args.fsdp or args.compile:
+            p.error("--moe: --fsdp and --compile are not available with experts in this demo")
     args.warmup = max(1, args.steps // 20)
     return args
 
@@ -816,14 +882,16 @@ def _main(cfg, ranks: Ranks, device: torch.device) -> dict:
 def compare(cfg, corpus: Corpus, ranks: Ranks, device: torch.device, say) -> dict:
     """The float32 and the fp8 run of one seed (`cfg.seed`): the results of `main` for it."""
     torch.manual_seed(cfg.seed)
-    model = GPT(len(corpus.chars), cfg.seq_len, cfg.d_model, cfg.layers, cfg.heads).to(device)
+    model = GPT(
+        len(corpus.chars), cfg.seq_len, cfg.d_model, cfg.layers, cfg.heads, cfg.moe
+    ).to(device)
     init = {k: v.detach().clone() for k, v in model.named_parameters()}
 
     recipe = RECIPES[cfg.recipe]()
     checkpoint_fn = (lambda name, m: isinstance(m, Block)) if cfg.checkpoint else None
 
     def fp8_fn_filter(name, m):
-        return name != "head"
+        return name != "head" and not name.endswith("router")
 
     def no_layer(name, m):
         return False
@@ -867,6 +935,11 @@ def compare(cfg, corpus: Corpus, ranks: Ranks, device: torch.device, say) -> dic
             Run("float32", hp_fn, dict(init), x0, cfg, ranks),
             Run("fp8", fp8_fn, dict(init), x0, cfg, ranks),
         ]
+    results["fp8_layers"] = list(fp8_fn.layers)  # with the experts weights `init` found
+    if cfg.moe:
+        results["float8_share"] = fp8_fn.summary().splitlines()[0]
+        if not cfg.quiet:
+            say(results["float8_share"])
     results.update(train(runs, corpus, cfg, device, ranks))
     for split in ("train", "val"):
         hp, lp = results["float32"][f"{split}_loss"], results["fp8"][f"{split}_loss"]

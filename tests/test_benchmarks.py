@@ -9,6 +9,8 @@ with the one helper `benchmarks/_common.py` (not a script), and none imports the
 from __future__ import annotations
 
 import ast
+import importlib.util
+import os
 import pathlib
 import re
 import subprocess
@@ -25,6 +27,7 @@ OPTIONAL = ("torchao",)
 HEADERS = {
     "import_time.py": re.compile(r"^import\s+heavy modules loaded\s+median s", re.M),
     "memory.py": re.compile(r"^run\s+all saved\s+new memory", re.M),
+    "moe.py": re.compile(r"^variant\s+ops\s+MB\s+ms", re.M),
     "overhead.py": re.compile(r"^route\s+forward\s+backward\s+total", re.M),
     "step.py": re.compile(r"^variant\s+MLP", re.M),
     "traffic.py": re.compile(r"^model\s+variant\s+kernels\s+MB", re.M),
@@ -127,3 +130,34 @@ def test_traffic_counts_on_the_linear():
         "fp8fn current": ["14", "5.51"],
         "fp8fn delayed": ["10", "3.67"],
     }, result.stdout
+
+
+@pytest.mark.slow
+def test_gpu_dry_run_prints_its_tables():
+    """`gpu.py --dry-run` runs on CPU (tiny shapes, every path but CUDA's; the Triton casts
+    under the interpreter) and prints both tables: tokens/s of every variant with the
+    delayed/current ratio, and the casts."""
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--dry-run"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    header = re.search(r"^variant\s+ms/step\s+tokens/s\s+vs bf16\s+first call s$", out, re.M)
+    assert header, out
+    variants = ["bf16", "fp8fn current", "fp8fn delayed"]
+    if importlib.util.find_spec("torchao") is not None:
+        variants.insert(1, "torchao tensorwise")
+    rows = out[header.end() :].strip("\n").splitlines()[: len(variants)]
+    assert [r.split("  ")[0].strip() for r in rows] == variants, out
+    assert all(_rows(r) == 1 for r in rows), out
+    assert re.search(r"^delayed / current \(tokens/s\): \d+\.\d{3}x$", out, re.M), out
+    casts = re.search(r"^tensor\s+variant\s+us\s+GB/s\s+% peak\s+time / current$", out, re.M)
+    assert casts, out
+    triton = importlib.util.find_spec("triton") is not None
+    # 4 tensors x (copy, delayed and current compiled, and the 2 Triton kernels)
+    assert _rows(out[casts.end() :].strip("\n")) == 4 * (5 if triton else 3), out

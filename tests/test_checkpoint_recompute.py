@@ -104,22 +104,46 @@ def test_hf_decoder_layers_with_kv_cache_are_refused(kind, route):
     assert got.past_key_values.get_seq_length() == want.past_key_values.get_seq_length() == 8
 
 
+def _tiny_mixtral(implementation: str):
+    """A tiny HF Mixtral (2 layers, hidden 32, 4 experts, top 2) from a config, no cache."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.MixtralConfig(**{
+        **tiny_hf_config("mistral").to_dict(), "num_local_experts": 4,
+        "num_experts_per_tok": 2, "use_cache": False})  # fmt: skip
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = transformers.MixtralForCausalLM(config).train()
+    model.set_experts_implementation(implementation)
+    return model
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("route", ROUTES)
-@pytest.mark.parametrize("kind", list(HF_DECODERS))
-def test_hf_decoder_layers_without_kv_cache_are_bit_identical(kind, route):
-    model, layer = _hf_decoder(kind, use_cache=False)
+@pytest.mark.parametrize(
+    "kind", ["mixtral-eager", "mixtral-batched_mm", "mixtral-grouped_mm", *HF_DECODERS]
+)
+@pytest.mark.parametrize("precision", ["float8", "high"])
+def test_hf_decoder_layers_without_kv_cache_are_bit_identical(precision, kind, route):
+    # Found in 0.3: under `backward()` the recompute was differentiated by torch.func, whose
+    # derivatives of `F.silu` and of the MoE block round differently: on Mixtral 17 of 21
+    # gradients differed in high precision, 7 in float8.
+    if kind.startswith("mixtral"):
+        model, layer = _tiny_mixtral(kind.partition("-")[2]), "MixtralDecoderLayer"
+    else:
+        model, layer = _hf_decoder(kind, use_cache=False)
+    recipe = DELAYED if precision == "float8" else (lambda name, m: None)
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
     params = {k: v.detach() for k, v in model.named_parameters()}
     runs = []
     for checkpoint_fn in (None, lambda n, m: type(m).__name__ == layer):
-        fn = fp8fn.transform(model, DELAYED, checkpoint_fn=checkpoint_fn)
+        fn = fp8fn.transform(model, recipe, checkpoint_fn=checkpoint_fn)
         torch.manual_seed(2)  # GPT-2's dropout
         runs.append(_train(fn, params, fn.init(ids), _hf_loss(ids), route))
     assert len(fn.checkpointed) == 2
     assert_bit_identical(runs[1], runs[0])
-    obs = runs[0][-1][1]
-    assert bool((obs.amax_history[..., 0] > 0).all())  # every site observed, once
+    if precision == "float8":
+        obs = runs[0][-1][1]
+        assert bool((obs.amax_history[..., 0] > 0).all())  # every site observed, once
 
 
 @pytest.mark.parametrize("kind", ["DynamicCache", "ReformerDynamicCache"])
@@ -559,3 +583,28 @@ def test_checkpoint_fn_t5_blocks_match_without_checkpointing(route):
     match = r"^fp8fn\.apply: .* of module 'decoder\.block\.0' .* got a EncoderDecoderCache"
     with pytest.raises(ValueError, match=match):
         _train(fn, params, fn.init(ids, labels=labels), loss, route, steps=1)
+
+
+def test_checkpoint_fn_without_gradients_runs_the_forward_once(monkeypatch):
+    # Evaluation under no_grad has no backward to recompute in: the chosen blocks run as
+    # without checkpoint_fn, bit for bit, and no checkpoint is made.
+    torch.manual_seed(0)
+    model = Transformer(64, 16, 2, 2, 8)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    plain = fp8fn.transform(model, DELAYED)
+    chosen = fp8fn.transform(model, DELAYED, checkpoint_fn=lambda n, m: isinstance(m, Block))
+    assert len(chosen.checkpointed) == 2
+    state = plain.init(ids)
+    params = dict(model.named_parameters())
+    made, real = [], fp8fn._transform.recompute.checkpoint_with_constants
+
+    def counted(*args, **kwargs):
+        made.append(kwargs["subject"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fp8fn._transform.recompute, "checkpoint_with_constants", counted)
+    with torch.no_grad():
+        assert_bit_identical(chosen.apply(params, state, ids), plain.apply(params, state, ids))
+    assert made == []
+    chosen.apply(params, state, ids)  # with gradients: each chosen block is checkpointed
+    assert made == [f"module {p!r} (chosen by `checkpoint_fn`)" for p in chosen.checkpointed]

@@ -290,16 +290,20 @@ def test_func_grad_of_compiled_fullgraph_raises(route):
 
 
 @ROUTES
-def test_compiled_func_grad_fullgraph_raises(route):
-    # The refusal in fp8fn.linear raises while dynamo traces; fullgraph turns it into dynamo's
-    # `Unsupported: Observed exception`, caused by fp8fn's error, which names the fix.
+def test_compiled_func_grad_fullgraph_raises_fp8fns_error(route):
+    # The refusal in fp8fn.linear raises at trace time, past dynamo: the user sees fp8fn's
+    # RuntimeError naming the fix, not dynamo's `Unsupported: Observed exception`.
     params, state, x, c, fs, _ = _func_setup()
-    with pytest.raises(torch._dynamo.exc.Unsupported, match="Observed exception") as e:
+    with pytest.raises(
+        RuntimeError,
+        match=r"^fp8fn.linear: torch.compile cannot trace fp8fn.linear inside a torch.func "
+        r"transform .* Use fp8fn.value_and_grad",
+    ) as e:
         torch.compile(_grad(fs[route]), fullgraph=True)(params, state, x, c)
-    assert "fp8fn.linear: torch.compile cannot trace fp8fn.linear inside a torch.func" in str(
-        e.value.__cause__
-    )
-    assert "Use fp8fn.value_and_grad" in str(e.value.__cause__)
+    assert not isinstance(e.value, torch._dynamo.exc.TorchDynamoException)
+    torch._dynamo.reset()
+    with torch._dynamo.error_on_graph_break(True), pytest.raises(RuntimeError, match="^fp8fn"):
+        torch.compile(_grad(fs[route]))(params, state, x, c)
 
 
 @ROUTES

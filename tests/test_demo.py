@@ -97,6 +97,7 @@ def test_every_flag_has_help():
         "threads",
         "d_model",
         "layers", "heads", "seq_len", "batch_size", "lr", "eval_batches", "sample_chars", "quiet",
+        "moe",
     ]  # fmt: skip
     assert all(a.help and a.help.strip() for a in actions), [a.dest for a in actions if not a.help]
 
@@ -107,6 +108,19 @@ def test_main_current_recipe_without_checkpoint_has_no_state():
     assert results["checkpointed"] == []
     assert len(results["fp8"]["state"]) == 0  # CurrentScaling is stateless
     assert results["fp8"]["train_curve"][-1] < results["fp8"]["train_curve"][0]
+
+
+@pytest.mark.slow
+def test_main_moe_runs_the_experts_in_float8_next_to_float32():
+    results = demo.main([*TINY, "--moe", "--steps", "8", "--sample-chars", "0"])
+    assert {"blocks.0.mlp.w_in", "blocks.0.mlp.w_out"} <= set(results["fp8_layers"])
+    assert "blocks.0.mlp.router" not in results["fp8_layers"]  # stays float32, as the head
+    # 4 experts x (64x32 + 32x64) and attention 4 x 32x32 in float8; head 103x32, router 4x32
+    assert results["float8_share"] == "float8: 20,480 of 23,904 matmul weight elements (85.7%)"
+    assert "blocks.0.mlp.w_in[3]" in results["fp8"]["state"]
+    assert abs(results["train_gap_pct"]) < 5 and abs(results["val_gap_pct"]) < 5
+    fp8, hp = results["fp8"]["train_curve"], results["float32"]["train_curve"]
+    assert fp8[0] == pytest.approx(hp[0], rel=1e-3) and fp8[-1] < fp8[0]
 
 
 @pytest.mark.slow
@@ -257,6 +271,8 @@ def test_main_prints_the_table(capsys):
         (["--sample-chars", "-1"], "expected an integer >= 0, got -1"),
         (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
         (["--fsdp"], "--fsdp: expected to run under torchrun, got one process"),
+        (["--moe", "--recipe", "mx"], "--moe: expected --recipe delayed or current, got mx"),
+        (["--moe", "--compile"], "--moe: --fsdp and --compile are not available with experts"),
     ],
 )
 def test_main_bad_flags_exit_with_argparse_errors(argv, message, capsys):

@@ -5,6 +5,7 @@ the casts divided by both scales)."""
 import pytest
 import torch
 
+import fp8fn
 from fp8fn._ops.grouped import grouped_mm
 
 E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -161,3 +162,221 @@ def test_nan_in_one_group_is_observed_by_that_expert_only():
     assert obs[1, 0].isnan()
     assert obs[0, 0].item() == x[:4].abs().max().item()
     assert obs[2, 0].item() == x[9:15].abs().max().item()
+
+
+# -- stateless recipes per group: rowwise, blockwise, MXFP8; NVFP4 per expert --------------------
+
+ROWWISE, MX = fp8fn.RowwiseScaling(), fp8fn.MXScaling()
+MX_FLOOR, BLOCKWISE = fp8fn.MXScaling(scale_rounding="floor"), fp8fn.BlockwiseScaling()
+NVFP4 = fp8fn.NVFP4Scaling()
+FINER_RECIPES = [ROWWISE, fp8fn.RowwiseScaling(hp_grad_weight=True), MX, MX_FLOOR, BLOCKWISE]
+
+
+def _bf16_case(ends, experts, k=64, n=96, seed=0, dtype=torch.bfloat16):
+    x, w, offs, g = _case(ends, experts, k, n, seed)
+    return x.to(dtype), (w * 0.1).to(dtype), offs, g.to(dtype)
+
+
+def _grads(x, w, offs, g, recipe, random=None):
+    """(out, grad_x, grad_w) of the grouped op under `recipe` by plain autograd."""
+    x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
+    out = grouped_mm(x, w, offs, recipe=recipe, random=random)
+    return (out, *torch.autograd.grad(out, [x, w], g))
+
+
+def _per_group(x, w, ends, g, linear):
+    """The same three tensors from `linear(x_e, w_e) -> (out_e, gx_e, gw_e)` per group."""
+    out, gx, gw = torch.zeros(x.shape[0], w.shape[1], dtype=x.dtype), torch.zeros_like(x), (
+        torch.zeros_like(w))
+    start = 0
+    for e, end in enumerate(ends):
+        if end > start:
+            out[start:end], gx[start:end], gw[e] = linear(x[start:end], w[e], g[start:end], e)
+        start = end
+    return out, gx, gw
+
+
+def _torchao_linear(recipe):
+    """Per group: torchao 0.18's emulated dense module for `recipe` on `(x_e, w_e)`."""
+    from test_finer import _torchao_module
+
+    def linear(x, w, g, e):
+        dense = torch.nn.Linear(w.shape[1], w.shape[0], bias=False).to(w.dtype)
+        with torch.no_grad():
+            dense.weight.copy_(w)
+        module = _torchao_module(recipe, dense)
+        x = x.clone().requires_grad_()
+        out = module(x)
+        out.backward(g)
+        return out, x.grad, module.weight.grad
+
+    return linear
+
+
+@pytest.mark.parametrize("recipe", FINER_RECIPES[:4], ids=["rowwise", "rowwise_gw_hp", "mx",
+                                                           "mx_floor"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_finer_recipes_per_group_match_torchao_dense_per_expert(recipe, dtype):
+    """Each group is torchao's emulated dense linear on that expert, bit for bit, an idle
+    expert included (groups of any size; for MX torchao's dense module needs multiples of 32)."""
+    pytest.importorskip("torchao")
+    ends = [32, 96, 96, 128] if isinstance(recipe, fp8fn.MXScaling) else [5, 37, 37, 80]
+    x, w, offs, g = _bf16_case(ends, 4, dtype=dtype)
+    got = _grads(x, w, offs, g, recipe)
+    want = _per_group(x, w, ends, g, _torchao_linear(recipe))
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    assert torch.equal(got[2][2], torch.zeros_like(got[2][2]))  # the idle expert
+
+
+@pytest.mark.parametrize("rounding", ["rceil", "floor"])
+def test_mxfp8_matches_torchao_grouped_emulation(rounding):
+    """torchao's `_to_mxfp8_then_scaled_grouped_mm` (EMULATED, bfloat16): bit for bit where
+    groups are multiples of 32 tokens (its weight-gradient emulation blocks tokens across
+    group ends)."""
+    pytest.importorskip("torchao")
+    from torchao.prototype.moe_training.mxfp8_grouped_mm import _to_mxfp8_then_scaled_grouped_mm
+    from torchao.prototype.mx_formats.config import ScaleCalculationMode
+    from torchao.quantization.quantize_.common import KernelPreference
+
+    ends = [32, 96, 96, 160]
+    x, w, offs, g = _bf16_case(ends, 4, seed=9)
+    got = _grads(x, w, offs, g, fp8fn.MXScaling(scale_rounding=rounding))
+    xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+    mode = {"rceil": ScaleCalculationMode.RCEIL, "floor": ScaleCalculationMode.FLOOR}[rounding]
+    out = _to_mxfp8_then_scaled_grouped_mm(
+        xl, wl.transpose(-2, -1), offs, out_dtype=torch.bfloat16,
+        kernel_preference=KernelPreference.EMULATED, scale_calculation_mode=mode)
+    want = (out, *torch.autograd.grad(out, [xl, wl], g))
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+def _mx_float64(hp, dim):
+    """float64 value of `hp` quantized in 32-element MX blocks along `dim` (RCEIL, from the
+    formulas: scale `2**ceil(log2(amax / 448))`, saturating e4m3), a partial block at the end."""
+    t = hp.double().movedim(dim, -1)
+    k = t.shape[-1]
+    blocks = torch.nn.functional.pad(t, (0, -k % 32)).unflatten(-1, (-1, 32))
+    scale = 2.0 ** torch.ceil(torch.log2(blocks.abs().amax(-1, keepdim=True) / 448)).clamp(-127)
+    q = (blocks / scale).clamp(-448, 448).to(E4).double() * scale
+    return q.flatten(-2)[..., :k].movedim(-1, dim)
+
+
+def test_mxfp8_groups_of_any_size_match_a_float64_reference():
+    """Tokens are blocked within each group (a partial block at a group's end), as the GPU
+    kernels' per-group padding does: against the formulas in float64."""
+    ends = [5, 40, 40, 77]
+    x, w, offs, g = _bf16_case(ends, 4, seed=10, dtype=torch.float32)
+
+    def reference(x, w, g, e):
+        x, w, g = x.double(), w.double(), g.double()
+        return (_mx_float64(x, 1) @ _mx_float64(w, 1).T, _mx_float64(g, 1) @ _mx_float64(w, 0),
+                _mx_float64(g, 0).T @ _mx_float64(x, 0))
+
+    got = _grads(x, w, offs, g, MX)
+    want = _per_group(x.double(), w.double(), ends, g.double(), reference)
+    for a, b in zip(got, want):
+        _close(a, b)
+
+
+def _fp8fn_linear(recipe, key=None, site="experts"):
+    """Per group: the dense `fp8fn.linear` (NVFP4: with the key folded with the expert)."""
+    from fp8fn._core.keys import fold_key
+
+    def linear(x, w, g, e):
+        x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
+        random = None if key is None else (fold_key(key, e), site)
+        out = fp8fn.linear(x, w, None, random, recipe)
+        return (out, *torch.autograd.grad(out, [x, w], g))
+
+    return linear
+
+
+def test_blockwise_per_group_is_the_dense_op_per_expert():
+    """(The dense op's blockwise numerics are anchored to torchao in test_finer.)"""
+    ends = [100, 100, 260]
+    x, w, offs, g = _bf16_case(ends, 3, k=256, n=160, seed=11)
+    got = _grads(x, w, offs, g, BLOCKWISE)
+    for a, b in zip(got, _per_group(x, w, ends, g, _fp8fn_linear(BLOCKWISE))):
+        assert torch.equal(a, b)
+
+
+def test_nvfp4_per_expert_folds_the_expert_index_into_the_key():
+    ends = [16, 16, 48, 80]
+    x, w, offs, g = _bf16_case(ends, 4, seed=12, dtype=torch.float32)
+    key = torch.tensor(12345.0, dtype=torch.float64)
+    got = _grads(x, w, offs, g, NVFP4, random=(key, "experts"))
+    for a, b in zip(got, _per_group(x, w, ends, g, _fp8fn_linear(NVFP4, key))):
+        assert torch.equal(a, b)
+    # Experts 2 and 3 given the same tokens, weight and gradient draw different bits.
+    x[48:80], w[3], g[48:80] = x[16:48], w[2], g[16:48]
+    _, _, gw = _grads(x, w, offs, g, NVFP4, random=(key, "experts"))
+    assert not torch.equal(gw[2], gw[3])
+    _, _, gw_plain = _grads(x, w, offs, g, fp8fn.NVFP4Scaling(stochastic_rounding=False,
+                                                              hadamard=False))
+    assert torch.equal(gw_plain[2], gw_plain[3])
+
+
+ALL_RECIPES = [*FINER_RECIPES, NVFP4]
+RECIPE_IDS = ["rowwise", "rowwise_gw_hp", "mx", "mx_floor", "blockwise", "nvfp4"]
+
+
+def _random(recipe):
+    return (torch.tensor(7.0, dtype=torch.float64), "e") if recipe is NVFP4 else None
+
+
+@pytest.mark.parametrize("recipe", ALL_RECIPES, ids=RECIPE_IDS)
+@pytest.mark.parametrize("ends", [[0, 20, 20, 45], [0, 0, 0, 0], [10, 30, 30, 30]],
+                         ids=["first_and_third_idle", "all_idle", "rows_past_the_end"])
+def test_stateless_recipes_idle_experts_and_empty_groups(recipe, ends):
+    x, w, _, g = _bf16_case([45], 4, seed=13)
+    offs = torch.tensor(ends, dtype=torch.int32)
+    out, gx, gw = _grads(x, w, offs, g, recipe, _random(recipe))
+    starts = [0] + ends[:-1]
+    for e, (s, t) in enumerate(zip(starts, ends)):
+        if s == t:
+            assert torch.equal(gw[e], torch.zeros_like(gw[e]))
+        else:
+            assert gw[e].abs().sum() > 0 and out[s:t].abs().sum() > 0
+    assert torch.equal(out[ends[-1]:], torch.zeros_like(out[ends[-1]:]))
+    assert torch.equal(gx[ends[-1]:], torch.zeros_like(gx[ends[-1]:]))
+
+
+@pytest.mark.parametrize("recipe", ALL_RECIPES, ids=RECIPE_IDS)
+def test_stateless_recipes_torch_func_grad_equals_autograd(recipe):
+    x, w, offs, g = _bf16_case([9, 40, 40, 64], 4, seed=14)
+    random = _random(recipe)
+
+    def loss(x, w):
+        return (grouped_mm(x, w, offs, recipe=recipe, random=random).float() * g.float()).sum()
+
+    got = torch.func.grad(loss, argnums=(0, 1))(x, w)
+    xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+    loss(xl, wl).backward()
+    assert torch.equal(got[0], xl.grad) and torch.equal(got[1], wl.grad)
+
+
+def test_mxfp8_refuses_float16():
+    x, w, offs, _ = _bf16_case([8, 16], 2, dtype=torch.float16)
+    with pytest.raises(TypeError, match=r"expected `x` and `weight` in float32 or bfloat16 under "
+                                        r"MXScaling, got float16"):
+        grouped_mm(x, w, offs, recipe=MX)
+
+
+def test_nvfp4_refuses_a_missing_key():
+    x, w, offs, _ = _bf16_case([8, 16], 2)
+    with pytest.raises(TypeError, match=r"expected `site_state` to be a pair `\(key, site\)`"):
+        grouped_mm(x, w, offs, recipe=NVFP4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_current_scaling_is_the_dense_op_per_expert(dtype):
+    """Per expert, the dense `fp8fn.linear` under CurrentScaling (anchored to torchao's
+    tensorwise `Float8Linear` in test_reference), bit for bit, an idle expert included."""
+    ends = [7, 7, 40, 72]
+    x, w, offs, g = _bf16_case(ends, 4, seed=15, dtype=dtype)
+    got = _grads(x, w, offs, g, None)
+    want = _per_group(x, w, ends, g, _fp8fn_linear(fp8fn.CurrentScaling(backend="emulated")))
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)

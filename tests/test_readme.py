@@ -161,8 +161,18 @@ def _check_recipes(namespace):
     assert net_state.key.item() == net_fn.init(x, seed=0).key.item() + 1
 
 
+def _check_moe(namespace):
+    fn, state = namespace["fn"], namespace["state"]
+    assert fn.summary().splitlines()[0] == (
+        "float8: 57,344 of 57,600 matmul weight elements (99.6%)"
+    )
+    assert len(state) == 4 * 2 + 1 + 2 * 2 * 4  # q, k, v, o; lm_head; 4 experts x 2 weights
+    assert namespace["expert_3"].input.amax_history.shape == (16,)
+
+
 CHECKS = {"semantics.md": _check_semantics, "compile.md": _check_compile}
 CHECKS["recipes.md"] = _check_recipes
+CHECKS["moe.md"] = _check_moe
 SLOW = {"compile.md"}  # torch.compile
 
 

@@ -221,3 +221,18 @@ def test_assert_in_graph_raises_its_message_where_false_only():
     private.assert_in_graph(torch.tensor(True), "never")
     with pytest.raises(RuntimeError, match="fp8fn.x: expected y"):
         private.assert_in_graph(torch.tensor(False), "fp8fn.x: expected y")
+
+
+def test_refuse_fullgraph_trace_raises_past_dynamo_under_fullgraph_only():
+    def f(x):
+        private.refuse_fullgraph_trace("fp8fn.test: refused")
+        return x + 1
+
+    x = torch.ones(2)
+    with pytest.raises(private.TraceRefused, match="^fp8fn.test: refused") as e:
+        torch.compile(f, fullgraph=True, backend="eager")(x)
+    assert isinstance(e.value, RuntimeError)  # what the user catches; dynamo's types are not
+    assert not isinstance(e.value, torch._dynamo.exc.TorchDynamoException)
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(f, backend="eager")(x), x + 1)  # no fullgraph: no error
+    assert vars(private.refuse_fullgraph_trace)["_dynamo_marked_constant"]

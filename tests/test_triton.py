@@ -7,6 +7,7 @@ and exhaustively (every float32 of magnitude <= the format's max, both signs; ~2
 with `FP8FN_EXHAUSTIVE=1`.
 """
 
+import collections
 import os
 
 import pytest
@@ -50,6 +51,12 @@ def scalar(x: float) -> torch.Tensor:
 
 def u8(fp8: torch.Tensor) -> torch.Tensor:
     return fp8.cpu().view(torch.uint8)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bits (float8 or float32)."""
+    as_bits = lambda t: u8(t) if t.element_size() == 1 else i32(t.cpu())  # noqa: E731
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(as_bits(a), as_bits(b))
 
 
 def assert_same_fp8(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -219,12 +226,53 @@ def test_delayed_cast_matches_torch(hp_dtype, dtype, newest):
     hp = sample((4097,), hp_dtype, seed=1)
     stored = scalar(0.75)
     for margin in (0, 2, 3):
-        fp8, scale, amax = fp8_triton.delayed_cast(hp, scalar(newest), stored, margin, dtype)
+        fp8, scale, inverse, amax = fp8_triton.delayed_cast(
+            hp, scalar(newest), stored, margin, dtype
+        )
         current = fp8fn.compute_scale(ref_amax(hp), FP8_MAX[dtype], margin)
         want_scale = torch.where(scalar(newest) > 0, stored, current)
         assert torch.equal(i32(scale.cpu()), i32(want_scale.cpu())), (scale, want_scale)
+        assert torch.equal(i32(inverse.cpu()), i32(want_scale.reciprocal().cpu()))
         assert_same_fp8(fp8, cast_to_fp8(hp, want_scale, dtype))
         assert_same_amax(amax, ref_amax(hp))
+
+
+@HP
+@FP8
+def test_delayed_cast_of_a_filled_history_is_the_stored_scale_in_one_pass(hp_dtype, dtype):
+    hp = sample((33, 65), hp_dtype, seed=8)
+    stored = scalar(0.75)
+    for transpose in (False, True):
+        t = {"transpose": transpose}
+        filled = fp8_triton.delayed_cast(hp, None, stored, 1, dtype, filled=True, **t)
+        observed = fp8_triton.delayed_cast(hp, scalar(7.0), stored, 1, dtype, **t)
+        assert len(filled) == len(observed) == 4 + transpose
+        assert all(same_bits(a, b) for a, b in zip(filled, observed))
+        assert torch.equal(filled[-3], stored)
+        assert_same_fp8(filled[0], cast_to_fp8(hp, stored, dtype))
+        assert_same_amax(filled[-1], ref_amax(hp))
+
+
+@pytest.mark.parametrize("newest", [None, 0.0, 7.0], ids=["current", "empty", "observed"])
+def test_casts_write_the_linears_observation(newest):
+    """With `observe=(input_amax, weight_amax)` the amax output is the float32 `(3,)`
+    `[input_amax, weight_amax, amax]`, the two copied bit for bit (a NaN's payload too)."""
+    hp = sample((20, 12), torch.bfloat16, seed=9)
+    nan = torch.tensor(0x7FC01234, dtype=torch.int32).view(torch.float32)
+    for before in ((scalar(3.5), scalar(0.0)), (nan.to(DEVICE), scalar(float("inf")))):
+        for transpose in (False, True):
+            t = {"transpose": transpose, "observe": before}
+            if newest is None:
+                out = fp8_triton.current_cast(hp, 0, E5M2, **t)
+                plain = fp8_triton.current_cast(hp, 0, E5M2, transpose=transpose)
+            else:
+                out = fp8_triton.delayed_cast(hp, scalar(newest), scalar(2.0), 0, E5M2, **t)
+                plain = fp8_triton.delayed_cast(
+                    hp, scalar(newest), scalar(2.0), 0, E5M2, transpose=transpose
+                )
+            want = torch.stack([*before, ref_amax(hp)])
+            assert out[-1].shape == (3,) and torch.equal(i32(out[-1].cpu()), i32(want.cpu()))
+            assert all(same_bits(a, b) for a, b in zip(out[:-1], plain[:-1]))
 
 
 @HP
@@ -232,9 +280,10 @@ def test_delayed_cast_matches_torch(hp_dtype, dtype, newest):
 @pytest.mark.parametrize("margin", [0, 1, 2, 3])
 def test_current_cast_matches_torch(hp_dtype, dtype, margin):
     hp = sample((33, 65), hp_dtype, seed=2)
-    fp8, scale, amax = fp8_triton.current_cast(hp, margin, dtype)
+    fp8, scale, inverse, amax = fp8_triton.current_cast(hp, margin, dtype)
     want_scale = fp8fn.compute_scale(ref_amax(hp), FP8_MAX[dtype], margin)
     assert torch.equal(i32(scale.cpu()), i32(want_scale.cpu()))
+    assert torch.equal(i32(inverse.cpu()), i32(want_scale.reciprocal().cpu()))
     assert_same_fp8(fp8, cast_to_fp8(hp, want_scale, dtype))
     assert_same_amax(amax, ref_amax(hp))
 
@@ -248,21 +297,26 @@ def test_current_cast_scale_matches_compute_scale_on_edge_amaxes(dtype):
     for a in amaxes:
         hp = torch.tensor([a, -a / 2], device=DEVICE)
         for margin in margins:
-            _, scale, amax = fp8_triton.current_cast(hp, margin, dtype)
+            _, scale, inverse, amax = fp8_triton.current_cast(hp, margin, dtype)
             want = fp8fn.compute_scale(torch.tensor(a), FP8_MAX[dtype], margin)
             assert torch.equal(i32(scale.cpu()), i32(want.cpu())), (a, margin, scale, want)
+            # reciprocals of the extreme scales: inf (of 2**-149), float32 subnormals
+            assert torch.equal(i32(inverse.cpu()), i32(want.reciprocal())), (a, margin, inverse)
             assert_same_amax(amax, torch.tensor(a))
 
 
 @FP8
 def test_scaled_casts_of_empty_tensors_use_scale_one(dtype):
     hp = torch.empty(0, device=DEVICE)
-    fp8, scale, amax = fp8_triton.current_cast(hp, 0, dtype)
-    assert fp8.shape == (0,) and scale.item() == 1.0 and amax.item() == 0.0
-    fp8, scale, amax = fp8_triton.delayed_cast(hp, scalar(0.0), scalar(9.0), 0, dtype)
-    assert scale.item() == 1.0 and amax.item() == 0.0
-    fp8, scale, amax = fp8_triton.delayed_cast(hp, scalar(1.0), scalar(9.0), 0, dtype)
-    assert scale.item() == 9.0 and amax.item() == 0.0
+    fp8, scale, inverse, amax = fp8_triton.current_cast(hp, 0, dtype)
+    assert fp8.shape == (0,) and scale.item() == inverse.item() == 1.0 and amax.item() == 0.0
+    fp8, scale, inverse, amax = fp8_triton.delayed_cast(hp, scalar(0.0), scalar(9.0), 0, dtype)
+    assert scale.item() == inverse.item() == 1.0 and amax.item() == 0.0
+    for newest, filled in ((scalar(1.0), False), (None, True)):
+        _, scale, inverse, amax = fp8_triton.delayed_cast(
+            hp, newest, scalar(8.0), 0, dtype, filled=filled
+        )
+        assert (scale.item(), inverse.item(), amax.item()) == (8.0, 0.125, 0.0)
 
 
 # --- transposed copies ------------------------------------------------------------------------
@@ -275,15 +329,17 @@ def test_transpose_writes_a_contiguous_transposed_copy(shape):
         lambda: fp8_triton.cast_and_amax(hp, scalar(2.0), E5M2, transpose=True),
         lambda: fp8_triton.delayed_cast(hp, scalar(0.0), scalar(2.0), 1, E5M2, transpose=True),
         lambda: fp8_triton.delayed_cast(hp, scalar(1.0), scalar(2.0), 1, E5M2, transpose=True),
+        lambda: fp8_triton.delayed_cast(hp, None, scalar(2.0), 1, E4M3, transpose=True,
+                                        filled=True),
         lambda: fp8_triton.current_cast(hp, 0, E4M3, transpose=True),
-    ]
+    ]  # fmt: skip
     for call in calls:
         fp8, fp8_t, *_ = call()
         plain = fp8_triton.cast_and_amax(hp, scalar(1.0), fp8.dtype)  # any scale: shape check
         assert fp8.shape == hp.shape and fp8_t.shape == hp.t().shape
         assert fp8_t.is_contiguous() and plain[0].dtype == fp8_t.dtype
         assert torch.equal(u8(fp8_t), u8(fp8).t())
-    fp8, fp8_t, scale, amax = calls[1]()
+    fp8, fp8_t, scale, inverse, amax = calls[1]()
     assert_same_fp8(fp8, cast_to_fp8(hp, scale, E5M2))
 
 
@@ -306,6 +362,12 @@ def test_casts_reject_bad_arguments():
         fp8_triton.cast_and_amax(hp, torch.tensor(1.0, dtype=torch.float64), E4M3)
     with pytest.raises(TypeError, match="expected `stored` a float32"):
         fp8_triton.delayed_cast(hp, scalar(0.0), torch.ones(2, device=DEVICE), 0, E4M3)
+    with pytest.raises(TypeError, match="expected `stored` a float32 `\\(\\)` tensor, got None"):
+        fp8_triton.delayed_cast(hp, scalar(0.0), None, 0, E4M3, filled=True)
+    with pytest.raises(TypeError, match="expected `newest` a float32 `\\(\\)` tensor, got None"):
+        fp8_triton.delayed_cast(hp, None, scalar(1.0), 0, E4M3)
+    with pytest.raises(TypeError, match="expected `weight_amax` a float32 `\\(\\)` tensor"):
+        fp8_triton.current_cast(hp, 0, E5M2, observe=(scalar(1.0), torch.ones(3)))
 
 
 # --- dispatch, launches, compile, torch.func --------------------------------------------------
@@ -314,10 +376,11 @@ def test_casts_reject_bad_arguments():
 class _CountOps(TorchDispatchMode):
     def __init__(self):
         super().__init__()
-        self.ops = []
+        self.ops, self.funcs = [], []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops.append(str(func))
+        self.funcs.append(func)
         return func(*args, **(kwargs or {}))
 
 
@@ -332,16 +395,17 @@ def test_each_cast_is_one_dispatched_op_of_one_or_two_launches(monkeypatch):
 
     monkeypatch.setattr(kernels, "wrap_triton", count)
     hp, s = sample((8, 8), torch.float32), scalar(1.0)
-    calls = {
-        "cast_and_amax": (lambda: fp8_triton.cast_and_amax(hp, s, E4M3), 1),
-        "scaled_cast": (lambda: fp8_triton.delayed_cast(hp, s, s, 0, E4M3, transpose=True), 2),
-        "scaled_cast ": (lambda: fp8_triton.current_cast(hp, 0, E5M2), 2),
-    }
-    for name, (call, launches) in calls.items():
+    calls = [
+        (lambda: fp8_triton.cast_and_amax(hp, s, E4M3), 1),
+        (lambda: fp8_triton.delayed_cast(hp, s, s, 0, E4M3, transpose=True), 2),
+        (lambda: fp8_triton.delayed_cast(hp, s, s, 0, E4M3, transpose=True, filled=True), 1),
+        (lambda: fp8_triton.current_cast(hp, 0, E5M2, observe=(s, s)), 2),
+    ]
+    for call, launches in calls:
         launched.clear()
         with _CountOps() as mode:
             call()
-        assert mode.ops == [f"fp8fn.{name.strip()}.default"]
+        assert mode.ops == ["fp8fn.scaled_cast.default"]
         assert len(launched) == launches
 
 
@@ -351,7 +415,7 @@ def test_delayed_cast_compiles_without_graph_breaks():
     # into the graph); with CUDA they are triton_ops whose kernels Inductor sees. Either way the
     # graph must hold the op and give eager's bits.
     def f(hp, newest, stored):
-        fp8, scale, amax = fp8_triton.delayed_cast(hp, newest, stored, 0, E4M3)
+        fp8, scale, _, amax = fp8_triton.delayed_cast(hp, newest, stored, 0, E4M3)
         return fp8.float() / scale, amax
 
     hp = sample((16, 24), torch.bfloat16, seed=4)
@@ -362,14 +426,42 @@ def test_delayed_cast_compiles_without_graph_breaks():
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("gemm", ["emulated", "float8"])
+def test_triton_linear_compiles_to_eagers_bits(monkeypatch, gemm):
+    """`fp8fn.linear` with backend="triton", forward and backward compiled in one graph
+    (fullgraph), over 2 steps (empty histories, then stored scales): the input and weight
+    gradients and the observations are eager's, bit for bit."""
+    if gemm == "float8":
+        _float8_gemms(monkeypatch)
+    recipe = fp8fn.DelayedScaling(backend="triton")
+    gen = torch.Generator().manual_seed(0)
+    x, w, b = (torch.randn(s, generator=gen) for s in ((32, 48), (16, 48), (16,)))
+
+    def loss(x, w, state):
+        return fp8fn.linear(x, w, b, state["fc"], recipe).square().sum()
+
+    torch._dynamo.reset()
+    runs = []
+    for f in (loss, torch.compile(loss, fullgraph=True)):
+        state, steps = fp8fn.observe(fp8fn.init_state(recipe, ["fc"])), []
+        for _ in range(2):
+            leaves = [t.clone().requires_grad_() for t in (x, w)]
+            f(*leaves, state).backward()
+            obs = fp8fn.observations(state)
+            steps.append([leaves[0].grad, leaves[1].grad, obs.amax_history])
+            state = fp8fn.observe(fp8fn.update(state, obs))
+        runs.append(steps)
+    assert_bit_identical(*runs)
+
+
 def test_ops_pass_opcheck():
     hp, s = sample((16, 24), torch.float16, seed=5).clamp(-6e4, 6e4), scalar(2.0)  # no inf:
     fp8_triton.current_cast(hp, 0, E4M3)  # registers the ops           (opcheck finds NaN != NaN)
-    torch.library.opcheck(torch.ops.fp8fn.cast_and_amax.default, (hp, s, E5M2, True))
-    torch.library.opcheck(
-        torch.ops.fp8fn.scaled_cast.default, (hp, scalar(0.0), s, 0.0, E4M3, False)
-    )
-    torch.library.opcheck(torch.ops.fp8fn.scaled_cast.default, (hp, None, None, 1.0, E5M2, True))
+    op = torch.ops.fp8fn.scaled_cast.default
+    torch.library.opcheck(op, (hp, None, s, 0.0, E5M2, True, True, None, None))
+    torch.library.opcheck(op, (hp, scalar(0.0), s, 0.0, E4M3, False, False, None, None))
+    torch.library.opcheck(op, (hp, None, None, 1.0, E5M2, True, False, s, s))
 
 
 class _FakeQuant(torch.autograd.Function):
@@ -377,8 +469,8 @@ class _FakeQuant(torch.autograd.Function):
 
     @staticmethod
     def forward(x, newest, stored):
-        fp8, scale, _ = fp8_triton.delayed_cast(x, newest, stored, 0, E4M3)
-        return fp8.float() / scale
+        fp8, scale, inverse, _ = fp8_triton.delayed_cast(x, newest, stored, 0, E4M3)
+        return fp8.float() * inverse
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -386,8 +478,8 @@ class _FakeQuant(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        fp8, fp8_t, scale, _ = fp8_triton.current_cast(grad, 0, E5M2, transpose=True)
-        return fp8_t.float().t() / scale, None, None
+        fp8, fp8_t, scale, inverse, _ = fp8_triton.current_cast(grad, 0, E5M2, transpose=True)
+        return fp8_t.float().t() * inverse, None, None
 
 
 def test_casts_work_in_an_autograd_function_under_torch_func_grad():
@@ -396,7 +488,8 @@ def test_casts_work_in_an_autograd_function_under_torch_func_grad():
     weight = sample((8, 16), torch.float32, seed=7)
     grad = torch.func.grad(lambda x: (_FakeQuant.apply(x, newest, stored) * weight).sum())(x)
     want_scale = fp8fn.compute_scale(ref_amax(weight), FP8_MAX[E5M2])
-    assert torch.equal(grad, cast_to_fp8(weight, want_scale, E5M2).float() / want_scale)
+    want = cast_to_fp8(weight, want_scale, E5M2).float() * want_scale.reciprocal()
+    assert torch.equal(grad, want)
 
 
 # the triton backend of the op ------------------------------------------------------------------
@@ -439,6 +532,38 @@ def test_triton_backend_is_bit_identical_to_emulated_over_steps(recipe_cls):
         assert all(torch.equal(grads_e[k], grads_t[k]) for k in grads_e)
 
 
+def test_triton_observation_under_nested_transforms_is_the_emulated_ones():
+    """The observation the output gradient's cast writes in the backward is made at the
+    backward's functorch level: `fp8fn.checkpoint` under `torch.func.grad` (a nested level),
+    grad of vmap over the batch (one amax) and vmap of grad (per example) give the emulated
+    backend's bits."""
+    runs = {}
+    for backend in ("emulated", "triton"):
+        recipe = fp8fn.DelayedScaling(backend=backend)
+        state = fp8fn.init_state(recipe, ["fc"])
+        gen = torch.Generator().manual_seed(0)
+        x, w = torch.randn(8, 16, generator=gen), torch.randn(12, 16, generator=gen)
+
+        def f(w, s, x):
+            return fp8fn.linear(x, w, None, s["fc"], recipe)
+
+        def rows(w, s):
+            return torch.vmap(lambda xx: f(w, s, xx))(x.view(2, 4, 16)).sum()
+
+        out = []
+        for _ in range(2):  # empty histories, then stored scales
+            grads = torch.func.grad(
+                lambda w, s: fp8fn.checkpoint(f, w, s, x).square().sum(), argnums=(0, 1)
+            )(w, state)
+            out += [grads, torch.func.grad(rows, argnums=(0, 1))(w, state)]
+            out.append(torch.vmap(lambda r: torch.func.grad(lambda w: f(w, state, r).sum())(w))(
+                x[:, None]
+            ))  # fmt: skip
+            state = fp8fn.update(state, grads[1])
+        runs[backend] = out
+    assert_bit_identical(runs["triton"], runs["emulated"])
+
+
 def test_triton_backend_casts_are_one_op_each():
     recipe = fp8fn.DelayedScaling(backend="triton")
     state = fp8fn.init_state(recipe, ["fc"])
@@ -458,12 +583,19 @@ def test_triton_backend_casts_are_one_op_each():
     assert not any("vector_norm" in c or "clamp" in c for c in casts)  # no torch-side cast
 
 
-def test_triton_casts_before_float8_gemms_hand_grad_weight_a_row_major_copy(monkeypatch):
-    """Where the GEMMs run on torch's float8 GEMM, the output gradient's Triton cast writes its
-    transpose in the same pass, for grad_weight: the same bits as the casts of "scaled_mm",
-    which transposes by a copy. (The CPU's reference GEMM stands in for CUDA's here.)"""
+def _float8_gemms(monkeypatch):
+    """Run the op's GEMMs on torch's float8 GEMM, as on a CUDA device of compute capability
+    >= 8.9 (CPU's reference kernel stands in for CUDA's; exact, slow, fine at these shapes)."""
     monkeypatch.setattr(fp8fn._ops.gemm, "scaled_mm_supported", lambda device: True)
     monkeypatch.setattr(fp8fn._ops.tensorwise, "scaled_mm_supported", lambda device: True)
+
+
+def test_triton_casts_before_float8_gemms_write_every_transposed_copy(monkeypatch):
+    """Where the GEMMs run on torch's float8 GEMM, each Triton cast also writes, in the same pass,
+    the transposed copy its backward GEMM wants row-major (x for grad_weight, the weight for
+    grad_input, the output gradient for grad_weight): no GEMM copies an operand, with the same
+    bits as "scaled_mm", whose GEMMs transpose by a copy."""
+    _float8_gemms(monkeypatch)
     transposes = []
     real = fp8_triton.delayed_cast
 
@@ -472,14 +604,113 @@ def test_triton_casts_before_float8_gemms_hand_grad_weight_a_row_major_copy(monk
         return real(*args, **kwargs)
 
     monkeypatch.setattr(fp8fn._kernels.cast, "delayed_cast", spy)
-    runs = {}
+    runs, copies = {}, {}
     for backend in ("scaled_mm", "triton"):
         recipe = fp8fn.DelayedScaling(backend=backend)
         state = fp8fn.init_state(recipe, ["fc"])
-        gen = torch.Generator().manual_seed(2)
-        x, w, b = (torch.randn(s, generator=gen) for s in ((24, 40), (20, 40), (20,)))
+        gen = torch.Generator().manual_seed(2)  # dims of 16s: the float8 GEMM pads nothing
+        x, w, b = (torch.randn(s, generator=gen) for s in ((32, 48), (16, 48), (16,)))
         loss = lambda x, w, b, s: fp8fn.linear(x, w, b, s["fc"], recipe).square().sum()  # noqa: E731
         state = fp8fn.update(state, torch.func.grad(loss, argnums=3)(x, w, b, state))
-        runs[backend] = torch.func.grad(loss, argnums=(0, 1, 2, 3))(x, w, b, state)
-    assert transposes.count(True) == 2  # the output gradient's cast, in both steps' backward
+        with _CountOps() as mode:
+            runs[backend] = torch.func.grad(loss, argnums=(0, 1, 2, 3))(x, w, b, state)
+        copies[backend] = mode.ops.count("aten.clone.default")
+    assert transposes == [True] * 6  # x, weight, grad_output, in both steps
+    assert copies == {"scaled_mm": 3, "triton": 0}  # "scaled_mm" copies x, W and the gradient
     assert_bit_identical(runs["triton"], runs["scaled_mm"])
+
+
+@pytest.mark.parametrize("gemm", ["emulated", "float8"])
+def test_triton_backend_on_a_transform_is_one_pass_per_tensor_at_steady_state(monkeypatch, gemm):
+    """`fn.apply` knows which histories are filled (`State.filled`): from step 2 each of a
+    site's three casts is one kernel launch (the stored scale; no second pass). Bit for bit the
+    emulated (or "scaled_mm") backend's outputs, gradients and observations over 3 steps."""
+    import fp8fn._kernels.triton_jit as kernels
+
+    if gemm == "float8":
+        _float8_gemms(monkeypatch)
+    launches = []
+    real = kernels.wrap_triton
+    monkeypatch.setattr(kernels, "wrap_triton", lambda k: launches.append(k) or real(k))
+    runs = {}
+    for backend in ("emulated" if gemm == "emulated" else "scaled_mm", "triton"):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(24, 16), torch.nn.GELU(), torch.nn.Linear(16, 8)
+        )
+        fn = fp8fn.transform(model, fp8fn.DelayedScaling(backend=backend))
+        gen = torch.Generator().manual_seed(3)
+        xs = [torch.randn(12, 24, generator=gen) * (1 + step) for step in range(3)]
+        params = {k: v.detach() for k, v in model.named_parameters()}
+        state, steps = fn.init(xs[0]), []
+        for x in xs:
+            launches.clear()
+            grads, obs = torch.func.grad(
+                lambda p, s: fn.apply(p, s, x).square().sum(), argnums=(0, 1)
+            )(params, state)
+            steps.append((grads, obs, len(launches)))
+            state = fp8fn.update(state, obs)
+        runs[backend] = steps
+    *_, triton = runs.values()
+    assert [launches for *_, launches in triton] == [12, 6, 6]  # 2 sites x 3 casts x (2, 1, 1)
+    for (grads_a, obs_a, _), (grads_b, obs_b, _) in zip(*runs.values()):
+        assert_bit_identical((grads_a, obs_a), (grads_b, obs_b))
+
+
+def _non_view_ops(ops) -> collections.Counter:
+    """The ops of `_CountOps.funcs` that are not views, by name (torch's float8 GEMM, whatever its
+    overload's name, as "scaled_mm")."""
+    names = [str(f.overloadpacket) for f in ops if not f.is_view]
+    return collections.Counter("scaled_mm" if "scaled_mm" in n else n for n in names)
+
+
+def _ops_per_linear(route: str) -> tuple[collections.Counter, collections.Counter]:
+    """Non-view ops of one linear forward and backward, as `benchmarks/overhead.py` counts ops
+    per linear: a middle layer `(64, 64)` (x, weight and bias require grad), step 2 (the stored
+    scales in use), on plain autograd (`observe`, `backward`) or torch.func (`vjp`)."""
+    recipe = fp8fn.DelayedScaling(backend="triton")
+    gen = torch.Generator().manual_seed(0)
+    x, w, b, g = (torch.randn(s, generator=gen) for s in ((64, 64), (64, 64), (64,), (64, 64)))
+    state = fp8fn.observe(fp8fn.init_state(recipe, ["fc"]))
+    leaves = [t.clone().requires_grad_() for t in (x, w, b)]
+    fp8fn.linear(*leaves, state["fc"], recipe).backward(g)
+    state = fp8fn.update(state, fp8fn.observations(state))
+    x, w, b = (t.requires_grad_() for t in (x, w, b))
+    if route == "autograd":
+        state = fp8fn.observe(state)
+        with _CountOps() as fwd:
+            out = fp8fn.linear(x, w, b, state["fc"], recipe)
+        with _CountOps() as bwd:
+            out.backward(g)
+        observed = fp8fn.observations(state)
+    else:
+        x, w, b = x.detach(), w.detach(), b.detach()
+        f = lambda x, w, b, s: fp8fn.linear(x, w, b, s["fc"], recipe)  # noqa: E731
+        with _CountOps() as fwd:
+            _, vjp = torch.func.vjp(f, x, w, b, state)
+        with _CountOps() as bwd:
+            *_, observed = vjp(g)
+    want = torch.stack([ref_amax(x), ref_amax(w), ref_amax(g)])
+    assert torch.equal(observed["fc"].amax_history[:, 0], want)
+    return _non_view_ops(fwd.funcs), _non_view_ops(bwd.funcs)
+
+
+@pytest.mark.parametrize("route", ["autograd", "func"])
+@pytest.mark.parametrize("gemm", ["float8", "emulated"])
+def test_ops_per_linear_on_the_triton_path(monkeypatch, gemm, route):
+    """Pinned: the non-view ops of one linear forward + backward with backend="triton" (0.4
+    before the fused observation, reciprocals and transposed copies: 16 and 17 with float8
+    GEMMs; 26 and 27 emulated). With torch's float8 GEMM (a GPU's path): 3 casts, 3 GEMMs, the
+    bias add and its gradient, and outside the op the state rows' `select_backward`s (and
+    torch.func's `zeros_like`). No reciprocal, stack, copy or clone."""
+    if gemm == "float8":
+        _float8_gemms(monkeypatch)
+    fwd, bwd = _ops_per_linear(route)
+    float8 = gemm == "float8"
+    gemms = {"scaled_mm": 1} if float8 else {"aten.mm": 1, "aten._to_copy": 2, "aten.mul": 2}
+    assert fwd == {"fp8fn.scaled_cast": 2, "aten.add": 1, **gemms}
+    gemms = {k: 2 * v for k, v in gemms.items()}
+    outside = {"aten.select_backward": 2, **({"aten.zeros_like": 1} if route == "func" else {})}
+    assert bwd == {"fp8fn.scaled_cast": 1, "aten.sum": 1, **outside, **gemms}
+    total = fwd.total() + bwd.total()
+    assert total == {"float8": 10, "emulated": 22}[gemm] + (route == "func")

@@ -8,7 +8,7 @@ import traceback
 
 import torch
 
-from .._torch_private import traced_functorch_level
+from .._torch_private import refuse_fullgraph_trace, traced_functorch_level
 
 HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -37,19 +37,21 @@ def refuse_compile_under_func(api: str) -> None:
     """Refuse to let dynamo trace an fp8fn op inside a torch.func transform.
 
     There it would drop the custom backward (pytorch#193279). Outside transforms the level is
-    None and this check leaves nothing in the graph. Inside one dynamo traces the `raise`: with
-    `fullgraph=True` it fails with `Unsupported: Observed exception`, caused by this error
-    (which names the fix); otherwise it breaks the graph and the frame runs eagerly, which is
-    correct.
+    None and this check leaves nothing in the graph. Inside one, with `fullgraph=True`, the
+    error is raised at trace time, past dynamo (`refuse_fullgraph_trace`: the user sees this
+    `RuntimeError`, not dynamo's `Unsupported`); without it dynamo traces the `raise`, breaks
+    the graph and runs the frame eagerly, which is correct.
     """
     if torch.compiler.is_compiling() and traced_functorch_level() is not None:
-        raise RuntimeError(
+        message = (
             f"fp8fn.{api}: torch.compile cannot trace fp8fn.linear inside a torch.func "
             "transform (grad, vjp, vmap): it would drop fp8fn's backward and return wrong "
             "gradients and observations (pytorch#193279). Use fp8fn.value_and_grad, or compile "
             "with plain autograd (loss.backward() or torch.autograd.grad), or leave fullgraph "
             "off so that this part runs eagerly."
         )
+        refuse_fullgraph_trace(message)
+        raise RuntimeError(message)
 
 
 def check_operands(api: str, x, weight, bias) -> None:

@@ -1,8 +1,10 @@
-"""The Triton kernels of `_triton.py`, their launchers and the ops that wrap them (imported by
-it on first use only).
+"""The Triton kernels of `cast.py`, their launcher and the op that wraps them (imported by it on
+first use only).
 
 Importing this module imports Triton and defines the kernels, so `TRITON_INTERPRET=1` must be set
-before. The numerics are described in `_triton.py`; shapes and dtypes are given on each function.
+before. The numerics are described in `cast.py`; shapes and dtypes are given on each function.
+The kernels have run under the interpreter only (CPU, bit for bit against torch): their GPU
+compilation (and the `triton_op` route under torch.compile) is untested.
 """
 
 from __future__ import annotations
@@ -104,15 +106,32 @@ def store_fp8(
 
 
 @triton.jit
+def write_scale(scale, scale_out_ptr, inv_out_ptr):
+    """Program (0, 0) stores `scale` and its reciprocal (float32 scalars) to the float32 `()`
+    outputs. The reciprocal is taken in float64 and rounded once to float32: the correctly rounded
+    float32 `1 / scale`, as `torch.reciprocal` (float64 has more than 2 * 24 + 2 bits, so the
+    double rounding is innocuous; Triton's float32 `/` may be approximate on a GPU)."""
+    first = (tl.program_id(0) == 0) & (tl.program_id(1) == 0)
+    tl.store(scale_out_ptr, scale, mask=first)
+    tl.store(inv_out_ptr, (1.0 / scale.to(tl.float64)).to(tl.float32), mask=first)
+
+
+@triton.jit
 def cast_amax_kernel(
     hp_ptr,
     out_ptr,
     out_t_ptr,
     scale_ptr,
     amax_ptr,
+    scale_out_ptr,
+    inv_out_ptr,
+    input_amax_ptr,
+    weight_amax_ptr,
     n_rows,
     n_cols,
     CAST: tl.constexpr,
+    FINAL: tl.constexpr,
+    OBSERVE: tl.constexpr,
     TRANSPOSE: tl.constexpr,
     MAX_BITS: tl.constexpr,
     BIAS: tl.constexpr,
@@ -123,18 +142,32 @@ def cast_amax_kernel(
 
     `hp_ptr`: float32, bfloat16 or float16, `n_rows` elements (`n_cols` 1), or `(n_rows, n_cols)`
     row-major when TRANSPOSE. `out_ptr`: float8 of hp's shape; `out_t_ptr`: float8
-    `(n_cols, n_rows)`, written when TRANSPOSE. `scale_ptr`: float32 `()`. `amax_ptr`: float32 `()`,
-    zero on entry; each program max-es its block's amax into it (an integer atomic).
+    `(n_cols, n_rows)`, written when TRANSPOSE. `scale_ptr`: float32 `()`. `amax_ptr`: float32
+    `()`, or `(3,)` when OBSERVE, zero on entry; each program max-es its block's amax into its
+    last entry (an integer atomic). When OBSERVE, program (0, 0) also copies the float32 `()`
+    amaxes at `input_amax_ptr` and `weight_amax_ptr` (bit for bit) into entries 0 and 1: the
+    linear's observation `[input, weight, grad_output]`. When FINAL (the cast's scale is known to
+    be the stored one: a single pass), program (0, 0) writes that scale and its reciprocal to
+    the float32 `()` `scale_out_ptr` and `inv_out_ptr`.
     """
     offs, mask = tile(n_rows, n_cols, TRANSPOSE, BLOCK)
     x = tl.load(hp_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     # |x| as int32 bits orders like the float, NaN above inf: one integer atomic max
     magnitude = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
     amax_bits = amax_ptr.to(tl.pointer_type(tl.int32))
+    if OBSERVE:
+        first = (tl.program_id(0) == 0) & (tl.program_id(1) == 0)
+        prior = tl.pointer_type(tl.int32)
+        tl.store(amax_bits, tl.load(input_amax_ptr.to(prior)), mask=first)
+        tl.store(amax_bits + 1, tl.load(weight_amax_ptr.to(prior)), mask=first)
+        amax_bits += 2
     tl.atomic_max(amax_bits, tl.max(magnitude, axis=None), sem="relaxed")
     if CAST:
-        q = saturate_to_fp8(x * tl.load(scale_ptr), MAX_BITS, BIAS, MBITS)
+        scale = tl.load(scale_ptr)
+        q = saturate_to_fp8(x * scale, MAX_BITS, BIAS, MBITS)
         store_fp8(out_ptr, out_t_ptr, q, offs, mask, n_rows, n_cols, TRANSPOSE, BLOCK)
+        if FINAL:
+            write_scale(scale, scale_out_ptr, inv_out_ptr)
 
 
 @triton.jit
@@ -146,10 +179,12 @@ def cast_from_amax_kernel(
     newest_ptr,
     stored_ptr,
     scale_out_ptr,
+    inv_out_ptr,
     margin,
     n_rows,
     n_cols,
     DELAYED: tl.constexpr,
+    OBSERVE: tl.constexpr,
     TRANSPOSE: tl.constexpr,
     FP8_MAX: tl.constexpr,
     MAX_BITS: tl.constexpr,
@@ -157,20 +192,20 @@ def cast_from_amax_kernel(
     MBITS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """Pass 2: the scale from pass 1's amax, written to `scale_out_ptr`, and the cast with it.
+    """Pass 2: the scale from pass 1's amax, written with its reciprocal, and the cast with it.
 
-    `hp_ptr`, `out_ptr`, `out_t_ptr`, `n_rows`, `n_cols` as for pass 1. The scale is
-    `compute_scale(amax, FP8_MAX, margin)`, or when DELAYED and the newest history entry is > 0,
-    the stored scale, which pass 1 already cast with: then every program returns at once.
-    `amax_ptr`, `newest_ptr`, `stored_ptr`, `scale_out_ptr`: float32 `()`; `margin` a float
-    holding the recipe's integer margin.
+    `hp_ptr`, `out_ptr`, `out_t_ptr`, `amax_ptr`, `OBSERVE`, `n_rows`, `n_cols` as for pass 1.
+    The scale is `compute_scale(amax, FP8_MAX, margin)`, or when DELAYED and the newest history
+    entry is > 0, the stored scale, which pass 1 already cast with: then every program returns
+    once (0, 0) has written it. `newest_ptr`, `stored_ptr`, `scale_out_ptr`, `inv_out_ptr`:
+    float32 `()`; `margin` a float holding the recipe's integer margin.
     """
-    scale = scale_from_amax(tl.load(amax_ptr), margin, FP8_MAX)
+    amax = tl.load(amax_ptr + 2) if OBSERVE else tl.load(amax_ptr)
+    scale = scale_from_amax(amax, margin, FP8_MAX)
     if DELAYED:
         use_stored = tl.load(newest_ptr) > 0
         scale = tl.where(use_stored, tl.load(stored_ptr), scale)
-    first = (tl.program_id(0) == 0) & (tl.program_id(1) == 0)
-    tl.store(scale_out_ptr, scale, mask=first)
+    write_scale(scale, scale_out_ptr, inv_out_ptr)
     if DELAYED:
         if use_stored:  # pass 1 already cast with the stored scale
             return
@@ -190,40 +225,27 @@ def _format(dtype: torch.dtype) -> dict:
     return {"MAX_BITS": max_bits, "BIAS": bias, "MBITS": mbits}
 
 
-def _allocate(hp: torch.Tensor, dtype: torch.dtype, transpose: bool):
-    """`(fp8, fp8_t, amax, (grid, n_rows, n_cols, BLOCK, num_warps))`: the outputs and the
-    launch geometry. `amax` is float32 `()` zero; `fp8_t` is `fp8` itself (never written, only
-    a placeholder argument) unless `transpose`."""
-    fp8 = torch.empty(hp.shape, dtype=dtype, device=hp.device)
-    amax = torch.zeros((), dtype=torch.float32, device=hp.device)
+def _allocate(hp: torch.Tensor, dtype: torch.dtype, transpose: bool, observe: bool):
+    """`(outputs, fp8_t, amax, geometry)`: the op's outputs `[fp8, (fp8_t,) scale, inverse,
+    amax]`, the kernels' `fp8_t` argument (`fp8` itself, never written, unless `transpose`), the
+    amax zeroed (float32 `()`, or `(3,)` when `observe`), and the launch geometry `(grid, n_rows,
+    n_cols, BLOCK, num_warps)`."""
+    device = hp.device
+    fp8 = torch.empty(hp.shape, dtype=dtype, device=device)
+    scale, inverse = (torch.empty((), dtype=torch.float32, device=device) for _ in range(2))
+    amax = torch.zeros((3,) if observe else (), dtype=torch.float32, device=device)
     if transpose:
         n_rows, n_cols = hp.shape
-        fp8_t = torch.empty((n_cols, n_rows), dtype=dtype, device=hp.device)
+        fp8_t = torch.empty((n_cols, n_rows), dtype=dtype, device=device)
         grid = (max(1, triton.cdiv(n_rows, _TILE)), max(1, triton.cdiv(n_cols, _TILE)))
-        return fp8, fp8_t, amax, (grid, n_rows, n_cols, _TILE, _TILE_WARPS)
+        return [fp8, fp8_t, scale, inverse, amax], fp8_t, (grid, n_rows, n_cols, _TILE, _TILE_WARPS)
     grid = (max(1, triton.cdiv(hp.numel(), _BLOCK)),)
-    return fp8, fp8, amax, (grid, hp.numel(), 1, _BLOCK, _WARPS)
+    return [fp8, scale, inverse, amax], fp8, (grid, hp.numel(), 1, _BLOCK, _WARPS)
 
 
 def _shapes_only(hp: torch.Tensor) -> bool:
     """True when tracing with fake tensors that an interpreted kernel cannot be launched on."""
     return INTERPRETED and torch._subclasses.fake_tensor.is_fake(hp)
-
-
-def cast_and_amax(
-    hp: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, transpose: bool
-) -> list[torch.Tensor]:
-    """The op `fp8fn::cast_and_amax`: `[fp8, (fp8_t,) amax]`, see `_triton.cast_and_amax`."""
-    hp = hp.contiguous()
-    fp8, fp8_t, amax, (grid, n_rows, n_cols, block, warps) = _allocate(hp, dtype, transpose)
-    out = [fp8, fp8_t, amax] if transpose else [fp8, amax]
-    if _shapes_only(hp):
-        return out
-    wrap_triton(cast_amax_kernel)[grid](
-        hp, fp8, fp8_t, scale, amax, n_rows, n_cols, CAST=True, TRANSPOSE=transpose,
-        BLOCK=block, num_warps=warps, **_format(dtype),
-    )  # fmt: skip
-    return out
 
 
 def scaled_cast(
@@ -233,29 +255,40 @@ def scaled_cast(
     margin: float,
     dtype: torch.dtype,
     transpose: bool,
+    filled: bool,
+    input_amax: torch.Tensor | None,
+    weight_amax: torch.Tensor | None,
 ) -> list[torch.Tensor]:
-    """The op `fp8fn::scaled_cast`: `[fp8, (fp8_t,) scale, amax]`.
+    """The op `fp8fn::scaled_cast`: `[fp8, (fp8_t,) scale, inverse, amax]` (see `cast.py`).
 
-    Delayed scaling when `newest` and `stored` are given (see `_triton.delayed_cast`), current
-    scaling when both are None (`_triton.current_cast`); `margin` the recipe's, as a float.
+    Current scaling when `stored` is None (2 launches: amax, then the cast). Delayed scaling
+    otherwise: with `filled` (the history is known non-empty) the stored scale in one launch;
+    else `newest` decides on the device between the stored scale and current scaling (2
+    launches; the second returns at once when the stored scale was right). `margin`: the recipe's,
+    as a float. With `input_amax` and `weight_amax` (float32 `()`), `amax` is the linear's
+    observation `[input_amax, weight_amax, amax of hp]`, float32 `(3,)`.
     """
     hp = hp.contiguous()
-    fp8, fp8_t, amax, (grid, n_rows, n_cols, block, warps) = _allocate(hp, dtype, transpose)
-    scale = torch.empty((), dtype=torch.float32, device=hp.device)
-    out = [fp8, fp8_t, scale, amax] if transpose else [fp8, scale, amax]
+    observe = input_amax is not None
+    out, fp8_t, (grid, n_rows, n_cols, block, warps) = _allocate(hp, dtype, transpose, observe)
     if _shapes_only(hp):
         return out
-    delayed = stored is not None
+    fp8, scale, inverse, amax = out[0], out[-3], out[-2], out[-1]
+    delayed, single = stored is not None, stored is not None and filled
     geometry = {"TRANSPOSE": transpose, "BLOCK": block, "num_warps": warps, **_format(dtype)}
     # pass 1: the amax, and under delayed scaling the cast with the stored scale
     wrap_triton(cast_amax_kernel)[grid](
-        hp, fp8, fp8_t, stored if delayed else amax, amax, n_rows, n_cols, CAST=delayed,
-        **geometry,
+        hp, fp8, fp8_t, stored if delayed else amax, amax, scale, inverse,
+        input_amax if observe else amax, weight_amax if observe else amax, n_rows, n_cols,
+        CAST=delayed, FINAL=single, OBSERVE=observe, **geometry,
     )  # fmt: skip
+    if single:
+        return out
     # pass 2: the scale from the amax (or the stored one), written out; the cast unless done
     wrap_triton(cast_from_amax_kernel)[grid](
         hp, fp8, fp8_t, amax, newest if delayed else amax, stored if delayed else amax, scale,
-        margin, n_rows, n_cols, DELAYED=delayed, FP8_MAX=FP8_MAX[dtype], **geometry,
+        inverse, margin, n_rows, n_cols, DELAYED=delayed, OBSERVE=observe,
+        FP8_MAX=FP8_MAX[dtype], **geometry,
     )  # fmt: skip
     return out
 
@@ -276,13 +309,14 @@ def register_ops() -> bool:
     global _OPS_REGISTERED
     if _OPS_REGISTERED:
         return INTERPRETED
-    for name, fn in (("cast_and_amax", cast_and_amax), ("scaled_cast", scaled_cast)):
-        if INTERPRETED:
-            torch.library.custom_op(f"fp8fn::{name}", fn, mutates_args=()).register_fake(fn)
-        else:
-            torch.library.triton_op(f"fp8fn::{name}", fn, mutates_args=())
-        op = getattr(torch.ops.fp8fn, name).default  # under vmap: one call per member
-        torch.library.register_vmap(f"fp8fn::{name}", functools.partial(_per_member, op))
+    if INTERPRETED:
+        torch.library.custom_op("fp8fn::scaled_cast", scaled_cast, mutates_args=()).register_fake(
+            scaled_cast
+        )
+    else:
+        torch.library.triton_op("fp8fn::scaled_cast", scaled_cast, mutates_args=())
+    op = torch.ops.fp8fn.scaled_cast.default  # under vmap: one call per member
+    torch.library.register_vmap("fp8fn::scaled_cast", functools.partial(_per_member, op))
     _OPS_REGISTERED = True
     return INTERPRETED
 

@@ -7,9 +7,17 @@ An expert that received no token observes 0 for its input and its grad_output (0
 observed: `update` keeps those histories); its weight is observed as usual.
 
 Backends: on CPU the GEMMs are emulated, one float32 matmul of the widened float8 operands per
-group (`fp8_mm`), which reads the group offsets on the host. On CUDA each group goes through
-`fp8_mm`'s `torch._scaled_mm` path; a single `torch._scaled_grouped_mm` call is not wired in,
-and the CUDA path is untested here (no GPU in this project's test runs).
+group (`fp8_mm`), which reads the group offsets on the host. On CUDA (`backend="scaled_mm"`)
+the forward is one `torch._scaled_grouped_mm` call where the torch in use has it, the output is
+bfloat16 and K, N are multiples of 16 (per-expert scales given as its row and column scales);
+the backward's GEMMs, and the forward otherwise, go per group through `fp8_mm`'s
+`torch._scaled_mm` (`_scaled_grouped_mm` takes e4m3 operands only, and the output gradient is
+e5m2). **The CUDA path is untested** (no GPU in this project's test runs; on CPU
+`torch._scaled_grouped_mm` has no kernel in torch 2.13, so not even its argument conventions are
+checked here).
+
+The stateless recipes (rowwise, blockwise, MXFP8 per group; NVFP4 per expert) live in
+`grouped_block_scaled`; `grouped_mm` dispatches on the recipe.
 """
 
 from __future__ import annotations
@@ -17,9 +25,13 @@ from __future__ import annotations
 import torch
 
 from .._core.checks import no_autocast
+from .._core.recipes import NVFP4Scaling
 from .._numerics.fp8 import E4M3, E5M2, cast_to_fp8
+from .block_scaled import FINER, check_finer
 from .first_order import first_order_only
-from .gemm import fp8_mm
+from .gemm import fp8_mm, resolve_backend
+from .grouped_block_scaled import bounds, finer_grouped_mm, nvfp4_grouped_mm
+from .nvfp4 import check_random
 from .tensorwise import _scales
 
 
@@ -40,10 +52,23 @@ def _group_amax(hp: torch.Tensor, ids: torch.Tensor, experts: int) -> torch.Tens
     return torch.where(nan, float("nan"), out)[:experts]
 
 
-def _bounds(offs: torch.Tensor) -> list[tuple[int, int]]:
-    """The `(start, end)` rows of each group (a host read of `offs`)."""
-    ends = offs.tolist()
-    return list(zip([0] + ends[:-1], ends))
+def _one_scaled_grouped_mm(x, weight, backend: str) -> bool:
+    """Whether the forward runs as one `torch._scaled_grouped_mm` (see the module docstring)."""
+    return (backend == "scaled_mm" and x.is_cuda and hasattr(torch, "_scaled_grouped_mm")
+            and x.dtype == torch.bfloat16 and x.shape[1] % 16 == 0 and weight.shape[1] % 16 == 0)
+
+
+def _scaled_grouped_forward(x_fp8, w_fp8, x_inv, w_inv, ids, offs):
+    """`torch._scaled_grouped_mm` of x_fp8 `(T, K)` and w_fp8 `(E, N, K)` (e4m3), with the
+    per-expert inverse scales as row scales of x (float32 `(T,)`) and column scales of each
+    expert's `(K, N)` operand (float32 `(E, N)`); bfloat16 `(T, N)`, rows past the last group
+    0 (the kernel leaves them unwritten). Untested: no GPU here."""
+    experts, n = w_fp8.shape[0], w_fp8.shape[1]
+    row_inv = torch.cat([x_inv, x_inv.new_ones(1)])[ids]
+    col_inv = w_inv[:, None].expand(experts, n).contiguous()
+    out = torch._scaled_grouped_mm(x_fp8, w_fp8.transpose(-2, -1), row_inv, col_inv, offs=offs,
+                                   out_dtype=torch.bfloat16)
+    return torch.where((ids < experts)[:, None], out, 0.0)
 
 
 class _Fp8GroupedMM(torch.autograd.Function):
@@ -71,8 +96,11 @@ class _Fp8GroupedMM(torch.autograd.Function):
         x_fp8 = cast_to_fp8(x, x_rows[:, None], E4M3)
         w_fp8 = cast_to_fp8(weight, w_scale[:, None, None], E4M3)
         x_inv, w_inv = x_scale.reciprocal(), w_scale.reciprocal()
+        if _one_scaled_grouped_mm(x, weight, backend):
+            out = _scaled_grouped_forward(x_fp8, w_fp8, x_inv, w_inv, ids, offs)
+            return out, x_amax, x_fp8, w_fp8, x_inv, w_inv, w_amax
         out = x.new_zeros(x.shape[0], weight.shape[1])
-        for e, (s, t) in enumerate(_bounds(offs)):
+        for e, (s, t) in enumerate(bounds(offs)):
             if t > s:
                 out[s:t] = fp8_mm(x_fp8[s:t], w_fp8[e], x_inv[e], w_inv[e], x.dtype, backend)
         return out, x_amax, x_fp8, w_fp8, x_inv, w_inv, w_amax
@@ -106,7 +134,7 @@ class _Fp8GroupedMM(torch.autograd.Function):
                                        device=grad_out.device)
             if needs[1]:
                 grads[1] = torch.zeros(w_fp8.shape, dtype=w_dtype, device=grad_out.device)
-            for e, (s, t) in enumerate(_bounds(offs)):
+            for e, (s, t) in enumerate(bounds(offs)):
                 if t == s:
                     continue
                 if needs[0]:
@@ -121,20 +149,34 @@ class _Fp8GroupedMM(torch.autograd.Function):
 
 
 def grouped_mm(x, weight, offs, newest=None, stored=None, margin: int = 0,
-               backend: str = "emulated"):
+               backend: str = "emulated", recipe=None, random=None):
     """Float8 grouped GEMM: `(T, N)` of x's dtype, rows `offs[e-1]:offs[e]` of `x @ weight[e].T`.
 
     Args:
       x: `(T, K)` floating. weight: `(E, N, K)` (the layout of `F.linear` on `weight[e]`).
-      offs: int32 `(E,)` cumulative group ends. newest, stored: float32 `(E, 3)` state rows,
-        or None for current scaling. margin: int. backend: `"emulated"` or `"scaled_mm"`.
+      offs: int32 `(E,)` cumulative group ends.
+      newest, stored: float32 `(E, 3)` state rows, or None for current scaling (per-tensor
+        recipes only). margin: int. backend: `"emulated"` or `"scaled_mm"` (per-tensor
+        recipes; the others resolve theirs from `recipe`).
+      recipe: None, `DelayedScaling` or `CurrentScaling` (per expert, tensorwise: `newest`,
+        `stored`, `margin` and `backend` decide), or `RowwiseScaling`, `BlockwiseScaling`,
+        `MXScaling` (per group), `NVFP4Scaling` (per expert).
+      random: NVFP4 only: `(key, site)` as `fp8fn.linear`'s `site_state` (expert `e` draws
+        with the key folded with `e`), or None for a recipe without randomness.
 
     Returns:
       `(T, N)` tensor of `x`'s dtype (the autocast dtype under autocast: `x` is cast to it
-      first and the op itself is not re-autocast, as `fp8fn.linear`).
+      first and the op itself is not re-autocast, as `fp8fn.linear`). Rows past `offs[-1]` are
+      0 and get no gradient.
     """
     device = x.device.type
     if torch.is_autocast_enabled(device):
         x = x.to(torch.get_autocast_dtype(device))
     with no_autocast(x):
+        if isinstance(recipe, FINER):
+            check_finer(x, weight, recipe)
+            return finer_grouped_mm(x, weight, offs, recipe, resolve_backend(recipe, x.device))
+        if isinstance(recipe, NVFP4Scaling):
+            check_random("apply", random, recipe, x.device)
+            return nvfp4_grouped_mm(x, weight, offs, recipe, random)
         return _Fp8GroupedMM.apply(x, weight, offs, newest, stored, margin, backend)[0]

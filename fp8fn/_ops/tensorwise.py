@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from .._core.checks import no_autocast
-from .._kernels.cast import TritonCast
+from .._kernels.cast import backward_cast, forward_cast
 from .._numerics.fp8 import E4M3, E5M2, amax, cast_to_fp8, scale_from_amax
 from .._torch_private import tracked_below
 from .first_order import first_order_only
@@ -89,35 +89,36 @@ def _scales(amaxes, newest, stored, margin: int, fp8_max: float):
     """The scales the casts use, float32 of `amaxes`'s shape: `stored` where the history is
     non-empty (`newest > 0`), else current scaling from `amaxes`; current scaling when
     stateless (`newest` None). (A role whose history is known filled, `State.filled`, casts
-    with `stored` alone and never comes here: see `_cast_then_amax`.)"""
+    with `stored` alone and never comes here: its amax is taken by `_after_gemm`.)"""
     current = scale_from_amax(amaxes, fp8_max, margin)
     return current if newest is None else torch.where(newest > 0, stored, current)
 
 
 def _cast_operands(x, weight, newest, stored, margin: int, backend: str, place: Local, filled=None):
-    """The forward's casts: `(x_fp8, w_fp8, x_inv, w_inv, x_amax, w_amax)`, e4m3 copies of
-    `x` and `weight` (the local operands), the float32 `()` reciprocals of the scales used (the
-    GEMMs' dequantization scales) and the observed (local) amaxes. A weight that comes cast
+    """The forward's casts: `(x_fp8, w_fp8, x_inv, w_inv, x_amax, w_amax, x_keep, w_keep)`, e4m3
+    copies of `x` and `weight` (the local operands) for the forward GEMM, the float32 `()`
+    reciprocals of the scales used, the observed (local) amaxes, and the e4m3 `(m, k)`, `(n, k)`
+    copies the backward keeps: `x_fp8`, `w_fp8`, or from the Triton casts before float8 GEMMs,
+    transposes of the row-major transposed copies those casts wrote. A weight that comes cast
     (`place.float8_weight`: FSDP2's float8 all-gather) is used as it is: its bytes, scale and
-    amax. An amax is None where the cast took a stored scale (`filled`): the caller takes it
-    after the GEMM (`_after_gemm`)."""
+    amax. Without Triton, an amax is None where the cast took a stored scale (`filled`): the
+    caller takes it after the GEMM (`_after_gemm`)."""
     cast = place.float8_weight(weight)
     if cast is not None:
-        x_fp8, x_scale, x_amax = _cast_input(x, newest, stored, margin, backend, filled)
+        x_fp8, x_inv, x_amax, x_keep = _cast_input(x, newest, stored, margin, backend, filled)
         w_fp8, w_scale, w_amax = cast
-        return x_fp8, w_fp8, x_scale.reciprocal(), w_scale.reciprocal(), x_amax, w_amax
-    if backend == "triton":  # one pass over each tensor at step >= 2
-        (xn, wn, _), (xs, ws, _) = (None,) * 3, (None,) * 3
-        if newest is not None:
-            (xn, wn, _), (xs, ws, _) = newest.unbind(), stored.unbind()
-        x_fp8, x_scale, x_amax = TritonCast.apply(x, xn, xs, margin, E4M3)
-        w_fp8, w_scale, w_amax = TritonCast.apply(weight, wn, ws, margin, E4M3)
-        return x_fp8, w_fp8, x_scale.reciprocal(), w_scale.reciprocal(), x_amax, w_amax
+        return x_fp8, w_fp8, x_inv, w_scale.reciprocal(), x_amax, w_amax, x_keep, w_fp8
+    if backend == "triton":  # one op per tensor; one pass over it at steady state
+        x_fp8, x_inv, x_amax, x_keep = _cast_input(x, newest, stored, margin, backend, filled)
+        wn, ws, known = _role(newest, stored, filled, 1)
+        rowmajor = scaled_mm_supported(x.device)
+        w_fp8, w_inv, w_amax, w_keep = forward_cast(weight, wn, ws, margin, known, rowmajor)
+        return x_fp8, w_fp8, x_inv, w_inv, x_amax, w_amax, x_keep, w_keep
     if filled is not None and filled[0] and filled[1]:  # the stored scales: one pass each
         x_scale, w_scale, _ = stored.unbind()
         x_fp8, w_fp8 = cast_to_fp8(x, x_scale, E4M3), cast_to_fp8(weight, w_scale, E4M3)
         x_inv, w_inv, _ = stored.reciprocal().unbind()  # one kernel for both
-        return x_fp8, w_fp8, x_inv, w_inv, None, None
+        return x_fp8, w_fp8, x_inv, w_inv, None, None, x_fp8, w_fp8
     # Three roles at once (the last entry stands in for grad_output): no slicing of rows. The
     # formats' max are literals (448.0, 57344.0): torch.compile(dynamic=True) turns float
     # globals into symbols, which broke two chained layers.
@@ -127,7 +128,7 @@ def _cast_operands(x, weight, newest, stored, margin: int, backend: str, place: 
     x_scale, w_scale, _ = scales.unbind()
     x_fp8, w_fp8 = cast_to_fp8(x, x_scale, E4M3), cast_to_fp8(weight, w_scale, E4M3)
     x_inv, w_inv, _ = scales.reciprocal().unbind()  # one kernel for both
-    return x_fp8, w_fp8, x_inv, w_inv, x_amax, w_amax
+    return x_fp8, w_fp8, x_inv, w_inv, x_amax, w_amax, x_fp8, w_fp8
 
 
 def _after_gemm(amax_or_none, hp, transposed: bool = False):
@@ -147,48 +148,67 @@ def _after_gemm(amax_or_none, hp, transposed: bool = False):
     return amax(hp)
 
 
+def _observation(x_amax, w_amax, g_amax):
+    """`[x_amax, w_amax, g_amax]`, float32 `(3,)`. Compiled, one pointwise kernel selects the
+    entries (a stack is a copy kernel per entry); eager, a stack (one kernel)."""
+    if torch.compiler.is_compiling():
+        role = torch.arange(3, device=g_amax.device)
+        return torch.where(role == 0, x_amax, torch.where(role == 1, w_amax, g_amax))
+    return torch.stack([x_amax, w_amax, g_amax])
+
+
+def _role(newest, stored, filled, role: int):
+    """`(newest, stored, filled)` of one role (0 input, 1 weight, 2 grad_output): float32 `()`
+    views, or None for current scaling; whether its history is known non-empty."""
+    known = filled is not None and filled[role]
+    return (None, None, known) if newest is None else (newest[role], stored[role], known)
+
+
 def _cast_input(x, newest, stored, margin: int, backend: str, filled=None):
-    """The forward's cast of `x` alone: `(x_fp8, x_scale, x_amax)`."""
-    xn = xs = None
-    if newest is not None:
-        xn, xs = newest[0], stored[0]
+    """The forward's cast of `x` alone: `(x_fp8, x_inv, x_amax, x_keep)`, as `_cast_operands`."""
+    xn, xs, known = _role(newest, stored, filled, 0)
     if backend == "triton":
-        return TritonCast.apply(x, xn, xs, margin, E4M3)
-    if filled is not None and filled[0]:
-        return cast_to_fp8(x, xs, E4M3), xs, None
+        return forward_cast(x, xn, xs, margin, known, scaled_mm_supported(x.device))
+    if known:
+        x_fp8 = cast_to_fp8(x, xs, E4M3)
+        return x_fp8, xs.reciprocal(), None, x_fp8
     x_amax = amax(x)
     x_scale = _scales(x_amax, xn, xs, margin, 448.0)
-    return cast_to_fp8(x, x_scale, E4M3), x_scale, x_amax
+    x_fp8 = cast_to_fp8(x, x_scale, E4M3)
+    return x_fp8, x_scale.reciprocal(), x_amax, x_fp8
 
 
-def _cast_grad_output(grad_out, newest, stored, ctx):
-    """The backward's e5m2 cast: `(g_fp8, g_fp8_t, g_scale, g_amax)`, `g_fp8_t` its `(n, m)`
+def _cast_grad_output(grad_out, newest, stored, ctx, observe):
+    """The backward's e5m2 cast: `(g_fp8, g_fp8_t, g_inv, observed)`, `g_fp8_t` its `(n, m)`
     transpose: a view, or with the Triton casts before a float8 GEMM, a row-major copy the
-    kernel writes in the same pass (the GEMM wants row-major operands). The scale of a role
-    split over ranks (`ctx.place.whole`) comes from the whole gradient's amax."""
-    if ctx.backend == "triton":
-        gn, gs = (None, None) if newest is None else (newest[2], stored[2])
-        if not scaled_mm_supported(grad_out.device):  # emulated matmuls take any layout
-            g_fp8, g_scale, g_amax = TritonCast.apply(grad_out, gn, gs, ctx.margin, E5M2)
-            return g_fp8, g_fp8.t(), g_scale, g_amax
-        return TritonCast.apply(grad_out, gn, gs, ctx.margin, E5M2, True)
-    if ctx.filled is not None and ctx.filled[2]:  # g_amax None: taken after the GEMMs
+    kernel writes in the same pass (the GEMM wants row-major operands); `observed` the float32
+    `(3,)` `[*observe, g_amax]`, or None without `observe` (the forward's two amaxes) or,
+    without Triton, where the cast took the stored scale (the caller makes it after the GEMMs:
+    `_after_gemm`). The scale of a role split over ranks (`ctx.place.whole`) comes from the
+    whole gradient's amax."""
+    if ctx.backend == "triton":  # one op: the amax, the cast, its transpose, the observation
+        gn, gs, known = _role(newest, stored, ctx.filled, 2)
+        # (emulated matmuls take any layout; torch's float8 GEMM wants row-major operands)
+        rowmajor = scaled_mm_supported(grad_out.device)
+        return backward_cast(grad_out, gn, gs, ctx.margin, known, rowmajor, observe)
+    if ctx.filled is not None and ctx.filled[2]:
         g_fp8 = cast_to_fp8(grad_out, stored[2], E5M2)
-        return g_fp8, g_fp8.t(), stored[2], None
+        return g_fp8, g_fp8.t(), stored[2].reciprocal(), None
     g_amax = amax(grad_out)
     g_scale = _scales(_whole(ctx.place, g_amax, (2,)), newest, stored, ctx.margin, 57344.0)
     g_scale = g_scale if newest is None else g_scale[..., 2]
     g_fp8 = cast_to_fp8(grad_out, g_scale, E5M2)
-    return g_fp8, g_fp8.t(), g_scale, g_amax
+    observed = None if observe is None else torch.stack([*observe, g_amax])
+    return g_fp8, g_fp8.t(), g_scale.reciprocal(), observed
 
 
 def _fp8_gemm(x_fp8, w_fp8, x_inv, w_inv, bias, out_dtype, backend: str):
     """The forward's float8 GEMM with its dequantization and bias.
 
     Args:
-      x_fp8: e4m3 `(m, k)`. w_fp8: e4m3 `(n, k)`. x_inv, w_inv: the float32 `()` reciprocals
-        of the scales they were cast with. bias: `(n,)`, added in `out_dtype`, or None.
-        out_dtype: the output's dtype (the input's). backend: `fp8_mm`'s backend.
+      x_fp8: e4m3 `(m, k)`. w_fp8: e4m3 `(n, k)`. x_inv, w_inv: the float32 `()` reciprocals of
+        the scales they were cast with. bias: `(n,)`, added in `out_dtype`, or None. out_dtype:
+        the output's dtype (the input's). backend: `fp8_mm`'s backend.
 
     Returns:
       `out = (x_fp8 @ w_fp8.T) * x_inv * w_inv (+ bias)`, `(m, n)` of `out_dtype`.
@@ -197,15 +217,6 @@ def _fp8_gemm(x_fp8, w_fp8, x_inv, w_inv, bias, out_dtype, backend: str):
     if bias is not None:
         out = out + bias.to(out.dtype)
     return out
-
-
-def _observation(x_amax, w_amax, g_amax):
-    """`[x_amax, w_amax, g_amax]`, float32 `(3,)`. Compiled, one pointwise kernel selects the
-    entries (a stack is a copy kernel per entry); eager, a stack (one kernel)."""
-    if torch.compiler.is_compiling():
-        role = torch.arange(3, device=g_amax.device)
-        return torch.where(role == 0, x_amax, torch.where(role == 1, w_amax, g_amax))
-    return torch.stack([x_amax, w_amax, g_amax])
 
 
 class _Fp8LinearOp(torch.autograd.Function):
@@ -225,7 +236,7 @@ class _Fp8LinearOp(torch.autograd.Function):
     @staticmethod
     def forward(x, weight, bias, newest, stored, margin, backend, place, filled):
         x, w = place.operands(x, weight)
-        x_fp8, w_fp8, x_inv, w_inv, x_amax, w_amax = _cast_operands(
+        x_fp8, w_fp8, x_inv, w_inv, x_amax, w_amax, x_keep, w_keep = _cast_operands(
             x, w, newest, stored, margin, backend, place, filled
         )
         w_gemm, b_gemm = place.gemm_weight(w_fp8), place.gemm_bias(bias)
@@ -234,7 +245,7 @@ class _Fp8LinearOp(torch.autograd.Function):
         # weight transposed too; inductor writes both layouts from one loop over `w`'s two dims.
         both = backend == "scaled_mm" and x.requires_grad and torch.compiler.is_compiling()
         x_amax, w_amax = _after_gemm(x_amax, x), _after_gemm(w_amax, w, both)
-        return place.output(out), x_fp8, w_fp8, x_inv, w_inv, w_amax, x_amax
+        return place.output(out), x_keep, w_keep, x_inv, w_inv, w_amax, x_amax
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -249,11 +260,13 @@ class _Fp8LinearOp(torch.autograd.Function):
     def backward(ctx, grad_out, *_):
         x_fp8, w_fp8, x_inv, w_inv, w_amax, x_amax, newest, stored = ctx.saved_tensors
         grad_out = ctx.place.grad_rows(grad_out)
+        needs = ctx.needs_input_grad
         with no_autocast(grad_out):
-            g_fp8, g_fp8_t, g_scale, g_amax = _cast_grad_output(grad_out, newest, stored, ctx)
-            g_inv = g_scale.reciprocal()
+            observe = (x_amax, w_amax) if needs[3] else None
+            g_fp8, g_fp8_t, g_inv, observed = _cast_grad_output(
+                grad_out, newest, stored, ctx, observe
+            )
             x_dtype, w_dtype, b_dtype = ctx.dtypes
-            needs = ctx.needs_input_grad
             grads = [None] * 4
             if needs[0]:
                 w_fp8 = ctx.place.weight_again(w_fp8)
@@ -262,13 +275,15 @@ class _Fp8LinearOp(torch.autograd.Function):
                 grads[1] = fp8_mm(g_fp8_t, x_fp8.t(), g_inv, x_inv, w_dtype, ctx.backend)
             if needs[2]:
                 grads[2] = grad_out.float().sum(0).to(b_dtype)
-            # Compiled, a scaled_mm backward that needs `g` only as `g_fp8_t` writes it from a
-            # loop over `g`'s transpose: the amax's loop follows it there (see `_after_gemm`).
-            alone_t = not needs[0] and ctx.backend == "scaled_mm"
-            g_amax = _after_gemm(g_amax, grad_out, alone_t and torch.compiler.is_compiling())
+            if needs[3] and observed is None:  # the stored scale: g's amax after the GEMMs
+                # (compiled, a scaled_mm backward that needs `g` only as `g_fp8_t` writes it
+                # from a loop over `g`'s two dims: see `_after_gemm`)
+                alone_t = not needs[0] and ctx.backend == "scaled_mm"
+                g_amax = _after_gemm(None, grad_out, alone_t and torch.compiler.is_compiling())
+                observed = _observation(x_amax, w_amax, g_amax)
             grads[:3] = ctx.place.place_grads(grads[:3])
             if needs[3]:  # [x_amax, w_amax, g_amax], made here: at the backward's level
-                grads[3] = _observation(x_amax, w_amax, g_amax)
+                grads[3] = observed
         return (*first_order_only(grads, x_amax), None, None, None, None, None)
 
 

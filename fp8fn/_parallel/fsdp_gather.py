@@ -319,17 +319,21 @@ def weight_scales(entries, state) -> dict:
     A delayed layer uses its stored weight scale once its weight history holds an amax; while it
     is empty, and for current scaling, the scale comes from the whole weight's amax: the max of
     the shards' amaxes, for all such weights in one `all_reduce(MAX)` per device mesh (the step's
-    only extra collective; none once every history holds an amax). The sharded parameters are
-    read from the modules (FSDP2 holds them there between forward passes).
+    only extra collective; none once every history holds an amax). Which histories hold one is
+    read from `state.filled` (static: no host read), from the values where it is not known. The
+    sharded parameters are read from the modules (FSDP2 holds them there between forward
+    passes).
     """
     n = len(entries)
     rows = [r for _, r, _ in entries if r is not None]
-    stored = newest = None
-    if rows:
-        index = torch.tensor(rows, device=state.scale.device)
-        stored, newest = state.scale[index, 1], state.amax_history[index, 1, 0]
+    # Views, by Python index: an index tensor would be a copy to the device (a device sync).
+    stored = [state.scale[r, 1] for r in rows]
+    if state.filled is not None:  # static: whether each weight history holds an amax
+        empty = [not state.filled[3 * r + 1] for r in rows]
+    else:  # not known (a state made by hand): read the values (a device sync)
+        newest = (state.amax_history[..., 1, 0] == 0).tolist() if rows else []
+        empty = [newest[r] for r in rows]
     need, k = [], 0
-    empty = (newest == 0).tolist() if rows else []  # (one sync a step: a few bytes)
     for _, row, _ in entries:
         if row is None:
             need.append(True)

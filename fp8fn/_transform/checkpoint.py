@@ -11,13 +11,11 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from .._parallel.dtensor import sharded_operands
 from .._torch_private import (
     differentiated,
     differentiated_by_transform,
     function_modes,
     functorch_level,
-    unwrapped,
 )
 from .swap import _functional_call, _Holder, _module_tensors
 
@@ -79,25 +77,22 @@ class _Checkpoint(torch.autograd.Function):
         grads = [None] * len(tensors)
         if not diff:
             return (None, None, *grads)
-        # Plain autograd, no graph of the backward: the recompute runs on detached inputs, so
-        # a tensor in it that requires grad was read from outside `f`'s arguments.
+        # Plain autograd, no graph of the backward: the recompute is differentiated by plain
+        # autograd too (torch.func's derivatives of some ops, e.g. `F.silu`'s, round differently
+        # from autograd's: a torch.func recompute under `loss.backward()` changed the gradients
+        # of a HF Mixtral's decoder layers), on detached inputs, and a tensor in it that
+        # requires grad was read from outside `f`'s arguments (refused).
         plain = functorch_level() is None and not torch.is_grad_enabled()
         if plain:
             tensors = tuple(t.detach() for t in tensors)
-        # DTensors (tensor parallel): torch's parallel styles convert with autograd.Functions
-        # that torch.func refuses (no setup_context), so plain autograd differentiates.
-        by_autograd = plain and sharded_operands(*tensors)
 
         def run_diff(*diff_tensors):
             args = list(tensors)
             for i, t in zip(diff, diff_tensors):
                 args[i] = t
-            outputs = tuple(ctx.run(*args))
-            if plain and not by_autograd and any(unwrapped(o).requires_grad for o in outputs):
-                _refuse_outside_input(ctx.run.names)
-            return outputs
+            return tuple(ctx.run(*args))
 
-        if by_autograd:
+        if plain:
             return (None, None, *_autograd_vjp(ctx, run_diff, tensors, diff, grad_outputs))
 
         def contracted(*diff_tensors):
@@ -133,8 +128,9 @@ def _refuse_outside_input(names) -> None:
 
 def _autograd_vjp(ctx, run_diff, tensors, diff, grad_outputs) -> list:
     """`_Checkpoint.backward`'s gradients of the inputs (None where not differentiated) by
-    plain autograd on the recompute: the same vjp as the torch.func route's, bit for bit.
-    A recompute reaching a leaf that requires grad other than its inputs is refused."""
+    plain autograd on the recompute, as the same backward without recompute would take them,
+    bit for bit. A recompute reaching a leaf that requires grad other than its inputs is
+    refused (its gradient would be lost)."""
     inputs = [tensors[i].detach().requires_grad_() for i in diff]
     with _restored_rng(ctx.run.rng_state), torch.enable_grad():
         outputs = run_diff(*inputs)

@@ -104,10 +104,13 @@ def _computed_attribute(layer, attrs=("weight", "bias")) -> str | None:
     return None
 
 
-def _find_layers(module, recipe, filter_fn) -> list[_Layer]:
+def _find_layers(module, recipe, filter_fn, warn=True) -> list[_Layer]:
     """The linear layers that run in float8, in module order: nn.Linear (and subclasses that
     keep its forward), HF Conv1D, and nn.MultiheadAttention's projections (`<path>.in_proj`, or
-    `q_proj`/`k_proj`/`v_proj`, and its `out_proj`). Warns when there are none."""
+    `q_proj`/`k_proj`/`v_proj`, and its `out_proj`). Warns when there are none and `warn`.
+
+    A subclass with its own forward (Llama 4's router) is not converted: what it computes
+    with its weight is its own; `fn.init` reports its GEMMs that run in high precision."""
     named = (*module.named_parameters(), *module.named_buffers())
     names = {id(t): n for n, t in named}  # tied: the first name (a frozen bias may be a buffer)
     layers = []
@@ -151,11 +154,10 @@ def _find_layers(module, recipe, filter_fn) -> list[_Layer]:
         if base is None:
             continue
         if type(sub).forward is not base.forward:
-            why = f"is a {type(sub).__name__}, a {base.__name__} subclass with its own forward"
-            refuse(name, sub, why)
+            continue
         refuse(name, sub, _computed_attribute(sub))
         add(name, sub, ("weight", "bias"), base is not nn.Linear)
-    if not layers:
+    if not layers and warn:
         warnings.warn(
             "fp8fn.transform: no layer was converted to float8, so the model runs entirely in "
             "high precision. fp8fn converts nn.Linear, HF Conv1D and nn.MultiheadAttention's "

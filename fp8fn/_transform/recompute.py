@@ -11,6 +11,8 @@ import contextlib
 import contextvars
 import threading
 
+import torch
+
 from .checkpoint import checkpoint_with_constants
 from .routing import _Call
 from .swap import _functional_call, _Holder, exclusive
@@ -51,7 +53,8 @@ def _checkpointing_forward(module, forward):
 
     def checkpointing(*args, **kwargs):
         call = _ACTIVE.get()
-        if call is None or call.state is None or call.recompute:
+        # Without gradients (evaluation, `fn.init`) there is no backward to recompute in.
+        if call is None or call.state is None or call.recompute or not torch.is_grad_enabled():
             return forward(*args, **kwargs)
         path = call.transformed._checkpointed_ids.get(id(module))
         if path is None:

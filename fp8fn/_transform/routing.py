@@ -11,10 +11,21 @@ from torch.overrides import TorchFunctionMode
 from .._core.checks import check_dtypes, check_operands
 from .._core.recipes import DelayedScaling, NVFP4Scaling
 from .._core.state import site_name
+from .._ops.gemm import resolve_backend
+from .._ops.grouped import grouped_mm
 from .._ops.linear import fp8_linear
 from .._parallel.dtensor import gathered_for_split, sharded_linear, sharded_operands
 from .._torch_errors import USE_CHECKPOINT_FN
 from .._torch_private import attention_forward, inside_torch_checkpoint, saved_tensor_hooks_active
+from .experts import (
+    DERIVING,
+    GEMMS,
+    Derived,
+    _ExpertLayer,
+    check_experts_recipe,
+    derive,
+    read_gemm,
+)
 
 _SPLITS = (torch.Tensor.split, torch.Tensor.chunk)
 
@@ -62,6 +73,12 @@ class _Call(TorchFunctionMode):
     a layer (`path`, `path#1`, ...) and hands it its rows of `state`; while discovering
     (`state` None, for `fn.init`) it records the site names and runs the call as it is.
 
+    Experts weights (`experts.py`) are followed through the views and copies made of them
+    (`_derived`), and their GEMMs go to the grouped float8 op with the rows of their experts'
+    sites (`path[e]#k`: one row per expert, contiguous), or, one expert at a time, to
+    `fp8fn.linear`. While discovering, it also notes which weights' GEMMs run in float8
+    (`weights`: `{name: op or None}`, None for float8) for `fn.summary()`.
+
     Args:
       transformed: the `Transformed`.
       tensors: `{name: tensor}` as given to `apply`; a layer whose weight is not in it runs
@@ -81,7 +98,17 @@ class _Call(TorchFunctionMode):
             state is not None and torch.is_grad_enabled() and not torch.compiler.is_compiling()
         )
         self.passive = False
-        self._rows = None
+        self._rows = self._newest = None
+        self._derived = {} if not torch.compiler.is_compiling() else None  # {id: (tensor, d)}
+        self._derived_list = []  # [(tensor, Derived)], searched with `is` while compiling
+        for entry in transformed._experts:
+            weight = entry.own(tensors)
+            self._track(weight, Derived(entry, weight))
+        self.weights = {}
+        self._names = None
+        if state is None:  # discovering: every weight that may reach a GEMM, by identity
+            given = {**dict(transformed.module.named_parameters()), **tensors}
+            self._names = {id(t): n for n, t in given.items() if t.dim() >= 2}
         # (layer, weight, bias): what each layer runs with
         self._entries = [(layer, *layer.own(tensors)) for layer in transformed._layers]
         self._by_weight = None  # {id(weight): entries}; None while compiling (see _layer_of)
@@ -104,6 +131,8 @@ class _Call(TorchFunctionMode):
                 return attention_forward(*args, **kwargs)
         if func in _SPLITS:  # the packed in_proj weight, split into q, k, v
             return self._split(func, args, kwargs)
+        if func in DERIVING and args and self._derived_of(args[0]) is not None:
+            return self._derive(func, args, kwargs)
         if func is F.linear or func is torch.addmm or func is torch.Tensor.addmm:
             operands = _operands(func, args, kwargs)
             if operands is None:  # another overload (addmm's out_dtype, its deprecated form)
@@ -111,17 +140,117 @@ class _Call(TorchFunctionMode):
             else:
                 x, weight, bias, transposed, options = operands
                 layer = self._layer_of(weight, bias, transposed)
+                derived = None if layer is not None or transposed else self._derived_of(weight)
+                if derived is not None and isinstance(derived.expert, int) and weight.dim() == 2:
+                    layer = self._expert_layer(derived)
                 if layer is not None:
                     if options:
                         shown = ", ".join(f"{k}={v}" for k, v in options.items())
                         self._refuse_call(layer, f"calls torch.addmm with {shown}")
                     if self.state is None:
                         self._count(layer)
+                        self._note(weight, None)
                         return func(*args, **kwargs)
                     return self._linear(layer, x, weight.t() if transposed else weight, bias)
+        if func in GEMMS:
+            gemm = read_gemm(func, args, kwargs, self._derived_of)
+            if gemm is not None:
+                single = None if gemm.expert is None else self._expert_layer(gemm.derived)
+                if self.state is None:
+                    self._count(single) if single else self._count_experts(gemm.derived.entry)
+                    self._note(gemm.derived.source, None)
+                    return func(*args, **kwargs)
+                if single:
+                    return self._linear(single, gemm.x, gemm.weight, None)
+                return self._grouped(gemm)
+            if self._names is not None:
+                for t in (*args, *kwargs.values()):
+                    self._note(t, f"torch.{func.__name__}" if func is not F.linear else "F.linear")
         if func is torch.Tensor.unflatten and torch.compiler.is_compiling():
             func = torch.unflatten  # (dynamo cannot trace the method's `super()` call from here)
         return func(*args, **kwargs)
+
+    def _track(self, tensor, derived):
+        if self._derived is not None:
+            self._derived[id(tensor)] = (tensor, derived)  # (the tensor kept: its id stays its)
+        else:
+            self._derived_list.append((tensor, derived))
+
+    def _derived_of(self, t) -> Derived | None:
+        """The `Derived` of an experts weight or a tensor made from one, else None."""
+        if self._derived is None:
+            return next((d for u, d in self._derived_list if u is t), None)
+        hit = self._derived.get(id(t))
+        return None if hit is None or hit[0] is not t else hit[1]
+
+    def _derive(self, func, args, kwargs):
+        """Run a view, index or transpose of a tracked tensor, and track what it made."""
+        result = func(*args, **kwargs)
+        derived = derive(func, args, kwargs, self._derived_of(args[0]), result)
+        if isinstance(derived, list):
+            for piece, d in zip(result, derived):
+                self._track(piece, d)
+        elif derived is not None:
+            self._track(result, derived)
+        return result
+
+    def _note(self, t, op):
+        """While discovering: the weight `t` (or its source) runs a GEMM, in float8 when `op`
+        is None, else in high precision through `op` (a float8 note is never overwritten)."""
+        if self._names is None or not isinstance(t, torch.Tensor):
+            return
+        derived = self._derived_of(t)
+        name = self._names.get(id(t)) if derived is None else derived.entry.path
+        if name is None and t._base is not None:
+            name = self._names.get(id(t._base))
+        if name is not None and self.weights.get(name, "") is not None:
+            self.weights[name] = op
+            if op is None and derived is not None:
+                check_experts_recipe(derived.entry)
+
+    def _expert_layer(self, derived):
+        """Expert `derived.expert` of its experts weight, as a layer of its own."""
+        entry = derived.entry
+        return _ExpertLayer(entry.expert(derived.expert), entry.recipe)
+
+    def _count_experts(self, entry) -> int:
+        """Counts a grouped call of all of `entry`'s experts; the k of its sites."""
+        paths = [entry.expert(e) for e in range(entry.experts)]
+        k = max(self.counts.get(p, 0) for p in paths)
+        for p in paths:
+            self.counts[p] = k + 1
+            self.sites.append(site_name(p, k))
+        return k
+
+    def _grouped(self, gemm):
+        """A GEMM of all of an experts weight's experts, on the grouped float8 op."""
+        entry = gemm.derived.entry
+        k = self._count_experts(entry)
+        newest = stored = None
+        if isinstance(entry.recipe, DelayedScaling):
+            positions = self.state._positions()
+            rows = [positions.get(site_name(entry.expert(e), k)) for e in range(entry.experts)]
+            first = rows[0]
+            if first is None or rows != list(range(first, first + entry.experts)):
+                raise ValueError(
+                    f"fp8fn.apply: expected the sites of the {entry.experts} experts of "
+                    f"{entry.path!r} (call {k}) in `state`, one after another, got "
+                    f"{'none' if first is None else 'them apart or missing'}. Make the state with "
+                    "`fn.init` with inputs that call the experts as often."
+                )
+            newest = self._newest_rows()[first : first + entry.experts]
+            stored = self.state.scale[first : first + entry.experts]
+        x, weight = gemm.x, gemm.weight
+        check_dtypes(f"apply: experts {entry.path!r}", x, weight[0], None)
+        backend = resolve_backend(entry.recipe, x.device)
+        margin = getattr(entry.recipe, "margin", 0)
+        return gemm.finish(grouped_mm(x, weight, gemm.offs, newest, stored, margin, backend))
+
+    def _newest_rows(self):
+        """`state.amax_history[..., 0]`, `(n_sites, 3)`, taken once per call."""
+        if self._newest is None:
+            self._newest = self.state.amax_history[..., 0]
+        return self._newest
 
     def _refuse_other_form(self, func, args, kwargs):
         """Raise if a layer's weight is among the tensors of a linear call of a form that
@@ -212,7 +341,7 @@ class _Call(TorchFunctionMode):
                     "that call it as often."
                 )
             if self._rows is None:  # split once: the backward gathers all sites in one stack
-                self._rows = (self.state.amax_history[..., 0].unbind(0), self.state.scale.unbind(0))
+                self._rows = (self._newest_rows().unbind(0), self.state.scale.unbind(0))
             newest, stored = self._rows[0][i], self._rows[1][i]
             filled = self.state.site_filled(i)
         check_operands(f"apply: layer {layer.path!r}", x, weight, bias)

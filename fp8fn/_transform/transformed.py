@@ -47,8 +47,10 @@ from .._torch_private import (
     recomputing_in_torch_checkpoint,
 )
 from .checkpoint import refuse_compile
+from .coverage import report_high_precision, summarize
+from .experts import find_experts
 from .fsdp import Fsdp2
-from .layers import _find_layers, _is_linear_weight
+from .layers import _find_layers, _is_linear_weight, _recipe_for
 from .recompute import recomputing
 from .routing import _Call
 from .swap import _functional_call, _Slots, exclusive
@@ -105,8 +107,10 @@ def _unchanged(structure) -> bool:
 class Transformed:
     """A module as a pair of pure functions: `init(*args)` -> state, `apply(params, state, *args)`.
 
-    Made by `fp8fn.transform`; see there. `layers` lists the layers that run in fp8 and
-    `recipes` their recipes; `checkpointed` the submodules recomputed in the backward.
+    Made by `fp8fn.transform`; see there. `layers` lists the layers that run in fp8 (the
+    experts weights once `init` has seen them used in a GEMM) and `recipes` their recipes;
+    `checkpointed` the submodules recomputed in the backward; `summary()` what runs in float8
+    and what does not.
     """
 
     def __init__(self, module, recipe, filter_fn=None, checkpoint_fn=None):
@@ -129,6 +133,9 @@ class Transformed:
         refuse_ddp_inner_module(module)
         self.module = module
         self._choices = (recipe, filter_fn, checkpoint_fn)
+        self._confirmed = set()  # the experts weights `init` saw in a GEMM
+        self._weights = None  # {weight name: None (float8) or the op}, from `init`
+        self._reported = False  # the high-precision GEMMs were reported (once)
         self._read_module()
 
     def _read_module(self):
@@ -139,11 +146,17 @@ class Transformed:
         change runs as one made after it."""
         module, (recipe, filter_fn, checkpoint_fn) = self.module, self._choices
         self._ddp_param = ddp_parameter(module)  # (name, parameter) of a DDP model, else None
-        self._layers = _find_layers(module, recipe, filter_fn)
+        self._experts = find_experts(module, self._chosen)
+        self._layers = _find_layers(module, recipe, filter_fn, warn=not self._experts)
         self.recipes = {layer.path: layer.recipe for layer in self._layers}
+        self.recipes.update({e.path: e.recipe for e in self._experts if e.path in self._confirmed})
         self.layers = list(self.recipes)
         self._delayed = self._delayed_recipe()
-        self._stateful = [p for p, r in self.recipes.items() if isinstance(r, DelayedScaling)]
+        self._stateful = [m.path for m in self._layers if isinstance(m.recipe, DelayedScaling)]
+        self._stateful_experts = {  # `path[e]` of the delayed experts weights
+            e.expert(i): e for e in self._experts if isinstance(e.recipe, DelayedScaling)
+            for i in range(e.experts)
+        }
         self._fsdp = Fsdp2(module, self._layers)  # FSDP2's slots and float8 all-gathers
         own = [m.slot for m in self._layers if m.slot not in self._fsdp.managed]
         self._slots = _Slots(module, own)
@@ -182,9 +195,33 @@ class Transformed:
                     "weights."
                 )
 
+    def _chosen(self, name, owner):
+        """The recipe `filter_fn` and the recipe (function) give the weight `name` of `owner`
+        (for a linear layer: its path and itself), or None for high precision."""
+        recipe, filter_fn, _ = self._choices
+        if filter_fn is not None and not filter_fn(name, owner):
+            return None
+        return _recipe_for(recipe, name, owner)
+
+    def summary(self) -> str:
+        """What runs in float8 and what does not, as a table of the model's matmul weights
+        (every weight of 2 or more dims a GEMM used during `init`, and every layer chosen),
+        each with its share of their elements. Made by `init`.
+
+        Raises:
+          RuntimeError: before `init`.
+        """
+        if self._weights is None:
+            raise RuntimeError(
+                "fp8fn.Transformed.summary: expected `fn.init(...)` first, got none: init runs "
+                "the model once and sees which weights reach a GEMM."
+            )
+        return summarize(self, self._weights)
+
     def _delayed_recipe(self) -> DelayedScaling | None:
         """The one DelayedScaling config of the stateful layers (they share one packed state)."""
         delayed = {r for r in self.recipes.values() if isinstance(r, DelayedScaling)}
+        delayed |= {e.recipe for e in self._experts if isinstance(e.recipe, DelayedScaling)}
         configs = {(r.history_len, r.amax_compute, r.margin) for r in delayed}
         if len(configs) > 1:
             raise ValueError(
@@ -233,7 +270,11 @@ class Transformed:
         all-gathers, so every rank calls `init`), and its FSDP2 modules are resharded after.
         Sites are the stateful (DelayedScaling) layers' calls, in the order of the module tree
         (`fn.layers`), each layer's calls in turn: `path`, then `path#k` for its k-th further
-        call. A layer the example did not call (a branch not taken) has its `path` site too. So
+        call. A layer the example did not call (a branch not taken) has its `path` site too.
+        After them, each experts weight (a 3-D weight the example used in a GEMM) of E experts
+        has E sites per call, `path[0]` ... `path[E-1]`, then `path[0]#1` ...; the example also
+        tells which weights' GEMMs run in float8 (`summary()`), and those that stay in high
+        precision without `filter_fn` or a recipe of None choosing so are warned about once. So
         the order depends on the model, not on the example batch: ranks that run `init` on
         different batches agree (`fp8fn.all_reduce` pairs sites by position).
 
@@ -250,22 +291,41 @@ class Transformed:
         """
         seed_key(seed)  # checks the seed before the model runs
         self._reread_if_changed()
+        call = self._discover(args, kwargs)
         calls = {}
-        for name in self._discover(args, kwargs):
+        for name in call.sites:
             path, k = parse_site(name)
             calls[path] = max(calls.get(path, 0), k + 1)
+        self._weights = call.weights
+        confirmed = {e.path for e in self._experts if call.weights.get(e.path, "") is None}
+        if not confirmed <= self._confirmed:
+            self._confirmed |= confirmed
+            self._read_module()
+        if not self._reported:
+            self._reported = report_high_precision(self, call.weights)
         recipe = self._delayed or DelayedScaling(history_len=1)
         names = [site_name(p, k) for p in self._stateful for k in range(max(calls.get(p, 0), 1))]
+        experts = [
+            e for e in self._experts
+            if isinstance(e.recipe, DelayedScaling) and e.path in self._confirmed
+        ]
+        for entry in experts:  # each call: one row per expert, contiguous
+            paths = [entry.expert(e) for e in range(entry.experts)]
+            calls_made = max(1, *(calls.get(p, 0) for p in paths))
+            names += [site_name(p, k) for k in range(calls_made) for p in paths]
         stateful = set(self._stateful)
         first = next((m for m in self._layers if m.path in stateful), None)
         nvfp4 = [m for m in self._layers if isinstance(m.recipe, NVFP4Scaling)]
         first = first or next(iter(nvfp4), None)
         device = None if first is None else first.own({})[0].device
+        if first is None and experts:
+            device = experts[0].own({}).device
         state = init_state(recipe, names, device)
         return state._replace(key=initial_key(seed, device)) if nvfp4 else state
 
-    def _discover(self, args, kwargs) -> list[str]:
-        """The site names of one forward pass on the example inputs, in call order."""
+    def _discover(self, args, kwargs) -> _Call:
+        """The `_Call` of one forward pass on the example inputs (its `sites`, in call order,
+        and its `weights`)."""
         tensors = {**dict(self.module.named_parameters()), **dict(self.module.named_buffers())}
         memo = {}
 
@@ -286,22 +346,22 @@ class Transformed:
                 except Exception:  # data-dependent control flow, or an op without a meta kernel
                     pass
             try:
-                sites = self._run_discovery({}, (args, kwargs))
+                call = self._run_discovery({}, (args, kwargs))
             except Exception as e:
                 if str(e).startswith("fp8fn."):  # fp8fn refuses a call of the model's
                     raise
                 raise init_error(e) from e
         if any(p is not tensors[n] for n, p in self.module.named_parameters()):
             reshard_fsdp(self.module)  # FSDP2 keeps the root unsharded after a forward
-        return sites
+        return call
 
-    def _run_discovery(self, tensors, args_kwargs) -> list[str]:
+    def _run_discovery(self, tensors, args_kwargs) -> _Call:
         args, kwargs = args_kwargs
         tensors = self._slots.expand(tensors, "init")
         call = _Call(self, tensors, None)
         with torch.no_grad(), self._fsdp.scales(None), exclusive(self.module), call:
             _functional_call(self.module, None, tensors, args, kwargs)
-        return call.sites
+        return call
 
     def apply(self, params: dict, state: State, *args, **kwargs):
         """Run the module with `params`, in fp8 with the scales in `state`.
@@ -413,9 +473,14 @@ class Transformed:
                 f"{state.history_len}, but the model's layers use {recipe}. Make it with fn.init."
             )
         if state.sites is not self._known_sites:
-            missing = [p for p in self._stateful if site_name(p, 0) not in state]
+            missing = [p for p in self._stateful if site_name(p, 0) not in state] + [
+                e.expert(0) for e in self._experts
+                if e.path in self._confirmed and isinstance(e.recipe, DelayedScaling)
+                and e.expert(0) not in state
+            ]
             stateful = set(self._stateful)
-            extra = [n for n in state.sites if parse_site(n)[0] not in stateful]
+            known = stateful | self._stateful_experts.keys()
+            extra = [n for n in state.sites if parse_site(n)[0] not in known]
             if missing or extra:
                 raise ValueError(
                     "fp8fn.apply: `state` does not belong to this model: "
@@ -440,7 +505,11 @@ def transform(module, recipe, filter_fn=None, checkpoint_fn=None) -> Transformed
         `(name, layer) -> recipe | None` choosing one per layer (None: high precision). The
         DelayedScaling layers share one packed state, so they need one static config.
       filter_fn: `(name, submodule) -> bool`, choosing the linear layers (`nn.Linear` and its
-        subclasses that keep its forward, HF `Conv1D`) that run in fp8; default: all.
+        subclasses that keep its forward, HF `Conv1D`) that run in fp8; default: all. It (and
+        a recipe function) is also asked about each 3-D parameter, with the parameter's name
+        and the module holding it: an experts weight (`(E, N, K)`, transformers'
+        `...experts.gate_up_proj`) whose GEMMs run per expert in fp8 once `init` sees one
+        (docs/moe.md), with DelayedScaling or CurrentScaling.
       checkpoint_fn: `(name, submodule) -> bool`, choosing submodules whose forward is
         recomputed in the backward (outermost choice wins), under torch.func and plain
         autograd alike; default: none.

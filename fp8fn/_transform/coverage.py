@@ -1,0 +1,79 @@
+"""What runs in float8: the model's matmul weights (every weight of 2 or more dims that a GEMM
+used while `fn.init` ran, and every chosen layer's), each in float8 or not, with its share;
+the report of the weights that stay in high precision though nothing chose so."""
+
+from __future__ import annotations
+
+import warnings
+
+from .experts import owner_of
+from .layers import _is_linear_weight, _linear_base
+
+
+def _rows(transformed, weights: dict) -> list[tuple[str, int, str]]:
+    """`[(weight name, elements, how it runs)]`, float8 first, in module order."""
+    params = dict(transformed.module.named_parameters())
+    how = {m.weight: f"float8 {type(m.recipe).__name__}" for m in transformed._layers}
+    for entry in transformed._experts:
+        if entry.path in transformed._confirmed:
+            how[entry.path] = f"float8 {type(entry.recipe).__name__}, per expert"
+    for name, op in weights.items():
+        if name not in how and name in params:
+            chosen = "chosen" if _chosen_out(transformed, name) else "not converted"
+            how[name] = "float8" if op is None else f"high precision ({op}; {chosen})"
+    order = {n: i for i, n in enumerate(params)}
+    rows = [(n, params[n].numel(), h) for n, h in how.items() if n in params]
+    return sorted(rows, key=lambda r: (not r[2].startswith("float8"), order[r[0]]))
+
+
+def _chosen_out(transformed, name: str) -> bool:
+    """Whether `filter_fn` or a recipe of None left the weight `name` in high precision."""
+    module = transformed.module
+    owner, _ = owner_of(module, name)
+    if _is_linear_weight(module, name):
+        base = _linear_base(owner)
+        if base is None or type(owner).forward is base.forward:
+            return True  # a layer fp8fn converts (or an attention projection), not chosen
+        name = name.rpartition(".")[0]  # a subclass with its own forward: asked as a layer
+    return transformed._chosen(name, owner) is None
+
+
+def _share(part: int, whole: int) -> str:
+    return f"{100 * part / whole:.1f}%" if whole else "0%"
+
+
+def summarize(transformed, weights: dict) -> str:
+    """The table of `Transformed.summary()`."""
+    rows = _rows(transformed, weights)
+    total = sum(n for _, n, _ in rows)
+    fp8 = sum(n for _, n, h in rows if h.startswith("float8"))
+    width = max([len(n) for n, _, _ in rows] + [6])
+    lines = [
+        f"float8: {fp8:,} of {total:,} matmul weight elements ({_share(fp8, total)})",
+        f"{'weight':<{width}}  {'elements':>12}  {'share':>6}  runs",
+    ]
+    lines += [f"{n:<{width}}  {k:>12,}  {_share(k, total):>6}  {h}" for n, k, h in rows]
+    return "\n".join(lines)
+
+
+def report_high_precision(transformed, weights: dict) -> bool:
+    """Warn (once: returns True when it did) about the weights whose GEMMs ran in high
+    precision during `init` though neither `filter_fn` nor a recipe of None chose so."""
+    rows = _rows(transformed, weights)
+    total = sum(n for _, n, _ in rows)
+    silent = [(n, k, h) for n, k, h in rows if h.endswith("not converted)")]
+    if not silent:
+        return False
+    share = _share(sum(k for _, k, _ in silent), total)
+    named = ", ".join(f"{n!r} ({h[len('high precision ('):-len('; not converted)')]})"
+                      for n, _, h in silent)
+    warnings.warn(
+        f"fp8fn.init: {len(silent)} weight(s) run their GEMMs in high precision, {share} of the "
+        f"model's matmul weights: {named}. fp8fn converts nn.Linear, HF Conv1D, "
+        "nn.MultiheadAttention and experts weights (3-D, in F.linear, matmul, bmm and "
+        "grouped_mm forms); a module that calls F.linear itself (a router) is not converted. "
+        "`fn.summary()` lists them all. To keep them in high precision without this warning, "
+        "have `filter_fn` return False (or the recipe function None) for these names.",
+        stacklevel=3,
+    )
+    return True

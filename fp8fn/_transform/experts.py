@@ -1,0 +1,266 @@
+"""Experts: 3-D weights `(E, A, B)` whose GEMMs run per expert in float8, and the forms in
+which a forward pass reaches them.
+
+An experts weight is a 3-D floating parameter chosen by `filter_fn` and given a recipe
+(asked with the weight's own name and the module holding it); `fn.init` confirms it when a
+GEMM uses it. Nothing is known by class name: the weight is followed by identity through the
+views and copies a forward makes of it (`derive`), and a GEMM on such a tensor is read as
+one of three forms (`read_gemm`):
+
+* one expert: `F.linear(x, W[e])`, `x @ W[e]` (transformers' eager loop, GPT-OSS's);
+* all experts with group offsets: `torch._grouped_mm(x, W.transpose(-2, -1), offs=offs)`
+  (`F.grouped_mm`; transformers' grouped_mm);
+* a batch over experts: `torch.bmm(x, W)` with batch `e` for expert `e` (Llama 4), or over
+  tokens, `torch.bmm(W[ids], x)` / `torch.bmm(x, W[ids])` (transformers' batched_mm: `W[ids]`
+  is a copy, so the weight is reached through the recorded indexing, not `._base`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .._core.recipes import CurrentScaling, DelayedScaling
+
+GROUPED_MM = tuple({f for f in (getattr(torch, "_grouped_mm", None),
+                                getattr(F, "grouped_mm", None)) if f is not None})
+_MATMULS = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.Tensor.mm)
+_BMMS = (torch.bmm, torch.Tensor.bmm)
+# Every op that multiplies a weight: a weight reaching one of these and not converted is
+# reported (`Transformed.init`).
+GEMMS = (F.linear, torch.addmm, torch.Tensor.addmm, torch.Tensor.__rmatmul__, torch.baddbmm,
+         torch.einsum, *_MATMULS, *_BMMS, *GROUPED_MM)
+_TRANSPOSES = (torch.Tensor.transpose, torch.transpose, torch.Tensor.swapaxes,
+               torch.swapaxes, torch.Tensor.swapdims, torch.swapdims)
+_FLIPS = (torch.Tensor.t, torch.t, torch.Tensor.T.__get__, torch.Tensor.mT.__get__)
+DERIVING = (torch.Tensor.__getitem__, torch.Tensor.select, torch.select, torch.Tensor.unbind,
+            torch.unbind, *_TRANSPOSES, *_FLIPS)
+EXPERTS_RECIPES = (DelayedScaling, CurrentScaling)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Experts:
+    """A 3-D weight whose GEMMs run per expert in float8.
+
+    Its sites are `path[e]` (expert e's first call), `path[e]#k` for its k-th further call.
+    """
+
+    path: str  # the weight's name in `module.named_parameters()` (first name when tied)
+    module: nn.Module = dataclasses.field(repr=False)  # the module holding it
+    attr: str  # its name on `module`
+    recipe: object
+    experts: int  # E, its leading dim
+
+    def own(self, tensors: dict):
+        """The weight this call runs with: from `tensors`, else the module's own."""
+        weight = tensors.get(self.path)
+        return getattr(self.module, self.attr) if weight is None else weight
+
+    def expert(self, e: int) -> str:
+        """The layer path of expert `e` (its sites are `site_name(path, k)`)."""
+        return f"{self.path}[{e}]"
+
+
+@dataclasses.dataclass(frozen=True)
+class _ExpertLayer:
+    """One expert of an `_Experts`, called alone (`F.linear(x, W[e])`): a layer for `_Call`."""
+
+    path: str
+    recipe: object
+    transposed: bool = False
+
+
+def owner_of(module: nn.Module, name: str) -> tuple[nn.Module, str]:
+    """`(module holding the tensor `name`, its attribute name)`."""
+    path, _, attr = name.rpartition(".")
+    return module.get_submodule(path), attr
+
+
+def find_experts(module, choose) -> list[_Experts]:
+    """The 3-D floating parameters of `module` that `choose(name, owner)` gives a recipe
+    (torch's convolutions' weights are not asked about: their op is a convolution)."""
+    found = []
+    for name, p in module.named_parameters():
+        if p.dim() != 3 or not p.is_floating_point():
+            continue
+        owner, attr = owner_of(module, name)
+        if isinstance(owner, nn.modules.conv._ConvNd):
+            continue
+        chosen = choose(name, owner)
+        if chosen is not None:
+            found.append(_Experts(name, owner, attr, chosen, p.shape[0]))
+    return found
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Derived:
+    """A tensor made from an experts weight: per-expert matrices `M(e)` = `source[e]`, or its
+    transpose when `flipped`; `expert` says which: None (all, dim 0 = e: then `source` is the
+    tensor itself), an int (one: the tensor is `M(e)`), or an int64 tensor of ids (dim 0 = rows,
+    row r being `M(ids[r])`)."""
+
+    entry: _Experts
+    source: torch.Tensor  # (E, A, B), the weight or a view of it
+    expert: object = None
+    flipped: bool = False
+
+    def full(self) -> torch.Tensor:
+        """`(E, ., .)`: `M(e)` for every expert."""
+        return self.source.transpose(-2, -1) if self.flipped else self.source
+
+
+def _index(idx):
+    """An int, an int64 `(n,)` tensor of ids, or None for an index of another kind."""
+    if isinstance(idx, tuple) and len(idx) == 1:
+        idx = idx[0]
+    if isinstance(idx, int) and not isinstance(idx, bool):
+        return idx
+    if isinstance(idx, torch.Tensor) and not idx.is_floating_point() and idx.dtype != torch.bool:
+        if idx.dim() == 0 and not torch.compiler.is_compiling():
+            return int(idx)
+        if idx.dim() == 1:
+            return idx.long()
+    return None
+
+
+def derive(func, args, kwargs, d: Derived, result):
+    """The `Derived` of `result = func(*args, **kwargs)`, made from the tracked `args[0]` (`d`),
+    or None when `result` is not a form of the weight followed here. For `unbind`, a list."""
+    t = args[0]
+    if func in (torch.Tensor.__getitem__, torch.Tensor.select, torch.select):
+        if d.expert is not None:
+            return None
+        if func is torch.Tensor.__getitem__:
+            idx = _index(args[1])
+        else:
+            dim, idx = (*args[1:], *kwargs.values())[:2]
+            idx = idx if dim in (0, -t.dim()) else None
+        if idx is None:
+            return None
+        if isinstance(idx, int):
+            idx = idx % d.entry.experts
+        return dataclasses.replace(d, expert=idx)
+    if func in (torch.Tensor.unbind, torch.unbind):
+        dim = (*args[1:], *kwargs.values(), 0)[0]
+        if d.expert is not None or dim not in (0, -t.dim()):
+            return None
+        return [dataclasses.replace(d, expert=e) for e in range(len(result))]
+    if func in _FLIPS:
+        if func in (torch.Tensor.t, torch.t, torch.Tensor.T.__get__) and t.dim() != 2:
+            return None
+    else:  # a transpose of two dims: the last two
+        dims = [a % t.dim() for a in (*args[1:], *kwargs.values())[:2]]
+        if sorted(dims) != [t.dim() - 2, t.dim() - 1]:
+            return None
+    if d.expert is None:
+        return Derived(d.entry, result)
+    return dataclasses.replace(d, flipped=not d.flipped)
+
+
+def _equal_groups(experts: int, rows: int, device) -> torch.Tensor:
+    return (torch.arange(1, experts + 1, device=device) * rows).int()
+
+
+@dataclasses.dataclass
+class Gemm:
+    """A GEMM on an experts weight, as `x @ weight[e].T` per group.
+
+    One expert (`expert` an int): `x` any shape, `weight` `(N, K)`, `bias` or None.
+    Grouped: `x` `(T, K)` rows sorted by expert, `weight` `(E, N, K)`, `offs` int32 `(E,)`;
+    `finish` turns the `(T, N)` result into the op's own output.
+    """
+
+    derived: Derived
+    x: torch.Tensor
+    weight: torch.Tensor
+    expert: int | None = None
+    bias: torch.Tensor | None = None
+    offs: torch.Tensor | None = None
+    finish: object = None
+
+
+def _grouped_by_ids(d: Derived, a: torch.Tensor, weight: torch.Tensor, left: bool) -> Gemm:
+    """`bmm` of `(S, M, K)` rows `a` (right operand form) with `M(ids[s])`: rows sorted by
+    expert (stable), grouped, and put back in order."""
+    rows, m, k = a.shape
+    perm = torch.argsort(d.expert, stable=True)
+    counts = torch.bincount(d.expert, minlength=d.entry.experts)
+    offs = (counts * m).cumsum(0).int()
+    back = torch.argsort(perm)
+
+    def finish(out):
+        out = out.reshape(rows, m, -1)[back]
+        return out.transpose(1, 2) if left else out
+
+    return Gemm(d, a[perm].reshape(rows * m, k), weight, offs=offs, finish=finish)
+
+
+def read_gemm(func, args, kwargs, derived_of) -> Gemm | None:
+    """The `Gemm` of a call that multiplies an experts weight in a form fp8fn converts, or
+    None (`F.linear` is read by `_Call`, as for linear layers). `derived_of(t)` is the `Derived`
+    of a tensor, or None."""
+    if func in GROUPED_MM:
+        names = ("input", "mat2") if func is getattr(torch, "_grouped_mm", None) else (
+            "mat_a", "mat_b")
+        names += ("offs", "bias", "out_dtype")
+        if len(args) > len(names) or kwargs.keys() - set(names):
+            return None
+        bound = {**dict(zip(names, args)), **kwargs}
+        a, b, offs = bound.get(names[0]), bound.get(names[1]), bound.get("offs")
+        d = derived_of(b) if isinstance(b, torch.Tensor) else None
+        if d is None or d.expert is not None or b.dim() != 3 or a is None:
+            return None
+        if bound.get("bias") is not None or bound.get("out_dtype") is not None:
+            return None
+        if a.dim() == 2 and offs is not None:
+            return Gemm(d, a, b.transpose(-2, -1), offs=offs, finish=lambda out: out)
+        if a.dim() == 3 and offs is None:
+            return _batch_over_experts(d, a, b.transpose(-2, -1), False)
+        return None
+    if func not in _MATMULS and func not in _BMMS or len(args) != 2 or kwargs:
+        return None
+    a, b = args
+    da, db = derived_of(a), derived_of(b)
+    if (da is None) == (db is None):
+        return None
+    left = da is not None
+    d, x = (da, b) if left else (db, a)
+    if isinstance(d.expert, int):
+        if left or func in _BMMS or x.dim() < 1 or b.dim() != 2:
+            return None
+        return Gemm(d, x, b.t(), expert=d.expert)
+    if x.dim() != 3 or func in _MATMULS and (a.dim() != 3 or b.dim() != 3):
+        return None
+    full = d.full()
+    weight = full if left else full.transpose(-2, -1)
+    x = x.transpose(1, 2) if left else x
+    if d.expert is None:
+        return _batch_over_experts(d, x, weight, left)
+    return _grouped_by_ids(d, x, weight, left)
+
+
+def _batch_over_experts(d: Derived, x, weight, left) -> Gemm:
+    """Batch `e` of `x` `(E, C, K)` is expert `e`'s rows."""
+    experts, rows, k = x.shape
+
+    def finish(out):
+        out = out.reshape(experts, rows, -1)
+        return out.transpose(1, 2) if left else out
+
+    offs = _equal_groups(experts, rows, x.device)
+    return Gemm(d, x.reshape(experts * rows, k), weight, offs=offs, finish=finish)
+
+
+def check_experts_recipe(entry: _Experts) -> None:
+    """Raise unless `entry`'s recipe has a per-expert form (delayed, current tensorwise)."""
+    if not isinstance(entry.recipe, EXPERTS_RECIPES):
+        raise ValueError(
+            f"fp8fn.init: expected fp8fn.DelayedScaling or fp8fn.CurrentScaling for the experts "
+            f"weight {entry.path!r} (a 3-D weight used in a GEMM), got "
+            f"{type(entry.recipe).__name__}. Give it one of those with a recipe function "
+            "`(name, module) -> recipe`, or leave it in high precision with "
+            f"`filter_fn=lambda name, module: name != {entry.path!r}`."
+        )

@@ -1,0 +1,283 @@
+"""Experts in float8 through `fp8fn.transform`: tiny transformers 5.x MoE models (built from a
+config, no download) against float32, the three experts implementations, the forms user code
+calls (`torch._grouped_mm`, `F.grouped_mm`, `torch.bmm`, `F.linear` on `W[e]`) against the
+float64 per-expert reference of `test_moe.py`, per-expert state, and what is reported."""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _helpers import sqnr
+from _moe_models import ARCHS, batch, build, train
+from test_moe import _reference
+from torch import nn
+from torch.utils import _pytree as pytree
+
+import fp8fn
+from fp8fn._ops.grouped import grouped_mm
+
+pytest.importorskip("transformers")
+
+
+def _experts_only(name, module):
+    return "experts" in name and name.endswith("_proj")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_arch_trains_in_float8_on_both_routes(arch):
+    model = build(arch)
+    ref, ref_grads, _ = train(model)
+    fn = fp8fn.transform(model, fp8fn.DelayedScaling())
+    with pytest.warns(UserWarning, match=r"high precision.*(gate|router)\.weight"):
+        losses, _, state = train(model, fn=fn)
+    auto, _, _ = train(model, fn=fn, route="autograd")
+    assert losses == pytest.approx(ref, rel=0.05)
+    assert auto == pytest.approx(losses, rel=1e-6)
+    experts = [n for n, p in model.named_parameters() if p.dim() == 3]
+    assert experts and set(experts) <= set(fn.layers)
+    assert all(f"{n}[0]" in state for n in experts)
+    assert len(pytree.tree_leaves(state)) == 2
+    # each expert weight's gradient, with the experts alone in float8 (the rest float32)
+    only = fp8fn.transform(model, fp8fn.DelayedScaling(), filter_fn=_experts_only)
+    _, grads, _ = train(model, steps=1, fn=only)
+    for n in experts:
+        assert sqnr(ref_grads[n], grads[n]) >= 12.0, n
+
+
+def _mixtral_run(implementation, steps=2):
+    model = build("mixtral", implementation)
+    fn = fp8fn.transform(model, fp8fn.DelayedScaling(), filter_fn=_experts_only)
+    losses, grads, state = train(model, steps=steps, fn=fn)
+    return fn, losses, grads, state
+
+
+def test_experts_implementations_run_alike():
+    """eager (F.linear on W[e]), batched_mm (bmm on the copy W[ids]) and grouped_mm: the same
+    sites and per-expert scales; the same losses and gradients up to float32 summation order."""
+    runs = {impl: _mixtral_run(impl) for impl in ("eager", "batched_mm", "grouped_mm")}
+    _, losses, grads, state = runs["grouped_mm"]
+    for impl in ("eager", "batched_mm"):
+        _, other_losses, other_grads, other_state = runs[impl]
+        assert other_state.sites == state.sites
+        assert other_losses == pytest.approx(losses, rel=1e-5)
+        torch.testing.assert_close(other_state.scale, state.scale, rtol=1e-5, atol=0)
+        for n, g in grads.items():
+            torch.testing.assert_close(other_grads[n], g, rtol=1e-4, atol=1e-6)
+
+
+def test_summary_gives_each_weight_and_its_share():
+    model = build("mixtral")
+    fn = fp8fn.transform(model, fp8fn.DelayedScaling())
+    with pytest.raises(RuntimeError, match=r"expected `fn.init\(...\)` first"):
+        fn.summary()
+    with pytest.warns(UserWarning, match="2 weight.*0.4%.*'model.layers.0.mlp.gate.weight'"):
+        fn.init(batch())
+    lines = fn.summary().splitlines()
+    assert lines[0] == "float8: 57,344 of 57,600 matmul weight elements (99.6%)"
+    row = next(r for r in lines if r.startswith("model.layers.0.mlp.experts.gate_up_proj "))
+    assert row.split()[1:] == ["16,384", "28.4%", "float8", "DelayedScaling,", "per", "expert"]
+    assert lines[-1].split()[-5:] == ["high", "precision", "(F.linear;", "not", "converted)"]
+
+
+def test_routers_chosen_out_are_not_reported():
+    model = build("mixtral")
+    fn = fp8fn.transform(model, fp8fn.DelayedScaling(),
+                         filter_fn=lambda name, module: not name.endswith("gate.weight"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fn.init(batch())
+    assert "(F.linear; chosen)" in fn.summary()
+
+
+def test_flatten_names_experts_and_resume_is_bit_identical(tmp_path):
+    model = build("qwen3_moe")
+    recipe = fp8fn.DelayedScaling()
+    fn = fp8fn.transform(model, recipe)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, _, state = train(model, steps=2, fn=fn)
+    flat = fp8fn.flatten_state(state)
+    assert "model.layers.1.mlp.experts.down_proj[3].grad_output.scale" in flat
+    torch.save(flat, tmp_path / "state.pt")
+    resumed = fp8fn.unflatten_state(torch.load(tmp_path / "state.pt", weights_only=True), recipe)
+    fresh = fp8fn.transform(model, recipe)  # a new process: no init
+    params, ids = dict(model.named_parameters()), batch()
+
+    def step(fn, state):
+        def f(p, s):
+            return fn.apply(p, s, ids, labels=ids).loss
+
+        return torch.func.grad(f, argnums=(0, 1))(params, state)
+
+    (grads, obs), (grads2, obs2) = step(fn, state), step(fresh, resumed)
+    assert torch.equal(obs.amax_history, obs2.amax_history)
+    assert all(torch.equal(grads[n], grads2[n]) for n in grads)
+    assert resumed.sites == state.sites and torch.equal(resumed.scale, state.scale)
+
+
+class _Experts(nn.Module):
+    """User code: 3-D weight `(E, N, K)` run by one of the GEMM forms fp8fn converts."""
+
+    def __init__(self, form, experts=4, n=24, k=32):
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.w = nn.Parameter(torch.randn(experts, n, k, generator=gen))
+        self.form = form
+
+    def forward(self, x, ends):
+        w, offs = self.w, torch.tensor(ends, dtype=torch.int32)
+        if self.form == "grouped_mm":
+            return F.grouped_mm(x, w.transpose(-2, -1), offs=offs)
+        if self.form == "_grouped_mm":
+            return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+        starts = [0, *ends[:-1]]
+        if self.form == "linear_loop":
+            return torch.cat([F.linear(x[s:t], w[e]) for e, (s, t) in enumerate(zip(starts, ends))])
+        if self.form == "unbind_matmul":
+            return torch.cat([x[s:t] @ we.t() for we, s, t in zip(w.unbind(0), starts, ends)])
+        if self.form == "bmm_ids":
+            sizes = torch.diff(offs, prepend=offs[:1] * 0)
+            ids = torch.repeat_interleave(torch.arange(len(ends)), sizes)
+            return torch.bmm(w[ids], x.unsqueeze(-1)).squeeze(-1)
+        assert self.form == "bmm_experts"  # equal groups, batch e = expert e
+        rows = ends[0]
+        out = torch.bmm(x.view(len(ends), rows, -1), w.transpose(1, 2))
+        return out.reshape(len(ends) * rows, -1)
+
+
+_FORMS = ["grouped_mm", "_grouped_mm", "linear_loop", "unbind_matmul", "bmm_ids", "bmm_experts"]
+
+
+@pytest.mark.parametrize("form", _FORMS)
+@pytest.mark.parametrize("recipe", [fp8fn.DelayedScaling(), fp8fn.CurrentScaling()])
+def test_user_gemm_forms_match_the_float64_reference(form, recipe):
+    ends = [6, 12, 18, 24] if form == "bmm_experts" else [5, 5, 13, 20]
+    module = _Experts(form)
+    gen = torch.Generator().manual_seed(1)
+    x, g = torch.randn(ends[-1], 32, generator=gen), torch.randn(ends[-1], 24, generator=gen)
+    fn = fp8fn.transform(module, recipe)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        state = fn.init(x, ends)
+    assert fn.layers == ["w"]
+    assert list(state) == ([f"w[{e}]" for e in range(4)] if state.sites else [])
+
+    def f(p, s):
+        return (fn.apply(p, s, x, ends) * g).sum()
+
+    (grads, obs) = torch.func.grad(f, argnums=(0, 1))(dict(module.named_parameters()), state)
+    out = fn.apply(dict(module.named_parameters()), state, x, ends)
+    r_out, _, r_gw, r_obs = _reference(x, module.w.detach(), ends, g)
+    torch.testing.assert_close(out.double(), r_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grads["w"].double(), r_gw, rtol=1e-5, atol=1e-5)
+    if state.sites:
+        newest = obs.amax_history[..., 0].double()
+        torch.testing.assert_close(newest, r_obs.float().double(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("form", ["grouped_mm", "linear_loop", "bmm_ids"])
+def test_idle_expert_keeps_its_input_and_grad_output_histories(form):
+    """Expert 1 receives no token in 3 steps: 0 = not observed, so `update` keeps its input
+    and grad_output histories (empty here) while the others fill theirs."""
+    module = _Experts(form)
+    fn = fp8fn.transform(module, fp8fn.DelayedScaling(history_len=4))
+    ends, gen = [5, 5, 13, 20], torch.Generator().manual_seed(2)
+    state = fn.init(torch.randn(20, 32), ends)
+    params = dict(module.named_parameters())
+    for _ in range(3):
+        x = torch.randn(20, 32, generator=gen)
+        obs = torch.func.grad(lambda s: fn.apply(params, s, x, ends).sum())(state)
+        state = fp8fn.update(state, obs)
+    idle, busy = state["w[1]"], state["w[2]"]
+    assert not idle.input.amax_history.any() and not idle.grad_output.amax_history.any()
+    assert busy.input.amax_history[:3].all() and busy.grad_output.amax_history[:3].all()
+    assert idle.weight.amax_history[0].item() == module.w[1].abs().max().item()
+
+
+def test_64_experts_stay_two_leaves_and_update_is_unchanged():
+    module = _Experts("grouped_mm", experts=64)
+    ends = list(range(1, 65))
+    fn = fp8fn.transform(module, fp8fn.DelayedScaling())
+    state = fn.init(torch.randn(64, 32), ends)
+    assert len(state) == 64 and len(pytree.tree_leaves(state)) == 2
+    assert state.amax_history.shape == (64, 3, 16)
+
+
+def test_experts_with_a_recipe_they_lack_raise_at_init_naming_the_weight():
+    module = _Experts("grouped_mm")
+    fn = fp8fn.transform(module, fp8fn.RowwiseScaling())
+    before = module.w.detach().clone()
+    with pytest.raises(ValueError, match=r"fp8fn.init: expected fp8fn.DelayedScaling or "
+                                         r"fp8fn.CurrentScaling for the experts weight 'w'"):
+        fn.init(torch.randn(20, 32), [5, 5, 13, 20])
+    assert torch.equal(module.w, before) and fn.layers == []
+
+
+def test_experts_sites_apart_in_the_state_raise():
+    module = _Experts("grouped_mm")
+    recipe = fp8fn.DelayedScaling()
+    fn = fp8fn.transform(module, recipe)
+    x, ends = torch.randn(20, 32), [5, 5, 13, 20]
+    state = fn.init(x, ends)
+    flat = fp8fn.flatten_state(state)
+    order = ["w[0]", "w[2]", "w[1]", "w[3]"]
+    shuffled = {k: flat[k] for s in order for k in flat if k.startswith(s + ".")}
+    with pytest.raises(ValueError, match=r"expected the sites of the 4 experts of 'w' \(call 0\) "
+                                         r"in `state`, one after another, got them apart"):
+        fn.apply(dict(module.named_parameters()), fp8fn.unflatten_state(shuffled, recipe), x, ends)
+
+
+@pytest.mark.parametrize("implementation", ["eager", "batched_mm", "grouped_mm"])
+def test_checkpoint_fn_on_decoder_layers_is_bit_identical_with_float8_experts(implementation):
+    model = build("mixtral", implementation)
+    ids, params = batch(), dict(model.named_parameters())
+    runs = []
+    for checkpoint_fn in (None, lambda name, module: name.count(".") == 2 and "layers" in name):
+        fn = fp8fn.transform(model, fp8fn.DelayedScaling(), checkpoint_fn=checkpoint_fn)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the routers' high-precision GEMMs
+            state = fn.init(ids, use_cache=False)
+
+        def f(p, s, fn=fn):
+            return fn.apply(p, s, ids, labels=ids, use_cache=False).loss
+
+        runs.append(torch.func.grad(f, argnums=(0, 1))(params, state))
+    assert fn.checkpointed == ["model.layers.0", "model.layers.1"]
+    (grads, obs), (grads2, obs2) = runs
+    assert torch.equal(obs.amax_history, obs2.amax_history)
+    assert all(torch.equal(grads[n], grads2[n]) for n in grads)
+
+
+def test_grouped_mm_with_arguments_by_position_and_keyword():
+    class Keywords(_Experts):
+        def forward(self, x, ends):
+            offs = torch.tensor(ends, dtype=torch.int32)
+            a = torch._grouped_mm(x, self.w.transpose(-2, -1), offs)
+            return a + torch._grouped_mm(input=x, mat2=self.w.transpose(-2, -1), offs=offs)
+
+    module, ends = Keywords("grouped_mm"), [5, 5, 13, 20]
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(20, 32, generator=gen)
+    fn = fp8fn.transform(module, fp8fn.CurrentScaling())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fn.init(x, ends)
+    out = fn.apply(dict(module.named_parameters()), fn.init(x, ends), x, ends)
+    one = grouped_mm(x, module.w.detach(), torch.tensor(ends, dtype=torch.int32))
+    assert torch.equal(out, one + one)
+
+
+def test_conv_weights_are_not_asked_about_and_run_as_they_are():
+    model = nn.Sequential(nn.Conv1d(4, 8, 3), nn.Flatten(), nn.Linear(8 * 6, 5))
+    asked = []
+
+    def filter_fn(name, module):
+        asked.append(name)
+        return True
+
+    fn = fp8fn.transform(model, fp8fn.DelayedScaling(), filter_fn=filter_fn)
+    x = torch.randn(2, 4, 8)
+    state = fn.init(x)
+    assert asked == ["2"] and fn.layers == ["2"] and list(state) == ["2"]
+    assert "0.weight" not in fn.summary()
