@@ -15,7 +15,8 @@ from torch._inductor.utils import run_and_get_code
 
 import fp8fn
 import fp8fn._ops.linear
-from fp8fn._ops.tensorwise import LOCAL, _Fp8Linear
+from fp8fn._numerics.fp8 import amax
+from fp8fn._ops.tensorwise import LOCAL, _after_gemm, _Fp8Linear
 
 pytestmark = pytest.mark.slow  # torch.compile: tens of seconds a test on 2 cores
 CURRENT = fp8fn.CurrentScaling(backend="emulated")
@@ -467,6 +468,21 @@ def test_compiled_forward_casts_in_one_fused_kernel(recipe):
     # The amax is an inf-norm reduction (`linalg_vector_norm`).
     assert all(op in kernels[0] for op in ("linalg_vector_norm", "mul", "clamp", "_to_copy"))
     assert code.count("extern_kernels.mm(") == 1
+
+
+@pytest.mark.parametrize("special", [None, float("nan"), float("inf"), -float("inf")])
+def test_amax_by_rows_is_the_flat_amax_bit_for_bit(special):
+    # Compiled, a steady-state cast that also writes its tensor transposed takes the amax by
+    # rows, then over the rows (so that it joins the cast's loop): the flat amax's value and
+    # dtype, special values included (NaN payload too); float32's max of magnitudes as the
+    # reference value.
+    t = torch.randn(48, 40, dtype=torch.bfloat16) * 1e3
+    if special is not None:
+        t[7, 3] = special
+    by_rows = _after_gemm(None, t, True)
+    assert_bit_identical(by_rows, amax(t))
+    torch.testing.assert_close(by_rows, t.float().abs().max(), rtol=0, atol=0, equal_nan=True)
+    assert_bit_identical(_after_gemm(None, t[:0], True), torch.tensor(0.0))
 
 
 @RECIPES

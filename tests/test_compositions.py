@@ -146,11 +146,12 @@ def test_autocast_casts_the_input_first_and_routes_agree(recipe):
 # op count: the lean op ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("backend, bound", [("emulated", 70), ("scaled_mm", 61)])
+@pytest.mark.parametrize("backend, bound", [("emulated", 54), ("scaled_mm", 45)])
 def test_ops_per_linear_fwd_bwd_stay_bounded(backend, bound):
     """A middle layer (x, weight, bias differentiated) at step 2, torch.func route, counted with
     the loss' own 3 ops and the state's split (0.1 dispatched 137; 0.2 67 and 58, before each of
-    the three casts kept inf and NaN visible, one op each)."""
+    the three casts kept inf and NaN visible, one op each; 0.4 54 and 45: the bounds are the
+    counts)."""
     recipe = fp8fn.DelayedScaling(backend=backend)
     model = torch.nn.Sequential(torch.nn.Linear(64, 48))
     fn = fp8fn.transform(model, recipe)
