@@ -10,10 +10,12 @@ package never imports it. It spawns 2 gloo ranks on CPU and prints two tables.
    per tensor would. Collectives are counted with torch's `CommDebugMode`, bytes (per rank, sent
    into the collective) by wrapping `torch.distributed.all_reduce`; both results are checked to
    agree.
-2. One model (residual MLP blocks and a head, `fully_shard` per block and on the root), one
-   training step after warming, routes side by side: FSDP2 in float32; fp8fn DelayedScaling
-   with float32 all-gathers and with `fp8fn.float8_all_gather`; fp8fn CurrentScaling with
-   float8 all-gathers; torchao 0.18 tensorwise (`emulate=True`) with
+2. Two models (residual MLP blocks and a head, `fully_shard` per block and on the root): blocks
+   `x + fc2(gelu(fc1(ln(x))))` of the `--fsdp-shape`, and issue 28's model, 3 blocks
+   `x + fc2(gelu(fc1(x)))` of `Linear(32, 64)`, `Linear(64, 32)` without LayerNorm and a
+   `Linear(32, 8)` head; one training step after warming, routes side by side: FSDP2 in
+   float32; fp8fn DelayedScaling with float32 all-gathers and with `fp8fn.float8_all_gather`;
+   fp8fn CurrentScaling with float8 all-gathers; torchao 0.18 tensorwise (`emulate=True`) with
    `enable_fsdp_float8_all_gather`, with and without `precompute_float8_dynamic_scale_for_fsdp`;
    and fp8fn 0.2's route, `unshard()` of every FSDP module before the step. For each: the
    collectives of the step (c10d ops seen by a dispatch mode, FSDP2's and the route's own) and
@@ -97,7 +99,7 @@ def count(reduce, obs: fp8fn.State) -> tuple[int, int]:
     return comm.get_total_counts(), sent.bytes
 
 
-def worker(rank: int, port: int, sizes, history_len: int, repeats: int, shape, out: str) -> None:
+def worker(rank: int, port: int, sizes, history_len: int, repeats: int, shapes, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",
@@ -120,7 +122,7 @@ def worker(rank: int, port: int, sizes, history_len: int, repeats: int, shape, o
     if rank == 0:
         with open(out, "w") as f:
             f.writelines(f"{n}\t{name}\t{c}\t{b}\t{ms}\n" for n, name, c, b, ms in rows)
-    fsdp_rows = fsdp_table(rank, shape)
+    fsdp_rows = [fsdp_table(rank, shape) for shape in shapes]
     if rank == 0:
         with open(out + ".fsdp.json", "w") as f:
             json.dump(fsdp_rows, f)
@@ -131,22 +133,26 @@ def worker(rank: int, port: int, sizes, history_len: int, repeats: int, shape, o
 
 
 class Block(nn.Module):
-    def __init__(self, d: int, hidden: int):
+    """`x + fc2(gelu(fc1(ln(x))))`, the LayerNorm left out with `norm=False`."""
+
+    def __init__(self, d: int, hidden: int, norm: bool):
         super().__init__()
-        self.ln, self.fc1, self.fc2 = nn.LayerNorm(d), nn.Linear(d, hidden), nn.Linear(hidden, d)
+        self.ln = nn.LayerNorm(d) if norm else nn.Identity()
+        self.fc1, self.fc2 = nn.Linear(d, hidden), nn.Linear(hidden, d)
 
     def forward(self, x):
         return x + self.fc2(F.gelu(self.fc1(self.ln(x))))
 
 
 class Net(nn.Module):
-    """`n_blocks` residual MLP blocks and a head; linear weights dominate the parameters."""
+    """`n_blocks` residual MLP blocks and a `Linear(d, out)` head; linear weights dominate the
+    parameters."""
 
-    def __init__(self, d: int, hidden: int, n_blocks: int):
+    def __init__(self, d: int, hidden: int, n_blocks: int, out: int, norm: bool):
         super().__init__()
         torch.manual_seed(0)
-        self.blocks = nn.ModuleList(Block(d, hidden) for _ in range(n_blocks))
-        self.head = nn.Linear(d, d)
+        self.blocks = nn.ModuleList(Block(d, hidden, norm) for _ in range(n_blocks))
+        self.head = nn.Linear(d, out)
 
     def forward(self, x):
         for block in self.blocks:
@@ -203,11 +209,13 @@ class StepMeter(TorchDispatchMode):
         return out
 
 
-def _fsdp_route(name: str, rank: int, d: int, hidden: int, n_blocks: int, batch: int):
-    """(collectives, peak parameter bytes) of the 3rd training step of route `name`."""
+def _fsdp_route(name: str, rank: int, shape: tuple):
+    """(collectives, peak parameter bytes) of the 3rd training step of route `name` on the
+    model of `shape`: `(d, hidden, n_blocks, batch, out, norm)`."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
-    model = Net(d, hidden, n_blocks)
+    d, hidden, n_blocks, batch, out, norm = shape
+    model = Net(d, hidden, n_blocks, out, norm)
     torchao = name.startswith("torchao")
     if torchao:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
@@ -257,6 +265,10 @@ def _fsdp_route(name: str, rank: int, d: int, hidden: int, n_blocks: int, batch:
     return meter.collectives, meter.peak
 
 
+# Issue 28's model: 3 blocks x + fc2(gelu(fc1(x))), Linear(32, 64) and Linear(64, 32), no
+# LayerNorm, a Linear(32, 8) head; batch 8 per rank.
+RESIDUAL = (32, 64, 3, 8, 8, False)
+
 FSDP_ROUTES = (
     "float32",
     "fp8fn delayed",
@@ -278,7 +290,7 @@ def fsdp_table(rank: int, shape) -> list:
         routes = list(FSDP_ROUTES)
     rows = []
     for name in routes:
-        collectives, peak = _fsdp_route(name, rank, *shape)
+        collectives, peak = _fsdp_route(name, rank, shape)
         counts: dict = {}
         for op, sent in collectives:
             c, b = counts.get(op, (0, 0))
@@ -288,10 +300,11 @@ def fsdp_table(rank: int, shape) -> list:
 
 
 def print_fsdp(rows, shape) -> None:
-    d, hidden, n_blocks, batch = shape
+    d, hidden, n_blocks, batch, out, norm = shape
+    blocks = f"Linear {d}->{hidden}->{d}" + (", LayerNorm" if norm else ", no LayerNorm")
     print(
-        f"\nFSDP2, {WORLD} gloo ranks: {n_blocks} blocks (Linear {d}->{hidden}->{d}, LayerNorm) + "
-        f"head, fully_shard per block and root, batch {batch} per rank; the 3rd step, per rank"
+        f"\nFSDP2, {WORLD} gloo ranks: {n_blocks} blocks ({blocks}) + head Linear {d}->{out}, "
+        f"fully_shard per block and root, batch {batch} per rank; the 3rd step, per rank"
     )
     base = next(c for n, c, _ in rows if n == "float32")["allgather_base"][1]
     head = ("route", "all-gathers", "bytes", "vs fp32", "reduce-scatters", "bytes", "all-reduces",
@@ -336,12 +349,14 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny sizes, a few seconds")
     args = parser.parse_args()
     sizes, repeats = ([4, 16], 2) if args.quick else (args.sizes, args.repeats)
-    shape = (64, 256, 2, 8) if args.quick else tuple(args.fsdp_shape)
+    d, hidden, n_blocks, batch = (64, 256, 2, 8) if args.quick else args.fsdp_shape
+    # the --fsdp-shape model (LayerNorm, head d -> d), and issue 28's residual model
+    shapes = [(d, hidden, n_blocks, batch, d, True), RESIDUAL]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.tsv")
         mp.spawn(
             worker,
-            args=(free_port(), sizes, args.history_len, repeats, shape, out),
+            args=(free_port(), sizes, args.history_len, repeats, shapes, out),
             nprocs=WORLD,
             join=True,
         )
@@ -355,7 +370,8 @@ def main() -> None:
         title=f"{WORLD} gloo ranks on CPU, history_len {args.history_len}, median of {repeats}",
         left=2,
     )
-    print_fsdp(fsdp_rows, shape)
+    for rows, shape in zip(fsdp_rows, shapes):
+        print_fsdp(rows, shape)
 
 
 if __name__ == "__main__":

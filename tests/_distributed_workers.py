@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _helpers import assert_bit_identical, bits, observation
+from _helpers import CountHostReads, assert_bit_identical, bits, observation
 from _models import MLP, _seeded
 from _spawn import assert_state_same_on_all_ranks, run_scenarios, same_on_all_ranks
 from torch import nn
@@ -102,9 +102,10 @@ def all_reduce_one_collective(rank):
 def all_reduce_structure_mismatch(rank):
     """Ranks whose observations differ in structure get a clear error on every rank, instead of
     maxima of unrelated sites or an aborted collective: other sizes (site count, history_len)
-    on a group's first reduce, and the same size (site order, margin, amax_compute) on any
-    reduce, also where every rank has reduced its structure before. The ranks reduce normally
-    afterwards."""
+    on a group's first reduce (a ValueError, read on the host), and the same size (site order,
+    margin, amax_compute) on any reduce, also where every rank has reduced its structure before
+    (later reduces check in the graph, without a host read: a RuntimeError on CPU). The ranks
+    reduce normally afterwards."""
     import pytest
 
     def other(i, **config):
@@ -123,10 +124,52 @@ def all_reduce_structure_mismatch(rank):
         other(2, margin=rank),
         other(2, amax_compute=("max", "most_recent")[rank]),
     ):
-        with pytest.raises(ValueError, match="same structure on every rank"):
+        with pytest.raises(RuntimeError, match=r"^fp8fn\.all_reduce: expected observations of"):
             fp8fn.all_reduce(observation(mine))
     out = fp8fn.all_reduce(seen._replace(amax_history=torch.full((2, 3, 4), rank + 1.0)))
     assert torch.equal(out.amax_history, torch.full((2, 3, 4), 2.0))
+
+
+def all_reduce_steady_state_step_reads_nothing_on_the_host(rank):
+    """A data-parallel step (observe, apply, backward, `all_reduce`, `update`) after the first
+    reads no tensor value on the host (each read a device sync on a GPU: `bool(t)`, `.item()`,
+    `.cpu()`, `torch.equal`, ...) and runs exactly one collective, `all_reduce`'s; the state
+    stays the same on every rank."""
+    calls = []
+    original = dist.all_reduce
+
+    def counting(tensor, *args, **kwargs):
+        calls.append(tuple(tensor.shape))
+        return original(tensor, *args, **kwargs)
+
+    model = MLP((16, 32, 32, 8), seed=1)
+    fn = fp8fn.transform(model, RECIPE)
+    x = _shard(_data(), rank)
+    state = fn.init(x)
+    params = {k: v.detach().requires_grad_() for k, v in model.named_parameters()}
+    group = dist.new_group([0, 1])  # its first reduce (the structure check) comes in step 1
+
+    def step(state):
+        observed = fp8fn.observe(state)
+        _sq_loss(fn.apply(params, observed, x), BATCH).backward()
+        return fp8fn.update(state, fp8fn.all_reduce(fp8fn.observations(observed), group=group))
+
+    reads = []
+    dist.all_reduce = counting
+    try:
+        for _ in range(4):
+            calls.clear()
+            with CountHostReads() as c:
+                new = step(state)
+            reads.append(c.reads)
+            state = new
+    finally:
+        dist.all_reduce = original
+    assert reads[0] and reads[1:] == [[], [], []], reads  # step 1: the structure, on the host
+    packed = (state.amax_history.numel() + state.scale.numel() + 4,)
+    assert calls == [packed], calls  # the last step's one collective
+    assert_state_same_on_all_ranks(state)
+    MEASURED["all_reduce_route_host_reads_per_step"] = [len(r) for r in reads]
 
 
 def all_reduce_errors(rank):
@@ -390,6 +433,7 @@ SCENARIOS = [
     all_reduce_is_merge_over_ranks,
     all_reduce_one_collective,
     all_reduce_structure_mismatch,
+    all_reduce_steady_state_step_reads_nothing_on_the_host,
     all_reduce_errors,
     all_reduce_subgroup,
     functional_data_parallel,

@@ -128,3 +128,29 @@ def outlier_mlp_case():
     x[..., :4] *= 20
     g = torch.randn(4, 64, 128, generator=gen) * torch.randn(4, 64, 1, generator=gen).exp()
     return model, x, g
+
+
+HOST_READS = ("__bool__", "item", "tolist", "__int__", "__float__", "__index__", "cpu", "numpy")
+HOST_READ_FUNCTIONS = ("equal", "allclose")  # torch.<name>: a Python bool from tensor values
+
+
+class CountHostReads:
+    """Counts the Python-level reads of tensor values inside (`bool(t)`, `t.item()`, `t.cpu()`,
+    `torch.equal(a, b)`, ...): each is a device sync on a GPU. `reads` lists their names."""
+
+    def __enter__(self):
+        self.reads = []
+        self.saved = [(torch.Tensor, n, getattr(torch.Tensor, n)) for n in HOST_READS]
+        self.saved += [(torch, n, getattr(torch, n)) for n in HOST_READ_FUNCTIONS]
+        for owner, name, method in self.saved:
+
+            def counted(*args, _name=name, _method=method, **kwargs):
+                self.reads.append(_name)
+                return _method(*args, **kwargs)
+
+            setattr(owner, name, counted)
+        return self
+
+    def __exit__(self, *exc):
+        for owner, name, method in self.saved:
+            setattr(owner, name, method)

@@ -8,7 +8,10 @@ import torch
 from _helpers import (
     F32_MAX,
     FP8_MAX,
+    HOST_READ_FUNCTIONS,
+    HOST_READS,
     ROLES,
+    CountHostReads,
     CountOps,
     assert_bit_identical,
     bits,
@@ -552,33 +555,12 @@ def test_update_refuses_a_state_it_does_not_know_in_the_graph():
         fp8fn.update(state, loaded)
 
 
-HOST_READS = ("__bool__", "item", "tolist", "__int__", "__float__", "__index__")
-
-
-class CountHostReads:
-    """Counts the Python-level reads of tensor values (`bool(t)`, `t.item()`, ...) inside."""
-
-    def __enter__(self):
-        self.reads, self.saved = [], {n: getattr(torch.Tensor, n) for n in HOST_READS}
-        for name, method in self.saved.items():
-
-            def counted(t, *args, _name=name, _method=method, **kwargs):
-                self.reads.append(_name)
-                return _method(t, *args, **kwargs)
-
-            setattr(torch.Tensor, name, counted)
-        return self
-
-    def __exit__(self, *exc):
-        for name, method in self.saved.items():
-            setattr(torch.Tensor, name, method)
-
-
 def test_count_host_reads_sees_each_kind():
     t = torch.ones(())
     with CountHostReads() as c:
         bool(t), t.item(), t.tolist(), int(t), float(t), [0, 1][t.long()]
-    assert sorted(c.reads) == sorted(HOST_READS)
+        torch.equal(t, t), torch.allclose(t, t), t.cpu(), t.numpy()
+    assert sorted(c.reads) == sorted(HOST_READS + HOST_READ_FUNCTIONS)
 
 
 def _func_step(fn, params, state, x):

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from .._core.state import State, check_state
 from .._core.update import observed_only
+from .._torch_private import assert_in_graph, process_group_devices
 
 
 def _check_group(group):
@@ -48,7 +49,7 @@ def _check_device(device: torch.device, group) -> None:
     (torch says only `No backend type associated with device type cpu`.) gloo reduces CPU and
     CUDA tensors; NCCL only CUDA ones.
     """
-    supported = getattr(group, "_device_types", None)
+    supported = process_group_devices(group)
     if supported is None or device.type in {d.type for d in supported}:
         return
     names = sorted({d.type for d in supported})
@@ -60,26 +61,37 @@ def _check_device(device: torch.device, group) -> None:
     )
 
 
-def _structure_tag(key) -> torch.Tensor:
+def _structure_tag(key, device: torch.device) -> torch.Tensor:
     """A hash of `key` as two 24-bit integers (exact in float32), each next to its negation:
     after a MAX over the ranks the tag is unchanged exactly when every rank sent the same one
-    (max(a) = a and max(-a) = -a mean min(a) = max(a)). float32 `(4,)`."""
+    (max(a) = a and max(-a) = -a mean min(a) = max(a)). float32 `(4,)` on `device`."""
     digest = hashlib.blake2b(repr(key).encode(), digest_size=6).digest()
     a, b = int.from_bytes(digest[:3], "little"), int.from_bytes(digest[3:], "little")
-    return torch.tensor([a, -a, b, -b], dtype=torch.float32)
+    return torch.tensor([a, -a, b, -b], dtype=torch.float32, device=device)
 
 
-def _check_same_structure(obs: State, tag: torch.Tensor, reduced: torch.Tensor) -> None:
-    """Raise unless every rank reduced observations of one structure (sites in one order, static
-    config, shapes): the reduce pairs sites by position, so another structure would mix them.
-    `reduced` is `tag` after the MAX, read back (4 floats, a host sync)."""
-    if not torch.equal(reduced.cpu(), tag):
-        raise ValueError(
+# (static, shape, device) -> (tag, the mismatch message) of the structures reduced lately: made
+# once per structure and device (a copy to a GPU at every call would wait for the device),
+# never written to. Cleared when full.
+_STRUCTURES: dict = {}
+_MAX_STRUCTURES = 64
+
+
+def _structure(obs: State, device: torch.device) -> tuple[torch.Tensor, str]:
+    """`obs`'s structure tag on `device` and the message for ranks that disagree with it."""
+    key = (obs.static, tuple(obs.amax_history.shape))
+    found = _STRUCTURES.get((*key, device))
+    if found is None:
+        if len(_STRUCTURES) >= _MAX_STRUCTURES:
+            _STRUCTURES.clear()
+        message = (
             "fp8fn.all_reduce: expected observations of the same structure on every rank of "
             f"`group` (sites, in order, history_len, amax_compute, margin); this rank has "
             f"{obs!r}, another differs. Build the state the same way on every rank (fn.init of "
             "one transform; a layer called a different number of times has other sites)."
         )
+        found = _STRUCTURES[(*key, device)] = (_structure_tag(key, device), message)
+    return found
 
 
 # The groups whose first reduce has run (weakly held: a destroyed group leaves, and a new group
@@ -97,10 +109,11 @@ def all_reduce(obs: State, group=None) -> State:
     respect to the scales, zeros on fp8fn's routes) is reduced by max in the same collective, so
     the result is `fp8fn.merge` of the ranks' observations. Pure: `obs` is not modified. Every
     rank of `group` must call it, with observations of the same structure (the same model
-    and `fn.init`): a 4-float tag of the structure rides in the collective and is read back
-    (one host sync), so ranks that disagree all raise instead of mixing sites. The first call on
-    a group reduces the tag alone before (one more tiny collective), so that observations of
-    other sizes raise too instead of aborting the collective.
+    and `fn.init`): a 4-float tag of the structure rides in the collective and is compared in
+    the graph after it (no host read, so no device sync in a step), so ranks that disagree all
+    raise instead of mixing sites. The first call on a group reduces the tag alone before (one
+    more tiny collective, read on the host), so that observations of other sizes raise too
+    instead of aborting the collective.
 
     Merge microbatches first (`fp8fn.merge`), then reduce over the ranks, then `fp8fn.update`:
     every rank then holds the same state, bit for bit.
@@ -117,9 +130,12 @@ def all_reduce(obs: State, group=None) -> State:
       A new `State` of `obs`'s structure, shapes and device: the elementwise max over the ranks.
 
     Raises:
-      RuntimeError: when torch.distributed is not initialized.
+      RuntimeError: when torch.distributed is not initialized, or when the ranks'
+        observations differ in structure at a reduce after the group's first (the in-graph
+        check: on CPU raised at once; on CUDA a device-side assert, which ends the process).
       ValueError: when `group` does not hold this rank, its backend cannot reduce tensors
-        on `obs`'s device, or the ranks' observations differ in structure.
+        on `obs`'s device, or the ranks' observations differ in structure at the group's first
+        reduce.
 
     Example (on every rank, after `torch.distributed.init_process_group`)::
 
@@ -134,19 +150,22 @@ def all_reduce(obs: State, group=None) -> State:
     history, scale = obs.amax_history, obs.scale
     _check_device(history.device, group)
     n, m = history.numel(), scale.numel()
-    tag = _structure_tag((obs.static, tuple(history.shape)))
+    tag, mismatch = _structure(obs, history.device)
     if group not in _STARTED:
-        # The first reduce on a group checks the tag alone: buffers of other sizes (another
-        # number of sites, history_len) would abort the collective itself.
-        reduced = tag.to(history.device, copy=True)  # (on CPU `.to` would alias `tag`)
+        # The first reduce on a group checks the tag alone, on the host: buffers of other sizes
+        # (another number of sites, history_len) would abort the collective itself.
+        reduced = tag.clone()
         dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=group)
-        _check_same_structure(obs, tag, reduced)
+        if not torch.equal(reduced, tag):
+            raise ValueError(mismatch)
         _STARTED.add(group)
     with torch.no_grad():
         pieces = [observed_only(history).flatten(), scale.detach().flatten()]
-        packed = torch.cat([*pieces, tag.to(history.device)])
+        packed = torch.cat([*pieces, tag])
         dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
-    _check_same_structure(obs, tag, packed[n + m :])
+        # Same-sized structures that differ (site order, margin) pair sites wrongly: checked
+        # in the graph, no host read (on CUDA a device-side assert, on CPU raised at once).
+        assert_in_graph((packed[n + m :] == tag).all(), mismatch)
     return obs._replace(
         amax_history=packed[:n].view(history.shape), scale=packed[n : n + m].view(scale.shape)
     )
