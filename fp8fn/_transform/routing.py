@@ -20,6 +20,7 @@ from .._torch_errors import USE_CHECKPOINT_FN
 from .._torch_private import (
     attention_forward,
     inside_torch_checkpoint,
+    module_parameters,
     refuse_fullgraph_trace,
     saved_tensor_hooks_active,
     view_base,
@@ -201,7 +202,7 @@ class _Call(TorchFunctionMode):
         given it (FSDP2's unsharded weight, swapped in for the forward); tracked from then on.
         """
         for entry in self.transformed._experts:
-            if entry.module._parameters.get(entry.attr) is t:
+            if module_parameters(entry.module).get(entry.attr) is t:
                 derived = Derived(entry, t)
                 self._track(t, derived)
                 return derived
