@@ -7,7 +7,8 @@ An expert that received no token observes 0 for its input and its grad_output (0
 observed: `update` keeps those histories); its weight is observed as usual.
 
 Backends: on CPU the GEMMs are emulated, one float32 matmul of the widened float8 operands per
-group (`fp8_mm`), which reads the group offsets on the host. On CUDA (`backend="scaled_mm"`)
+group (`fp8_mm`), which reads the group offsets on the host (under torch.compile inside the
+custom ops of `grouped_gemm`, so the graph does not break). On CUDA (`backend="scaled_mm"`)
 the forward is one `torch._scaled_grouped_mm` call where the torch in use has it, the output is
 bfloat16 and K, N are multiples of 16 (per-expert scales given as its row and column scales);
 the backward's GEMMs, and the forward otherwise, go per group through `fp8_mm`'s
@@ -30,8 +31,9 @@ from .._numerics.fp8 import E4M3, E5M2, cast_to_fp8
 from .._torch_private import scaled_grouped_mm, scaled_grouped_mm_available
 from .block_scaled import FINER, check_finer
 from .first_order import first_order_only
-from .gemm import fp8_mm, resolve_backend
-from .grouped_block_scaled import bounds, finer_grouped_mm, nvfp4_grouped_mm
+from .gemm import resolve_backend
+from .grouped_block_scaled import finer_grouped_mm, nvfp4_grouped_mm
+from .grouped_gemm import rows_mm, weight_mm
 from .nvfp4 import check_random
 from .tensorwise import _scales
 
@@ -99,10 +101,7 @@ class _Fp8GroupedMM(torch.autograd.Function):
         if _one_scaled_grouped_mm(x, weight, backend):
             out = _scaled_grouped_forward(x_fp8, w_fp8, x_inv, w_inv, ids, offs)
             return out, x_amax, x_fp8, w_fp8, x_inv, w_inv, w_amax
-        out = x.new_zeros(x.shape[0], weight.shape[1])
-        for e, (s, t) in enumerate(bounds(offs)):
-            if t > s:
-                out[s:t] = fp8_mm(x_fp8[s:t], w_fp8[e], x_inv[e], w_inv[e], x.dtype, backend)
+        out = rows_mm(x_fp8, w_fp8, x_inv, w_inv, offs, x.dtype, backend, False)
         return out, x_amax, x_fp8, w_fp8, x_inv, w_inv, w_amax
 
     @staticmethod
@@ -130,19 +129,9 @@ class _Fp8GroupedMM(torch.autograd.Function):
             needs = ctx.needs_input_grad
             grads = [None] * 7
             if needs[0]:
-                grads[0] = torch.zeros(grad_out.shape[0], w_fp8.shape[2], dtype=x_dtype,
-                                       device=grad_out.device)
+                grads[0] = rows_mm(g_fp8, w_fp8, g_inv, w_inv, offs, x_dtype, ctx.backend, True)
             if needs[1]:
-                grads[1] = torch.zeros(w_fp8.shape, dtype=w_dtype, device=grad_out.device)
-            for e, (s, t) in enumerate(bounds(offs)):
-                if t == s:
-                    continue
-                if needs[0]:
-                    grads[0][s:t] = fp8_mm(g_fp8[s:t], w_fp8[e].t(), g_inv[e], w_inv[e],
-                                           x_dtype, ctx.backend)
-                if needs[1]:
-                    grads[1][e] = fp8_mm(g_fp8[s:t].t(), x_fp8[s:t].t(), g_inv[e], x_inv[e],
-                                         w_dtype, ctx.backend)
+                grads[1] = weight_mm(g_fp8, x_fp8, g_inv, x_inv, offs, w_dtype, ctx.backend)
             if needs[3]:
                 grads[3] = torch.stack([x_amax, w_amax, g_amax], 1)
         return tuple(first_order_only(grads, x_amax))

@@ -20,6 +20,11 @@ def _rows(transformed, weights: dict) -> list[tuple[str, int, str]]:
     for name, op in weights.items():
         if name not in how and name in params:
             chosen = "chosen" if _chosen_out(transformed, name) else "not converted"
+            layer = name.rpartition(".")[0]
+            if layer in transformed._gates:  # left out by default: reported as the routers
+                sub = transformed.module.get_submodule(layer)
+                chosen = "chosen" if transformed._chosen(layer, sub) is None else (
+                    "router or gate; not converted")
             how[name] = "float8" if op is None else f"high precision ({op}; {chosen})"
     order = {n: i for i, n in enumerate(params)}
     rows = [(n, params[n].numel(), h) for n, h in how.items() if n in params]

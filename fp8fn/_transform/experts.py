@@ -23,7 +23,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._core.recipes import CurrentScaling, DelayedScaling
 from .._torch_private import is_convolution, private_grouped_mm
 
 GROUPED_MM = tuple({f for f in (private_grouped_mm(), getattr(F, "grouped_mm", None)) if f})
@@ -33,12 +32,20 @@ _BMMS = (torch.bmm, torch.Tensor.bmm)
 # reported (`Transformed.init`).
 GEMMS = (F.linear, torch.addmm, torch.Tensor.addmm, torch.Tensor.__rmatmul__, torch.baddbmm,
          torch.einsum, *_MATMULS, *_BMMS, *GROUPED_MM)
+
+
+def grouped_ops() -> tuple:
+    """`GROUPED_MM`, and transformers' custom op `transformers::grouped_mm_fallback` (same
+    arguments as `torch._grouped_mm`) where transformers has registered it: its grouped_mm
+    experts run through it under torch.compile with a weight not in bfloat16, and on CPU where
+    `torch._grouped_mm` cannot run. Read at `transform` (it appears when transformers loads)."""
+    hf = getattr(getattr(torch.ops, "transformers", None), "grouped_mm_fallback", None)
+    return GROUPED_MM if hf is None else (*GROUPED_MM, hf)
 _TRANSPOSES = (torch.Tensor.transpose, torch.transpose, torch.Tensor.swapaxes,
                torch.swapaxes, torch.Tensor.swapdims, torch.swapdims)
 _FLIPS = (torch.Tensor.t, torch.t, torch.Tensor.T.__get__, torch.Tensor.mT.__get__)
 DERIVING = (torch.Tensor.__getitem__, torch.Tensor.select, torch.select, torch.Tensor.unbind,
             torch.unbind, *_TRANSPOSES, *_FLIPS)
-EXPERTS_RECIPES = (DelayedScaling, CurrentScaling)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -93,6 +100,27 @@ def find_experts(module, choose) -> list[_Experts]:
         if chosen is not None:
             found.append(_Experts(name, owner, attr, chosen, p.shape[0]))
     return found
+
+
+def find_gates(module, experts: list[_Experts]) -> set[str]:
+    """The paths of the routers and gates next to `experts`: the `nn.Linear` (or subclass)
+    direct children of the module holding an experts weight, or, when it has none, of that
+    module's parent (transformers' `mlp` holding `experts`, `gate`, `shared_expert_gate`), with
+    `out_features` at most that weight's number of experts E (a router scores the E experts; a
+    gate such as Qwen2-MoE's `shared_expert_gate` gives 1 output). Their GEMMs are tiny and
+    decide which experts run, so they stay in high precision by default."""
+    gates = set()
+
+    def linear_children(path):
+        prefix = f"{path}." if path else ""
+        return [(prefix + n, c) for n, c in module.get_submodule(path).named_children()
+                if isinstance(c, nn.Linear)]
+
+    for entry in experts:
+        owner_path = entry.path.rpartition(".")[0]
+        near = linear_children(owner_path) or linear_children(owner_path.rpartition(".")[0])
+        gates.update(n for n, c in near if c.out_features <= entry.experts)
+    return gates
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -198,13 +226,15 @@ def _grouped_by_ids(d: Derived, a: torch.Tensor, weight: torch.Tensor, left: boo
     return Gemm(d, a[perm].reshape(rows * m, k), weight, offs=offs, finish=finish)
 
 
-def read_gemm(func, args, kwargs, derived_of) -> Gemm | None:
+def read_gemm(func, args, kwargs, derived_of, grouped=GROUPED_MM) -> Gemm | None:
     """The `Gemm` of a call that multiplies an experts weight in a form fp8fn converts, or
     None (`F.linear` is read by `_Call`, as for linear layers). `derived_of(t)` is the `Derived`
-    of a tensor, or None."""
-    if func in GROUPED_MM:
-        names = ("input", "mat2") if func is private_grouped_mm() else (
-            "mat_a", "mat_b")
+    of a tensor, or None; `grouped` the grouped GEMM ops (`grouped_ops()`)."""
+    if any(func is op for op in grouped):  # (by identity: an OpOverloadPacket's `==` is not)
+        if func is getattr(F, "grouped_mm", None):
+            names = ("mat_a", "mat_b")
+        else:
+            names = ("input", "mat2" if func is private_grouped_mm() else "weight")
         names += ("offs", "bias", "out_dtype")
         if len(args) > len(names) or kwargs.keys() - set(names):
             return None
@@ -252,15 +282,3 @@ def _batch_over_experts(d: Derived, x, weight, left) -> Gemm:
 
     offs = _equal_groups(experts, rows, x.device)
     return Gemm(d, x.reshape(experts * rows, k), weight, offs=offs, finish=finish)
-
-
-def check_experts_recipe(entry: _Experts) -> None:
-    """Raise unless `entry`'s recipe has a per-expert form (delayed, current tensorwise)."""
-    if not isinstance(entry.recipe, EXPERTS_RECIPES):
-        raise ValueError(
-            f"fp8fn.init: expected fp8fn.DelayedScaling or fp8fn.CurrentScaling for the experts "
-            f"weight {entry.path!r} (a 3-D weight used in a GEMM), got "
-            f"{type(entry.recipe).__name__}. Give it one of those with a recipe function "
-            "`(name, module) -> recipe`, or leave it in high precision with "
-            f"`filter_fn=lambda name, module: name != {entry.path!r}`."
-        )

@@ -105,10 +105,11 @@ def _computed_attribute(layer, attrs=("weight", "bias")) -> str | None:
     return None
 
 
-def _find_layers(module, recipe, filter_fn, warn=True) -> list[_Layer]:
+def _find_layers(module, recipe, filter_fn, warn=True, gates=frozenset()) -> list[_Layer]:
     """The linear layers that run in float8, in module order: nn.Linear (and subclasses that
     keep its forward), HF Conv1D, and nn.MultiheadAttention's projections (`<path>.in_proj`, or
-    `q_proj`/`k_proj`/`v_proj`, and its `out_proj`). Warns when there are none and `warn`.
+    `q_proj`/`k_proj`/`v_proj`, and its `out_proj`), but not the paths in `gates` (routers and
+    gates: high precision). Warns when there are none and `warn`.
 
     A subclass with its own forward (Llama 4's router) is not converted: what it computes
     with its weight is its own; `fn.init` reports its GEMMs that run in high precision."""
@@ -117,7 +118,7 @@ def _find_layers(module, recipe, filter_fn, warn=True) -> list[_Layer]:
     layers = []
 
     def add(name, sub, attrs, transposed):
-        if filter_fn is not None and not filter_fn(name, sub):
+        if name in gates or filter_fn is not None and not filter_fn(name, sub):
             return
         chosen = _recipe_for(recipe, name, sub)
         if chosen is None:

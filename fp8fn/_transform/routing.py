@@ -11,6 +11,7 @@ from torch.overrides import TorchFunctionMode
 from .._core.checks import check_dtypes, check_operands
 from .._core.recipes import DelayedScaling, NVFP4Scaling
 from .._core.state import site_name
+from .._ops.block_scaled import FINER
 from .._ops.gemm import resolve_backend
 from .._ops.grouped import grouped_mm
 from .._ops.linear import fp8_linear
@@ -19,6 +20,8 @@ from .._torch_errors import USE_CHECKPOINT_FN
 from .._torch_private import (
     attention_forward,
     inside_torch_checkpoint,
+    module_parameters,
+    refuse_fullgraph_trace,
     saved_tensor_hooks_active,
     view_base,
 )
@@ -27,7 +30,6 @@ from .experts import (
     GEMMS,
     Derived,
     _ExpertLayer,
-    check_experts_recipe,
     derive,
     read_gemm,
 )
@@ -160,8 +162,8 @@ class _Call(TorchFunctionMode):
                         self._note(weight, None)
                         return func(*args, **kwargs)
                     return self._linear(layer, x, weight.t() if transposed else weight, bias)
-        if func in GEMMS:
-            gemm = read_gemm(func, args, kwargs, self._derived_of)
+        if func in GEMMS or any(func is op for op in self.transformed._grouped_ops):
+            gemm = read_gemm(func, args, kwargs, self._derived_of, self.transformed._grouped_ops)
             if gemm is not None:
                 single = None if gemm.expert is None else self._expert_layer(gemm.derived)
                 if self.state is None:
@@ -187,9 +189,24 @@ class _Call(TorchFunctionMode):
     def _derived_of(self, t) -> Derived | None:
         """The `Derived` of an experts weight or a tensor made from one, else None."""
         if self._derived is None:
-            return next((d for u, d in self._derived_list if u is t), None)
-        hit = self._derived.get(id(t))
-        return None if hit is None or hit[0] is not t else hit[1]
+            hit = next((d for u, d in self._derived_list if u is t), None)
+        else:
+            hit = self._derived.get(id(t))
+            hit = None if hit is None or hit[0] is not t else hit[1]
+        if hit is None and isinstance(t, nn.Parameter):
+            hit = self._swapped_in(t)
+        return hit
+
+    def _swapped_in(self, t) -> Derived | None:
+        """The `Derived` of `t` when an experts module holds it now though `apply` was not
+        given it (FSDP2's unsharded weight, swapped in for the forward); tracked from then on.
+        """
+        for entry in self.transformed._experts:
+            if module_parameters(entry.module).get(entry.attr) is t:
+                derived = Derived(entry, t)
+                self._track(t, derived)
+                return derived
+        return None
 
     def _derive(self, func, args, kwargs):
         """Run a view, index or transpose of a tracked tensor, and track what it made."""
@@ -213,8 +230,6 @@ class _Call(TorchFunctionMode):
             name = self._names.get(id(view_base(t)))
         if name is not None and self.weights.get(name, "") is not None:
             self.weights[name] = op
-            if op is None and derived is not None:
-                check_experts_recipe(derived.entry)
 
     def _expert_layer(self, derived):
         """Expert `derived.expert` of its experts weight, as a layer of its own."""
@@ -252,7 +267,20 @@ class _Call(TorchFunctionMode):
         check_dtypes(f"apply: experts {entry.path!r}", x, weight[0], None)
         backend = resolve_backend(entry.recipe, x.device)
         margin = getattr(entry.recipe, "margin", 0)
-        return gemm.finish(grouped_mm(x, weight, gemm.offs, newest, stored, margin, backend))
+        if torch.compiler.is_compiling() and isinstance(entry.recipe, (*FINER, NVFP4Scaling)):
+            message = (
+                f"fp8fn.apply: expected DelayedScaling or CurrentScaling for the experts weight "
+                f"{entry.path!r} under torch.compile, got {type(entry.recipe).__name__}, whose "
+                "grouped GEMM reads the group offsets on the host (a graph break inside apply). "
+                "Run this model eagerly, or give the experts a per-tensor recipe."
+            )
+            refuse_fullgraph_trace(message)
+            raise RuntimeError(message)
+        random = None  # NVFP4: expert e draws with the key folded with e, at the call's site
+        if isinstance(entry.recipe, NVFP4Scaling):
+            random = (self.state.key, site_name(entry.path, k))
+        return gemm.finish(grouped_mm(x, weight, gemm.offs, newest, stored, margin, backend,
+                                      recipe=entry.recipe, random=random))
 
     def _newest_rows(self):
         """`state.amax_history[..., 0]`, `(n_sites, 3)`, taken once per call."""

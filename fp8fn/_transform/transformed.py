@@ -50,7 +50,7 @@ from .._torch_private import (
 )
 from .checkpoint import refuse_compile
 from .coverage import report_high_precision, summarize
-from .experts import find_experts
+from .experts import find_experts, find_gates, grouped_ops
 from .fsdp import Fsdp2
 from .layers import _find_layers, _is_linear_weight, _recipe_for
 from .recompute import recomputing
@@ -158,7 +158,12 @@ class Transformed:
         module, (recipe, filter_fn, checkpoint_fn) = self.module, self._choices
         self._ddp_param = ddp_parameter(module)  # (name, parameter) of a DDP model, else None
         self._experts = find_experts(module, self._chosen)
-        self._layers = _find_layers(module, recipe, filter_fn, warn=not self._experts)
+        self._grouped_ops = grouped_ops()  # the grouped GEMM ops (transformers' custom one)
+        # routers and gates next to the experts: high precision, unless a recipe function
+        # chooses for them
+        self._gates = find_gates(module, self._experts) if isinstance(recipe, RECIPES) else set()
+        self._layers = _find_layers(module, recipe, filter_fn, warn=not self._experts,
+                                    gates=self._gates)
         self.recipes = {layer.path: layer.recipe for layer in self._layers}
         self.recipes.update({e.path: e.recipe for e in self._experts if e.path in self._confirmed})
         self.layers = list(self.recipes)
@@ -327,12 +332,16 @@ class Transformed:
         stateful = set(self._stateful)
         first = next((m for m in self._layers if m.path in stateful), None)
         nvfp4 = [m for m in self._layers if isinstance(m.recipe, NVFP4Scaling)]
+        nvfp4_experts = [
+            e for e in self._experts
+            if isinstance(e.recipe, NVFP4Scaling) and e.path in self._confirmed
+        ]
         first = first or next(iter(nvfp4), None)
         device = None if first is None else first.own({})[0].device
-        if first is None and experts:
-            device = experts[0].own({}).device
+        if first is None and (experts or nvfp4_experts):
+            device = (experts or nvfp4_experts)[0].own({}).device
         state = init_state(recipe, names, device)
-        return state._replace(key=initial_key(seed, device)) if nvfp4 else state
+        return state._replace(key=initial_key(seed, device)) if nvfp4 or nvfp4_experts else state
 
     def _discover(self, args, kwargs) -> _Call:
         """The `_Call` of one forward pass on the example inputs (its `sites`, in call order,
@@ -520,7 +529,7 @@ def transform(module, recipe, filter_fn=None, checkpoint_fn=None) -> Transformed
         a recipe function) is also asked about each 3-D parameter, with the parameter's name
         and the module holding it: an experts weight (`(E, N, K)`, transformers'
         `...experts.gate_up_proj`) whose GEMMs run per expert in fp8 once `init` sees one
-        (docs/moe.md), with DelayedScaling or CurrentScaling.
+        (docs/moe.md), with any recipe (per expert or per group).
       checkpoint_fn: `(name, submodule) -> bool`, choosing submodules whose forward is
         recomputed in the backward (outermost choice wins), under torch.func and plain
         autograd alike; default: none.

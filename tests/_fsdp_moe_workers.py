@@ -1,0 +1,117 @@
+"""Scenarios that `tests/test_fsdp_moe.py` runs on 2 gloo ranks: FSDP2 of a tiny Mixtral whose
+experts are 3-D weights (not a test module).
+
+The reference is one process running the global batch (2 sequences) as `WORLD` microbatches,
+the rank shards, in order, as in `_fsdp_workers`: observations merged, gradients summed and
+divided by `WORLD` (FSDP2 averages over the ranks), so states compare bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+from _helpers import assert_bit_identical
+from _moe_models import batch, build
+from _spawn import assert_state_same_on_all_ranks, run_scenarios
+from torch.distributed.tensor import DTensor
+
+import fp8fn
+
+WORLD = 2
+RECIPE = fp8fn.DelayedScaling(history_len=4)
+LR = 0.5
+STEPS = 3
+MEASURED: dict = {}  # (none measured: everything is asserted bit for bit)
+
+
+def _loss(fn, model, state, ids):
+    return fn.apply(dict(model.named_parameters()), state, ids, labels=ids).loss
+
+
+def _reference(implementation):
+    """(params, states) of the single process after each of `STEPS` steps."""
+    model = build("mixtral", implementation)
+    fn = fp8fn.transform(model, RECIPE)
+    ids = batch()
+    state = fn.init(ids)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    states = []
+    for _ in range(STEPS):
+        obs = None
+        for part in ids.chunk(WORLD):
+            observed = fp8fn.observe(state)
+            _loss(fn, model, observed, part).backward()
+            seen = fp8fn.observations(observed)
+            obs = seen if obs is None else fp8fn.merge(obs, seen)
+        for p in model.parameters():
+            p.grad /= WORLD
+        opt.step()
+        model.zero_grad()
+        state = fp8fn.update(state, obs)
+        states.append(state)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, states
+
+
+def _sharded(implementation):
+    """The tiny Mixtral with its linear weights all-gathered in float8, each decoder layer and
+    the root sharded by FSDP2 (its experts weights gathered in high precision)."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = fp8fn.float8_all_gather(build("mixtral", implementation))
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def _experts_under_fsdp2(implementation, rank):
+    ref_params, ref_states = _reference(implementation)
+    model = _sharded(implementation)
+    experts = model.model.layers[0].mlp.experts
+    assert type(experts.gate_up_proj) is DTensor
+    assert experts.gate_up_proj.to_local().shape == (2, 128, 32)  # 2 of the 4 experts per rank
+    fn = fp8fn.transform(model, RECIPE)
+    ids = batch()
+    state = fn.init(ids.chunk(WORLD)[rank])
+    assert "model.layers.0.mlp.experts.gate_up_proj" in fn.layers
+    assert list(state) == list(ref_states[0])
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for step in range(STEPS):
+        observed = fp8fn.observe(state)
+        _loss(fn, model, observed, ids.chunk(WORLD)[rank]).backward()
+        obs = fp8fn.all_reduce(fp8fn.observations(observed))
+        opt.step()
+        model.zero_grad()
+        state = fp8fn.update(state, obs)
+        assert_state_same_on_all_ranks(state)
+        assert_bit_identical(state, ref_states[step])
+    # every expert received tokens and observed its input in float8
+    rows = [state[f"model.layers.{i}.mlp.experts.{w}[{e}]"].input.amax_history[0]
+            for i in range(2) for w in ("gate_up_proj", "down_proj") for e in range(4)]
+    assert all(r > 0 for r in rows), rows
+    for name, p in model.named_parameters():
+        assert torch.equal(p.full_tensor(), ref_params[name]), name
+
+
+def experts_grouped_mm(rank):
+    """grouped_mm (`torch._grouped_mm` on `W.transpose(-2, -1)` of FSDP2's unsharded weight):
+    states bit-identical to one process on every rank after each step, params after 3 steps
+    too."""
+    _experts_under_fsdp2("grouped_mm", rank)
+
+
+def experts_eager(rank):
+    """eager (`F.linear(x, W[e])` on FSDP2's unsharded weight): as grouped_mm."""
+    _experts_under_fsdp2("eager", rank)
+
+
+def experts_batched_mm(rank):
+    """batched_mm (`torch.bmm` on the copy `W[ids]` of FSDP2's unsharded weight): as
+    grouped_mm."""
+    _experts_under_fsdp2("batched_mm", rank)
+
+
+SCENARIOS = [experts_grouped_mm, experts_eager, experts_batched_mm]
+
+
+def main(rank: int, world_size: int, port: int, out_dir: str) -> None:
+    run_scenarios(rank, world_size, port, out_dir, SCENARIOS, MEASURED, group_timeout_s=60)

@@ -1,0 +1,21 @@
+"""FSDP2 (`fully_shard`) of a tiny Mixtral's experts weights on 2 gloo ranks on CPU, against
+one process: FSDP2's unsharded experts weights, swapped in for the forward, run in float8
+(`_fsdp_moe_workers`, all scenarios in one spawn within `_TIMEOUT_S`)."""
+
+from __future__ import annotations
+
+import _fsdp_moe_workers as workers
+import pytest
+from _spawn import all_scenarios_results, assert_ok
+
+pytest.importorskip("transformers")
+
+_TIMEOUT_S = 300
+
+results = all_scenarios_results(workers, _TIMEOUT_S)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scenario", [s.__name__ for s in workers.SCENARIOS])
+def test_fsdp_moe_scenario(results, scenario):
+    assert_ok(results, scenario)
