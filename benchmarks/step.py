@@ -38,8 +38,8 @@ def _mlp(width, n_layers=4):
     return nn.Sequential(*layers)
 
 
-def _mlp_case(quick, width):
-    width, batch = (32, 16) if quick else (width, 256)
+def _mlp_case(quick, width, batch=256):
+    width, batch = (32, 16) if quick else (width, batch)
     model = _mlp(width)
     x, y = torch.randn(batch, width), torch.randint(0, width, (batch,))
     return model, (x, y), F.cross_entropy
@@ -153,6 +153,7 @@ def main(argv=None):
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="small shapes (a smoke run)")
     parser.add_argument("--mlp-width", type=int, default=1024, help="the 4-layer MLP's width")
+    parser.add_argument("--mlp-batch", type=int, default=256, help="the MLP's batch (rows)")
     parser.add_argument("--mlp-only", action="store_true", help="skip the transformer")
     args = parser.parse_args(argv)
     if args.quick:
@@ -160,7 +161,7 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     logging.getLogger("torch").setLevel(logging.ERROR)
     torch.manual_seed(0)
-    cases = {"MLP": _mlp_case(args.quick, args.mlp_width)}
+    cases = {"MLP": _mlp_case(args.quick, args.mlp_width, args.mlp_batch)}
     if not (args.quick or args.mlp_only):  # --quick: the MLP only (compiling the GPT takes minutes)
         cases["transformer"] = _gpt_case(args.quick)
     results = {name: measure(case, args.repeats, args.warmup) for name, case in cases.items()}

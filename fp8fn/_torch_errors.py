@@ -11,7 +11,7 @@ import contextlib
 import torch
 
 from ._parallel.dtensor import _FSDP_HOWTO, _TP_UNDER_FUNC, as_dtensor
-from ._torch_private import functorch_level, raised_by_backward_hook
+from ._torch_private import functorch_level, has_backward_hooks, raised_by_backward_hook
 
 # What torch raises when the model's own torch.utils.checkpoint runs under torch.func.
 _TORCH_CHECKPOINT_UNDER_FUNC = ("saved tensor hooks", "must override the setup_context")
@@ -46,11 +46,7 @@ def translated_errors(module, params: dict):
             raise sharded from e
         message = str(e)
         if raised_by_backward_hook(e):
-            hooked = [
-                repr(n)
-                for n, m in module.named_modules()
-                if m._backward_hooks or m._backward_pre_hooks
-            ]
+            hooked = [repr(n) for n, m in module.named_modules() if has_backward_hooks(m)]
             raise RuntimeError(
                 "fp8fn.apply: expected no full backward hooks under a torch.func transform, "
                 f"got one (on the modules {', '.join(hooked) or 'of a global hook'}): "

@@ -2,7 +2,10 @@
 
 Each is a small function with a public meaning; `tests/test_torch_private.py` checks that the
 torch in use still has them and that they behave as relied on, so that a torch upgrade that
-changes one fails loudly there instead of somewhere deep in the op.
+changes one fails loudly there instead of somewhere deep in the op. Every one was verified on
+torch 2.13.0. No other module of fp8fn touches a private torch name (`tests/test_torch_private.py`
+scans the package's syntax trees for them); the torch error messages fp8fn matches are in
+`_torch_errors.py`, beside this module.
 """
 
 from __future__ import annotations
@@ -16,6 +19,20 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 import torch.utils.hooks
+from torch.utils import _pytree
+
+# -- torch.utils._pytree ---------------------------------------------------------------------
+# torch's own pytree, which torch.func, torch.compile and FSDP2 flatten with: `State` registers
+# there (and with optree) so that all of them see its leaves. torch 2.13 has no public
+# `torch.utils.pytree`. The functions themselves, not wrappers: dynamo knows them, and they
+# are on every call's path.
+tree_flatten = _pytree.tree_flatten  # (tree, is_leaf=None) -> (leaves, spec)
+tree_unflatten = _pytree.tree_unflatten  # (leaves, spec) -> tree
+tree_leaves = _pytree.tree_leaves  # (tree, is_leaf=None) -> leaves
+tree_map = _pytree.tree_map  # (fn, tree) -> tree of fn(leaf)
+tree_map_only = _pytree.tree_map_only  # (type, fn, tree): fn on the leaves of that type only
+register_pytree_node = _pytree.register_pytree_node  # (cls, flatten, unflatten, ...)
+GetAttrKey = _pytree.GetAttrKey  # the key path entry `.name` of flatten_with_keys
 
 _functorch = torch._C._functorch
 
@@ -63,6 +80,12 @@ def tensor_version(t: torch.Tensor) -> int:
     """The version counter of `t`: it grows with every in-place change of `t` or of a tensor
     sharing its counter (its views, `t.detach()`)."""
     return t._version
+
+
+def view_base(t: torch.Tensor) -> torch.Tensor | None:
+    """The tensor `t` is a view of (whose memory and version counter it shares), or None when
+    `t` is not a view."""
+    return t._base
 
 
 def assert_in_graph(condition: torch.Tensor, message: str) -> None:
@@ -216,6 +239,124 @@ def raised_by_backward_hook(error: BaseException) -> bool:
     return False
 
 
+def is_fake(t: torch.Tensor) -> bool:
+    """Whether `t` is a FakeTensor (shape and dtype only: torch.compile traces with them)."""
+    return torch._subclasses.fake_tensor.is_fake(t)
+
+
+def dynamo_imported() -> bool:
+    """Whether torch.compile's dynamo has been imported (nothing can be compiling before), read
+    without importing it."""
+    return "torch._dynamo" in sys.modules
+
+
+def autograd_leaves(outputs) -> list:
+    """The leaf tensors that the autograd graph of the tensors `outputs` accumulates gradients
+    into (walking `grad_fn.next_functions`; a leaf is an `AccumulateGrad` node's `variable`)."""
+    stack = [o.grad_fn for o in outputs]
+    seen, leaves = set(), []
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if hasattr(node, "variable"):  # AccumulateGrad
+            leaves.append(node.variable)
+        stack.extend(n for n, _ in node.next_functions)
+    return leaves
+
+
+# -- nn.Module internals -----------------------------------------------------------------------
+# A module's own (not its submodules') parameters, buffers and children live in three dicts;
+# fp8fn reads them to know a layer's weight by identity without `getattr` (which would run
+# `__getattr__` overrides and parametrizations).
+
+
+def module_parameters(module: torch.nn.Module) -> dict:
+    """`module`'s own parameters, `{name: Parameter or None}`: the live dict, not a copy."""
+    return module._parameters
+
+
+def module_buffers(module: torch.nn.Module) -> dict:
+    """`module`'s own buffers, `{name: Tensor or None}`: the live dict, not a copy."""
+    return module._buffers
+
+
+def module_children(module: torch.nn.Module) -> dict:
+    """`module`'s direct submodules, `{name: Module or None}`: the live dict, not a copy."""
+    return module._modules
+
+
+def children_in_attributes(attributes: dict):
+    """The children dict (`module_children`) held in a module's instance attributes dict
+    `attributes` (its `__dict__`), or None if `attributes` holds none."""
+    return attributes.get("_modules")
+
+
+def has_backward_hooks(module: torch.nn.Module) -> bool:
+    """Whether `module` has a full backward hook or backward pre-hook of its own
+    (`register_full_backward_hook`, `register_full_backward_pre_hook`)."""
+    return bool(module._backward_hooks or module._backward_pre_hooks)
+
+
+# -- tensor subclasses (`fp8fn/_parallel/fsdp_gather.py`) ----------------------------------------
+
+# What a wrapper subclass sets as its `__torch_function__` to see every op in its
+# `__torch_dispatch__` only (torch compares it by identity: the C function itself).
+disabled_torch_function = torch._C._disabled_torch_function_impl
+
+
+def make_wrapper_subclass(cls, like: torch.Tensor, dtype=None, **kwargs) -> torch.Tensor:
+    """A new instance of the tensor subclass `cls` with no storage of its own, of `like`'s size
+    and strides and device, and `dtype` (default `like`'s); `kwargs` as
+    `Tensor._make_wrapper_subclass` takes them (`storage_offset`, `requires_grad`)."""
+    return torch.Tensor._make_wrapper_subclass(
+        cls,
+        like.size(),
+        strides=like.stride(),
+        dtype=like.dtype if dtype is None else dtype,
+        device=like.device,
+        **kwargs,
+    )
+
+
+def op_mutates(op) -> bool:
+    """Whether the aten operator overload `op` (as `__torch_dispatch__` receives it) changes
+    one of its arguments in place (its schema marks an argument written)."""
+    return op._schema.is_mutable
+
+
+def aten_copy_ops() -> tuple:
+    """The underscored aten operators that copy a tensor, as `__torch_dispatch__` receives them:
+    `.to(...)`/`.cpu()`/`.cuda()` (`_to_copy`) and `pin_memory()` (`_pin_memory`)."""
+    aten = torch.ops.aten
+    return aten._to_copy.default, aten._pin_memory.default
+
+
+def private_grouped_mm():
+    """`torch._grouped_mm` (the grouped GEMM HF's `grouped_mm` experts call: `(input, mat2,
+    offs=None, bias=None, out_dtype=None)`), or None on a torch without it."""
+    return getattr(torch, "_grouped_mm", None)
+
+
+def scaled_grouped_mm_available() -> bool:
+    """Whether this torch has `torch._scaled_grouped_mm` (float8 grouped GEMM, CUDA)."""
+    return hasattr(torch, "_scaled_grouped_mm")
+
+
+def scaled_grouped_mm(a, b, scale_a, scale_b, offs, out_dtype):
+    """`torch._scaled_grouped_mm` of the float8 `a` `(T, K)` and `b` `(E, K, N)` with row scales
+    `scale_a` float32 `(T,)` and column scales `scale_b` float32 `(E, N)`, groups of rows ending
+    at `offs` (int32 `(E,)`)."""
+    return torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=offs, out_dtype=out_dtype)
+
+
+def is_convolution(module: torch.nn.Module) -> bool:
+    """Whether `module` is one of torch's convolutions (`nn.Conv1d/2d/3d` and their transposed
+    forms: `nn.modules.conv._ConvNd`)."""
+    return isinstance(module, torch.nn.modules.conv._ConvNd)
+
+
 def legacy_scaled_mm(a, b, scale_a, scale_b, out_dtype):
     """`torch._scaled_mm` with tensorwise scales, for a torch without `F.scaled_mm` (< 2.10)."""
     return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
@@ -249,6 +390,18 @@ attention_forward = _attention_forward()
 def dtensor_local(d: torch.Tensor) -> torch.Tensor:
     """The local shard of the DTensor `d` (not a differentiable view: no autograd node)."""
     return d._local_tensor
+
+
+def dtensor_local_or_none(t):
+    """The local shard of `t` if it is a DTensor, else None (without importing
+    `torch.distributed.tensor`)."""
+    return getattr(t, "_local_tensor", None)
+
+
+def process_group_devices(group) -> list[torch.device] | None:
+    """The device types that `group`'s backends have collectives for, or None where the group
+    does not say (e.g. a fake group)."""
+    return getattr(group, "_device_types", None)
 
 
 def dtensor_spec(d: torch.Tensor):

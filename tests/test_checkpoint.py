@@ -316,6 +316,17 @@ def test_checkpoint_rejects_non_tensor_output(bad):
         torch.func.grad(lambda x: fp8fn.checkpoint(bad, x)[0].sum())(x.detach())
 
 
+@pytest.mark.parametrize("f", [3, None, torch.ones(2)], ids=["int", "None", "tensor"])
+def test_checkpoint_refuses_a_non_function(f):
+    x = torch.randn(3, requires_grad=True)
+    with pytest.raises(
+        TypeError,
+        match=rf"^fp8fn\.checkpoint: expected `f` to be a function of the arguments that follow "
+        rf"it, got {type(f).__name__}\. Call it as fp8fn\.checkpoint\(f, \*args\)\.$",
+    ):
+        fp8fn.checkpoint(f, x)
+
+
 def _saved_bytes(fn, params, state, x):
     """The tensors fn.apply saves for the backward, split into activations and the rest."""
     exclude = {t.untyped_storage().data_ptr() for t in pytree.tree_leaves((params, state))}

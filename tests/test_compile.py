@@ -15,7 +15,8 @@ from torch._inductor.utils import run_and_get_code
 
 import fp8fn
 import fp8fn._ops.linear
-from fp8fn._ops.tensorwise import LOCAL, _Fp8Linear
+from fp8fn._numerics.fp8 import amax
+from fp8fn._ops.tensorwise import LOCAL, _after_gemm, _Fp8Linear
 
 pytestmark = pytest.mark.slow  # torch.compile: tens of seconds a test on 2 cores
 CURRENT = fp8fn.CurrentScaling(backend="emulated")
@@ -290,13 +291,14 @@ def test_func_grad_of_compiled_fullgraph_raises(route):
 
 @ROUTES
 def test_compiled_func_grad_fullgraph_raises_fp8fns_error(route):
-    # The refusal in fp8fn.linear raises at trace time, past dynamo: the user sees fp8fn's
-    # RuntimeError naming the fix, not dynamo's `Unsupported: Observed exception`.
+    # The refusal in the float8 op raises at trace time, past dynamo: the user sees fp8fn's
+    # RuntimeError naming the fix and the API they called, not dynamo's `Unsupported`.
     params, state, x, c, fs, _ = _func_setup()
+    api = "linear" if route == "linear" else "apply: layer ''"  # what the user called
     with pytest.raises(
         RuntimeError,
-        match=r"^fp8fn.linear: torch.compile cannot trace fp8fn.linear inside a torch.func "
-        r"transform .* Use fp8fn.value_and_grad",
+        match=rf"^fp8fn.{api}: torch.compile cannot trace fp8fn's float8 linear op inside a "
+        r"torch.func transform .* Use fp8fn.value_and_grad",
     ) as e:
         torch.compile(_grad(fs[route]), fullgraph=True)(params, state, x, c)
     assert not isinstance(e.value, torch._dynamo.exc.TorchDynamoException)
@@ -466,6 +468,21 @@ def test_compiled_forward_casts_in_one_fused_kernel(recipe):
     # The amax is an inf-norm reduction (`linalg_vector_norm`).
     assert all(op in kernels[0] for op in ("linalg_vector_norm", "mul", "clamp", "_to_copy"))
     assert code.count("extern_kernels.mm(") == 1
+
+
+@pytest.mark.parametrize("special", [None, float("nan"), float("inf"), -float("inf")])
+def test_amax_by_rows_is_the_flat_amax_bit_for_bit(special):
+    # Compiled, a steady-state cast that also writes its tensor transposed takes the amax by
+    # rows, then over the rows (so that it joins the cast's loop): the flat amax's value and
+    # dtype, special values included (NaN payload too); float32's max of magnitudes as the
+    # reference value.
+    t = torch.randn(48, 40, dtype=torch.bfloat16) * 1e3
+    if special is not None:
+        t[7, 3] = special
+    by_rows = _after_gemm(None, t, True)
+    assert_bit_identical(by_rows, amax(t))
+    torch.testing.assert_close(by_rows, t.float().abs().max(), rtol=0, atol=0, equal_nan=True)
+    assert_bit_identical(_after_gemm(None, t[:0], True), torch.tensor(0.0))
 
 
 @RECIPES

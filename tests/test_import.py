@@ -56,6 +56,14 @@ def test_triton_backend_without_triton_names_the_extra(without_triton, recipe, s
         fp8fn.linear(x, w, None, state, recipe)
 
 
+@pytest.mark.parametrize("recipe", [fp8fn.DelayedScaling, fp8fn.CurrentScaling])
+def test_triton_recipe_without_triton_is_refused_where_it_is_made(without_triton, recipe):
+    name = recipe.__name__
+    message = rf'^fp8fn\.{name}: backend="triton" needs Triton.*pip install "fp8fn\[triton\]"'
+    with pytest.raises(ImportError, match=message):
+        recipe(backend="triton")
+
+
 def test_default_backend_without_triton_trains(without_triton):
     # Nothing but backend="triton" needs Triton: a step with the default backend runs.
     recipe = fp8fn.DelayedScaling()

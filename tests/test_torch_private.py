@@ -4,10 +4,17 @@ A torch upgrade that renames or changes one of them fails here, by name, instead
 deep inside the op.
 """
 
+import ast
+import functools
+import pathlib
+
 import pytest
 import torch
+import torch.distributed as dist
 import torch.utils.checkpoint
 
+import fp8fn
+from fp8fn import _torch_errors as errors
 from fp8fn import _torch_private as private
 
 
@@ -236,3 +243,450 @@ def test_refuse_fullgraph_trace_raises_past_dynamo_under_fullgraph_only():
     torch._dynamo.reset()
     assert torch.equal(torch.compile(f, backend="eager")(x), x + 1)  # no fullgraph: no error
     assert vars(private.refuse_fullgraph_trace)["_dynamo_marked_constant"]
+
+
+def test_traced_functorch_level_is_functorch_level_marked_constant_for_dynamo():
+    assert private.traced_functorch_level._dynamo_marked_constant is True
+    seen = []
+
+    def f(x):
+        seen.append((private.traced_functorch_level(), private.functorch_level()))
+        return x.sum()
+
+    torch.func.grad(f)(torch.ones(2))
+    assert seen == [(1, 1)] and private.traced_functorch_level() is None
+
+
+def test_unwrapped_is_the_plain_tensor_under_grad_and_vmap_wrappers():
+    x = torch.arange(6.0).reshape(3, 2)
+    seen = []
+
+    def f(row):
+        seen.append(private.unwrapped(row))
+        return row.sum()
+
+    torch.func.vmap(torch.func.grad(f))(x)
+    assert type(seen[0]) is torch.Tensor and seen[0].shape == (3, 2)
+    assert torch.equal(seen[0], x)
+    assert private.unwrapped(x) is x
+
+
+def test_view_base_is_the_viewed_tensor_or_none():
+    t = torch.ones(4)
+    assert private.view_base(t) is None
+    assert private.view_base(t[1:]) is t
+    assert private.view_base(t[1:][1:]) is t  # a view of a view: the tensor with the memory
+
+
+def test_pytree_functions_flatten_states_with_their_key_paths():
+    fn = fp8fn.transform(torch.nn.Linear(4, 2), fp8fn.DelayedScaling(history_len=2))
+    state = fn.init(torch.ones(1, 4))
+    leaves, spec = private.tree_flatten(state)
+    assert [t.shape for t in leaves] == [(1, 3, 2), (1, 3)]
+    assert private.tree_leaves(state) == leaves
+    rebuilt = private.tree_unflatten(leaves, spec)
+    assert type(rebuilt) is fp8fn.State and rebuilt.sites == state.sites
+    doubled = private.tree_map(lambda t: t * 2, state)
+    assert torch.equal(doubled.scale, state.scale * 2)
+    only = private.tree_map_only(int, lambda v: v + 1, (1, 2.0, [3]))
+    assert only == (2, 2.0, [4])
+    paths = [path for path, _ in torch.utils._pytree.tree_flatten_with_path(state)[0]]
+    assert paths == [(private.GetAttrKey("amax_history"),), (private.GetAttrKey("scale"),)]
+    assert private.register_pytree_node is torch.utils._pytree.register_pytree_node
+
+
+def test_is_fake_tells_fake_tensors_from_real_ones():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        fake = torch.ones(2)
+    assert private.is_fake(fake) and not private.is_fake(torch.ones(2))
+
+
+def test_dynamo_imported_follows_sys_modules(monkeypatch):
+    import sys
+
+    monkeypatch.delitem(sys.modules, "torch._dynamo", raising=False)
+    assert not private.dynamo_imported()
+    monkeypatch.setitem(sys.modules, "torch._dynamo", object())
+    assert private.dynamo_imported()
+
+
+def test_autograd_leaves_are_the_leaves_a_backward_accumulates_into():
+    a, b = torch.ones(2, requires_grad=True), torch.ones(2, requires_grad=True)
+    frozen = torch.ones(2)
+    out = (a * b).sin() + a + frozen
+    leaves = private.autograd_leaves([out, (b * 3).sum()])
+    assert sorted(map(id, leaves)) == sorted({id(a), id(b)}) and len(leaves) == 2
+    assert private.autograd_leaves([frozen * 2]) == []
+
+
+def test_module_dicts_are_the_live_own_parameters_buffers_and_children():
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+    linear, norm = model[0], model[1]
+    assert private.module_parameters(linear) == {"weight": linear.weight, "bias": linear.bias}
+    assert set(private.module_buffers(norm)) == {
+        "running_mean",
+        "running_var",
+        "num_batches_tracked",
+    }
+    assert private.module_parameters(model) == {}  # its own only, not its children's
+    assert list(private.module_children(model).values()) == [linear, norm]
+    linear.extra = torch.nn.Parameter(torch.ones(1))  # the live dict, not a copy
+    assert private.module_parameters(linear)["extra"] is linear.extra
+    assert private.children_in_attributes(vars(model)) is private.module_children(model)
+    assert private.children_in_attributes({}) is None
+
+
+def test_has_backward_hooks_sees_full_hooks_and_pre_hooks_of_the_module_only():
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    assert not private.has_backward_hooks(model[0])
+    model[0].register_full_backward_pre_hook(lambda m, g: None)
+    assert private.has_backward_hooks(model[0]) and not private.has_backward_hooks(model)
+    model.register_full_backward_hook(lambda m, gi, go: None)
+    assert private.has_backward_hooks(model)
+
+
+class _Wrapper(torch.Tensor):
+    """A wrapper subclass built by the fence's helpers: every op runs on `inner`."""
+
+    __torch_function__ = private.disabled_torch_function
+
+    @staticmethod
+    def __new__(cls, inner, dtype=None):
+        return private.make_wrapper_subclass(cls, inner, dtype, requires_grad=False)
+
+    def __init__(self, inner, dtype=None):
+        self.inner = inner
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        cls.seen.append((func, private.op_mutates(func)))
+        args, kwargs = private.tree_map_only(cls, lambda t: t.inner, (args, kwargs or {}))
+        return func(*args, **kwargs)
+
+
+def test_wrapper_subclass_helpers_make_a_storage_free_tensor_seeing_every_op():
+    inner = torch.arange(6.0).reshape(2, 3).t()
+    w = _Wrapper(inner)
+    assert (w.shape, w.stride(), w.dtype, w.device) == ((3, 2), (1, 3), torch.float32, inner.device)
+    assert _Wrapper(inner, torch.bfloat16).dtype == torch.bfloat16
+    _Wrapper.seen = []
+    out = torch.add(w, 1)  # __torch_function__ disabled: straight to __torch_dispatch__
+    w.mul_(2)
+    w.to(torch.float64)
+    aten = torch.ops.aten
+    assert _Wrapper.seen == [
+        (aten.add.Tensor, False),
+        (aten.mul_.Tensor, True),
+        (aten._to_copy.default, False),
+    ]
+    want = torch.arange(6.0).reshape(2, 3).t()
+    assert torch.equal(out, want + 1) and torch.equal(inner, want * 2)  # mul_ reached `inner`
+    assert _Wrapper.seen[-1][0] in private.aten_copy_ops()
+    assert private.aten_copy_ops() == (aten._to_copy.default, aten._pin_memory.default)
+
+
+def test_legacy_scaled_mm_multiplies_with_dequantizing_scales():
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(16, 32, generator=gen).to(torch.float8_e4m3fn)
+    b = torch.randn(8, 32, generator=gen).to(torch.float8_e4m3fn).t()
+    sa, sb = torch.tensor(2.0), torch.tensor(0.25)
+    out = private.legacy_scaled_mm(a, b, sa, sb, torch.float32)
+    want = (a.double() * 2.0) @ (b.double() * 0.25)
+    assert out.dtype == torch.float32 and out.shape == (16, 8)
+    torch.testing.assert_close(out.double(), want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.fixture
+def one_rank_mesh():
+    """A one-rank gloo process group and its CPU device mesh, torn down after the test."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_dtensor_helpers_read_and_build_dtensors_without_collectives(one_rank_mesh):
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    local = torch.arange(6.0).reshape(3, 2)
+    d = distribute_tensor(local, one_rank_mesh, [Shard(0)])
+    assert torch.equal(private.dtensor_local(d), local)
+    assert private.dtensor_local_or_none(d) is private.dtensor_local(d)
+    assert private.dtensor_local_or_none(local) is None
+    spec = private.dtensor_spec(d)
+    assert (spec.mesh, spec.placements, spec.shape) == (one_rank_mesh, (Shard(0),), (3, 2))
+    spec = private.new_dtensor_spec(one_rank_mesh, [Replicate()], (3, 2), torch.bfloat16)
+    assert (spec.placements, spec.shape, spec.stride, spec.tensor_meta.dtype) == (
+        (Replicate(),),
+        (3, 2),
+        (2, 1),
+        torch.bfloat16,
+    )
+    made = private.make_dtensor(local.bfloat16(), spec)
+    assert isinstance(made, DTensor) and made.placements == (Replicate(),)
+    assert private.dtensor_local(made).dtype == torch.bfloat16 and not made.requires_grad
+
+
+def test_process_group_devices_are_the_backends_device_types(one_rank_mesh):
+    devices = private.process_group_devices(dist.group.WORLD)
+    assert {d.type for d in devices} == {"cpu", "cuda"}  # gloo reduces both
+    assert private.process_group_devices(object()) is None
+
+
+# torch's error messages that `_torch_errors.py` matches: each provoked for real -----------------
+
+
+def _message(f) -> str:
+    with pytest.raises(RuntimeError) as info:
+        f()
+    return str(info.value)
+
+
+def test_torch_checkpoint_under_func_messages_still_match():
+    x = torch.ones(2)
+    for reentrant, marker in ((False, 0), (True, 1)):
+        message = _message(
+            lambda: torch.func.grad(
+                lambda x: torch.utils.checkpoint.checkpoint(
+                    torch.sin, x, use_reentrant=reentrant
+                ).sum()
+            )(x)
+        )
+        assert errors._TORCH_CHECKPOINT_UNDER_FUNC[marker] in message, message
+
+
+def test_torch_mutates_captured_message_still_matches():
+    buffer = torch.zeros(2)
+    message = _message(lambda: torch.func.grad(lambda x: buffer.add_(x).sum())(torch.ones(2)))
+    assert errors._TORCH_MUTATES_CAPTURED in message, message
+
+
+def test_torch_requires_grad_under_func_message_still_matches():
+    message = _message(
+        lambda: torch.func.grad(lambda x: (x * 2).requires_grad_(True).sum())(torch.ones(2))
+    )
+    assert errors._TORCH_REQUIRES_GRAD_UNDER_FUNC in message, message
+
+
+def test_torch_no_setup_context_message_still_matches():
+    class Legacy(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * 2
+
+    message = _message(lambda: torch.func.grad(lambda x: Legacy.apply(x).sum())(torch.ones(2)))
+    assert errors._NO_SETUP_CONTEXT in message, message
+
+
+def test_torch_mixed_dtensor_message_still_matches(one_rank_mesh):
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    d = distribute_tensor(torch.ones(3, 2), one_rank_mesh, [Shard(0)])
+    message = _message(lambda: d + torch.ones(3, 2))
+    assert errors._MIXED in message, message
+
+
+# the fence stays closed ---------------------------------------------------------------------------
+
+_PACKAGE = pathlib.Path(fp8fn.__file__).parent
+_FENCE = _PACKAGE / "_torch_private.py"
+# Attributes of torch objects flagged even where fp8fn happens to use the same name for its own.
+_TORCH_ATTRIBUTES = {
+    "_backward_hooks",
+    "_backward_pre_hooks",
+    "_base",
+    "_buffers",
+    "_device_types",
+    "_forward_hooks",
+    "_forward_pre_hooks",
+    "_local_tensor",
+    "_make_wrapper_subclass",
+    "_modules",
+    "_parameters",
+    "_schema",
+    "_spec",
+    "_version",
+}
+# Public torch attributes that are walks of autograd's undocumented graph.
+_AUTOGRAD_GRAPH = {"next_functions"}
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _own_names(trees) -> set[str]:
+    """The underscored names fp8fn defines itself: functions, classes, variables, attributes it
+    assigns, arguments, `__slots__`/`_fields` entries and `setattr` names."""
+    own = set()
+    for tree in trees:
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                own.add(node.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                own.add(node.attr)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                own.add(node.id)
+            elif isinstance(node, ast.alias):
+                own.add(node.asname or node.name.split(".")[0])
+            elif isinstance(node, ast.arg):
+                own.add(node.arg)
+            elif isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id in ("__slots__", "_fields") for t in node.targets
+            ):
+                own.update(c.value for c in ast.walk(node.value) if isinstance(c, ast.Constant))
+            elif _call_of(node, "setattr") and isinstance(node.args[1], ast.Constant):
+                own.add(node.args[1].value)
+    return {n for n in own if isinstance(n, str) and _private(n)} - _TORCH_ATTRIBUTES
+
+
+def _call_of(node, *names) -> bool:
+    return (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id in names
+        and len(node.args) > 1
+    )
+
+
+def _private_torch_uses(tree: ast.AST, own: set[str]) -> list[tuple[int, str]]:
+    """`[(line, what)]`: the places in `tree` that touch a private torch name. Imports of an
+    underscored torch module or name; underscored attributes of a name bound to torch (by an
+    import, or an assignment from one); an underscored attribute, `getattr`-family name or
+    `.get` key that fp8fn does not define itself (an attribute of someone else's object: torch's
+    tensors, modules, process groups); `torch._...` module names in strings; autograd graph
+    walks."""
+    torch_names, found = set(), []
+
+    def rooted(e) -> bool:
+        while isinstance(e, (ast.Attribute, ast.Call, ast.Subscript)):
+            e = e.func if isinstance(e, ast.Call) else e.value
+        return isinstance(e, ast.Name) and e.id in torch_names
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] == "torch":
+                    torch_names.add(a.asname or "torch")
+                    if any(map(_private, a.name.split("."))):
+                        found.append((node.lineno, f"import {a.name}"))
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
+            for a in node.names:
+                torch_names.add(a.asname or a.name)
+                if any(map(_private, [*node.module.split("."), a.name])):
+                    found.append((node.lineno, f"from {node.module} import {a.name}"))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Attribute):
+            if rooted(node.value):
+                torch_names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and (
+            node.attr in _AUTOGRAD_GRAPH
+            or (_private(node.attr) and (rooted(node.value) or node.attr not in own))
+        ):
+            found.append((node.lineno, ast.unparse(node)))
+        elif _call_of(node, "getattr", "hasattr", "setattr", "delattr") or (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "get"
+            and node.args
+        ):
+            key = node.args[1] if isinstance(node.func, ast.Name) else node.args[0]
+            name = key.value if isinstance(key, ast.Constant) else None
+            if isinstance(name, str) and _private(name) and name not in own:
+                found.append((node.lineno, ast.unparse(node)))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            parts = node.value.split(".")
+            if parts[0] == "torch" and len(parts) > 1 and any(map(_private, parts)):
+                found.append((node.lineno, repr(node.value)))
+    return sorted(found)
+
+
+@functools.cache
+def _package_trees() -> dict[pathlib.Path, ast.AST]:
+    return {p: ast.parse(p.read_text()) for p in sorted(_PACKAGE.rglob("*.py"))}
+
+
+@functools.cache
+def _package_own_names() -> frozenset[str]:
+    """The underscored names fp8fn defines outside the fence."""
+    return frozenset(_own_names(t for p, t in _package_trees().items() if p != _FENCE))
+
+
+def test_no_module_outside_the_fence_touches_a_private_torch_name():
+    trees = _package_trees()
+    assert _FENCE in trees and len(trees) > 30
+    own = _package_own_names()
+    found = {
+        str(p.relative_to(_PACKAGE)): uses
+        for p, t in trees.items()
+        if p != _FENCE and (uses := _private_torch_uses(t, own))
+    }
+    assert found == {}, (
+        "private torch APIs outside fp8fn/_torch_private.py (put each behind a named function "
+        f"there, with a test here): {found}"
+    )
+    assert _private_torch_uses(trees[_FENCE], own)  # the scan sees the fence's own uses
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "import torch._dynamo",
+        "from torch.utils import _pytree",
+        "from torch.distributed.tensor._dtensor_spec import DTensorSpec",
+        "import torch\nf = torch._C._disabled_torch_function_impl",
+        "import torch\naten = torch.ops.aten\nop = aten._to_copy.default",
+        "from torch import nn\nnn.Module._apply",
+        "def f(t):\n    return t._version",
+        "def f(m):\n    return m._parameters",
+        "def f(g):\n    return getattr(g, '_device_types', None)",
+        "def f(attributes):\n    return attributes.get('_modules')",
+        "import sys\nloaded = 'torch._inductor' in sys.modules",
+        "def f(node):\n    return node.next_functions",
+    ],
+)
+def test_the_fence_scan_flags_each_kind_of_private_access(source):
+    assert _private_torch_uses(ast.parse(source), _package_own_names()), source
+
+
+def test_the_fence_scan_passes_fp8fns_own_underscored_names():
+    source = "import torch\nclass A:\n    def __init__(self):\n        self._x = 1\n"
+    source += "def f(a, t):\n    return a._x, t.__torch_function__, torch.ops.aten.add.Tensor"
+    tree = ast.parse(source)
+    assert _private_torch_uses(tree, _own_names([tree])) == []
+
+
+def test_private_grouped_mm_is_torchs_grouped_gemm():
+    grouped = private.private_grouped_mm()
+    assert grouped is torch._grouped_mm
+    a, b = torch.randn(6, 8), torch.randn(2, 8, 4)  # rows 8 floats: 16-byte strides
+    offs = torch.tensor([2, 6], dtype=torch.int32)
+    want = torch.cat([a[:2] @ b[0], a[2:] @ b[1]])
+    torch.testing.assert_close(grouped(a, b, offs=offs), want, rtol=1e-6, atol=1e-6)
+
+
+def test_scaled_grouped_mm_binds_its_arguments_and_has_no_cpu_kernel():
+    # A CUDA kernel: on CPU the dispatcher refuses the device, after the arguments bound (a
+    # renamed or removed keyword would raise TypeError first).
+    assert private.scaled_grouped_mm_available()
+    a = torch.zeros(16, 16, dtype=torch.float8_e4m3fn)
+    b = torch.zeros(2, 16, 16, dtype=torch.float8_e4m3fn)
+    offs = torch.tensor([8, 16], dtype=torch.int32)
+    with pytest.raises(NotImplementedError, match="'aten::_scaled_grouped_mm' with arguments"):
+        private.scaled_grouped_mm(a, b, torch.ones(16), torch.ones(2, 16), offs, torch.bfloat16)
+
+
+def test_is_convolution_is_every_torch_convolution_only():
+    convs = (torch.nn.Conv1d(2, 2, 1), torch.nn.Conv2d(2, 2, 1), torch.nn.ConvTranspose3d(2, 2, 1))
+    assert all(map(private.is_convolution, convs))
+    assert not private.is_convolution(torch.nn.Linear(2, 2))

@@ -707,6 +707,108 @@ def test_transform_errors_name_the_problem():
         fp8fn.transform(_mlp(), fp8fn.DelayedScaling)
 
 
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (
+            {"filter_fn": 3},
+            TypeError,
+            r"^fp8fn\.transform: expected `filter_fn` to be a function \(name, module\) -> bool, "
+            r"got int\. Pass e\.g\. `filter_fn=lambda name, module: \.\.\.`\.$",
+        ),
+        (
+            {"checkpoint_fn": 3},
+            TypeError,
+            r"^fp8fn\.transform: expected `checkpoint_fn` to be a function \(name, module\) -> "
+            r"bool, got int\. Pass e\.g\. `checkpoint_fn=lambda name, module: \.\.\.`\.$",
+        ),
+        (
+            {"filter_fn": nn.Linear},
+            TypeError,
+            r"^fp8fn\.transform: expected `filter_fn` to be a function .* got type Linear\.",
+        ),
+        (
+            {"filter_fn": lambda name: True},
+            TypeError,
+            r"^fp8fn\.transform: expected `filter_fn` to be a function \(name, module\) -> bool, "
+            r"got .*<lambda>\(name\), which cannot be called with 2 positional arguments "
+            r"\(too many positional arguments\)\. Give it the parameters \(name, module\)\.$",
+        ),
+        (
+            {"checkpoint_fn": lambda name, module, depth: True},
+            TypeError,
+            r"^fp8fn\.transform: expected `checkpoint_fn` .* got "
+            r".*<lambda>\(name, module, depth\), which cannot be called with 2 positional "
+            r"arguments \(missing a required argument: 'depth'\)\.",
+        ),
+        (
+            {"recipe": lambda name: DELAYED},
+            TypeError,
+            r"^fp8fn\.transform: expected `recipe` to be a function \(name, module\) -> recipe or "
+            r"None, got .*<lambda>\(name\), which cannot be called with 2 positional arguments",
+        ),
+        (
+            {"recipe": lambda name, m: 3},
+            TypeError,
+            r"^fp8fn\.transform: expected the recipe of layer '0' to be an fp8fn recipe "
+            r"\(e\.g\. fp8fn\.DelayedScaling\(\)\) or None, got int\.$",
+        ),
+    ],
+    ids=[
+        "filter_fn-int",
+        "checkpoint_fn-int",
+        "filter_fn-class",
+        "filter_fn-arity",
+        "checkpoint_fn-arity",
+        "recipe-arity",
+        "recipe-returns-int",
+    ],
+)
+def test_transform_refuses_bad_choice_functions_before_touching_the_module(kwargs, error, match):
+    model = _mlp()
+    before = {name: dict(vars(m)) for name, m in model.named_modules()}
+    kwargs = {"recipe": DELAYED, **kwargs}
+    with pytest.raises(error, match=match):
+        fp8fn.transform(model, **kwargs)
+    assert {name: dict(vars(m)) for name, m in model.named_modules()} == before
+
+
+def test_choice_functions_with_defaults_or_star_args_are_accepted():
+    fn = fp8fn.transform(
+        _mlp(),
+        lambda *args: DELAYED,
+        filter_fn=lambda name, module, extra=None: name != "2",
+        checkpoint_fn=lambda name, module, **kw: False,
+    )
+    assert fn.layers == ["0", "4"]
+
+
+@pytest.mark.parametrize(
+    "recipe, x, error, match",
+    [
+        (
+            fp8fn.MXScaling(),
+            torch.ones(2, 32, dtype=torch.float16),
+            TypeError,
+            r"expected `x` and `weight` in float32 or bfloat16 under MXScaling, got float16",
+        ),
+        (
+            fp8fn.NVFP4Scaling(),
+            torch.ones(0, 32),
+            ValueError,
+            r"expected non-empty `x` and `weight` under NVFP4Scaling, got x \(0, 32\)",
+        ),
+    ],
+    ids=["mx-float16", "nvfp4-empty"],
+)
+def test_op_errors_through_apply_name_apply_and_the_layer(recipe, x, error, match):
+    model = nn.Sequential(nn.Linear(32, 16)).to(x.dtype)
+    fn = fp8fn.transform(model, recipe)
+    state = fn.init(torch.ones(2, 32, dtype=x.dtype))
+    with pytest.raises(error, match=r"^fp8fn\.apply: layer '0': " + match):
+        fn.apply(_params(model), state, x)
+
+
 def _with_child(name, child):
     parent = nn.Module()
     parent.add_module(name, child)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import pathlib
 import sysconfig
 import traceback
@@ -11,6 +12,31 @@ import torch
 from .._torch_private import refuse_fullgraph_trace, traced_functorch_level
 
 HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_function(api: str, arg: str, f, parameters: tuple[str, ...], returns: str) -> None:
+    """Refuse `f` unless it is callable with the positional arguments `parameters` (their
+    names), before anything calls it; `returns` says what it must return, for the message."""
+    wanted = f"a function ({', '.join(parameters)}) -> {returns}"
+    if not callable(f) or isinstance(f, type):
+        raise TypeError(
+            f"fp8fn.{api}: expected `{arg}` to be {wanted}, got {type(f).__name__}"
+            f"{' ' + f.__name__ if isinstance(f, type) else ''}. Pass e.g. "
+            f"`{arg}=lambda {', '.join(parameters)}: ...`."
+        )
+    try:
+        signature = inspect.signature(f)
+    except (TypeError, ValueError):  # no signature to read (some builtins): left to the call
+        return
+    try:
+        signature.bind(*parameters)
+    except TypeError as e:
+        name = getattr(f, "__qualname__", type(f).__name__)
+        raise TypeError(
+            f"fp8fn.{api}: expected `{arg}` to be {wanted}, got {name}{signature}, which cannot "
+            f"be called with {len(parameters)} positional arguments ({e}). Give it the "
+            f"parameters ({', '.join(parameters)})."
+        ) from None
 
 
 class no_autocast:
@@ -44,7 +70,7 @@ def refuse_compile_under_func(api: str) -> None:
     """
     if torch.compiler.is_compiling() and traced_functorch_level() is not None:
         message = (
-            f"fp8fn.{api}: torch.compile cannot trace fp8fn.linear inside a torch.func "
+            f"fp8fn.{api}: torch.compile cannot trace fp8fn's float8 linear op inside a torch.func "
             "transform (grad, vjp, vmap): it would drop fp8fn's backward and return wrong "
             "gradients and observations (pytorch#193279). Use fp8fn.value_and_grad, or compile "
             "with plain autograd (loss.backward() or torch.autograd.grad), or leave fullgraph "
@@ -125,13 +151,19 @@ def raised_by_fp8fn(error: BaseException) -> traceback.FrameSummary | None:
     return None
 
 
-def init_error(error: Exception) -> RuntimeError:
+# The built-in errors a model raises on wrong inputs, which `fn.init` re-raises as they are.
+_KEPT = (TypeError, ValueError, IndexError, AttributeError, NotImplementedError, RuntimeError)
+
+
+def init_error(error: Exception) -> Exception:
     """The error `fn.init` raises when the model's forward on the example inputs raised `error`:
-    it blames the inputs only when the error is not fp8fn's own (`raised_by_fp8fn`)."""
+    it blames the inputs only when the error is not fp8fn's own (`raised_by_fp8fn`). The
+    model's own error keeps its type when it is one of `_KEPT` (a `TypeError` stays a
+    `TypeError`), else is a `RuntimeError`; fp8fn's is a `RuntimeError`."""
     what = f"{type(error).__name__}: {error}"
     frame = raised_by_fp8fn(error)
     if frame is None:
-        return RuntimeError(
+        return (type(error) if type(error) in _KEPT else RuntimeError)(
             f"fp8fn.init: the model raised on the example inputs ({what}). Call fn.init with "
             "inputs the model accepts."
         )

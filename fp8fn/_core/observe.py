@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import torch
-from torch.utils import _pytree as pytree
 
-from .._torch_private import functorch_level
-from .state import State, check_state, warn_if_superseded
+from .._torch_private import functorch_level, tree_flatten, tree_unflatten
+from .state import OBSERVED, State, check_state, warn_if_superseded
 
 
 def observe(state: State) -> State:
@@ -29,8 +28,7 @@ def observe(state: State) -> State:
     check_state("observe", state, batch_dims=None)
     warn_if_superseded("observe", state)
     history = state.amax_history.detach().requires_grad_()
-    history._fp8fn_observed = True  # (for the advice when it is reused)
-    history._fp8fn_source = state.amax_history  # (for `warn_if_never_updated`)
+    OBSERVED[history] = state.amax_history  # (for `claim`'s advice, `warn_if_never_updated`)
     history.register_hook(_one_gradient())
     return state._observable(history)
 
@@ -133,7 +131,7 @@ def value_and_grad(f, argnums=0, has_aux=False):
                     f"fp8fn.value_and_grad: expected each of `argnums` in [{-len(args)}, "
                     f"{len(args)}) (the {len(args)} positional arguments), got {i}."
                 )
-            leaves, spec = pytree.tree_flatten(args[i])
+            leaves, spec = tree_flatten(args[i])
             for leaf in leaves:
                 if not (isinstance(leaf, torch.Tensor) and leaf.is_floating_point()):
                     raise TypeError(
@@ -150,7 +148,7 @@ def value_and_grad(f, argnums=0, has_aux=False):
             # two arguments is two (two copies of a state, for two forward passes).
             memo = {}
             leaves = [memo.setdefault(id(t), t.detach().requires_grad_()) for t in leaves]
-            args[i] = pytree.tree_unflatten(leaves, spec)
+            args[i] = tree_unflatten(leaves, spec)
             specs.append((leaves, spec))
         with torch.enable_grad():
             out = f(*args, **kwargs)
@@ -163,7 +161,7 @@ def value_and_grad(f, argnums=0, has_aux=False):
             )
         flat = [t for leaves, _ in specs for t in leaves]
         grads = iter(torch.autograd.grad(value, flat, allow_unused=True, materialize_grads=True))
-        trees = tuple(pytree.tree_unflatten([next(grads) for _ in ls], sp) for ls, sp in specs)
+        trees = tuple(tree_unflatten([next(grads) for _ in ls], sp) for ls, sp in specs)
         result = trees[0] if isinstance(argnums, int) else trees
         value = value.detach()
         return ((value, aux) if has_aux else value), result

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 
 _BACKENDS = ("auto", "emulated", "scaled_mm")
 _TENSORWISE_BACKENDS = (*_BACKENDS, "triton")  # fused Triton casts: per-tensor recipes only
@@ -23,6 +24,11 @@ def check_margin(api: str, margin) -> None:
 def _check_backend(api: str, backend: object, allowed: tuple = _BACKENDS) -> None:
     if backend not in allowed:
         raise ValueError(f"fp8fn.{api}: expected `backend` in {allowed}, got {backend!r}.")
+    if backend == "triton" and importlib.util.find_spec("triton") is None:
+        raise ImportError(
+            f"fp8fn.{api}: backend=\"triton\" needs Triton, got no module named 'triton'. "
+            'Install it with pip install "fp8fn[triton]" (Linux), or use backend="auto".'
+        )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,10 +16,16 @@ from typing import NamedTuple
 
 import optree
 import torch
-from torch.utils import _pytree as pytree
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .._torch_private import differentiated, tensor_version, unwrapped
+from .._torch_private import (
+    GetAttrKey,
+    differentiated,
+    register_pytree_node,
+    tensor_version,
+    unwrapped,
+    view_base,
+)
 from .keys import check_key
 from .recipes import RECIPES, DelayedScaling
 
@@ -57,13 +63,16 @@ class SiteState(_Frozen):
     against the recipe. It unpacks like a pair: `amax_history, scale = site_state`.
     """
 
-    __slots__ = ("amax_history", "scale", "amax_compute", "margin")
+    __slots__ = ("amax_history", "scale", "amax_compute", "margin", "_row")
     _fields = ("amax_history", "scale")
 
     def __init__(self, amax_history, scale, amax_compute="max", margin=0):
         # amax_history: (..., 3, history_len) float32, roles input, weight, grad_output
         # scale: (..., 3) float32
-        for name, value in zip(self.__slots__, (amax_history, scale, amax_compute, margin)):
+        # _row: `(the State's amax_history, this site's index)` when `State[site]` made it,
+        #   else None: what `claim` knows this site by (not data: no leaf, not pickled)
+        values = (amax_history, scale, amax_compute, margin, None)
+        for name, value in zip(self.__slots__, values):
             object.__setattr__(self, name, value)
 
     @property
@@ -217,7 +226,7 @@ class State(_Frozen):
         return site in self._positions()
 
     def __getitem__(self, site: str) -> SiteState:
-        """The rows of `site` (views); the same objects each time (see `fp8fn.linear`)."""
+        """The rows of `site` (views), cached: the same objects each time."""
         view = self._views.get(site)
         if view is None:
             i = self._positions().get(site)
@@ -227,6 +236,7 @@ class State(_Frozen):
                 raise KeyError(f"fp8fn.State: no site {site!r} among its {len(self)} sites.{hint}")
             rows = (self.amax_history[..., i, :, :], self.scale[..., i, :])
             view = self._views[site] = SiteState(*rows, *self.static[1:])
+            object.__setattr__(view, "_row", (self.amax_history, i))
         return view
 
     def keys(self):
@@ -274,13 +284,13 @@ def _register(cls, leaves, static, make_from=None):
             return make_from(values, aux, key)
         return cls(*values, *aux) if key is None else cls(*values, *aux, key=key)
 
-    pytree.register_pytree_node(
+    register_pytree_node(
         cls,
         lambda obj: ([getattr(obj, f) for f in fields(obj)], static(obj)),
         make,
         serialized_type_name=f"fp8fn.{cls.__name__}",
         flatten_with_keys_fn=lambda obj: (
-            [(pytree.GetAttrKey(f), getattr(obj, f)) for f in fields(obj)],
+            [(GetAttrKey(f), getattr(obj, f)) for f in fields(obj)],
             static(obj),
         ),
     )
@@ -523,7 +533,7 @@ def known_valid(scale: torch.Tensor) -> bool:
     """Whether `scale` (or the tensor it views, or one whose memory it shares) holds scales known
     to be finite and > 0, unchanged since they were checked (no host read)."""
     base = unwrapped(scale)
-    for t in (base, base._base):
+    for t in (base, view_base(base)):
         if t is not None and _VALID_SCALES.get(t) == tensor_version(t):
             return True
     if not base.numel():  # (empty tensors share the address 0)
@@ -593,7 +603,7 @@ def warn_if_never_updated(api: str, state: State, params: dict) -> None:
     history = state.amax_history
     if torch.compiler.is_compiling() or not (torch.is_grad_enabled() and params):
         return
-    source = getattr(history, "_fp8fn_source", history)  # `observe`'s copy tells its source
+    source = OBSERVED.get(history, history)  # `observe`'s copy tells its source
     record = _NEVER_UPDATED.get(unwrapped(source))
     if record is None or record.get("warned") or not differentiated(history):
         return
@@ -636,19 +646,32 @@ def check_site_state(api: str, site_state, where: str = "`site_state`") -> None:
         )
 
 
-def claim(history: torch.Tensor, api: str, what: str) -> None:
+# The histories `fp8fn.observe` made: `{observed history: the history it copied}`, for the
+# advice when one is reused (`claim`) and for `warn_if_never_updated`; read outside torch.compile
+# only.
+OBSERVED = WeakIdKeyDictionary()
+
+
+def claim(history: torch.Tensor, api: str, what: str, row: tuple | None = None) -> None:
     """Refuse a second use of `history` while gradients are recorded for it.
 
     Autograd sums the gradients of a tensor used twice; fp8fn combines observations by max. So
-    each observed state (and each site's rows) may take part once in a recorded gradient.
+    each observed state (and each site's rows) may take part once in a recorded gradient. `row`
+    is `SiteState._row` for a site's rows (`(the State's history, the site's index)`): the
+    site is known by it, however many view tensors of it there are.
     """
     if not (torch.is_grad_enabled() and history.requires_grad) or not history.numel():
         return
-    if getattr(history, "_fp8fn_used", False):
+    owner, part = (history, None) if row is None else row
+    # The parts of `owner` used: None for the whole `State` (`fn.apply`), a site's index for
+    # its rows (`fp8fn.linear` of `state[site]`). An attribute of the tensor, not a registry:
+    # see "What fp8fn touches outside the state" in docs/semantics.md.
+    used = getattr(owner, "_fp8fn_used", ())
+    if part in used:
         loop = (
             "Call `observed = fp8fn.observe(state)` inside the training loop, once per forward "
             "pass, not once before it. "
-            if getattr(history, "_fp8fn_observed", False)
+            if not torch.compiler.is_compiling() and owner in OBSERVED
             else ""
         )
         raise RuntimeError(
@@ -660,7 +683,7 @@ def claim(history: torch.Tensor, api: str, what: str) -> None:
             "    obs = fp8fn.merge(obs1, obs2)\n"
             "or run the inputs as one batch, or (for fp8fn.linear) use one site per call."
         )
-    history._fp8fn_used = True
+    owner._fp8fn_used = (*used, part)
 
 
 def flatten_state(state: State) -> dict[str, torch.Tensor]:

@@ -19,6 +19,7 @@ from torch.library import wrap_triton  # (this spelling lets triton_op find the 
 from triton.runtime.jit import JITFunction
 
 from .._numerics.fp8 import E4M3, E5M2, FP8_MAX
+from .._torch_private import is_fake
 
 _FORMAT = {E4M3: (7, 3), E5M2: (15, 2)}  # float8 format: (exponent bias, mantissa bits)
 _BLOCK, _WARPS = 4096, 8  # elements per program of the flat kernels (one atomic each)
@@ -245,7 +246,7 @@ def _allocate(hp: torch.Tensor, dtype: torch.dtype, transpose: bool, observe: bo
 
 def _shapes_only(hp: torch.Tensor) -> bool:
     """True when tracing with fake tensors that an interpreted kernel cannot be launched on."""
-    return INTERPRETED and torch._subclasses.fake_tensor.is_fake(hp)
+    return INTERPRETED and is_fake(hp)
 
 
 def scaled_cast(

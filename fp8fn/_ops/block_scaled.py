@@ -179,11 +179,11 @@ class _FinerLinear(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None
 
 
-def check_finer(x, weight, recipe) -> None:
-    """The checks a finer recipe adds to `check_operands`'."""
+def check_finer(x, weight, recipe, api: str = "linear") -> None:
+    """The checks a finer recipe adds to `check_operands`' (`api` names the caller)."""
     if isinstance(recipe, MXScaling) and torch.float16 in (x.dtype, weight.dtype):
         raise TypeError(
-            "fp8fn.linear: expected `x` and `weight` in float32 or bfloat16 under MXScaling, "
+            f"fp8fn.{api}: expected `x` and `weight` in float32 or bfloat16 under MXScaling, "
             "got float16 (E8M0 scales span 2**-127..2**127, beyond float16). Cast to bfloat16."
         )
 

@@ -25,7 +25,7 @@ def scaled_mm_supported(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def resolve_backend(recipe, device: torch.device) -> str:
+def resolve_backend(recipe, device: torch.device, api: str = "linear") -> str:
     """The backend `recipe` runs on `device`: `"emulated"`, `"scaled_mm"` or `"triton"`.
 
     `"auto"` is the verified path: `torch`'s float8 GEMM where the device has one, for the
@@ -44,7 +44,7 @@ def resolve_backend(recipe, device: torch.device) -> str:
         return "emulated"
     if backend == "scaled_mm" and device.type != "cpu" and not scaled_mm_supported(device):
         raise ValueError(
-            f"fp8fn.linear: expected a CUDA device of compute capability >= 8.9 (or the CPU) "
+            f"fp8fn.{api}: expected a CUDA device of compute capability >= 8.9 (or the CPU) "
             f"for backend='scaled_mm', got {device}. Use backend='emulated'."
         )
     assert isinstance(recipe, RowwiseScaling), recipe

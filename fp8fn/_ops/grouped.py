@@ -27,6 +27,7 @@ import torch
 from .._core.checks import no_autocast
 from .._core.recipes import NVFP4Scaling
 from .._numerics.fp8 import E4M3, E5M2, cast_to_fp8
+from .._torch_private import scaled_grouped_mm, scaled_grouped_mm_available
 from .block_scaled import FINER, check_finer
 from .first_order import first_order_only
 from .gemm import fp8_mm, resolve_backend
@@ -54,7 +55,7 @@ def _group_amax(hp: torch.Tensor, ids: torch.Tensor, experts: int) -> torch.Tens
 
 def _one_scaled_grouped_mm(x, weight, backend: str) -> bool:
     """Whether the forward runs as one `torch._scaled_grouped_mm` (see the module docstring)."""
-    return (backend == "scaled_mm" and x.is_cuda and hasattr(torch, "_scaled_grouped_mm")
+    return (backend == "scaled_mm" and x.is_cuda and scaled_grouped_mm_available()
             and x.dtype == torch.bfloat16 and x.shape[1] % 16 == 0 and weight.shape[1] % 16 == 0)
 
 
@@ -66,8 +67,7 @@ def _scaled_grouped_forward(x_fp8, w_fp8, x_inv, w_inv, ids, offs):
     experts, n = w_fp8.shape[0], w_fp8.shape[1]
     row_inv = torch.cat([x_inv, x_inv.new_ones(1)])[ids]
     col_inv = w_inv[:, None].expand(experts, n).contiguous()
-    out = torch._scaled_grouped_mm(x_fp8, w_fp8.transpose(-2, -1), row_inv, col_inv, offs=offs,
-                                   out_dtype=torch.bfloat16)
+    out = scaled_grouped_mm(x_fp8, w_fp8.transpose(-2, -1), row_inv, col_inv, offs, torch.bfloat16)
     return torch.where((ids < experts)[:, None], out, 0.0)
 
 

@@ -82,7 +82,7 @@ def linear(x, weight, bias, site_state, recipe):
                 "fp8fn.init_state(recipe, sites) (or fn.init) for this recipe."
             )
         check_scales("linear", site_state.scale, "site_state")
-        claim(site_state.amax_history, "linear", "site_state")
+        claim(site_state.amax_history, "linear", "site_state", site_state._row)
         newest, stored = site_state.amax_history[:, 0], site_state.scale
     elif isinstance(recipe, NVFP4Scaling):
         check_random("linear", site_state, recipe, x.device)
@@ -97,26 +97,28 @@ def linear(x, weight, bias, site_state, recipe):
     return fp8_linear(x, weight, bias, newest, stored, recipe)
 
 
-def fp8_linear(x, weight, bias, newest, stored, recipe, random=None, filled=None):
+def fp8_linear(
+    x, weight, bias, newest, stored, recipe, random=None, filled=None, api: str = "linear"
+):
     """`linear` on checked operands: `newest`, `stored` float32 `(3,)` or None; `random`
     `(key, site)` (NVFP4) or None; `filled` the roles whose histories are known non-empty
-    (`State.site_filled`) or None."""
-    refuse_compile_under_func("linear")
+    (`State.site_filled`) or None; `api` what the user called, for errors (`fp8fn.{api}:`)."""
+    refuse_compile_under_func(api)
     if newest is not None and newest.device != x.device:
         raise ValueError(
-            f"fp8fn.linear: expected the scaling state on the device of `x`, {x.device}, got "
+            f"fp8fn.{api}: expected the scaling state on the device of `x`, {x.device}, got "
             f"{newest.device}. Move it: `state = state.to(device)`."
         )
     device = x.device.type
     if torch.is_autocast_enabled(device):
         x = x.to(torch.get_autocast_dtype(device))
-    backend = resolve_backend(recipe, x.device)
+    backend = resolve_backend(recipe, x.device, api)
     if isinstance(recipe, NVFP4Scaling):
-        check_nvfp4(x, weight)
+        check_nvfp4(x, weight, api)
         with no_autocast(x):
             return nvfp4_linear(x, weight, bias, recipe, random)
     if isinstance(recipe, FINER):
-        check_finer(x, weight, recipe)
+        check_finer(x, weight, recipe, api)
         with no_autocast(x):
             return finer_linear(x, weight, bias, recipe, backend)
     margin = getattr(recipe, "margin", 0)

@@ -184,11 +184,11 @@ class _NVFP4Linear(torch.autograd.Function):
         return grad_x, grad_w, grad_b
 
 
-def check_nvfp4(x, weight) -> None:
-    """The checks NVFP4 adds to `check_operands`'."""
+def check_nvfp4(x, weight, api: str = "linear") -> None:
+    """The checks NVFP4 adds to `check_operands`' (`api` names the caller)."""
     if x.numel() == 0 or weight.numel() == 0:
         raise ValueError(
-            f"fp8fn.linear: expected non-empty `x` and `weight` under NVFP4Scaling, got x "
+            f"fp8fn.{api}: expected non-empty `x` and `weight` under NVFP4Scaling, got x "
             f"{tuple(x.shape)} and weight {tuple(weight.shape)}."
         )
 

@@ -85,13 +85,11 @@ def _whole(place: Local, amaxes, roles: tuple):
     return place.max_over_ranks(amaxes, mask) if any(mask) else amaxes
 
 
-def _scales(amaxes, newest, stored, margin: int, fp8_max: float, filled: bool = False):
+def _scales(amaxes, newest, stored, margin: int, fp8_max: float):
     """The scales the casts use, float32 of `amaxes`'s shape: `stored` where the history is
     non-empty (`newest > 0`), else current scaling from `amaxes`; current scaling when
-    stateless (`newest` None). `filled` (static: every history used is known non-empty):
-    `stored` alone, so that the cast does not wait for `amaxes` (one pass over the tensor)."""
-    if filled:
-        return stored
+    stateless (`newest` None). (A role whose history is known filled, `State.filled`, casts
+    with `stored` alone and never comes here: its amax is taken by `_after_gemm`.)"""
     current = scale_from_amax(amaxes, fp8_max, margin)
     return current if newest is None else torch.where(newest > 0, stored, current)
 
@@ -103,7 +101,8 @@ def _cast_operands(x, weight, newest, stored, margin: int, backend: str, place: 
     copies the backward keeps: `x_fp8`, `w_fp8`, or from the Triton casts before float8 GEMMs,
     transposes of the row-major transposed copies those casts wrote. A weight that comes cast
     (`place.float8_weight`: FSDP2's float8 all-gather) is used as it is: its bytes, scale and
-    amax."""
+    amax. Without Triton, an amax is None where the cast took a stored scale (`filled`): the
+    caller takes it after the GEMM (`_after_gemm`)."""
     cast = place.float8_weight(weight)
     if cast is not None:
         x_fp8, x_inv, x_amax, x_keep = _cast_input(x, newest, stored, margin, backend, filled)
@@ -115,17 +114,47 @@ def _cast_operands(x, weight, newest, stored, margin: int, backend: str, place: 
         rowmajor = scaled_mm_supported(x.device)
         w_fp8, w_inv, w_amax, w_keep = forward_cast(weight, wn, ws, margin, known, rowmajor)
         return x_fp8, w_fp8, x_inv, w_inv, x_amax, w_amax, x_keep, w_keep
+    if filled is not None and filled[0] and filled[1]:  # the stored scales: one pass each
+        x_scale, w_scale, _ = stored.unbind()
+        x_fp8, w_fp8 = cast_to_fp8(x, x_scale, E4M3), cast_to_fp8(weight, w_scale, E4M3)
+        x_inv, w_inv, _ = stored.reciprocal().unbind()  # one kernel for both
+        return x_fp8, w_fp8, x_inv, w_inv, None, None, x_fp8, w_fp8
     # Three roles at once (the last entry stands in for grad_output): no slicing of rows. The
     # formats' max are literals (448.0, 57344.0): torch.compile(dynamic=True) turns float
     # globals into symbols, which broke two chained layers.
     x_amax, w_amax = amax(x), amax(weight)
     amaxes = _whole(place, torch.stack([x_amax, w_amax, w_amax]), (0, 1, 1))
-    known = filled is not None and filled[0] and filled[1]
-    scales = _scales(amaxes, newest, stored, margin, 448.0, known)
+    scales = _scales(amaxes, newest, stored, margin, 448.0)
     x_scale, w_scale, _ = scales.unbind()
     x_fp8, w_fp8 = cast_to_fp8(x, x_scale, E4M3), cast_to_fp8(weight, w_scale, E4M3)
-    x_inv, w_inv = x_scale.reciprocal(), w_scale.reciprocal()
+    x_inv, w_inv, _ = scales.reciprocal().unbind()  # one kernel for both
     return x_fp8, w_fp8, x_inv, w_inv, x_amax, w_amax, x_fp8, w_fp8
+
+
+def _after_gemm(amax_or_none, hp, transposed: bool = False):
+    """The amax of `hp`, taken now where the cast did not need it (None: a stored scale).
+
+    Where the cast took a stored scale, its amax is taken after the GEMM that consumes the
+    cast: compiled, inductor realizes a cast only where a GEMM needs it, and fuses a reduction
+    into a pointwise loop over the same elements only when the pointwise comes first, so in
+    this order each tensor is read once, for its cast and its amax together. `transposed`:
+    the cast writes `hp` `(m, n)` transposed (also), so its loop keeps `hp`'s two dims apart
+    instead of running over the flat elements, and the amax is taken by rows, then over the
+    rows (the same value: a max is exact), so that its loop matches the cast's."""
+    if amax_or_none is not None:
+        return amax_or_none
+    if transposed and hp.dim() == 2 and hp.numel():
+        return hp.abs().amax(1).float().amax()  # (float32 before the last max: one kernel)
+    return amax(hp)
+
+
+def _observation(x_amax, w_amax, g_amax):
+    """`[x_amax, w_amax, g_amax]`, float32 `(3,)`. Compiled, one pointwise kernel selects the
+    entries (a stack is a copy kernel per entry); eager, a stack (one kernel)."""
+    if torch.compiler.is_compiling():
+        role = torch.arange(3, device=g_amax.device)
+        return torch.where(role == 0, x_amax, torch.where(role == 1, w_amax, g_amax))
+    return torch.stack([x_amax, w_amax, g_amax])
 
 
 def _role(newest, stored, filled, role: int):
@@ -140,8 +169,11 @@ def _cast_input(x, newest, stored, margin: int, backend: str, filled=None):
     xn, xs, known = _role(newest, stored, filled, 0)
     if backend == "triton":
         return forward_cast(x, xn, xs, margin, known, scaled_mm_supported(x.device))
+    if known:
+        x_fp8 = cast_to_fp8(x, xs, E4M3)
+        return x_fp8, xs.reciprocal(), None, x_fp8
     x_amax = amax(x)
-    x_scale = _scales(x_amax, xn, xs, margin, 448.0, known)
+    x_scale = _scales(x_amax, xn, xs, margin, 448.0)
     x_fp8 = cast_to_fp8(x, x_scale, E4M3)
     return x_fp8, x_scale.reciprocal(), x_amax, x_fp8
 
@@ -150,16 +182,20 @@ def _cast_grad_output(grad_out, newest, stored, ctx, observe):
     """The backward's e5m2 cast: `(g_fp8, g_fp8_t, g_inv, observed)`, `g_fp8_t` its `(n, m)`
     transpose: a view, or with the Triton casts before a float8 GEMM, a row-major copy the
     kernel writes in the same pass (the GEMM wants row-major operands); `observed` the float32
-    `(3,)` `[*observe, g_amax]`, or None without `observe` (the forward's two amaxes). The scale
-    of a role split over ranks (`ctx.place.whole`) comes from the whole gradient's amax."""
+    `(3,)` `[*observe, g_amax]`, or None without `observe` (the forward's two amaxes) or,
+    without Triton, where the cast took the stored scale (the caller makes it after the GEMMs:
+    `_after_gemm`). The scale of a role split over ranks (`ctx.place.whole`) comes from the
+    whole gradient's amax."""
     if ctx.backend == "triton":  # one op: the amax, the cast, its transpose, the observation
         gn, gs, known = _role(newest, stored, ctx.filled, 2)
         # (emulated matmuls take any layout; torch's float8 GEMM wants row-major operands)
         rowmajor = scaled_mm_supported(grad_out.device)
         return backward_cast(grad_out, gn, gs, ctx.margin, known, rowmajor, observe)
+    if ctx.filled is not None and ctx.filled[2]:
+        g_fp8 = cast_to_fp8(grad_out, stored[2], E5M2)
+        return g_fp8, g_fp8.t(), stored[2].reciprocal(), None
     g_amax = amax(grad_out)
-    known = ctx.filled is not None and ctx.filled[2]
-    g_scale = _scales(_whole(ctx.place, g_amax, (2,)), newest, stored, ctx.margin, 57344.0, known)
+    g_scale = _scales(_whole(ctx.place, g_amax, (2,)), newest, stored, ctx.margin, 57344.0)
     g_scale = g_scale if newest is None else g_scale[..., 2]
     g_fp8 = cast_to_fp8(grad_out, g_scale, E5M2)
     observed = None if observe is None else torch.stack([*observe, g_amax])
@@ -205,6 +241,10 @@ class _Fp8LinearOp(torch.autograd.Function):
         )
         w_gemm, b_gemm = place.gemm_weight(w_fp8), place.gemm_bias(bias)
         out = _fp8_gemm(x_fp8, w_gemm, x_inv, w_inv, b_gemm, x.dtype, backend)
+        # Compiled, a scaled_mm backward that needs `grad_input` (`x` differentiated) wants the
+        # weight transposed too; inductor writes both layouts from one loop over `w`'s two dims.
+        both = backend == "scaled_mm" and x.requires_grad and torch.compiler.is_compiling()
+        x_amax, w_amax = _after_gemm(x_amax, x), _after_gemm(w_amax, w, both)
         return place.output(out), x_keep, w_keep, x_inv, w_inv, w_amax, x_amax
 
     @staticmethod
@@ -235,6 +275,12 @@ class _Fp8LinearOp(torch.autograd.Function):
                 grads[1] = fp8_mm(g_fp8_t, x_fp8.t(), g_inv, x_inv, w_dtype, ctx.backend)
             if needs[2]:
                 grads[2] = grad_out.float().sum(0).to(b_dtype)
+            if needs[3] and observed is None:  # the stored scale: g's amax after the GEMMs
+                # (compiled, a scaled_mm backward that needs `g` only as `g_fp8_t` writes it
+                # from a loop over `g`'s two dims: see `_after_gemm`)
+                alone_t = not needs[0] and ctx.backend == "scaled_mm"
+                g_amax = _after_gemm(None, grad_out, alone_t and torch.compiler.is_compiling())
+                observed = _observation(x_amax, w_amax, g_amax)
             grads[:3] = ctx.place.place_grads(grads[:3])
             if needs[3]:  # [x_amax, w_amax, g_amax], made here: at the backward's level
                 grads[3] = observed

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from .._core.state import State, check_state
 from .._core.update import observed_only
-from .._torch_private import assert_in_graph
+from .._torch_private import assert_in_graph, process_group_devices
 
 
 def _check_group(group):
@@ -49,7 +49,7 @@ def _check_device(device: torch.device, group) -> None:
     (torch says only `No backend type associated with device type cpu`.) gloo reduces CPU and
     CUDA tensors; NCCL only CUDA ones.
     """
-    supported = getattr(group, "_device_types", None)
+    supported = process_group_devices(group)
     if supported is None or device.type in {d.type for d in supported}:
         return
     names = sorted({d.type for d in supported})

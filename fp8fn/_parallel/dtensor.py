@@ -299,11 +299,10 @@ def _unobserved(call, site: str) -> list:
     Read to the host once per forward pass, for all sites (the collectives a rank runs must not
     depend on device values another rank might not have: every rank holds the same state).
     """
-    table = getattr(call, "_fp8fn_unobserved", None)
-    if table is None:
+    if call.unobserved is None:
         newest = unwrapped(call.state.amax_history)[..., 0]
-        table = call._fp8fn_unobserved = (newest > 0).logical_not().tolist()
-    return table[call.state._positions()[site]]
+        call.unobserved = (newest > 0).logical_not().tolist()
+    return call.unobserved[call.state._positions()[site]]
 
 
 def _layout(d) -> str:
@@ -340,7 +339,7 @@ def sharded_linear(call, layer, site, x, weight, bias, newest, stored):
     _check_state("fp8fn.apply", call.state)
     xd, wd, bd = as_dtensor(x), as_dtensor(weight), as_dtensor(bias)
     device = (wd if wd is not None else xd).device
-    backend = resolve_backend(recipe, device)
+    backend = resolve_backend(recipe, device, "apply")
     if backend == "triton":  # fused casts are for plain tensors; the matmul as "auto"
         backend = "scaled_mm" if scaled_mm_supported(device) else "emulated"
     unobserved = [True] * 3 if newest is None else _unobserved(call, site)

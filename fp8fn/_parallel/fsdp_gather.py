@@ -39,10 +39,18 @@ import contextvars
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils import _pytree as pytree
 
 from .._numerics.fp8 import E4M3, FP8_MAX, amax, cast_to_fp8, ceil_div, scale_from_amax
 from .._ops.tensorwise import Local
+from .._torch_private import (
+    aten_copy_ops,
+    disabled_torch_function,
+    dtensor_local_or_none,
+    make_wrapper_subclass,
+    op_mutates,
+    tree_leaves,
+    tree_map_only,
+)
 from .dtensor import _AllGather
 
 # The running `apply`'s `ScalesForCall` (None outside apply: FSDP2's backward re-gather).
@@ -63,8 +71,7 @@ _KEEP = {
     _aten.split.Tensor,
     _aten.split_with_sizes.default,
     _aten.view.default,
-    _aten._to_copy.default,
-    _aten._pin_memory.default,
+    *aten_copy_ops(),
 }
 _GATHERED_VIEWS = {
     _aten.alias.default,
@@ -86,17 +93,14 @@ class Float8ShardWeight(torch.Tensor):
     all-gather (float32 `()`), reused by the backward re-gather.
     """
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = disabled_torch_function
 
     @staticmethod
     def __new__(cls, tensor: torch.Tensor, path: str):
-        return torch.Tensor._make_wrapper_subclass(
+        return make_wrapper_subclass(
             cls,
-            tensor.size(),
-            strides=tensor.stride(),
+            tensor,
             storage_offset=tensor.storage_offset(),
-            dtype=tensor.dtype,
-            device=tensor.device,
             requires_grad=tensor.requires_grad,
         )
 
@@ -118,16 +122,16 @@ class Float8ShardWeight(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        wrapped = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, cls)]
+        wrapped = [t for t in tree_leaves((args, kwargs)) if isinstance(t, cls)]
         outer = {id(t._tensor): t for t in wrapped}
-        args, kwargs = pytree.tree_map_only(cls, lambda t: t._tensor, (args, kwargs or {}))
+        args, kwargs = tree_map_only(cls, lambda t: t._tensor, (args, kwargs or {}))
         out = func(*args, **kwargs)
-        if func._schema.is_mutable:  # in place (an optimizer step, a checkpoint load)
-            return pytree.tree_map_only(torch.Tensor, lambda t: outer.get(id(t), t), out)
+        if op_mutates(func):  # in place (an optimizer step, a checkpoint load)
+            return tree_map_only(torch.Tensor, lambda t: outer.get(id(t), t), out)
         if func not in _KEEP:
             return out
         path = wrapped[0]._path
-        return pytree.tree_map_only(torch.Tensor, lambda t: cls(t, path), out)
+        return tree_map_only(torch.Tensor, lambda t: cls(t, path), out)
 
     # -- FSDP2's all-gather extension --------------------------------------------------------
 
@@ -194,13 +198,11 @@ class Float8GatheredWeight(torch.Tensor):
     `_data`; any other op sees the dequantized weight `_data / _scale`.
     """
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = disabled_torch_function
 
     @staticmethod
     def __new__(cls, data, scale, whole_amax, dtype, source=None):
-        return torch.Tensor._make_wrapper_subclass(
-            cls, data.size(), strides=data.stride(), dtype=dtype, device=data.device
-        )
+        return make_wrapper_subclass(cls, data, dtype)
 
     def __init__(self, data, scale, whole_amax, dtype, source=None):
         self._data, self._scale, self._amax, self._source = data, scale, whole_amax, source
@@ -236,12 +238,12 @@ class Float8GatheredWeight(torch.Tensor):
             src = args[0]
             data = func(src._data, *args[1:], **kwargs)
             return cls(data, src._scale, src._amax, src.dtype, src._source)
-        if func._schema.is_mutable:
+        if op_mutates(func):
             raise _api_error(
                 f"the gathered float8 weight cannot be changed in place ({func}). Change the "
                 "sharded parameters (the optimizer does), not the unsharded ones."
             )
-        args, kwargs = pytree.tree_map_only(cls, lambda t: t.dequantize(), (args, kwargs))
+        args, kwargs = tree_map_only(cls, lambda t: t.dequantize(), (args, kwargs))
         return func(*args, **kwargs)
 
 
@@ -304,7 +306,7 @@ def shard_of(weight) -> Float8ShardWeight | None:
     None."""
     if isinstance(weight, Float8ShardWeight):
         return weight
-    local = getattr(weight, "_local_tensor", None)  # a DTensor (FSDP2's sharded parameter)
+    local = dtensor_local_or_none(weight)  # a DTensor (FSDP2's sharded parameter)
     return local if isinstance(local, Float8ShardWeight) else None
 
 

@@ -8,6 +8,8 @@ import sys
 import torch.distributed as dist
 from torch import nn
 
+from .._torch_private import children_in_attributes
+
 
 def is_fsdp_module(module) -> bool:
     """Whether `module` is an FSDP2 module (`fully_shard` was called on it)."""
@@ -40,10 +42,10 @@ def _ddp_owns(owner, modules: dict) -> bool:
     """Whether `owner` is a DDP whose `_modules` is `modules`, or the instance dict of one
     (Python 3.11 keeps an instance's attributes inline: the referrer is then its `__dict__`)."""
     if _is_ddp(owner):
-        return owner.__dict__.get("_modules") is modules
+        return children_in_attributes(owner.__dict__) is modules
     return (
         isinstance(owner, dict)
-        and owner.get("_modules") is modules
+        and children_in_attributes(owner) is modules
         and any(_is_ddp(o) and o.__dict__ is owner for o in gc.get_referrers(owner))
     )
 

@@ -5,17 +5,21 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import sys
 
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 
 from .._torch_private import (
+    autograd_leaves,
     differentiated,
     differentiated_by_transform,
+    dynamo_imported,
     function_modes,
     functorch_level,
+    tensor_version,
+    tree_flatten,
+    tree_leaves,
+    tree_unflatten,
 )
 from .swap import _functional_call, _Holder, _module_tensors
 
@@ -38,7 +42,7 @@ def _is_hf_cache(x) -> bool:
 
 def _refuse_cache(args, api: str, subject: str) -> None:
     """Raise if `args` carry a HF KV cache: the recompute would update it a second time."""
-    leaves = pytree.tree_leaves(args, is_leaf=_is_hf_cache)  # kept whole if registered
+    leaves = tree_leaves(args, is_leaf=_is_hf_cache)  # kept whole if registered
     cache = next((x for x in leaves if _is_hf_cache(x)), None)
     if cache is not None:
         raise ValueError(
@@ -140,7 +144,7 @@ def _autograd_vjp(ctx, run_diff, tensors, diff, grad_outputs) -> list:
             if g is not None and o.is_floating_point() and o.requires_grad
         ]
         given = {id(t) for t in inputs}
-        if any(id(leaf) not in given for leaf in _leaves([o for o, _ in pairs])):
+        if any(id(leaf) not in given for leaf in autograd_leaves([o for o, _ in pairs])):
             _refuse_outside_input(ctx.run.names)
         diff_grads = torch.autograd.grad(
             [o for o, _ in pairs],
@@ -153,21 +157,6 @@ def _autograd_vjp(ctx, run_diff, tensors, diff, grad_outputs) -> list:
     for i, g in zip(diff, diff_grads):
         grads[i] = g
     return grads
-
-
-def _leaves(outputs) -> list:
-    """The leaf tensors that `outputs`' autograd graph accumulates gradients into."""
-    stack = [o.grad_fn for o in outputs]
-    seen, leaves = set(), []
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        if hasattr(node, "variable"):  # AccumulateGrad
-            leaves.append(node.variable)
-        stack.extend(n for n, _ in node.next_functions)
-    return leaves
 
 
 @functools.cache
@@ -275,6 +264,11 @@ def checkpoint(f, *args):
             "without its float8 casts (silently wrong gradients and observations). Checkpoint "
             "the module with `checkpoint_fn=lambda name, module: ...` in fp8fn.transform."
         )
+    if not callable(f):
+        raise TypeError(
+            "fp8fn.checkpoint: expected `f` to be a function of the arguments that follow it, "
+            f"got {type(f).__name__}. Call it as fp8fn.checkpoint(f, *args)."
+        )
     call, bound, keywords = f, (), {}
     while isinstance(call, functools.partial):  # its bound arguments become arguments
         bound, keywords = (*call.args, *bound), {**call.keywords, **keywords}
@@ -323,7 +317,7 @@ def _closed_over(f):
                     pending.append((var, cell.cell_contents))
             pending += [(name, value.__defaults__ or ()), (name, value.__kwdefaults__ or {})]
         else:  # a container (a pytree node: dict, list, tuple, fp8fn.State, ...), or nothing
-            leaves = pytree.tree_leaves(value)
+            leaves = tree_leaves(value)
             if leaves != [value]:
                 pending += [(name, leaf) for leaf in leaves]
 
@@ -336,7 +330,7 @@ def _refuse_closed_over(f, args) -> None:
     recompute that reads them is refused in the backward (they may be unused: `f` may swap in
     its arguments with `functional_call`).
     """
-    given = [t for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor)]
+    given = [t for t in tree_leaves(args) if isinstance(t, torch.Tensor)]
     passed = {id(t) for t in given}
     plain = functorch_level() is None
     for name, t, held_by_module in _closed_over(f):
@@ -384,9 +378,9 @@ def checkpoint_with_constants(
     refuse_compile()
     if torch.is_grad_enabled():
         _refuse_cache(args, api, subject)
-    const_leaves, const_spec = pytree.tree_flatten(constants)
+    const_leaves, const_spec = tree_flatten(constants)
     snapshot = [t.detach().clone() if isinstance(t, torch.Tensor) else t for t in const_leaves]
-    leaves, in_spec = pytree.tree_flatten(args)
+    leaves, in_spec = tree_flatten(args)
     is_tensor = [isinstance(x, torch.Tensor) for x in leaves]
     out_spec = []
     recomputing = []
@@ -399,18 +393,16 @@ def checkpoint_with_constants(
             consts = [t.clone() if isinstance(t, torch.Tensor) else t for t in snapshot]
         forward = not recomputing
         recomputing.append(True)
-        versions = [t._version for t in tensors] if forward else None
+        versions = [tensor_version(t) for t in tensors] if forward else None
         with contextlib.nullcontext() if forward else _restored_autocast(autocast):
-            outputs = f(
-                pytree.tree_unflatten(consts, const_spec), *pytree.tree_unflatten(filled, in_spec)
-            )
-        if forward and versions != [t._version for t in tensors]:
+            outputs = f(tree_unflatten(consts, const_spec), *tree_unflatten(filled, in_spec))
+        if forward and versions != [tensor_version(t) for t in tensors]:
             raise RuntimeError(
                 f"fp8fn.{api}: expected {subject} to leave its inputs as they are, got one "
                 "modified in place: the recompute in the backward would start from the modified "
                 "value. Make the in-place op out of place (e.g. `x = x * 2`, not `x.mul_(2)`)."
             )
-        out_leaves, spec = pytree.tree_flatten(outputs)
+        out_leaves, spec = tree_flatten(outputs)
         present = [o is not None for o in out_leaves]  # None leaves are kept as they are
         if not any(present) or not all(
             isinstance(o, torch.Tensor) for o in out_leaves if o is not None
@@ -434,7 +426,7 @@ def checkpoint_with_constants(
     diff = tuple(i for i, t in enumerate(tensors) if t.is_floating_point())
     run.rng_state, run.names = _rng_state(), (api, subject)
     # Without dynamo imported nothing is being compiled, and dynamo need not be imported.
-    function = _eager_checkpoint() if "torch._dynamo" in sys.modules else _Checkpoint
+    function = _eager_checkpoint() if dynamo_imported() else _Checkpoint
     outputs = iter(function.apply(run, diff, *tensors))
     spec, present = out_spec[0]
-    return pytree.tree_unflatten([next(outputs) if p else None for p in present], spec)
+    return tree_unflatten([next(outputs) if p else None for p in present], spec)

@@ -24,9 +24,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._core.recipes import CurrentScaling, DelayedScaling
+from .._torch_private import is_convolution, private_grouped_mm
 
-GROUPED_MM = tuple({f for f in (getattr(torch, "_grouped_mm", None),
-                                getattr(F, "grouped_mm", None)) if f is not None})
+GROUPED_MM = tuple({f for f in (private_grouped_mm(), getattr(F, "grouped_mm", None)) if f})
 _MATMULS = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.Tensor.mm)
 _BMMS = (torch.bmm, torch.Tensor.bmm)
 # Every op that multiplies a weight: a weight reaching one of these and not converted is
@@ -87,7 +87,7 @@ def find_experts(module, choose) -> list[_Experts]:
         if p.dim() != 3 or not p.is_floating_point():
             continue
         owner, attr = owner_of(module, name)
-        if isinstance(owner, nn.modules.conv._ConvNd):
+        if is_convolution(owner):
             continue
         chosen = choose(name, owner)
         if chosen is not None:
@@ -203,7 +203,7 @@ def read_gemm(func, args, kwargs, derived_of) -> Gemm | None:
     None (`F.linear` is read by `_Call`, as for linear layers). `derived_of(t)` is the `Derived`
     of a tensor, or None."""
     if func in GROUPED_MM:
-        names = ("input", "mat2") if func is getattr(torch, "_grouped_mm", None) else (
+        names = ("input", "mat2") if func is private_grouped_mm() else (
             "mat_a", "mat_b")
         names += ("offs", "bias", "out_dtype")
         if len(args) > len(names) or kwargs.keys() - set(names):

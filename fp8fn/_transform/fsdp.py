@@ -16,6 +16,7 @@ from .._parallel.fsdp_gather import (
     weight_scales,
 )
 from .._parallel.wrappers import is_fsdp_module, reshard_fsdp
+from .._torch_private import module_parameters
 
 
 class Fsdp2:
@@ -66,7 +67,8 @@ class Fsdp2:
             return params
         for name, (module, attr, shard) in self.managed.items():
             given = params.get(name)
-            if given is not None and given is not shard and given is not module._parameters[attr]:
+            own = module_parameters(module)[attr]
+            if given is not None and given is not shard and given is not own:
                 raise ValueError(
                     f"fp8fn.apply: expected `params[{name!r}]` to be the model's own parameter, "
                     f"which FSDP2 shards and gathers, got another tensor "

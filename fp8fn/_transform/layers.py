@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from .._core.recipes import RECIPES
+from .._torch_private import module_buffers, module_parameters
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -26,7 +27,7 @@ class _Layer:
 
     def held(self):
         """The weight the module holds now (FSDP2 swaps its shard and the unsharded weight)."""
-        return self.module._parameters.get(self.attrs[0])
+        return module_parameters(self.module).get(self.attrs[0])
 
     def holds(self, weight) -> bool:
         """Whether `weight` is what the module holds now."""
@@ -94,7 +95,7 @@ def _computed_attribute(layer, attrs=("weight", "bias")) -> str | None:
     for attr in attrs:
         if torch.nn.utils.parametrize.is_parametrized(layer, attr):
             return f"has its {attr} parametrized (torch.nn.utils.parametrize: made at each use)"
-        if attr in layer._parameters or attr in layer._buffers:
+        if attr in module_parameters(layer) or attr in module_buffers(layer):
             continue
         if isinstance(getattr(layer, attr, None), torch.Tensor):
             return (

@@ -16,7 +16,12 @@ from .._ops.grouped import grouped_mm
 from .._ops.linear import fp8_linear
 from .._parallel.dtensor import gathered_for_split, sharded_linear, sharded_operands
 from .._torch_errors import USE_CHECKPOINT_FN
-from .._torch_private import attention_forward, inside_torch_checkpoint, saved_tensor_hooks_active
+from .._torch_private import (
+    attention_forward,
+    inside_torch_checkpoint,
+    saved_tensor_hooks_active,
+    view_base,
+)
 from .experts import (
     DERIVING,
     GEMMS,
@@ -99,6 +104,9 @@ class _Call(TorchFunctionMode):
         )
         self.passive = False
         self._rows = self._newest = None
+        # `[input, weight, grad_output]` bools a site, whether its histories are empty: read to
+        # the host once per sharded forward (`_parallel.dtensor`), None until then
+        self.unobserved = None
         self._derived = {} if not torch.compiler.is_compiling() else None  # {id: (tensor, d)}
         self._derived_list = []  # [(tensor, Derived)], searched with `is` while compiling
         for entry in transformed._experts:
@@ -201,8 +209,8 @@ class _Call(TorchFunctionMode):
             return
         derived = self._derived_of(t)
         name = self._names.get(id(t)) if derived is None else derived.entry.path
-        if name is None and t._base is not None:
-            name = self._names.get(id(t._base))
+        if name is None and view_base(t) is not None:
+            name = self._names.get(id(view_base(t)))
         if name is not None and self.weights.get(name, "") is not None:
             self.weights[name] = op
             if op is None and derived is not None:
@@ -331,6 +339,7 @@ class _Call(TorchFunctionMode):
 
     def _linear(self, layer, x, weight, bias):
         name = self._count(layer)
+        api = f"apply: layer {layer.path!r}"
         newest = stored = filled = None
         if isinstance(layer.recipe, DelayedScaling):
             i = self.state._positions().get(name)
@@ -344,9 +353,9 @@ class _Call(TorchFunctionMode):
                 self._rows = (self._newest_rows().unbind(0), self.state.scale.unbind(0))
             newest, stored = self._rows[0][i], self._rows[1][i]
             filled = self.state.site_filled(i)
-        check_operands(f"apply: layer {layer.path!r}", x, weight, bias)
-        check_dtypes(f"apply: layer {layer.path!r}", x, weight, bias)  # the module's rules
+        check_operands(api, x, weight, bias)
+        check_dtypes(api, x, weight, bias)  # the module's rules
         if sharded_operands(x, weight):  # functional FSDP, tensor parallel
             return sharded_linear(self, layer, name, x, weight, bias, newest, stored)
         random = (self.state.key, name) if isinstance(layer.recipe, NVFP4Scaling) else None
-        return fp8_linear(x, weight, bias, newest, stored, layer.recipe, random, filled)
+        return fp8_linear(x, weight, bias, newest, stored, layer.recipe, random, filled, api)

@@ -13,7 +13,7 @@ import weakref
 import torch
 from torch import nn
 
-from .._torch_private import differentiated
+from .._torch_private import differentiated, module_buffers, module_parameters
 
 
 class _Slots:
@@ -58,8 +58,8 @@ class _Slots:
         """The tensor the module holds under `name` now."""
         path, _, attr = name.rpartition(".")
         sub = self.module.get_submodule(path)
-        held = sub._parameters.get(attr)
-        return sub._buffers.get(attr) if held is None else held
+        held = module_parameters(sub).get(attr)
+        return module_buffers(sub).get(attr) if held is None else held
 
     def expand(self, tensors: dict, api: str = "apply", prefix: str = "") -> dict:
         """`tensors` (`{name: tensor}`) for `functional_call(..., tie_weights=False)`, each name

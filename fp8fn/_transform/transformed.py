@@ -22,9 +22,8 @@ import weakref
 
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 
-from .._core.checks import init_error
+from .._core.checks import check_function, init_error
 from .._core.keys import initial_key, seed_key
 from .._core.recipes import RECIPES, DelayedScaling, NVFP4Scaling
 from .._core.state import (
@@ -44,7 +43,10 @@ from .._torch_errors import translated_errors
 from .._torch_private import (
     constant_under_compile,
     innermost_function_mode,
+    module_children,
+    module_parameters,
     recomputing_in_torch_checkpoint,
+    tree_map,
 )
 from .checkpoint import refuse_compile
 from .coverage import report_high_precision, summarize
@@ -76,6 +78,10 @@ def _inside(name: str, path: str) -> bool:
     return not path or name.startswith(path + ".")
 
 
+# The parameters of the user's choice functions: the recipe function, `filter_fn`, `checkpoint_fn`.
+_CHOICE = ("name", "module")
+
+
 def _structure(module, managed) -> list:
     """`[(submodule, its children, its parameters' (name, tensor))]`, by identity, less the
     slots FSDP2 manages (`managed`: `{(id(submodule), name)}`; FSDP2 swaps them at each
@@ -83,9 +89,9 @@ def _structure(module, managed) -> list:
     return [
         (
             m,
-            tuple(m._modules.values()),
-            len(m._parameters),
-            tuple((a, p) for a, p in m._parameters.items() if (id(m), a) not in managed),
+            tuple(module_children(m).values()),
+            len(module_parameters(m)),
+            tuple((a, p) for a, p in module_parameters(m).items() if (id(m), a) not in managed),
         )
         for m in module.modules()
     ]
@@ -95,10 +101,10 @@ def _unchanged(structure) -> bool:
     """Whether every submodule of `structure` (from `_structure`) still holds the same children
     and parameters (compared by identity: a few microseconds per submodule)."""
     for m, children, n_params, params in structure:
-        now = m._modules
+        now = module_children(m)
         if len(now) != len(children) or any(a is not b for a, b in zip(now.values(), children)):
             return False
-        now = m._parameters
+        now = module_parameters(m)
         if len(now) != n_params or any(now.get(a) is not p for a, p in params):
             return False
     return True
@@ -130,6 +136,11 @@ class Transformed:
                 "fp8fn.DelayedScaling()) or a function (name, module) -> recipe or None, "
                 f"got {type(recipe).__name__}."
             )
+        if not isinstance(recipe, RECIPES):
+            check_function("transform", "recipe", recipe, _CHOICE, "recipe or None")
+        for arg, f in (("filter_fn", filter_fn), ("checkpoint_fn", checkpoint_fn)):
+            if f is not None:
+                check_function("transform", arg, f, _CHOICE, "bool")
         refuse_ddp_inner_module(module)
         self.module = module
         self._choices = (recipe, filter_fn, checkpoint_fn)
@@ -342,7 +353,7 @@ class Transformed:
             if not any(sharded_operands(t) for t in tensors.values()):
                 try:
                     meta = {k: to_meta(v) for k, v in tensors.items()}
-                    return self._run_discovery(meta, pytree.tree_map(to_meta, (args, kwargs)))
+                    return self._run_discovery(meta, tree_map(to_meta, (args, kwargs)))
                 except Exception:  # data-dependent control flow, or an op without a meta kernel
                     pass
             try:
