@@ -79,8 +79,9 @@ def _widen_stored(fp8: torch.Tensor) -> tuple[torch.Tensor, float]:
     itself makes a transposed store, which inductor's CPU backend tiles (2-D, 16x16), and with
     more than one thread a scatter-add fused into such a tile (an embedding's backward) gets a
     wrong index: wrong gradients or heap corruption (tools/inductor_repro_embedding_tile.py,
-    pytorch/pytorch#191837)."""
-    if fp8.dim() == 2 and not fp8.is_contiguous() and fp8.t().is_contiguous():
+    pytorch/pytorch#191837). Only when compiling: eager makes no such kernel, and the two
+    transposes would be two more dispatched ops."""
+    if torch.compiler.is_compiling() and fp8.dim() == 2 and fp8.t().is_contiguous():
         hp, factor = _widen(fp8.t())
         return hp.t(), factor
     return _widen(fp8)
