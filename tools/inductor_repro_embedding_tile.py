@@ -19,7 +19,7 @@ with "malloc(): unaligned tcache chunk detected"). With one thread the serial (n
 path is taken and the result is right.
 
 Known upstream: pytorch/pytorch#191837, "tile2d atomic_add double-applying the inner itervar
-offset"; PR pytorch/pytorch#191861 skips the second `transform_indexing`. Not in 2.13.0.
+offset"; PR pytorch/pytorch#191861 skips the second `transform_indexing`. 2.13.0 has the bug.
 
 The pattern needs, in one fused kernel: the scatter-add, a transposed store of a pointwise chain
 of at least two ops ending in a float8 cast (`nan_to_num` then the cast), and a reduction over
