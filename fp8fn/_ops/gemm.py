@@ -140,7 +140,8 @@ def fp8_mm(a, b, inv_scale_a, inv_scale_b, out_dtype: torch.dtype, backend: str)
         return scaled_mm(a, b, inv_scale_a, inv_scale_b, out_dtype)
     # Each operand is widened in the layout it comes in: the backward widens transposed views
     # of the saved float8 copies, which are not the forward's graph nodes, so when compiled
-    # AOTAutograd cannot save the forward's float32 widening (4x the bytes).
+    # AOTAutograd cannot save the forward's float32 widening (4x the bytes); compiled, a view
+    # is widened in its storage order (`_widen_stored`; traffic.py's bytes are unchanged).
     (a_hp, a_factor), (b_hp, b_factor) = _widen_stored(a), _widen_stored(b)
     inv = inv_scale_a * inv_scale_b
     if a_factor * b_factor != 1.0:  # powers of two: exact
