@@ -2,7 +2,11 @@
 routes (right numbers or an error, never a dropped backward), the compiled
 `fp8fn.value_and_grad` route, dynamic shapes, and fused casts in the generated code."""
 
+import os
+import pathlib
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -516,3 +520,25 @@ def test_compile_apply_of_multihead_attention_matches_eager():
         compiled = torch.compile(fn.apply, fullgraph=True)
         assert_bit_identical(compiled(params, state, *args), fn.apply(params, state, *args))
         assert _graph_breaks() == 0
+
+
+@pytest.mark.slow
+def test_compiled_transformer_backward_with_two_threads(tmp_path):
+    """The transformer's compiled delayed step with 2 intra-op threads (run in a subprocess: a
+    wrong kernel aborts the process). Widening a transposed float8 view in the emulated GEMM
+    made inductor fuse the embedding's backward scatter-add into a 2-D tiled transposed store,
+    whose parallel (atomic) index is wrong in torch 2.13 (pytorch/pytorch#191837,
+    tools/inductor_repro_embedding_tile.py): heap corruption, or wrong embedding gradients."""
+    case = "tests/test_compile.py::test_compile_apply_model_matches_eager[transformer-delayed]"
+    fresh = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}  # compiled here, not a cached kernel
+    env = {**os.environ, **fresh, "FP8FN_TEST_THREADS": "2", "OMP_NUM_THREADS": "2"}
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", case],
+        cwd=pathlib.Path(__file__).parents[1],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "1 passed" in result.stdout, result.stdout[-3000:]

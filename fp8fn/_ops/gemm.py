@@ -73,6 +73,20 @@ def _widen(fp8: torch.Tensor) -> tuple[torch.Tensor, float]:
     return half.view(torch.float16).float(), 256.0
 
 
+def _widen_stored(fp8: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """`_widen` in the order `fp8`'s storage has: a transposed view of a row-major `(m, k)` copy
+    is widened as that copy, then transposed (the same values, bit for bit). Widening the view
+    itself makes a transposed store, which inductor's CPU backend tiles (2-D, 16x16), and with
+    more than one thread a scatter-add fused into such a tile (an embedding's backward) gets a
+    wrong index: wrong gradients or heap corruption (tools/inductor_repro_embedding_tile.py,
+    pytorch/pytorch#191837). Only when compiling: eager makes no such kernel, and the two
+    transposes would be two more dispatched ops."""
+    if torch.compiler.is_compiling() and fp8.dim() == 2 and fp8.t().is_contiguous():
+        hp, factor = _widen(fp8.t())
+        return hp.t(), factor
+    return _widen(fp8)
+
+
 def _pad16(t: torch.Tensor, dim: int) -> torch.Tensor:
     extra = -t.shape[dim] % 16
     if extra == 0:
@@ -126,8 +140,9 @@ def fp8_mm(a, b, inv_scale_a, inv_scale_b, out_dtype: torch.dtype, backend: str)
         return scaled_mm(a, b, inv_scale_a, inv_scale_b, out_dtype)
     # Each operand is widened in the layout it comes in: the backward widens transposed views
     # of the saved float8 copies, which are not the forward's graph nodes, so when compiled
-    # AOTAutograd cannot save the forward's float32 widening (4x the bytes).
-    (a_hp, a_factor), (b_hp, b_factor) = _widen(a), _widen(b)
+    # AOTAutograd cannot save the forward's float32 widening (4x the bytes); compiled, a view
+    # is widened in its storage order (`_widen_stored`; traffic.py's bytes are unchanged).
+    (a_hp, a_factor), (b_hp, b_factor) = _widen_stored(a), _widen_stored(b)
     inv = inv_scale_a * inv_scale_b
     if a_factor * b_factor != 1.0:  # powers of two: exact
         inv = inv * (a_factor * b_factor)
