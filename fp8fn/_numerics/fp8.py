@@ -46,10 +46,18 @@ _E8M0_NAN = 255
 def amax(hp: torch.Tensor) -> torch.Tensor:
     """The largest magnitude of `hp` (any shape, floating), as a float32 `()` tensor.
 
-    One kernel. NaN in `hp` gives NaN, an empty `hp` gives 0 (both of which `update` ignores).
+    NaN in `hp` gives NaN, an empty `hp` gives 0 (both of which `update` ignores). One kernel
+    (an inf-norm), except eager on a plain tensor of 64K elements or more: the larger magnitude
+    of `aminmax`'s two (one pass, and four ops on scalars; the same value: a max is exact),
+    since the CPU's inf-norm kernel is 20x slower (4.5 ms against 0.2 ms for 1M float32
+    elements on one core). Compiled, inductor fuses the inf-norm into the cast's loop.
     """
     if hp.numel() == 0:
         return hp.new_zeros((), dtype=torch.float32)
+    plain = type(hp) in (torch.Tensor, torch.nn.Parameter)  # (not a DTensor)
+    if plain and hp.numel() >= 2**16 and not torch.compiler.is_compiling():
+        low, high = torch.aminmax(hp)
+        return torch.maximum(high, low.neg()).abs().float()  # (abs: +0 for zeros)
     return torch.linalg.vector_norm(hp, float("inf")).float()
 
 
@@ -58,10 +66,16 @@ def saturate(hp32: torch.Tensor, dtype: torch.dtype, keep_nonfinite: bool = True
     (a positive one), so that an overflow stays visible (torch's own conversion would make inf
     448 in e4m3fn). `keep_nonfinite=False` clamps inf to +-max (torchao's finer recipes)."""
     fp8_max = 448.0 if dtype == E4M3 else 57344.0  # literals (see the module's top)
-    if keep_nonfinite:
-        nan = float("nan")
-        hp32 = hp32.nan_to_num(nan=nan, posinf=nan, neginf=nan)
-    return hp32.clamp(-fp8_max, fp8_max).to(dtype)
+    if not keep_nonfinite:
+        return hp32.clamp(-fp8_max, fp8_max).to(dtype)
+    nan = float("nan")
+    if torch.compiler.is_compiling():
+        # The same bytes as eager, in a loop inductor vectorizes (its `nan_to_num` tests each
+        # element with a scalar `isnan`: 8x slower), with the NaN selected after the clamp
+        # (inductor's vectorized clamp turns a NaN negative).
+        finite = hp32.abs() < float("inf")
+        return torch.where(finite, hp32.clamp(-fp8_max, fp8_max), nan).to(dtype)
+    return hp32.nan_to_num(nan=nan, posinf=nan, neginf=nan).clamp(-fp8_max, fp8_max).to(dtype)
 
 
 def cast_to_fp8(
