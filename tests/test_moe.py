@@ -380,3 +380,24 @@ def test_current_scaling_is_the_dense_op_per_expert(dtype):
     want = _per_group(x, w, ends, g, _fp8fn_linear(fp8fn.CurrentScaling(backend="emulated")))
     for a, b in zip(got, want):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("recipe", FINER_RECIPES, ids=RECIPE_IDS[:-1])
+def test_finer_custom_ops_that_torch_compile_runs_are_the_dense_op_per_expert(recipe):
+    """`fp8fn::finer_grouped_rows` and `fp8fn::finer_grouped_weights` (the grouped GEMMs under
+    torch.compile; eagerly the same functions run directly): the recipe survives the trip
+    through the ops' arguments, idle experts and rows past `offs[-1]` get zeros."""
+    from fp8fn._ops.grouped_block_scaled import _recipe_args
+
+    ends = [0, 20, 20, 45]  # expert 0 and 2 idle, rows 45..49 past the end
+    x, w, _, g = _bf16_case([50], 4, seed=15)
+    offs = torch.tensor(ends, dtype=torch.int32)
+    args = (*_recipe_args(recipe), "emulated")
+    ops = torch.ops.fp8fn
+    got = (ops.finer_grouped_rows(x, w, offs, 0, *args),
+           ops.finer_grouped_rows(g, w, offs, 1, *args),
+           ops.finer_grouped_weights(g, x, offs, *args))
+    for a, b in zip(got, _per_group(x, w, ends, g, _fp8fn_linear(recipe))):
+        assert torch.equal(a, b)
+    torch.library.opcheck(ops.finer_grouped_rows, (g, w, offs, 1, *args))
+    torch.library.opcheck(ops.finer_grouped_weights, (g, x, offs, *args))

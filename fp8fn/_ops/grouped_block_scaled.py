@@ -23,6 +23,14 @@ host). Per-group `torch.mm` and one `torch._grouped_mm` give the same bits on CP
 float32 and bfloat16); the per-group matmul was the faster in `benchmarks/moe.py`'s full runs,
 and `torch._grouped_mm` on CPU needs 16-byte-aligned strides. The finer recipes have no
 GPU GEMM here (as the dense op: `resolve_backend` emulates them).
+
+torch.compile: the finer recipes' per-group loops (the output and grad_input GEMMs over each
+group's rows, the grad_weight GEMM per group) run as two custom ops, `fp8fn::finer_grouped_rows`
+and `fp8fn::finer_grouped_weights` (`grouped_gemm.custom_op_when_compiling`), so `offs` is read
+inside them, the graph does not break, and compiled and eager run the same code (the same
+bits); eagerly the same functions run directly. One in-graph grouped GEMM is not an option on
+CPU: `torch._grouped_mm`'s fake (torch 2.13) takes bfloat16 only, and the emulated GEMMs are
+float32. NVFP4 per expert still loops on the host: `apply` refuses it under torch.compile.
 """
 
 from __future__ import annotations
@@ -31,14 +39,74 @@ import torch
 
 from .._core import keys
 from .._core.checks import no_autocast
+from .._core.recipes import BlockwiseScaling, MXScaling, RowwiseScaling
 from .block_scaled import _GEMMS, _gemm
+from .grouped_gemm import bounds, custom_op_when_compiling
 from .nvfp4 import _NVFP4Linear
 
+# -- the per-group GEMMs (custom ops under torch.compile) ---------------------------------------
+# A custom op takes no recipe object: the finer recipe travels as its class name and the fields
+# its GEMMs read (`_recipe_args`), and is rebuilt inside (`_recipe`).
 
-def bounds(offs: torch.Tensor) -> list[tuple[int, int]]:
-    """The `(start, end)` rows of each group (a host read of `offs`)."""
-    ends = offs.tolist()
-    return list(zip([0] + ends[:-1], ends))
+
+def _recipe_args(recipe) -> tuple[str, int, bool, str]:
+    """`(class name, block_size, hp_grad_weight, scale_rounding)` of a finer recipe (0, False
+    and "" where the recipe has no such field)."""
+    return (type(recipe).__name__, getattr(recipe, "block_size", 0),
+            getattr(recipe, "hp_grad_weight", False), getattr(recipe, "scale_rounding", ""))
+
+
+def _recipe(kind: str, block_size: int, hp_grad_weight: bool, scale_rounding: str):
+    """The finer recipe `_recipe_args` described."""
+    if kind == "RowwiseScaling":
+        return RowwiseScaling(hp_grad_weight=hp_grad_weight)
+    if kind == "BlockwiseScaling":
+        return BlockwiseScaling(block_size=block_size)
+    return MXScaling(block_size=block_size, scale_rounding=scale_rounding)
+
+
+def _rows(a: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, gemm: int, kind: str,
+          block_size: int, hp_grad_weight: bool, scale_rounding: str,
+          backend: str) -> torch.Tensor:
+    """The output (`gemm` 0, `a` = x `(T, K)`) or grad_input (`gemm` 1, `a` = the output
+    gradient `(T, N)`) GEMM of each group's rows of `a` with `weight[e]` (`(E, N, K)`), as
+    the dense op's: `(T, N)` or `(T, K)` in `a`'s dtype, rows past `offs[-1]` 0."""
+    recipe = _recipe(kind, block_size, hp_grad_weight, scale_rounding)
+    fn, cols = _GEMMS[type(recipe)][gemm], weight.shape[2 if gemm else 1]
+    out = a.new_zeros(a.shape[0], cols)
+    for e, (s, t) in enumerate(bounds(offs)):
+        if t > s:
+            out[s:t] = _gemm(fn, a[s:t], weight[e], recipe, backend, (t - s, cols), a.dtype)
+    return out
+
+
+def _rows_fake(a, weight, offs, gemm, kind, block_size, hp_grad_weight, scale_rounding,
+               backend):
+    return a.new_empty(a.shape[0], weight.shape[2 if gemm else 1])
+
+
+def _weights(g: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, kind: str, block_size: int,
+             hp_grad_weight: bool, scale_rounding: str, backend: str) -> torch.Tensor:
+    """The grad_weight GEMM of each group, as the dense op's on its rows of `g` `(T, N)` and
+    `x` `(T, K)`: `(E, N, K)` in `g`'s dtype, 0 for an empty group."""
+    recipe = _recipe(kind, block_size, hp_grad_weight, scale_rounding)
+    fn, (n, k) = _GEMMS[type(recipe)][2], (g.shape[1], x.shape[1])
+    out = g.new_zeros(offs.shape[0], n, k)
+    for e, (s, t) in enumerate(bounds(offs)):
+        if t > s:
+            out[e] = _gemm(fn, g[s:t], x[s:t], recipe, backend, (n, k), g.dtype)
+    return out
+
+
+def _weights_fake(g, x, offs, kind, block_size, hp_grad_weight, scale_rounding, backend):
+    return g.new_empty(offs.shape[0], g.shape[1], x.shape[1])
+
+
+rows = custom_op_when_compiling("finer_grouped_rows", _rows, _rows_fake)
+weights = custom_op_when_compiling("finer_grouped_weights", _weights, _weights_fake)
+
+
+# -- the ops ------------------------------------------------------------------------------------
 
 
 class _FinerGroupedMM(torch.autograd.Function):
@@ -51,13 +119,7 @@ class _FinerGroupedMM(torch.autograd.Function):
 
     @staticmethod
     def forward(x, weight, offs, recipe, backend):
-        output = _GEMMS[type(recipe)][0]
-        out = x.new_zeros(x.shape[0], weight.shape[1])
-        for e, (s, t) in enumerate(bounds(offs)):
-            if t > s:
-                shape = (t - s, weight.shape[1])
-                out[s:t] = _gemm(output, x[s:t], weight[e], recipe, backend, shape, x.dtype)
-        return out
+        return rows(x, weight, offs, 0, *_recipe_args(recipe), backend)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -68,22 +130,14 @@ class _FinerGroupedMM(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x, weight, offs = ctx.saved_tensors
-        _, grad_input, grad_weight = _GEMMS[type(ctx.recipe)]
-        recipe, backend, needs = ctx.recipe, ctx.backend, ctx.needs_input_grad
-        grad_x = torch.zeros_like(x) if needs[0] else None
-        grad_w = torch.zeros_like(weight) if needs[1] else None
+        args, needs = (*_recipe_args(ctx.recipe), ctx.backend), ctx.needs_input_grad
+        grad_x = grad_w = None
         with no_autocast(grad_out):
             g = grad_out.contiguous()
-            for e, (s, t) in enumerate(bounds(offs)):
-                if t == s:
-                    continue
-                g_e, x_e = g[s:t], x[s:t]
-                if needs[0]:
-                    grad_x[s:t] = _gemm(grad_input, g_e, weight[e], recipe, backend, x_e.shape,
-                                        g.dtype)
-                if needs[1]:
-                    grad_w[e] = _gemm(grad_weight, g_e, x_e, recipe, backend, weight[e].shape,
-                                      g.dtype)
+            if needs[0]:
+                grad_x = rows(g, weight, offs, 1, *args).to(x.dtype)
+            if needs[1]:
+                grad_w = weights(g, x, offs, *args).to(weight.dtype)
         return grad_x, grad_w, None, None, None
 
 
