@@ -20,7 +20,6 @@ from .._torch_private import (
     attention_forward,
     inside_torch_checkpoint,
     module_parameters,
-    refuse_fullgraph_trace,
     saved_tensor_hooks_active,
     view_base,
 )
@@ -266,16 +265,6 @@ class _Call(TorchFunctionMode):
         check_dtypes(f"apply: experts {entry.path!r}", x, weight[0], None)
         backend = resolve_backend(entry.recipe, x.device)
         margin = getattr(entry.recipe, "margin", 0)
-        if torch.compiler.is_compiling() and isinstance(entry.recipe, NVFP4Scaling):
-            message = (
-                f"fp8fn.apply: expected a recipe other than NVFP4Scaling for the experts weight "
-                f"{entry.path!r} under torch.compile, got NVFP4Scaling, whose grouped GEMM reads "
-                "the group offsets on the host (a graph break inside apply). Run this model "
-                "eagerly, or give the experts another recipe (per-tensor, rowwise, blockwise or "
-                "MX compile)."
-            )
-            refuse_fullgraph_trace(message)
-            raise RuntimeError(message)
         random = None  # NVFP4: expert e draws with the key folded with e, at the call's site
         if isinstance(entry.recipe, NVFP4Scaling):
             random = (self.state.key, site_name(entry.path, k))
