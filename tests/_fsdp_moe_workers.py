@@ -1,5 +1,6 @@
 """Scenarios that `tests/test_fsdp_moe.py` runs on 2 gloo ranks: FSDP2 of a tiny Mixtral whose
-experts are 3-D weights (not a test module).
+experts are 3-D weights, all-gathered in float8 (`fp8fn.float8_all_gather`) with their
+per-expert scales (not a test module).
 
 The reference is one process running the global batch (2 sequences) as `WORLD` microbatches,
 the rank shards, in order, as in `_fsdp_workers`: observations merged, gradients summed and
@@ -15,6 +16,7 @@ from _spawn import assert_state_same_on_all_ranks, run_scenarios
 from torch.distributed.tensor import DTensor
 
 import fp8fn
+from fp8fn._parallel.fsdp_gather import Float8GatheredWeight, Float8ShardWeight
 
 WORLD = 2
 RECIPE = fp8fn.DelayedScaling(history_len=4)
@@ -52,8 +54,8 @@ def _reference(implementation):
 
 
 def _sharded(implementation):
-    """The tiny Mixtral with its linear weights all-gathered in float8, each decoder layer and
-    the root sharded by FSDP2 (its experts weights gathered in high precision)."""
+    """The tiny Mixtral with its linear and experts weights all-gathered in float8, each
+    decoder layer and the root sharded by FSDP2."""
     from torch.distributed.fsdp import fully_shard
 
     model = fp8fn.float8_all_gather(build("mixtral", implementation))
@@ -68,7 +70,13 @@ def _experts_under_fsdp2(implementation, rank):
     model = _sharded(implementation)
     experts = model.model.layers[0].mlp.experts
     assert type(experts.gate_up_proj) is DTensor
+    assert type(experts.gate_up_proj.to_local()) is Float8ShardWeight
     assert experts.gate_up_proj.to_local().shape == (2, 128, 32)  # 2 of the 4 experts per rank
+    gathered = []  # what the experts modules hold in their forward: FSDP2's unsharded weights
+    for layer in model.model.layers:
+        layer.mlp.experts.register_forward_pre_hook(
+            lambda m, _: gathered.append([(type(w), w._data.dtype, w._scale.shape)
+                                          for w in (m.gate_up_proj, m.down_proj)]))
     fn = fp8fn.transform(model, RECIPE)
     ids = batch()
     state = fn.init(ids.chunk(WORLD)[rank])
@@ -84,6 +92,9 @@ def _experts_under_fsdp2(implementation, rank):
         state = fp8fn.update(state, obs)
         assert_state_same_on_all_ranks(state)
         assert_bit_identical(state, ref_states[step])
+    # the experts weights were gathered as e4m3 bytes with one scale per expert, every forward
+    e4m3 = (Float8GatheredWeight, torch.float8_e4m3fn, (4,))
+    assert gathered and all(g == [e4m3, e4m3] for g in gathered), gathered
     # every expert received tokens and observed its input in float8
     rows = [state[f"model.layers.{i}.mlp.experts.{w}[{e}]"].input.amax_history[0]
             for i in range(2) for w in ("gate_up_proj", "down_proj") for e in range(4)]
