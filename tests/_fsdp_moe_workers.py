@@ -29,10 +29,10 @@ def _loss(fn, model, state, ids):
     return fn.apply(dict(model.named_parameters()), state, ids, labels=ids).loss
 
 
-def _reference(implementation):
+def _reference(implementation, recipe):
     """(params, states) of the single process after each of `STEPS` steps."""
     model = build("mixtral", implementation)
-    fn = fp8fn.transform(model, RECIPE)
+    fn = fp8fn.transform(model, recipe)
     ids = batch()
     state = fn.init(ids)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
@@ -65,8 +65,8 @@ def _sharded(implementation):
     return model
 
 
-def _experts_under_fsdp2(implementation, rank):
-    ref_params, ref_states = _reference(implementation)
+def _experts_under_fsdp2(implementation, rank, recipe=RECIPE):
+    ref_params, ref_states = _reference(implementation, recipe)
     model = _sharded(implementation)
     experts = model.model.layers[0].mlp.experts
     assert type(experts.gate_up_proj) is DTensor
@@ -77,7 +77,7 @@ def _experts_under_fsdp2(implementation, rank):
         layer.mlp.experts.register_forward_pre_hook(
             lambda m, _: gathered.append([(type(w), w._data.dtype, w._scale.shape)
                                           for w in (m.gate_up_proj, m.down_proj)]))
-    fn = fp8fn.transform(model, RECIPE)
+    fn = fp8fn.transform(model, recipe)
     ids = batch()
     state = fn.init(ids.chunk(WORLD)[rank])
     assert "model.layers.0.mlp.experts.gate_up_proj" in fn.layers
@@ -95,10 +95,10 @@ def _experts_under_fsdp2(implementation, rank):
     # the experts weights were gathered as e4m3 bytes with one scale per expert, every forward
     e4m3 = (Float8GatheredWeight, torch.float8_e4m3fn, (4,))
     assert gathered and all(g == [e4m3, e4m3] for g in gathered), gathered
-    # every expert received tokens and observed its input in float8
-    rows = [state[f"model.layers.{i}.mlp.experts.{w}[{e}]"].input.amax_history[0]
-            for i in range(2) for w in ("gate_up_proj", "down_proj") for e in range(4)]
-    assert all(r > 0 for r in rows), rows
+    if isinstance(recipe, fp8fn.DelayedScaling):  # every expert received tokens, observed
+        rows = [state[f"model.layers.{i}.mlp.experts.{w}[{e}]"].input.amax_history[0]
+                for i in range(2) for w in ("gate_up_proj", "down_proj") for e in range(4)]
+        assert all(r > 0 for r in rows), rows
     for name, p in model.named_parameters():
         assert torch.equal(p.full_tensor(), ref_params[name]), name
 
@@ -121,7 +121,46 @@ def experts_batched_mm(rank):
     _experts_under_fsdp2("batched_mm", rank)
 
 
-SCENARIOS = [experts_grouped_mm, experts_eager, experts_batched_mm]
+def experts_grouped_mm_current_scaling(rank):
+    """grouped_mm under CurrentScaling: each expert's scale from its amax (one all_reduce(MAX)
+    of the per-expert amaxes per step, before the all-gathers); params bit-identical to one
+    process after 3 steps."""
+    _experts_under_fsdp2("grouped_mm", rank, fp8fn.CurrentScaling())
+
+
+class _NotExperts(torch.nn.Module):
+    """A 3-D parameter of 2 rows on dim 0 used outside a GEMM (float8_all_gather chooses it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.randn(2, 4, 8))
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.fc(x + self.table.sum(0))
+
+
+def init_refuses_a_gathered_3d_weight_outside_gemms(rank):
+    """`fn.init` refuses a float8-gathered 3-D weight no GEMM used as an experts weight (it
+    would be used dequantized), naming it and the fix."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = fully_shard(fp8fn.float8_all_gather(_NotExperts()))
+    fn = fp8fn.transform(model, fp8fn.DelayedScaling())
+    try:
+        fn.init(torch.randn(3, 4, 8))
+    except ValueError as e:
+        assert str(e).startswith(
+            "fp8fn.init: expected 'table', whose weight is all-gathered in float8 "
+            "(fp8fn.float8_all_gather chose it as an experts weight), to be used as an experts "
+            "weight in a GEMM, got no such use"), e
+    else:
+        raise AssertionError("fn.init did not refuse")
+
+
+SCENARIOS = [experts_grouped_mm, experts_eager, experts_batched_mm,
+             experts_grouped_mm_current_scaling, init_refuses_a_gathered_3d_weight_outside_gemms]
 
 
 def main(rank: int, world_size: int, port: int, out_dir: str) -> None:
