@@ -13,16 +13,17 @@ are. The pieces:
   checkpoints, which see a plain tensor when pickled) and implements the two FSDP2 hooks.
 * `Float8GatheredWeight`: FSDP2's unsharded parameter, a tensor of the weight's dtype and shape
   for autograd and FSDP2 that holds the gathered e4m3 bytes, their scale and the whole weight's
-  amax. The per-tensor op (`fp8fn/_ops/tensorwise.py`) takes them without casting again, placed
-  by `_Float8Gathered` (the weight gives it through `fp8fn_placement()`); any other use sees the
-  dequantized weight.
+  amax. The per-tensor op (`fp8fn/_ops/tensorwise.py`) and, for an experts weight, the grouped
+  op (`fp8fn/_ops/grouped.py`) take them without casting again, placed by `_Float8Gathered` (the
+  weight gives it through `fp8fn_placement()`); any other use sees the dequantized weight.
 * `ScalesForCall`: what `fp8fn.apply` hands the hooks for one forward pass (a context variable):
-  each layer's weight scale. FSDP2's backward re-gather runs after `apply` has returned (and on
-  CUDA in autograd's thread), so each shard keeps the scale of its last forward all-gather and
-  the backward gathers the same bytes. Where another forward has gathered the weight with
-  another scale since (an evaluation with another state between a training forward and its
-  backward, two transforms of one model), the op's backward finds FSDP2's bytes cast with that
-  scale and all-gathers the shards again, cast with its own forward's scale.
+  each layer's weight scale (an experts weight's: one per expert). FSDP2's backward re-gather
+  runs after `apply` has returned (and on CUDA in autograd's thread), so each shard keeps the
+  scale of its last forward all-gather and the backward gathers the same bytes. Where another
+  forward has gathered the weight with another scale since (an evaluation with another state
+  between a training forward and its backward, two transforms of one model), the op's backward
+  finds FSDP2's bytes cast with that scale and all-gathers the shards again, cast with its own
+  forward's scale.
 
 Wire format, per weight and rank: the e4m3 shard viewed as uint8 (gloo cannot all-gather float8)
 and the 4 bytes of the shard's float32 amax, in FSDP2's one all-gather of the block. The max of
@@ -30,6 +31,14 @@ the gathered amaxes is the whole weight's amax, the weight's observation, with n
 its own. A weight whose rows do not split evenly over the ranks is gathered as one padded e4m3
 input (FSDP2 requires every input of such a weight to have the padded shard's shape); its
 observation is then the shard's own amax, which `fp8fn.all_reduce` turns into the whole weight's.
+
+Experts weights `(E, A, B)` (transformers' `gate_up_proj`, `down_proj`): FSDP2 shards dim 0, so
+each rank holds whole experts, rows `r * ceil(E / ranks)` on. Each expert is cast with its own
+scale (`(E,)`, known on every rank before the all-gather: the stored ones, or the experts'
+amaxes in the same batched `all_reduce(MAX)`), and its 4-byte amax travels instead of the
+shard's: the gathered `(E,)` amaxes are the per-expert observation. The gathered weight keeps
+its experts on dim 0 through a transpose of its last two dims and the selection of expert `e`
+(`W[e]`: its bytes, scale and amax), the forms in which the experts' forward passes reach it.
 """
 
 from __future__ import annotations
