@@ -128,6 +128,38 @@ def experts_grouped_mm_current_scaling(rank):
     _experts_under_fsdp2("grouped_mm", rank, fp8fn.CurrentScaling())
 
 
+def experts_backward_after_another_forward(rank):
+    """An evaluation under no_grad with another state between a training forward and its
+    backward leaves that backward bit-identical to one without (grouped_mm: the gathered weight
+    transposed; eager: expert slices `W[e]`): FSDP2's re-gather casts with the evaluation's
+    scales, so the ops gather the experts again with their own forward's."""
+    ids = batch().chunk(WORLD)[rank]
+    for implementation in ("grouped_mm", "eager"):
+        runs = []
+        for between in (False, True):
+            model = _sharded(implementation)
+            fn = fp8fn.transform(model, RECIPE)
+            state = fn.init(ids)
+            observed = fp8fn.observe(state)
+            _loss(fn, model, observed, ids).backward()
+            model.zero_grad()
+            obs = fp8fn.all_reduce(fp8fn.observations(observed))
+            late = fp8fn.update(state, obs)  # and `early`: 1/3 of its weight scales
+            early = fp8fn.update(late, obs._replace(amax_history=obs.amax_history * 3))
+            observed = fp8fn.observe(early)
+            loss = _loss(fn, model, observed, ids)
+            if between:
+                with torch.no_grad():
+                    _loss(fn, model, late, ids)
+            loss.backward()
+            grads = {k: p.grad.to_local().clone() for k, p in model.named_parameters()}
+            runs.append((grads, fp8fn.observations(observed)))
+        (want, want_obs), (got, got_obs) = runs
+        for k, g in got.items():
+            assert torch.equal(g, want[k]), (implementation, k)
+        assert_bit_identical(got_obs, want_obs)
+
+
 class _NotExperts(torch.nn.Module):
     """A 3-D parameter of 2 rows on dim 0 used outside a GEMM (float8_all_gather chooses it)."""
 
@@ -160,7 +192,8 @@ def init_refuses_a_gathered_3d_weight_outside_gemms(rank):
 
 
 SCENARIOS = [experts_grouped_mm, experts_eager, experts_batched_mm,
-             experts_grouped_mm_current_scaling, init_refuses_a_gathered_3d_weight_outside_gemms]
+             experts_grouped_mm_current_scaling, experts_backward_after_another_forward,
+             init_refuses_a_gathered_3d_weight_outside_gemms]
 
 
 def main(rank: int, world_size: int, port: int, out_dir: str) -> None:
