@@ -303,6 +303,22 @@ def test_float8_all_gather_wraps_the_experts_weights_filter_fn_chooses():
     assert isinstance(model[1].weight, Float8ShardWeight)
 
 
+def test_float8_all_gather_leaves_the_router_next_to_experts_out():
+    """A router (`nn.Linear` with at most E outputs beside the experts), which transform keeps
+    in high precision, is not chosen; a linear layer elsewhere is."""
+
+    class MoE(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.router, self.experts = torch.nn.Linear(16, 4), _GroupedExperts()
+            self.head = torch.nn.Sequential(torch.nn.Linear(8, 4))
+
+    model = fp8fn.float8_all_gather(MoE())
+    assert type(model.router.weight) is torch.nn.Parameter
+    assert isinstance(model.experts.w, Float8ShardWeight)
+    assert isinstance(model.head[0].weight, Float8ShardWeight)
+
+
 def test_float8_all_gather_refuses_a_tied_experts_weight():
     model = torch.nn.Sequential(_GroupedExperts(), _GroupedExperts())
     model[1].w = model[0].w

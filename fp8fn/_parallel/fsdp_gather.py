@@ -521,6 +521,10 @@ def float8_all_gather(model: nn.Module, filter_fn=None) -> nn.Module:
     `pos_embed`, broadcast over the batch) is not chosen; one that is chosen must be used as an
     experts weight in a GEMM, which `fn.init` checks.
 
+    The routers and gates next to experts (an `nn.Linear` beside the experts module with at most
+    E outputs, which `fp8fn.transform` keeps in high precision with a plain recipe) are not
+    chosen: they are gathered in high precision.
+
     Linear layers that share one weight keep sharing it (one parameter, gathered once with the
     scale of the first of them that FSDP2 names); a weight tied to any other module (an
     embedding) or to a layer `filter_fn` leaves out is refused: leave its layers out.
@@ -556,7 +560,7 @@ def float8_all_gather(model: nn.Module, filter_fn=None) -> nn.Module:
       fully_shard(model)
       fn = fp8fn.transform(model, fp8fn.DelayedScaling())
     """
-    from .._transform.experts import find_experts  # (a leaf module: how transform finds them)
+    from .._transform.experts import find_experts, find_gates  # (a leaf module: transform's)
 
     if not isinstance(model, nn.Module):
         raise TypeError(
@@ -566,21 +570,21 @@ def float8_all_gather(model: nn.Module, filter_fn=None) -> nn.Module:
     attention = {  # nn.MultiheadAttention uses its projections' weights itself
         id(m) for a in model.modules() if isinstance(a, nn.MultiheadAttention) for m in a.modules()
     }
-    chosen = {}  # (id(module), attr) -> (name for messages, module, attr, kind)
-    for name, sub in model.named_modules():
-        if not isinstance(sub, nn.Linear) or id(sub) in attention:
-            continue
-        if filter_fn is not None and not filter_fn(name, sub):
-            continue
-        chosen[(id(sub), "weight")] = (name, sub, "weight", "layer")
 
     def choose(name, owner):
         return True if filter_fn is None or filter_fn(name, owner) else None
 
-    for entry in find_experts(model, choose):
-        if entry.experts >= 2:
-            chosen[(id(entry.module), entry.attr)] = (entry.path, entry.module, entry.attr,
-                                                      "experts weight")
+    experts = [e for e in find_experts(model, choose) if e.experts >= 2]
+    gates = find_gates(model, experts)  # routers and gates: high precision under transform
+    chosen = {}  # (id(module), attr) -> (name for messages, module, attr, kind)
+    for name, sub in model.named_modules():
+        if not isinstance(sub, nn.Linear) or id(sub) in attention or name in gates:
+            continue
+        if filter_fn is not None and not filter_fn(name, sub):
+            continue
+        chosen[(id(sub), "weight")] = (name, sub, "weight", "layer")
+    for e in experts:
+        chosen[(id(e.module), e.attr)] = (e.path, e.module, e.attr, "experts weight")
     holders: dict = {}  # id(parameter) -> [(path, module, attr)]: every module holding it
     for path, sub in model.named_modules(remove_duplicate=False):
         for attr, p in sub.named_parameters(recurse=False, remove_duplicate=False):
