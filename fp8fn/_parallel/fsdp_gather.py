@@ -187,7 +187,7 @@ class Float8ShardWeight(torch.Tensor):
             if fp8.shape[0] < rows:
                 fp8 = torch.cat([fp8, fp8.new_zeros(rows - fp8.shape[0], *fp8.shape[1:])])
             if scale.dim():  # every expert's amax, 0 (not observed) for the other ranks'
-                first = mesh.get_local_rank() * rows
+                first = _first_row(mesh, outer_size[0])
                 own = shard_amax.new_zeros(outer_size[0])
                 own[first : first + shard.shape[0]] = shard_amax
                 shard_amax = own
@@ -326,8 +326,13 @@ def _shard_scale(scale: torch.Tensor, mesh, rows: int, shard: torch.Tensor) -> t
     ranks)`: whole experts)."""
     if scale.dim() == 0:
         return scale
-    first = mesh.get_local_rank() * ceil_div(rows, mesh.size())
+    first = _first_row(mesh, rows)
     return scale[first : first + shard.shape[0]].reshape(-1, *[1] * (shard.dim() - 1))
+
+
+def _first_row(mesh, rows: int) -> int:
+    """The first of the `rows` rows (dim 0) that FSDP2 gives this rank's shard."""
+    return mesh.get_local_rank() * ceil_div(rows, mesh.size())
 
 
 class _Float8Gathered(Local):
@@ -486,8 +491,8 @@ def _local_amaxes(weight) -> torch.Tensor:
     data = shard._tensor
     if weight.dim() < 3:
         return amax(data).reshape(1)
-    experts, mesh = weight.shape[0], weight.device_mesh
-    first = mesh.get_local_rank() * ceil_div(experts, mesh.size())
+    experts = weight.shape[0]
+    first = _first_row(weight.device_mesh, experts)
     out = torch.zeros(experts, dtype=torch.float32, device=data.device)
     out[first : first + data.shape[0]] = expert_amax(data)
     return out
