@@ -413,3 +413,19 @@ def test_custom_ops_that_torch_compile_runs_are_the_dense_op_per_expert(recipe):
         assert torch.equal(a.to(b.dtype), b)
     torch.library.opcheck(rows, (g, w, offs, *rows_args, 1, *args))
     torch.library.opcheck(weights, (g, x, offs, *weights_args))
+
+
+def test_custom_op_arguments_carry_every_field_of_the_stateless_recipes():
+    """A recipe field the ops' arguments left out would silently take its default under
+    torch.compile (`backend` is resolved before and passed on its own)."""
+    import dataclasses
+
+    from fp8fn._ops.grouped_block_scaled import _recipe, _recipe_args
+
+    carried = {fp8fn.RowwiseScaling: {"hp_grad_weight"}, fp8fn.BlockwiseScaling: {"block_size"},
+               fp8fn.MXScaling: {"block_size", "scale_rounding"},
+               fp8fn.NVFP4Scaling: {"stochastic_rounding", "hadamard", "weight_2d"}}
+    for cls, names in carried.items():
+        assert {f.name for f in dataclasses.fields(cls)} - {"backend"} == names
+    for recipe in FINER_RECIPES:
+        assert _recipe(*_recipe_args(recipe)) == dataclasses.replace(recipe, backend="auto")

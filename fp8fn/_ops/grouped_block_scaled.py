@@ -178,7 +178,8 @@ def _nvfp4_rows(a: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor,
     """The output (`gemm` 0, `a` = x `(T, K)`) or grad_input (`gemm` 1, `a` = the output
     gradient `(T, N)`) GEMM of each group's rows with `weight[e]` `(E, N, K)`, as the dense
     NVFP4 op's: float32 `(T, N)` or `(T, K)`, rows past `offs[-1]` 0."""
-    recipe = NVFP4Scaling(stochastic_rounding, hadamard, weight_2d)
+    recipe = NVFP4Scaling(stochastic_rounding=stochastic_rounding, hadamard=hadamard,
+                          weight_2d=weight_2d)
     out = a.new_zeros(a.shape[0], weight.shape[2 if gemm else 1], dtype=torch.float32)
     for e, (s, t) in enumerate(bounds(offs)):
         if t == s:
@@ -201,7 +202,8 @@ def _nvfp4_weights(g: torch.Tensor, x: torch.Tensor, offs: torch.Tensor,
                    weight_2d: bool, site: int, rank: int) -> torch.Tensor:
     """The grad_weight GEMM of each group, as the dense NVFP4 op's on its rows of `g` `(T, N)`
     and `x` `(T, K)`: float32 `(E, N, K)`, 0 for an empty group."""
-    recipe = NVFP4Scaling(stochastic_rounding, hadamard, weight_2d)
+    recipe = NVFP4Scaling(stochastic_rounding=stochastic_rounding, hadamard=hadamard,
+                          weight_2d=weight_2d)
     out = g.new_zeros(offs.shape[0], g.shape[1], x.shape[1], dtype=torch.float32)
     for e, (s, t) in enumerate(bounds(offs)):
         if t > s:
