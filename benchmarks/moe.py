@@ -15,9 +15,9 @@ step (forward and backward) of one experts projection: T routed token rows, E ex
 
 Columns: `ops` the aten ops dispatched by the step, `MB` the bytes those ops read and write
 (each op's tensor inputs plus outputs: eager traffic without fusion; the grouped op reads the
-group offsets on the host, so torch.compile cannot take the step as one graph and inductor's
-per-kernel bytes, as in `traffic.py`, do not apply), and the median ms per step (interleaved
-rounds, this machine's CPU: state its load with the figures).
+group offsets on the host, which under torch.compile happens inside fp8fn's custom ops, opaque
+to inductor, so its per-kernel bytes, as in `traffic.py`, would miss the GEMMs), and the
+median ms per step (interleaved rounds, this machine's CPU: state its load with the figures).
 """
 
 from __future__ import annotations

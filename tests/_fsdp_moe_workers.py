@@ -1,5 +1,6 @@
 """Scenarios that `tests/test_fsdp_moe.py` runs on 2 gloo ranks: FSDP2 of a tiny Mixtral whose
-experts are 3-D weights (not a test module).
+experts are 3-D weights, all-gathered in float8 (`fp8fn.float8_all_gather`) with their
+per-expert scales (not a test module).
 
 The reference is one process running the global batch (2 sequences) as `WORLD` microbatches,
 the rank shards, in order, as in `_fsdp_workers`: observations merged, gradients summed and
@@ -15,6 +16,7 @@ from _spawn import assert_state_same_on_all_ranks, run_scenarios
 from torch.distributed.tensor import DTensor
 
 import fp8fn
+from fp8fn._parallel.fsdp_gather import Float8GatheredWeight, Float8ShardWeight
 
 WORLD = 2
 RECIPE = fp8fn.DelayedScaling(history_len=4)
@@ -27,10 +29,10 @@ def _loss(fn, model, state, ids):
     return fn.apply(dict(model.named_parameters()), state, ids, labels=ids).loss
 
 
-def _reference(implementation):
+def _reference(implementation, recipe):
     """(params, states) of the single process after each of `STEPS` steps."""
     model = build("mixtral", implementation)
-    fn = fp8fn.transform(model, RECIPE)
+    fn = fp8fn.transform(model, recipe)
     ids = batch()
     state = fn.init(ids)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
@@ -52,8 +54,8 @@ def _reference(implementation):
 
 
 def _sharded(implementation):
-    """The tiny Mixtral with its linear weights all-gathered in float8, each decoder layer and
-    the root sharded by FSDP2 (its experts weights gathered in high precision)."""
+    """The tiny Mixtral with its linear and experts weights all-gathered in float8, each
+    decoder layer and the root sharded by FSDP2."""
     from torch.distributed.fsdp import fully_shard
 
     model = fp8fn.float8_all_gather(build("mixtral", implementation))
@@ -63,13 +65,19 @@ def _sharded(implementation):
     return model
 
 
-def _experts_under_fsdp2(implementation, rank):
-    ref_params, ref_states = _reference(implementation)
+def _experts_under_fsdp2(implementation, rank, recipe=RECIPE):
+    ref_params, ref_states = _reference(implementation, recipe)
     model = _sharded(implementation)
     experts = model.model.layers[0].mlp.experts
     assert type(experts.gate_up_proj) is DTensor
+    assert type(experts.gate_up_proj.to_local()) is Float8ShardWeight
     assert experts.gate_up_proj.to_local().shape == (2, 128, 32)  # 2 of the 4 experts per rank
-    fn = fp8fn.transform(model, RECIPE)
+    gathered = []  # what the experts modules hold in their forward: FSDP2's unsharded weights
+    for layer in model.model.layers:
+        layer.mlp.experts.register_forward_pre_hook(
+            lambda m, _: gathered.append([(type(w), w._data.dtype, w._scale.shape)
+                                          for w in (m.gate_up_proj, m.down_proj)]))
+    fn = fp8fn.transform(model, recipe)
     ids = batch()
     state = fn.init(ids.chunk(WORLD)[rank])
     assert "model.layers.0.mlp.experts.gate_up_proj" in fn.layers
@@ -84,10 +92,13 @@ def _experts_under_fsdp2(implementation, rank):
         state = fp8fn.update(state, obs)
         assert_state_same_on_all_ranks(state)
         assert_bit_identical(state, ref_states[step])
-    # every expert received tokens and observed its input in float8
-    rows = [state[f"model.layers.{i}.mlp.experts.{w}[{e}]"].input.amax_history[0]
-            for i in range(2) for w in ("gate_up_proj", "down_proj") for e in range(4)]
-    assert all(r > 0 for r in rows), rows
+    # the experts weights were gathered as e4m3 bytes with one scale per expert, every forward
+    e4m3 = (Float8GatheredWeight, torch.float8_e4m3fn, (4,))
+    assert gathered and all(g == [e4m3, e4m3] for g in gathered), gathered
+    if isinstance(recipe, fp8fn.DelayedScaling):  # every expert received tokens, observed
+        rows = [state[f"model.layers.{i}.mlp.experts.{w}[{e}]"].input.amax_history[0]
+                for i in range(2) for w in ("gate_up_proj", "down_proj") for e in range(4)]
+        assert all(r > 0 for r in rows), rows
     for name, p in model.named_parameters():
         assert torch.equal(p.full_tensor(), ref_params[name]), name
 
@@ -110,7 +121,79 @@ def experts_batched_mm(rank):
     _experts_under_fsdp2("batched_mm", rank)
 
 
-SCENARIOS = [experts_grouped_mm, experts_eager, experts_batched_mm]
+def experts_grouped_mm_current_scaling(rank):
+    """grouped_mm under CurrentScaling: each expert's scale from its amax (one all_reduce(MAX)
+    of the per-expert amaxes per step, before the all-gathers); params bit-identical to one
+    process after 3 steps."""
+    _experts_under_fsdp2("grouped_mm", rank, fp8fn.CurrentScaling())
+
+
+def experts_backward_after_another_forward(rank):
+    """An evaluation under no_grad with another state between a training forward and its
+    backward leaves that backward bit-identical to one without (grouped_mm: the gathered weight
+    transposed; eager: expert slices `W[e]`): FSDP2's re-gather casts with the evaluation's
+    scales, so the ops gather the experts again with their own forward's."""
+    ids = batch().chunk(WORLD)[rank]
+    for implementation in ("grouped_mm", "eager"):
+        runs = []
+        for between in (False, True):
+            model = _sharded(implementation)
+            fn = fp8fn.transform(model, RECIPE)
+            state = fn.init(ids)
+            observed = fp8fn.observe(state)
+            _loss(fn, model, observed, ids).backward()
+            model.zero_grad()
+            obs = fp8fn.all_reduce(fp8fn.observations(observed))
+            late = fp8fn.update(state, obs)  # and `early`: 1/3 of its weight scales
+            early = fp8fn.update(late, obs._replace(amax_history=obs.amax_history * 3))
+            observed = fp8fn.observe(early)
+            loss = _loss(fn, model, observed, ids)
+            if between:
+                with torch.no_grad():
+                    _loss(fn, model, late, ids)
+            loss.backward()
+            grads = {k: p.grad.to_local().clone() for k, p in model.named_parameters()}
+            runs.append((grads, fp8fn.observations(observed)))
+        (want, want_obs), (got, got_obs) = runs
+        for k, g in got.items():
+            assert torch.equal(g, want[k]), (implementation, k)
+        assert_bit_identical(got_obs, want_obs)
+
+
+class _NotExperts(torch.nn.Module):
+    """A 3-D parameter of 2 rows on dim 0 used outside a GEMM (float8_all_gather chooses it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.randn(2, 4, 8))
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.fc(x + self.table.sum(0))
+
+
+def init_refuses_a_gathered_3d_weight_outside_gemms(rank):
+    """`fn.init` refuses a float8-gathered 3-D weight no GEMM used as an experts weight (it
+    would be used dequantized), naming it and the fix."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = fully_shard(fp8fn.float8_all_gather(_NotExperts()))
+    fn = fp8fn.transform(model, fp8fn.DelayedScaling())
+    try:
+        fn.init(torch.randn(3, 4, 8))
+    except ValueError as e:
+        assert str(e).startswith(
+            "fp8fn.init: expected 'table', whose weight is all-gathered in float8 "
+            "(fp8fn.float8_all_gather chose it as an experts weight), to be used as an experts "
+            "weight in a GEMM, got no such use"), e
+    else:
+        raise AssertionError("fn.init did not refuse")
+
+
+SCENARIOS = [experts_grouped_mm, experts_eager, experts_batched_mm,
+             experts_grouped_mm_current_scaling, experts_backward_after_another_forward,
+             init_refuses_a_gathered_3d_weight_outside_gemms]
 
 
 def main(rank: int, world_size: int, port: int, out_dir: str) -> None:

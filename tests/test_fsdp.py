@@ -48,27 +48,36 @@ def test_checkpoint_resume_on_the_same_ranks_is_bit_identical(tmp_path):
 
 
 class _Mesh:
-    """What FSDP2's pre-all-gather hook reads of its device mesh: `ndim`, `size()`."""
+    """What FSDP2's pre-all-gather hook reads of its device mesh: `ndim`, `size()`,
+    `get_local_rank()`."""
 
-    def __init__(self, world: int):
-        self.ndim, self.world = 1, world
+    def __init__(self, world: int, rank: int = 0):
+        self.ndim, self.world, self.rank = 1, world, rank
 
     def size(self):
         return self.world
 
+    def get_local_rank(self):
+        return self.rank
 
-def _gather(shards, scale, module=None):
-    """What FSDP2 does with `Float8ShardWeight` shards of one weight: the pre-all-gather hook on
-    each, the all-gather (a concatenation), the post-all-gather hook and the unpadding view."""
-    outer = (sum(s.shape[0] for s in shards), *shards[0].shape[1:])
-    token = SCALES.set(ScalesForCall({module: scale}))
+
+def _gather(shards, scale, module=None, rows=None):
+    """What FSDP2 does with `Float8ShardWeight` shards of one weight (of `rows` rows; default:
+    the shards' rows): the pre-all-gather hook on each (padded to the first's rows, as FSDP2
+    does), the all-gather (a concatenation), the post-all-gather hook and the unpadding view."""
+    rows = sum(s.shape[0] for s in shards) if rows is None else rows
+    outer = (rows, *shards[0].shape[1:])
+    world = len(shards)
+    token = SCALES.set(ScalesForCall({(module, shards[0]._attr): scale}))
     try:
-        pre = [s.fsdp_pre_all_gather(_Mesh(len(shards)), outer, None, module, None) for s in shards]
+        pre = [s.fsdp_pre_all_gather(_Mesh(world, r), outer, None, module, None)
+               for r, s in enumerate(shards)]
     finally:
         SCALES.reset(token)
     outputs = [torch.cat([p[0][i] for p in pre]) for i in range(len(pre[0][0]))]
     gathered, _ = shards[0].fsdp_post_all_gather(outputs, pre[0][1], torch.float32)
-    return torch.nn.Parameter(torch.as_strided(gathered, outer, (outer[1], 1), 0))
+    stride = torch.empty(outer).stride()
+    return torch.nn.Parameter(torch.as_strided(gathered, outer, stride, 0))
 
 
 def test_float8_all_gather_wraps_the_linear_weights_only():
@@ -151,7 +160,7 @@ def test_one_rank_gathers_one_input_with_the_whole_weights_amax():
     """FSDP2 on one rank copies only the first all-gather input (issue 31: torchrun with one
     process crashed): the float8 bytes alone, the amax in the metadata."""
     data = torch.randn(4, 8, generator=torch.Generator().manual_seed(3))
-    token = SCALES.set(ScalesForCall({None: torch.tensor(64.0)}))
+    token = SCALES.set(ScalesForCall({(None, "weight"): torch.tensor(64.0)}))
     try:
         inputs, metadata = Float8ShardWeight(data, "fc").fsdp_pre_all_gather(
             _Mesh(1), (4, 8), None, None, None
@@ -185,3 +194,155 @@ def test_transform_refuses_float8_all_gather_without_fully_shard():
     model = fp8fn.float8_all_gather(workers.Net())
     with pytest.raises(ValueError, match=r"^fp8fn\.transform: expected the float8_all_gather weig"):
         fp8fn.transform(model, fp8fn.DelayedScaling())
+
+
+# --- experts weights `(E, N, K)`: per-expert scales, in one process ------------------------------
+
+
+def _experts_state(experts: int):
+    """A delayed state of one experts weight `w` (sites `w[e]`) whose stored scales differ from
+    the current ones, and its per-expert weight scales, float32 `(E,)`."""
+    recipe = fp8fn.DelayedScaling(history_len=4)
+    state = fp8fn.init_state(recipe, [f"w[{e}]" for e in range(experts)])
+    history = state.amax_history.clone()
+    history[:, :, 0] = torch.tensor([3.0, 4.0, 0.5]) * torch.arange(1, experts + 1)[:, None]
+    state = fp8fn.update(state, state._replace(amax_history=history))
+    return recipe, state, state.scale[:, 1]
+
+
+@pytest.mark.parametrize("experts", [4, 3])  # even, and uneven (padded) on 2 ranks
+def test_gathered_experts_weight_runs_the_grouped_op_as_the_cast_weight_does(experts):
+    """The grouped op on an FSDP2-gathered experts weight (e4m3 bytes, one scale per expert)
+    gives the bits of the op that casts the whole weight with the same scales: output,
+    gradients, observation; so does an expert's `F.linear` (transformers' eager loop)."""
+    from fp8fn._ops.grouped import grouped_mm
+
+    g = torch.Generator().manual_seed(4)
+    data = torch.randn(experts, 8, 16, generator=g)
+    data[experts - 1, 2, 3] = 5.0  # the last expert's amax, in the last shard
+    recipe, state, scale = _experts_state(experts)
+    shards = [Float8ShardWeight(t, "w", "w") for t in data.split(2)]  # FSDP2's dim-0 shards
+    gathered = _gather(shards, scale, rows=experts)
+    assert type(gathered) is Float8GatheredWeight and gathered.shape == (experts, 8, 16)
+    want = cast_to_fp8(data, scale[:, None, None])
+    assert torch.equal(gathered._data.view(torch.uint8), want.view(torch.uint8))
+    whole = data.abs().flatten(1).amax(1)
+    assert torch.equal(gathered._amax, whole if experts % 2 == 0 else torch.cat(
+        [whole[:2], torch.zeros(1)]))  # padded: rank 0's experts only, until all_reduce
+
+    x = torch.randn(10, 16, generator=g, requires_grad=True)
+    offs = torch.tensor([3, 3, 7, 10][:experts], dtype=torch.int32)
+    results = []
+    for weight in (gathered, torch.nn.Parameter(data.clone())):
+        observed = fp8fn.observe(state)
+        newest = observed.amax_history[..., 0]
+        # as transformers' grouped_mm calls it: the weight transposed, and back (routing)
+        w = weight.transpose(-2, -1).transpose(-2, -1)
+        out = grouped_mm(x, w, offs, newest, observed.scale, 0, "emulated", recipe=recipe)
+        out.square().sum().backward()
+        results.append((out, x.grad, weight.grad, fp8fn.observations(observed)))
+        x.grad = None
+    (out, gx, gw, obs), (out_ref, gx_ref, gw_ref, obs_ref) = results
+    for a, b in ((out, out_ref), (gx, gx_ref), (gw, gw_ref)):
+        assert torch.equal(a, b)
+    assert type(gw) is torch.Tensor and gw.dtype == torch.float32
+    if experts % 2 == 0:
+        assert_bit_identical(obs, obs_ref)
+    else:
+        assert torch.equal(obs.amax_history[:2], obs_ref.amax_history[:2])
+
+    one = gathered[1]  # one expert: its bytes, scale and amax
+    assert type(one) is Float8GatheredWeight and one._scale.dim() == 0
+    assert torch.equal(one._data.view(torch.uint8), want[1].view(torch.uint8))
+    outs = []
+    for weight in (one, data[1]):
+        observed = fp8fn.observe(state)
+        out = fp8fn.linear(x, weight, None, observed["w[1]"], recipe)
+        out.square().sum().backward()
+        outs.append((out, x.grad, fp8fn.observations(observed)["w[1]"]))
+        x.grad = None
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert_bit_identical(outs[0][2], outs[1][2])
+
+
+def test_gathered_experts_weight_is_its_dequantized_value_elsewhere():
+    data = torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(5))
+    _, _, scale = _experts_state(4)
+    gathered = _gather([Float8ShardWeight(t, "w", "w") for t in data.split(2)], scale)
+    dequantized = cast_to_fp8(data, scale[:, None, None]).float() / scale[:, None, None]
+    assert torch.equal(gathered + 0, dequantized)  # (a plain forward outside fp8fn.apply)
+    assert torch.equal(gathered[torch.tensor([2, 0])] + 0, dequantized[[2, 0]])  # (batched_mm)
+    assert torch.equal(gathered.reshape(32, 16) + 0, dequantized.reshape(32, 16))
+    assert torch.equal(gathered.transpose(-2, -1)[3].t() + 0, dequantized[3])
+
+
+class _GroupedExperts(torch.nn.Module):
+    """A user module with a 3-D weight `(E, N, K)` run with `torch._grouped_mm`."""
+
+    def __init__(self, experts=4, n=8, k=16):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(experts, n, k))
+        self.pos = torch.nn.Parameter(torch.zeros(1, 3, k))  # one row on dim 0: not experts
+
+    def forward(self, x, offs):
+        return torch._grouped_mm(x, self.w.transpose(-2, -1), offs=offs)
+
+
+def test_float8_all_gather_wraps_the_experts_weights_filter_fn_chooses():
+    model = torch.nn.Sequential(_GroupedExperts(), torch.nn.Linear(8, 8))
+    fp8fn.float8_all_gather(model)
+    assert isinstance(model[0].w, torch.nn.Parameter) and type(model[0].w) is Float8ShardWeight
+    assert (model[0].w._path, model[0].w._attr) == ("0.w", "w")
+    assert type(model[0].pos) is torch.nn.Parameter  # (1, 3, 16): a ViT's pos_embed shape
+    assert isinstance(model[1].weight, Float8ShardWeight)
+    asked = []
+    model = torch.nn.Sequential(_GroupedExperts(), torch.nn.Linear(8, 8))
+    fp8fn.float8_all_gather(model, lambda name, m: asked.append((name, type(m))) or name != "0.w")
+    assert ("0.w", _GroupedExperts) in asked and ("1", torch.nn.Linear) in asked
+    assert type(model[0].w) is torch.nn.Parameter  # left out: gathered in high precision
+    assert isinstance(model[1].weight, Float8ShardWeight)
+
+
+def test_float8_all_gather_leaves_the_router_next_to_experts_out():
+    """A router (`nn.Linear` with at most E outputs beside the experts), which transform keeps
+    in high precision, is not chosen; a linear layer elsewhere is."""
+
+    class MoE(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.router, self.experts = torch.nn.Linear(16, 4), _GroupedExperts()
+            self.head = torch.nn.Sequential(torch.nn.Linear(8, 4))
+
+    model = fp8fn.float8_all_gather(MoE())
+    assert type(model.router.weight) is torch.nn.Parameter
+    assert isinstance(model.experts.w, Float8ShardWeight)
+    assert isinstance(model.head[0].weight, Float8ShardWeight)
+
+
+def test_float8_all_gather_refuses_a_tied_experts_weight():
+    model = torch.nn.Sequential(_GroupedExperts(), _GroupedExperts())
+    model[1].w = model[0].w
+    with pytest.raises(ValueError, match=r"^fp8fn\.float8_all_gather: expected the weight of "
+                       r"experts weight '0\.w' to be held by chosen nn\.Linear layers or experts "
+                       r"modules only, got it tied to '1\.w' \(_GroupedExperts\)"):
+        fp8fn.float8_all_gather(model)
+    assert type(model[0].w) is torch.nn.Parameter  # nothing changed
+
+
+def test_transform_refuses_a_float8_gathered_experts_weight_with_another_recipe():
+    model = fp8fn.float8_all_gather(_GroupedExperts())
+
+    def recipe(name, module):
+        return fp8fn.RowwiseScaling() if name == "w" else fp8fn.DelayedScaling()
+
+    with pytest.raises(ValueError, match=r"^fp8fn\.transform: expected experts weight 'w', whose "
+                       r"weight is all-gathered in float8 \(fp8fn\.float8_all_gather\), to use "
+                       r"DelayedScaling or CurrentScaling, got RowwiseScaling\. Leave it out"):
+        fp8fn.transform(model, recipe)
+    with pytest.raises(ValueError, match=r"^fp8fn\.transform: parameter 'w' is all-gathered in "
+                       r"float8 \(fp8fn\.float8_all_gather\), but its layer \(or experts weight\) "
+                       r"does not run in float8"):
+        fp8fn.transform(model, fp8fn.DelayedScaling(), filter_fn=lambda name, m: name != "w")
+    with pytest.raises(ValueError, match=r"^fp8fn\.transform: expected the float8_all_gather weig"
+                       r"ht of experts weight 'w' to be sharded by FSDP2"):
+        fp8fn.transform(model, fp8fn.CurrentScaling())

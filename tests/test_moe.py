@@ -380,3 +380,52 @@ def test_current_scaling_is_the_dense_op_per_expert(dtype):
     want = _per_group(x, w, ends, g, _fp8fn_linear(fp8fn.CurrentScaling(backend="emulated")))
     for a, b in zip(got, want):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("recipe", ALL_RECIPES, ids=RECIPE_IDS)
+def test_custom_ops_that_torch_compile_runs_are_the_dense_op_per_expert(recipe):
+    """The stateless recipes' per-group GEMMs as torch.compile runs them, custom ops
+    (`fp8fn::finer_grouped_*`, `fp8fn::nvfp4_grouped_*`; eagerly the same functions run
+    directly): the recipe survives the trip through the ops' arguments, idle experts and rows
+    past `offs[-1]` get zeros, NVFP4 expert e draws with the key folded with e."""
+    from fp8fn._core.keys import fold_key, site_id
+    from fp8fn._ops.grouped_block_scaled import _recipe_args
+
+    ends = [0, 20, 20, 45]  # expert 0 and 2 idle, rows 45..49 past the end
+    x, w, _, g = _bf16_case([50], 4, seed=15)
+    offs = torch.tensor(ends, dtype=torch.int32)
+    ops = torch.ops.fp8fn
+    if recipe is NVFP4:
+        key = torch.tensor(7.0, dtype=torch.float64)
+        expert_keys = torch.stack([fold_key(key, e) for e in range(4)]).to(torch.int64)
+        args = (recipe.stochastic_rounding, recipe.hadamard, recipe.weight_2d, site_id("e"), 0)
+        rows, weights, linear = ops.nvfp4_grouped_rows, ops.nvfp4_grouped_weights, (
+            _fp8fn_linear(recipe, key, "e"))
+        rows_args, weights_args = (expert_keys,), (expert_keys, *args)
+    else:
+        args = (*_recipe_args(recipe), "emulated")
+        rows, weights, linear = ops.finer_grouped_rows, ops.finer_grouped_weights, (
+            _fp8fn_linear(recipe))
+        rows_args, weights_args = (), args
+    got = (rows(x, w, offs, *rows_args, 0, *args), rows(g, w, offs, *rows_args, 1, *args),
+           weights(g, x, offs, *weights_args))
+    for a, b in zip(got, _per_group(x, w, ends, g, linear)):
+        assert torch.equal(a.to(b.dtype), b)
+    torch.library.opcheck(rows, (g, w, offs, *rows_args, 1, *args))
+    torch.library.opcheck(weights, (g, x, offs, *weights_args))
+
+
+def test_custom_op_arguments_carry_every_field_of_the_stateless_recipes():
+    """A recipe field the ops' arguments left out would silently take its default under
+    torch.compile (`backend` is resolved before and passed on its own)."""
+    import dataclasses
+
+    from fp8fn._ops.grouped_block_scaled import _recipe, _recipe_args
+
+    carried = {fp8fn.RowwiseScaling: {"hp_grad_weight"}, fp8fn.BlockwiseScaling: {"block_size"},
+               fp8fn.MXScaling: {"block_size", "scale_rounding"},
+               fp8fn.NVFP4Scaling: {"stochastic_rounding", "hadamard", "weight_2d"}}
+    for cls, names in carried.items():
+        assert {f.name for f in dataclasses.fields(cls)} - {"backend"} == names
+    for recipe in FINER_RECIPES:
+        assert _recipe(*_recipe_args(recipe)) == dataclasses.replace(recipe, backend="auto")

@@ -35,7 +35,7 @@ from .gemm import resolve_backend
 from .grouped_block_scaled import finer_grouped_mm, nvfp4_grouped_mm
 from .grouped_gemm import rows_mm, weight_mm
 from .nvfp4 import check_random
-from .tensorwise import _scales
+from .tensorwise import _scales, placement_of
 
 
 def _group_ids(offs: torch.Tensor, rows: int) -> torch.Tensor:
@@ -53,6 +53,14 @@ def _group_amax(hp: torch.Tensor, ids: torch.Tensor, experts: int) -> torch.Tens
     out = out.scatter_reduce(0, ids, row_amax, "amax", include_self=True)
     nan = torch.zeros_like(out).scatter_add(0, ids, row_amax.isnan().float()) > 0
     return torch.where(nan, float("nan"), out)[:experts]
+
+
+def expert_amax(weight: torch.Tensor) -> torch.Tensor:
+    """Per-expert largest magnitude of `weight` `(E, ...)`: float32 `(E,)` (0 for an empty
+    expert; NaN in an expert gives NaN)."""
+    if weight.numel() == 0:
+        return weight.new_zeros(weight.shape[0], dtype=torch.float32)
+    return weight.abs().flatten(1).amax(1).float()
 
 
 def _one_scaled_grouped_mm(x, weight, backend: str) -> bool:
@@ -76,27 +84,32 @@ def _scaled_grouped_forward(x_fp8, w_fp8, x_inv, w_inv, ids, offs):
 class _Fp8GroupedMM(torch.autograd.Function):
     """out = concat_e(x[s_e:t_e] @ weight[e].T) with float8 operands and per-expert scales.
 
-    Inputs: x `(T, K)` floating; weight `(E, N, K)`; offs int32 `(E,)` cumulative group ends
-    (rows past `offs[-1]` get zeros and no gradient); `newest`, `stored` float32 `(E, 3)` (roles
-    input, weight, grad_output per expert) or None for current scaling; `margin` an int;
-    `backend` `fp8_mm`'s. The gradient with respect to `newest` is `(E, 3)`
+    Inputs: x `(T, K)` floating; weight `(E, N, K)` (FSDP2's float8-gathered weight: cast
+    already, taken through `place`, a `Local`, as the dense op takes it); offs int32 `(E,)`
+    cumulative group ends (rows past `offs[-1]` get zeros and no gradient); `newest`, `stored`
+    float32 `(E, 3)` (roles input, weight, grad_output per expert) or None for current scaling;
+    `margin` an int; `backend` `fp8_mm`'s; `place` a `Local` (`placement_of(weight)`).
+    The gradient with respect to `newest` is `(E, 3)`
     `[x_amax_e, w_amax_e, g_amax_e]`.
     """
 
     @staticmethod
-    def forward(x, weight, offs, newest, stored, margin, backend):
+    def forward(x, weight, offs, newest, stored, margin, backend, place):
         experts = weight.shape[0]
         ids = _group_ids(offs, x.shape[0])
         x_amax = _group_amax(x, ids, experts)
-        w_amax = weight.abs().flatten(1).amax(1).float() if weight.numel() else (
-            weight.new_zeros(experts, dtype=torch.float32))
+        cast = place.float8_weight(weight)  # FSDP2's float8 all-gather: bytes, scales, amaxes
+        w_amax = expert_amax(weight) if cast is None else cast[2]
         amaxes = torch.stack([x_amax, w_amax], 1)
         scales = _scales(amaxes, None if newest is None else newest[:, :2],
                          None if stored is None else stored[:, :2], margin, (448.0, 448.0))
         x_scale, w_scale = scales.unbind(1)
         x_rows = torch.cat([x_scale, x_scale.new_ones(1)])[ids]
         x_fp8 = cast_to_fp8(x, x_rows[:, None], E4M3)
-        w_fp8 = cast_to_fp8(weight, w_scale[:, None, None], E4M3)
+        if cast is None:
+            w_fp8 = cast_to_fp8(weight, w_scale[:, None, None], E4M3)
+        else:  # cast with the scales of the step's all-gather (the same as `w_scale` would be)
+            w_fp8, w_scale = cast[0], cast[1]
         x_inv, w_inv = x_scale.reciprocal(), w_scale.reciprocal()
         if _one_scaled_grouped_mm(x, weight, backend):
             out = _scaled_grouped_forward(x_fp8, w_fp8, x_inv, w_inv, ids, offs)
@@ -106,12 +119,13 @@ class _Fp8GroupedMM(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, weight, offs, newest, stored, margin, backend = inputs
+        x, weight, offs, newest, stored, margin, backend, place = inputs
         ctx.mark_non_differentiable(*output[2:])  # x_amax stays differentiable: the anchor of
         # `first_order_only` (as in the dense op)
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(*output[2:], output[1], offs, newest, stored)
         ctx.margin, ctx.backend, ctx.dtypes = margin, backend, (x.dtype, weight.dtype)
+        ctx.place = place
 
     @staticmethod
     def backward(ctx, grad_out, *_):
@@ -127,8 +141,9 @@ class _Fp8GroupedMM(torch.autograd.Function):
             g_fp8 = cast_to_fp8(grad_out, g_rows[:, None], E5M2)
             g_inv = g_scale.reciprocal()
             needs = ctx.needs_input_grad
-            grads = [None] * 7
+            grads = [None] * 8
             if needs[0]:
+                w_fp8 = ctx.place.weight_again(w_fp8)
                 grads[0] = rows_mm(g_fp8, w_fp8, g_inv, w_inv, offs, x_dtype, ctx.backend, True)
             if needs[1]:
                 grads[1] = weight_mm(g_fp8, x_fp8, g_inv, x_inv, offs, w_dtype, ctx.backend)
@@ -168,4 +183,5 @@ def grouped_mm(x, weight, offs, newest=None, stored=None, margin: int = 0,
         if isinstance(recipe, NVFP4Scaling):
             check_random("apply", random, recipe, x.device)
             return nvfp4_grouped_mm(x, weight, offs, recipe, random)
-        return _Fp8GroupedMM.apply(x, weight, offs, newest, stored, margin, backend)[0]
+        place = placement_of(weight)  # FSDP2's float8-gathered experts weight gives its own
+        return _Fp8GroupedMM.apply(x, weight, offs, newest, stored, margin, backend, place)[0]

@@ -15,6 +15,9 @@ no gradient. Each group runs the dense op's numerics on its rows (`block_scaled`
   the tokens in blocks across group ends, which the GPU kernels do not: they pad each group).
 * NVFP4: expert `e` draws its random bits (stochastic rounding, Hadamard signs) from the key
   folded with `e` (`keys.fold_key(key, e)`, as `fp8fn.fold_in`), so no two experts share bits.
+  The grouped op saves `x` and the weight in high precision and quantizes them again in the
+  backward, to the same bits. The dense op saves packed FP4 copies, but a group's `x.T` is
+  quantized along its own tokens, a count only `offs` gives.
 
 An expert with no token (an empty group) costs nothing and gets an exact zero weight gradient.
 
@@ -23,6 +26,15 @@ host). Per-group `torch.mm` and one `torch._grouped_mm` give the same bits on CP
 float32 and bfloat16); the per-group matmul was the faster in `benchmarks/moe.py`'s full runs,
 and `torch._grouped_mm` on CPU needs 16-byte-aligned strides. The finer recipes have no
 GPU GEMM here (as the dense op: `resolve_backend` emulates them).
+
+torch.compile: the per-group loops run as custom ops (`grouped_gemm.custom_op_when_compiling`):
+`fp8fn::finer_grouped_rows` and `fp8fn::finer_grouped_weights` for the finer recipes,
+`fp8fn::nvfp4_grouped_rows` and `fp8fn::nvfp4_grouped_weights` for NVFP4. Each computes the
+output or grad_input GEMM over every group's rows, or the grad_weight GEMM of every group.
+`offs` is read inside them, so the graph does not break and compiled and eager run the same
+code, to the same bits. Eagerly the same functions run directly. An in-graph grouped GEMM is
+not an option on CPU: `torch._grouped_mm`'s fake (torch 2.13) takes bfloat16 only, and the
+emulated GEMMs are float32.
 """
 
 from __future__ import annotations
@@ -31,14 +43,82 @@ import torch
 
 from .._core import keys
 from .._core.checks import no_autocast
+from .._core.recipes import BlockwiseScaling, MXScaling, NVFP4Scaling, RowwiseScaling
+from .._numerics.nvfp4 import dequantize_nvfp4
 from .block_scaled import _GEMMS, _gemm
-from .nvfp4 import _NVFP4Linear
+from .first_order import first_order_only
+from .grouped_gemm import bounds, custom_op_when_compiling
+from .nvfp4 import (
+    grad_input_gemm,
+    grad_weight_gemm,
+    output_gemm,
+    weight_for_grad_input,
+    x_for_grad_weight,
+)
+
+# -- the per-group GEMMs (custom ops under torch.compile) ---------------------------------------
+# A custom op takes no recipe object: the finer recipe travels as its class name and the fields
+# its GEMMs read (`_recipe_args`), and is rebuilt inside (`_recipe`).
 
 
-def bounds(offs: torch.Tensor) -> list[tuple[int, int]]:
-    """The `(start, end)` rows of each group (a host read of `offs`)."""
-    ends = offs.tolist()
-    return list(zip([0] + ends[:-1], ends))
+def _recipe_args(recipe) -> tuple[str, int, bool, str]:
+    """`(class name, block_size, hp_grad_weight, scale_rounding)` of a finer recipe (0, False
+    and "" where the recipe has no such field)."""
+    return (type(recipe).__name__, getattr(recipe, "block_size", 0),
+            getattr(recipe, "hp_grad_weight", False), getattr(recipe, "scale_rounding", ""))
+
+
+def _recipe(kind: str, block_size: int, hp_grad_weight: bool, scale_rounding: str):
+    """The finer recipe `_recipe_args` described."""
+    if kind == "RowwiseScaling":
+        return RowwiseScaling(hp_grad_weight=hp_grad_weight)
+    if kind == "BlockwiseScaling":
+        return BlockwiseScaling(block_size=block_size)
+    return MXScaling(block_size=block_size, scale_rounding=scale_rounding)
+
+
+def _rows(a: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, gemm: int, kind: str,
+          block_size: int, hp_grad_weight: bool, scale_rounding: str,
+          backend: str) -> torch.Tensor:
+    """The output (`gemm` 0, `a` = x `(T, K)`) or grad_input (`gemm` 1, `a` = the output
+    gradient `(T, N)`) GEMM of each group's rows of `a` with `weight[e]` (`(E, N, K)`), as
+    the dense op's: `(T, N)` or `(T, K)` in `a`'s dtype, rows past `offs[-1]` 0."""
+    recipe = _recipe(kind, block_size, hp_grad_weight, scale_rounding)
+    fn, cols = _GEMMS[type(recipe)][gemm], weight.shape[2 if gemm else 1]
+    out = a.new_zeros(a.shape[0], cols)
+    for e, (s, t) in enumerate(bounds(offs)):
+        if t > s:
+            out[s:t] = _gemm(fn, a[s:t], weight[e], recipe, backend, (t - s, cols), a.dtype)
+    return out
+
+
+def _rows_fake(a, weight, offs, gemm, kind, block_size, hp_grad_weight, scale_rounding,
+               backend):
+    return a.new_empty(a.shape[0], weight.shape[2 if gemm else 1])
+
+
+def _weights(g: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, kind: str, block_size: int,
+             hp_grad_weight: bool, scale_rounding: str, backend: str) -> torch.Tensor:
+    """The grad_weight GEMM of each group, as the dense op's on its rows of `g` `(T, N)` and
+    `x` `(T, K)`: `(E, N, K)` in `g`'s dtype, 0 for an empty group."""
+    recipe = _recipe(kind, block_size, hp_grad_weight, scale_rounding)
+    fn, (n, k) = _GEMMS[type(recipe)][2], (g.shape[1], x.shape[1])
+    out = g.new_zeros(offs.shape[0], n, k)
+    for e, (s, t) in enumerate(bounds(offs)):
+        if t > s:
+            out[e] = _gemm(fn, g[s:t], x[s:t], recipe, backend, (n, k), g.dtype)
+    return out
+
+
+def _weights_fake(g, x, offs, kind, block_size, hp_grad_weight, scale_rounding, backend):
+    return g.new_empty(offs.shape[0], g.shape[1], x.shape[1])
+
+
+rows = custom_op_when_compiling("finer_grouped_rows", _rows, _rows_fake)
+weights = custom_op_when_compiling("finer_grouped_weights", _weights, _weights_fake)
+
+
+# -- the ops ------------------------------------------------------------------------------------
 
 
 class _FinerGroupedMM(torch.autograd.Function):
@@ -51,13 +131,7 @@ class _FinerGroupedMM(torch.autograd.Function):
 
     @staticmethod
     def forward(x, weight, offs, recipe, backend):
-        output = _GEMMS[type(recipe)][0]
-        out = x.new_zeros(x.shape[0], weight.shape[1])
-        for e, (s, t) in enumerate(bounds(offs)):
-            if t > s:
-                shape = (t - s, weight.shape[1])
-                out[s:t] = _gemm(output, x[s:t], weight[e], recipe, backend, shape, x.dtype)
-        return out
+        return rows(x, weight, offs, 0, *_recipe_args(recipe), backend)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -68,22 +142,14 @@ class _FinerGroupedMM(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x, weight, offs = ctx.saved_tensors
-        _, grad_input, grad_weight = _GEMMS[type(ctx.recipe)]
-        recipe, backend, needs = ctx.recipe, ctx.backend, ctx.needs_input_grad
-        grad_x = torch.zeros_like(x) if needs[0] else None
-        grad_w = torch.zeros_like(weight) if needs[1] else None
+        args, needs = (*_recipe_args(ctx.recipe), ctx.backend), ctx.needs_input_grad
+        grad_x = grad_w = None
         with no_autocast(grad_out):
             g = grad_out.contiguous()
-            for e, (s, t) in enumerate(bounds(offs)):
-                if t == s:
-                    continue
-                g_e, x_e = g[s:t], x[s:t]
-                if needs[0]:
-                    grad_x[s:t] = _gemm(grad_input, g_e, weight[e], recipe, backend, x_e.shape,
-                                        g.dtype)
-                if needs[1]:
-                    grad_w[e] = _gemm(grad_weight, g_e, x_e, recipe, backend, weight[e].shape,
-                                      g.dtype)
+            if needs[0]:
+                grad_x = rows(g, weight, offs, 1, *args).to(x.dtype)
+            if needs[1]:
+                grad_w = weights(g, x, offs, *args).to(weight.dtype)
         return grad_x, grad_w, None, None, None
 
 
@@ -101,8 +167,101 @@ def finer_grouped_mm(x, weight, offs, recipe, backend):
     return _FinerGroupedMM.apply(x, weight, offs, recipe, backend)
 
 
+# -- NVFP4 per expert ---------------------------------------------------------------------------
+# The per-group GEMMs take the recipe's three flags, the site id and the rank; `keys` is int64
+# `(E,)`, expert e's key folded with e (None: a recipe without randomness).
+
+
+def _nvfp4_rows(a: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor,
+                expert_keys: torch.Tensor | None, gemm: int, stochastic_rounding: bool,
+                hadamard: bool, weight_2d: bool, site: int, rank: int) -> torch.Tensor:
+    """The output (`gemm` 0, `a` = x `(T, K)`) or grad_input (`gemm` 1, `a` = the output
+    gradient `(T, N)`) GEMM of each group's rows with `weight[e]` `(E, N, K)`, as the dense
+    NVFP4 op's: float32 `(T, N)` or `(T, K)`, rows past `offs[-1]` 0."""
+    recipe = NVFP4Scaling(stochastic_rounding=stochastic_rounding, hadamard=hadamard,
+                          weight_2d=weight_2d)
+    out = a.new_zeros(a.shape[0], weight.shape[2 if gemm else 1], dtype=torch.float32)
+    for e, (s, t) in enumerate(bounds(offs)):
+        if t == s:
+            continue
+        if gemm == 0:
+            out[s:t] = output_gemm(a[s:t], weight[e], recipe)
+        else:
+            key = None if expert_keys is None else expert_keys[e]
+            w_values = dequantize_nvfp4(*weight_for_grad_input(weight[e], recipe))
+            out[s:t] = grad_input_gemm(a[s:t].float(), w_values, key, site, rank, recipe)
+    return out
+
+
+def _nvfp4_rows_fake(a, weight, offs, expert_keys, gemm, *args):
+    return a.new_empty(a.shape[0], weight.shape[2 if gemm else 1], dtype=torch.float32)
+
+
+def _nvfp4_weights(g: torch.Tensor, x: torch.Tensor, offs: torch.Tensor,
+                   expert_keys: torch.Tensor | None, stochastic_rounding: bool, hadamard: bool,
+                   weight_2d: bool, site: int, rank: int) -> torch.Tensor:
+    """The grad_weight GEMM of each group, as the dense NVFP4 op's on its rows of `g` `(T, N)`
+    and `x` `(T, K)`: float32 `(E, N, K)`, 0 for an empty group."""
+    recipe = NVFP4Scaling(stochastic_rounding=stochastic_rounding, hadamard=hadamard,
+                          weight_2d=weight_2d)
+    out = g.new_zeros(offs.shape[0], g.shape[1], x.shape[1], dtype=torch.float32)
+    for e, (s, t) in enumerate(bounds(offs)):
+        if t > s:
+            key = None if expert_keys is None else expert_keys[e]
+            x_values = dequantize_nvfp4(*x_for_grad_weight(x[s:t], key, site, recipe))
+            out[e] = grad_weight_gemm(g[s:t].float(), x_values, key, site, rank, recipe)
+    return out
+
+
+def _nvfp4_weights_fake(g, x, offs, *args):
+    return g.new_empty(offs.shape[0], g.shape[1], x.shape[1], dtype=torch.float32)
+
+
+nvfp4_rows = custom_op_when_compiling("nvfp4_grouped_rows", _nvfp4_rows, _nvfp4_rows_fake)
+nvfp4_weights = custom_op_when_compiling("nvfp4_grouped_weights", _nvfp4_weights,
+                                         _nvfp4_weights_fake)
+
+
+class _NVFP4GroupedMM(torch.autograd.Function):
+    """out = concat_e(x[s_e:t_e] @ weight[e].T) under NVFP4, expert e drawing with its key.
+
+    Inputs: x `(T, K)`, weight `(E, N, K)`, offs int32 `(E,)`, expert_keys int64 `(E,)` or
+    None, recipe, site (int), rank (int). Returns `(out, anchor)` as the dense op. Saves `x` and
+    `weight` in high precision (the dense op saves their packed FP4 copies: a group's `x.T` is
+    quantized along its own tokens, of a size only `offs` tells), quantized again in the
+    backward to the same bits.
+    """
+
+    @staticmethod
+    def forward(x, weight, offs, expert_keys, recipe, site, rank):
+        flags = (recipe.stochastic_rounding, recipe.hadamard, recipe.weight_2d)
+        out = nvfp4_rows(x, weight, offs, expert_keys, 0, *flags, site, rank)
+        return out.to(x.dtype), x.new_zeros((), dtype=torch.float32)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, weight, offs, expert_keys, recipe, site, rank = inputs
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(x, weight, offs, expert_keys, output[1])
+        ctx.args = (recipe.stochastic_rounding, recipe.hadamard, recipe.weight_2d, site, rank)
+
+    @staticmethod
+    def backward(ctx, grad_out, _):
+        x, weight, offs, expert_keys, anchor = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        grad_x = grad_w = None
+        with no_autocast(grad_out):
+            if needs[0]:
+                grad_x = nvfp4_rows(grad_out, weight, offs, expert_keys, 1, *ctx.args)
+                grad_x = grad_x.to(x.dtype)
+            if needs[1]:
+                grad_w = nvfp4_weights(grad_out, x, offs, expert_keys, *ctx.args)
+                grad_w = grad_w.to(weight.dtype)
+        return (*first_order_only((grad_x, grad_w), anchor), None, None, None, None, None)
+
+
 def nvfp4_grouped_mm(x, weight, offs, recipe, random):
-    """The grouped GEMM under `NVFP4Scaling`: per expert, the dense NVFP4 op.
+    """The grouped GEMM under `NVFP4Scaling`: per expert, the dense NVFP4 op's numerics.
 
     Args:
       x: `(T, K)` floating. weight: `(E, N, K)`. offs: int32 `(E,)` cumulative group ends.
@@ -112,20 +271,15 @@ def nvfp4_grouped_mm(x, weight, offs, recipe, random):
         draws with `keys.fold_key(key, e)`.
 
     Returns:
-      `(T, N)` in `x.dtype`; rows past `offs[-1]` are exact zeros (still connected to `x` and
-      `weight`, with zero gradients, through an empty contraction).
+      `(T, N)` in `x.dtype`; rows past `offs[-1]` are exact zeros with zero gradients.
     """
     key, site = (None, 0) if random is None else random
+    expert_keys = None
     if key is not None:
         keys.check_key("apply", key)
         site = keys.site_id(site)
-    rank = keys.process_rank()
-    pieces, end = [], 0
-    for e, (s, t) in enumerate(bounds(offs)):
-        if t > s:
-            key_e = None if key is None else keys.fold_key(key.detach(), e).to(torch.int64)
-            out, _ = _NVFP4Linear.apply(x[s:t], weight[e], None, key_e, recipe, site, rank)
-            pieces.append(out)
-        end = t
-    pieces.append(x[end:, :0] @ weight[0, :, :0].t().to(x.dtype))  # zeros, (T - end, N)
-    return torch.cat(pieces)
+        expert_keys = torch.stack([keys.fold_key(key.detach(), e) for e in
+                                   range(weight.shape[0])]).to(torch.int64)
+    out, _ = _NVFP4GroupedMM.apply(x, weight, offs, expert_keys, recipe, site,
+                                   keys.process_rank())
+    return out

@@ -1,4 +1,6 @@
-"""The per-group float8 GEMMs of the tensorwise grouped op, as two custom ops.
+"""The per-group float8 GEMMs of the tensorwise grouped op, as two custom ops, and the helper
+that makes a per-group function a custom op under torch.compile (`custom_op_when_compiling`,
+also used by `grouped_block_scaled` for the stateless recipes' GEMMs).
 
 Each group's rows are found by reading the group offsets on the host; inside a custom op
 (`torch.library.custom_op`) that read is the op's own, so torch.compile traces the grouped op
@@ -22,7 +24,8 @@ import torch
 from .gemm import fp8_mm
 
 
-def _bounds(offs: torch.Tensor) -> list[tuple[int, int]]:
+def bounds(offs: torch.Tensor) -> list[tuple[int, int]]:
+    """The `(start, end)` rows of each group (a host read of `offs`)."""
     ends = offs.tolist()
     return list(zip([0] + ends[:-1], ends))
 
@@ -33,7 +36,7 @@ def _rows_mm(a: torch.Tensor, b: torch.Tensor, a_inv: torch.Tensor, b_inv: torch
     when `b_t`; a_inv, b_inv: float32 `(E,)`; offs: int32 `(E,)`."""
     n = b.shape[2] if b_t else b.shape[1]
     out = torch.zeros(a.shape[0], n, dtype=out_dtype, device=a.device)
-    for e, (s, t) in enumerate(_bounds(offs)):
+    for e, (s, t) in enumerate(bounds(offs)):
         if t > s:
             m = b[e].t() if b_t else b[e]
             out[s:t] = fp8_mm(a[s:t], m, a_inv[e], b_inv[e], out_dtype, backend)
@@ -49,7 +52,7 @@ def _weight_mm(g: torch.Tensor, x: torch.Tensor, g_inv: torch.Tensor, x_inv: tor
     """See the module docstring. g: float8 `(T, N)`; x: float8 `(T, K)`; g_inv, x_inv:
     float32 `(E,)`; offs: int32 `(E,)`."""
     out = torch.zeros(offs.shape[0], g.shape[1], x.shape[1], dtype=out_dtype, device=g.device)
-    for e, (s, t) in enumerate(_bounds(offs)):
+    for e, (s, t) in enumerate(bounds(offs)):
         if t > s:
             out[e] = fp8_mm(g[s:t].t(), x[s:t].t(), g_inv[e], x_inv[e], out_dtype, backend)
     return out
@@ -60,18 +63,20 @@ def _weight_mm_fake(g, x, g_inv, x_inv, offs, out_dtype, backend):
 
 
 
-_ROWS_OP = torch.library.custom_op("fp8fn::grouped_rows_mm", _rows_mm, mutates_args=())
-_ROWS_OP.register_fake(_rows_mm_fake)
-_WEIGHT_OP = torch.library.custom_op("fp8fn::grouped_weight_mm", _weight_mm, mutates_args=())
-_WEIGHT_OP.register_fake(_weight_mm_fake)
+def custom_op_when_compiling(name: str, fn, fake):
+    """`fn`, run as the custom op `fp8fn::<name>` (`fake` its fake: the output's shape and
+    dtype) under torch.compile, and as itself eagerly (a custom op without a derivative cannot
+    run inside a grouped op's backward under torch.func). `fn` reads the group offsets on the
+    host: inside the custom op that read is the op's own, so the graph does not break, and
+    compiled and eager run the same code (the same bits)."""
+    op = torch.library.custom_op(f"fp8fn::{name}", fn, mutates_args=())
+    op.register_fake(fake)
+
+    def call(*args):
+        return (op if torch.compiler.is_compiling() else fn)(*args)
+
+    return call
 
 
-def rows_mm(*args):
-    """`_rows_mm`: the custom op under torch.compile, else the function itself (a custom op
-    without a derivative cannot run inside the grouped op's backward under torch.func)."""
-    return (_ROWS_OP if torch.compiler.is_compiling() else _rows_mm)(*args)
-
-
-def weight_mm(*args):
-    """`_weight_mm`, as `rows_mm`."""
-    return (_WEIGHT_OP if torch.compiler.is_compiling() else _weight_mm)(*args)
+rows_mm = custom_op_when_compiling("grouped_rows_mm", _rows_mm, _rows_mm_fake)
+weight_mm = custom_op_when_compiling("grouped_weight_mm", _weight_mm, _weight_mm_fake)

@@ -93,7 +93,7 @@ def _weight_for_output(weight, recipe) -> NVFP4:
     return quantize_nvfp4(weight, tile_2d=recipe.weight_2d)
 
 
-def _weight_for_grad_input(weight, recipe) -> NVFP4:
+def weight_for_grad_input(weight, recipe) -> NVFP4:
     """`weight` quantized along n: its 16 x 16 tiles (`(n, k)`, as the forward's), or
     `weight.T` `(k, n)` in blocks along n."""
     if recipe.weight_2d:
@@ -101,13 +101,38 @@ def _weight_for_grad_input(weight, recipe) -> NVFP4:
     return quantize_nvfp4(weight.t())
 
 
-def _x_for_grad_weight(x, key, site, recipe) -> NVFP4:
+def x_for_grad_weight(x, key, site, recipe) -> NVFP4:
     """`x.T` `(k, m)` (Hadamard-transformed: `(k, 16 * ceil(m / 16))`) quantized along m."""
     return quantize_nvfp4(_hadamard(x.t(), key, site, recipe))
 
 
 def _deq(q: NVFP4) -> torch.Tensor:
     return dequantize_nvfp4(*q)
+
+
+# -- the three GEMMs (float32 results) -------------------------------------------------------------
+
+
+def output_gemm(x, weight, recipe) -> torch.Tensor:
+    """`x` `(m, k)` times `weight` `(n, k)` transposed, both quantized along k: `(m, n)`."""
+    return torch.mm(_deq(quantize_nvfp4(x)), _deq(_weight_for_output(weight, recipe)).t())
+
+
+def grad_input_gemm(g, w_values, key, site, rank, recipe) -> torch.Tensor:
+    """`g` float32 `(m, n)` quantized along n (stochastic rounding: draw `DRAW_GRAD_INPUT`)
+    times the weight's `weight_for_grad_input` values `w_values` (float32 `(n, k)` tiles, or
+    `(k, n)` blocks along n): `(m, k)`."""
+    g_q = quantize_nvfp4(g, sr_bits=_sr_bits(key, site, DRAW_GRAD_INPUT, g.shape, rank, recipe))
+    return torch.mm(_deq(g_q), w_values if recipe.weight_2d else w_values.t())
+
+
+def grad_weight_gemm(g, x_values, key, site, rank, recipe) -> torch.Tensor:
+    """`g.T` (`g` float32 `(m, n)`; Hadamard-transformed, quantized along m, draw
+    `DRAW_GRAD_WEIGHT`) times `x_values` (float32 `(k, m')`, `x_for_grad_weight`'s values)
+    transposed: `(n, k)`."""
+    g_t = _hadamard(g.t(), key, site, recipe)  # (n, m) or (n, 16 * ceil(m / 16))
+    bits = _sr_bits(key, site, DRAW_GRAD_WEIGHT, g_t.shape, rank, recipe)
+    return torch.mm(_deq(quantize_nvfp4(g_t, sr_bits=bits)), x_values.t())
 
 
 # -- the op ---------------------------------------------------------------------------------------
@@ -126,9 +151,7 @@ class _NVFP4Linear(torch.autograd.Function):
 
     @staticmethod
     def forward(x, weight, bias, key, recipe, site, rank):
-        x_q = quantize_nvfp4(x)
-        w_q = _weight_for_output(weight, recipe)
-        out = torch.mm(_deq(x_q), _deq(w_q).t())
+        out = output_gemm(x, weight, recipe)
         if bias is not None:
             out = out + bias.float()
         return out.to(x.dtype), x.new_zeros((), dtype=torch.float32)
@@ -139,12 +162,14 @@ class _NVFP4Linear(torch.autograd.Function):
         ctx.set_materialize_grads(False)  # the anchor gets no gradient: no zeros made
         needs = ctx.needs_input_grad
         ctx.recipe, ctx.site, ctx.rank = recipe, site, rank
-        ctx.shapes = (x.shape[0], weight.shape[0], weight.shape[1])
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         # What an FP4 kernel keeps: the quantized operands of the backward's GEMMs (a weight
         # in 16 x 16 tiles is the forward's, quantized again here: the same bits).
-        w_saved = _pack(_weight_for_grad_input(weight, recipe)) if needs[0] else ()
-        x_saved = _pack(_x_for_grad_weight(x, key, site, recipe)) if needs[1] else ()
+        w_saved = _pack(weight_for_grad_input(weight, recipe)) if needs[0] else ()
+        x_q = x_for_grad_weight(x, key, site, recipe) if needs[1] else None
+        x_saved = _pack(x_q) if needs[1] else ()
+        # (n, k, and m' the columns of the quantized x.T: m, or 16 * ceil(m / 16) transformed)
+        ctx.shapes = (weight.shape[0], weight.shape[1], x_q.codes.shape[1] if needs[1] else 0)
         ctx.counts = (len(w_saved), len(x_saved))
         ctx.save_for_backward(*w_saved, *x_saved, key, output[1])
 
@@ -161,24 +186,17 @@ class _NVFP4Linear(torch.autograd.Function):
         n_w, _ = ctx.counts
         w_saved, x_saved = tuple(saved[:n_w]), tuple(saved[n_w:])
         recipe, site, rank = ctx.recipe, ctx.site, ctx.rank
-        _, n, k = ctx.shapes
+        n, k, m_cols = ctx.shapes
         x_dtype, w_dtype, b_dtype = ctx.dtypes
         needs = ctx.needs_input_grad
         grad_x = grad_w = grad_b = None
         g = grad_out.float()
         if needs[0]:
-            bits = _sr_bits(key, site, DRAW_GRAD_INPUT, g.shape, rank, recipe)
-            g_q = quantize_nvfp4(g, sr_bits=bits)
-            if recipe.weight_2d:  # the forward's tiles, (n, k)
-                grad_x = torch.mm(_deq(g_q), _unpack(w_saved, k))
-            else:  # weight.T in blocks along n, (k, n)
-                grad_x = torch.mm(_deq(g_q), _unpack(w_saved, n).t())
-            grad_x = grad_x.to(x_dtype)
+            w_values = _unpack(w_saved, k if recipe.weight_2d else n)
+            grad_x = grad_input_gemm(g, w_values, key, site, rank, recipe).to(x_dtype)
         if needs[1]:
-            g_t = _hadamard(g.t(), key, site, recipe)  # (n, m) or (n, 16 * ceil(m / 16))
-            bits = _sr_bits(key, site, DRAW_GRAD_WEIGHT, g_t.shape, rank, recipe)
-            g_q = quantize_nvfp4(g_t, sr_bits=bits)
-            grad_w = torch.mm(_deq(g_q), _unpack(x_saved, g_t.shape[1]).t()).to(w_dtype)
+            x_values = _unpack(x_saved, m_cols)
+            grad_w = grad_weight_gemm(g, x_values, key, site, rank, recipe).to(w_dtype)
         if needs[2]:
             grad_b = g.sum(0).to(b_dtype)
         return grad_x, grad_w, grad_b

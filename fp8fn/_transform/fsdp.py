@@ -4,6 +4,9 @@ the layers whose weights it all-gathers in float8 (`fp8fn.float8_all_gather`).""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+
+from torch import nn
 
 from .._core.recipes import CurrentScaling, DelayedScaling
 from .._core.state import site_name
@@ -25,17 +28,18 @@ class Fsdp2:
     Args:
       module: the transformed module.
       layers: its `_Layer`s that run in float8.
+      experts: its `_Experts` (the candidates `fn.init` confirms).
 
     Attributes:
       managed: `{name: (submodule, attribute, sharded parameter)}` of the parameters FSDP2
         manages (found again at the first `apply` when `fully_shard` came after `transform`).
-      gathered: the layers whose weights FSDP2 all-gathers in float8.
+      gathered: `_Gathered`, one per layer or experts weight that FSDP2 all-gathers in float8.
     """
 
-    def __init__(self, module, layers):
+    def __init__(self, module, layers, experts=()):
         self.module = module
         self.managed = self._managed()
-        self.gathered = self._float8_gathered_layers(layers)
+        self.gathered = self._float8_gathered(layers, experts)
 
     def _managed(self) -> dict:
         """`{name: (submodule, attribute, sharded parameter)}` of the parameters FSDP2 manages.
@@ -77,34 +81,51 @@ class Fsdp2:
                 )
         return {k: v for k, v in params.items() if k not in self.managed}
 
-    def _float8_gathered_layers(self, layers) -> list:
-        """The layers whose weights FSDP2 all-gathers in float8 (`fp8fn.float8_all_gather`);
-        raises unless each runs in float8 with a per-tensor recipe and is sharded."""
-        gathered = [m for m in layers if is_float8_gathered(m.held())]
-        layer_weights = {id(m.held()) for m in gathered}
+    def _float8_gathered(self, layers, experts) -> list:
+        """The layers and experts weights whose weights FSDP2 all-gathers in float8
+        (`fp8fn.float8_all_gather`); raises unless each runs in float8 with a per-tensor recipe
+        and is sharded."""
+        gathered = [_Gathered(m.path, m.module, m.attrs[0], m.recipe, m.path) for m in layers]
+        gathered += [_Gathered(e.path, e.module, e.attr, e.recipe, e.expert(0)) for e in experts]
+        gathered = [g for g in gathered if is_float8_gathered(g.held())]
+        weights = {id(g.held()) for g in gathered}
         for name, p in self.module.named_parameters():
-            if is_float8_gathered(p) and id(p) not in layer_weights:
+            if is_float8_gathered(p) and id(p) not in weights:
                 raise ValueError(
                     f"fp8fn.transform: parameter {name!r} is all-gathered in float8 "
-                    "(fp8fn.float8_all_gather), but its layer does not run in float8 under this "
-                    "transform (left out by `filter_fn` or its recipe). Give float8_all_gather "
-                    "the same `filter_fn` as fp8fn.transform."
+                    "(fp8fn.float8_all_gather), but its layer (or experts weight) does not run "
+                    "in float8 under this transform (left out by `filter_fn` or its recipe). "
+                    "Give float8_all_gather the same `filter_fn` as fp8fn.transform."
                 )
-        for m in gathered:
-            if not isinstance(m.recipe, (DelayedScaling, CurrentScaling)):
+        for g in gathered:
+            kind = "layer" if g.held().dim() < 3 else "experts weight"
+            if not isinstance(g.recipe, (DelayedScaling, CurrentScaling)):
                 raise ValueError(
-                    f"fp8fn.transform: expected layer {m.path!r}, whose weight is all-gathered in "
-                    "float8 (fp8fn.float8_all_gather), to use DelayedScaling or CurrentScaling, "
-                    f"got {type(m.recipe).__name__}. Leave it out of float8_all_gather."
+                    f"fp8fn.transform: expected {kind} {g.path!r}, whose weight is all-gathered "
+                    "in float8 (fp8fn.float8_all_gather), to use DelayedScaling or "
+                    f"CurrentScaling, got {type(g.recipe).__name__}. Leave it out of "
+                    "float8_all_gather."
                 )
-            weight = m.held()
+            weight = g.held()
             if not (sharded_operands(weight) or isinstance(weight, Float8GatheredWeight)):
                 raise ValueError(
-                    f"fp8fn.transform: expected the float8_all_gather weight of layer {m.path!r} "
-                    "to be sharded by FSDP2, got an unsharded weight. Call fully_shard after "
-                    "fp8fn.float8_all_gather and before fp8fn.transform."
+                    f"fp8fn.transform: expected the float8_all_gather weight of {kind} "
+                    f"{g.path!r} to be sharded by FSDP2, got an unsharded weight. Call "
+                    "fully_shard after fp8fn.float8_all_gather and before fp8fn.transform."
                 )
         return gathered
+
+    def refuse_unused(self, confirmed: set):
+        """Raise when a float8-gathered 3-D weight is not an experts weight `fn.init` saw in
+        a GEMM (`confirmed`): it would be used dequantized, in high precision."""
+        for g in self.gathered:
+            if g.held().dim() >= 3 and g.path not in confirmed:
+                raise ValueError(
+                    f"fp8fn.init: expected {g.path!r}, whose weight is all-gathered in float8 "
+                    "(fp8fn.float8_all_gather chose it as an experts weight), to be used as an "
+                    "experts weight in a GEMM, got no such use in the example's forward pass. "
+                    f"Leave it out of float8_all_gather with `filter_fn`."
+                )
 
     def scales(self, state):
         """Inside, FSDP2's float8 all-gathers cast with the weight scales of `state` (None while
@@ -116,20 +137,36 @@ class Fsdp2:
 
     def _weight_scales(self, state) -> ScalesForCall:
         """The weight scales of this call's float8 all-gathers (`_parallel/fsdp_gather.py`)."""
-        if any(not sharded_operands(m.held()) for m in self.gathered):
+        if any(not sharded_operands(g.held()) for g in self.gathered):
             # A weight still gathered from an earlier forward without backward (FSDP2 keeps the
             # root unsharded) holds that call's scale: reshard, so it is gathered again.
             reshard_fsdp(self.module)
         positions = state._positions()
         entries = [
             (
-                m.module,
-                positions[site_name(m.path, 0)] if isinstance(m.recipe, DelayedScaling) else None,
-                getattr(m.recipe, "margin", 0),
+                g.module,
+                g.attr,
+                positions[site_name(g.site, 0)] if isinstance(g.recipe, DelayedScaling) else None,
+                getattr(g.recipe, "margin", 0),
             )
-            for m in self.gathered
+            for g in self.gathered
         ]
         return ScalesForCall(weight_scales(entries, state))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Gathered:
+    """A layer's weight, or an experts weight, that FSDP2 all-gathers in float8."""
+
+    path: str  # the layer's (an experts weight: the weight's) name
+    module: nn.Module = dataclasses.field(repr=False)  # the module holding the weight
+    attr: str  # the weight's name on `module`
+    recipe: object
+    site: str  # the layer path of the first site (an experts weight: expert 0's, `path[0]`)
+
+    def held(self):
+        """The weight the module holds now (FSDP2 swaps its shard and the unsharded weight)."""
+        return module_parameters(self.module).get(self.attr)
 
 
 @contextlib.contextmanager

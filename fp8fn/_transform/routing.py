@@ -11,7 +11,6 @@ from torch.overrides import TorchFunctionMode
 from .._core.checks import check_dtypes, check_operands
 from .._core.recipes import DelayedScaling, NVFP4Scaling
 from .._core.state import site_name
-from .._ops.block_scaled import FINER
 from .._ops.gemm import resolve_backend
 from .._ops.grouped import grouped_mm
 from .._ops.linear import fp8_linear
@@ -21,7 +20,6 @@ from .._torch_private import (
     attention_forward,
     inside_torch_checkpoint,
     module_parameters,
-    refuse_fullgraph_trace,
     saved_tensor_hooks_active,
     view_base,
 )
@@ -267,15 +265,6 @@ class _Call(TorchFunctionMode):
         check_dtypes(f"apply: experts {entry.path!r}", x, weight[0], None)
         backend = resolve_backend(entry.recipe, x.device)
         margin = getattr(entry.recipe, "margin", 0)
-        if torch.compiler.is_compiling() and isinstance(entry.recipe, (*FINER, NVFP4Scaling)):
-            message = (
-                f"fp8fn.apply: expected DelayedScaling or CurrentScaling for the experts weight "
-                f"{entry.path!r} under torch.compile, got {type(entry.recipe).__name__}, whose "
-                "grouped GEMM reads the group offsets on the host (a graph break inside apply). "
-                "Run this model eagerly, or give the experts a per-tensor recipe."
-            )
-            refuse_fullgraph_trace(message)
-            raise RuntimeError(message)
         random = None  # NVFP4: expert e draws with the key folded with e, at the call's site
         if isinstance(entry.recipe, NVFP4Scaling):
             random = (self.state.key, site_name(entry.path, k))

@@ -173,7 +173,7 @@ class Transformed:
             e.expert(i): e for e in self._experts if isinstance(e.recipe, DelayedScaling)
             for i in range(e.experts)
         }
-        self._fsdp = Fsdp2(module, self._layers)  # FSDP2's slots and float8 all-gathers
+        self._fsdp = Fsdp2(module, self._layers, self._experts)  # slots, float8 all-gathers
         own = [m.slot for m in self._layers if m.slot not in self._fsdp.managed]
         self._slots = _Slots(module, own)
         self._refuse_fsdp_ties()
@@ -317,6 +317,7 @@ class Transformed:
         if not confirmed <= self._confirmed:
             self._confirmed |= confirmed
             self._read_module()
+        self._fsdp.refuse_unused(self._confirmed)
         if not self._reported:
             self._reported = report_high_precision(self, call.weights)
         recipe = self._delayed or DelayedScaling(history_len=1)
