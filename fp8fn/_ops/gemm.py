@@ -20,6 +20,7 @@ from .._core.recipes import (
     NVFP4Scaling,
     RowwiseScaling,
 )
+from .._numerics.fp8 import may_overwrite
 from .._torch_private import legacy_scaled_mm
 
 
@@ -173,4 +174,5 @@ def fp8_mm(a, b, inv_scale_a, inv_scale_b, out_dtype: torch.dtype, backend: str)
     inv = inv_scale_a * inv_scale_b
     if a_factor * b_factor != 1.0:  # powers of two: exact
         inv = inv * (a_factor * b_factor)
-    return (torch.mm(a_hp, b_hp.t()) * inv).to(out_dtype)
+    out = torch.mm(a_hp, b_hp.t())
+    return (out.mul_(inv) if may_overwrite(out) else out * inv).to(out_dtype)
