@@ -13,7 +13,7 @@ each barrier for the thread that lost its core), so the demo collapses under loa
 per process has no barrier to wait at.
 
     python benchmarks/demo_load.py                # 50 steps, 2 busy processes, 1 and 2 threads
-    python benchmarks/demo_load.py --quick        # 5 steps, one round
+    python benchmarks/demo_load.py --quick        # 5 steps of a tiny model, one round
     python benchmarks/demo_load.py --startup 3    # only the start-up, 3 rounds alone + busy
 """
 
@@ -32,13 +32,19 @@ from _common import print_table, ratio
 STEP = re.compile(r"^fp8 \(\w+\)\s+\S+\s+\S+\s+([\d.]+)\s*$", re.M)
 
 
-def run_demo(steps: int, threads: int, env: dict) -> tuple[float, float, str]:
-    """`(wall s, fp8 median step ms, "load before-after")` of one demo process."""
+# --quick's model: the demo's smallest sizes, so that a smoke run takes seconds
+TINY = ["--d-model", "32", "--layers", "1", "--heads", "2", "--seq-len", "16"]
+TINY += ["--batch-size", "8", "--eval-batches", "1"]
+
+
+def run_demo(steps: int, threads: int, env: dict, sizes: list) -> tuple[float, float, str]:
+    """`(wall s, fp8 median step ms, "load before-after")` of one demo process, with the
+    model and data `sizes` (demo flags; [] for its defaults)."""
     before = os.getloadavg()[0]
     start = time.perf_counter()
     done = subprocess.run(
         [sys.executable, "-m", "fp8fn.demo", "--quiet", "--steps", str(steps)]
-        + ["--threads", str(threads)],
+        + ["--threads", str(threads), *sizes],
         capture_output=True,
         text=True,
         env=env,
@@ -72,7 +78,7 @@ class Busy:
             proc.wait()
 
 
-def startup(rounds: int, busy: int, env: dict) -> None:
+def startup(rounds: int, busy: int, env: dict, sizes: list) -> None:
     """One row per `--steps 1 --quiet` run (the demo's fixed cost), alone and beside `busy`
     spinning processes in turn."""
     rows = []
@@ -80,9 +86,9 @@ def startup(rounds: int, busy: int, env: dict) -> None:
         for n in (0, busy):
             if n:
                 with Busy(n):
-                    wall, _, load = run_demo(1, 1, env)
+                    wall, _, load = run_demo(1, 1, env, sizes)
             else:
-                wall, _, load = run_demo(1, 1, env)
+                wall, _, load = run_demo(1, 1, env, sizes)
             rows.append((n, f"{wall:.1f}", load))
     header = ("busy", "wall s", "load 1-min before-after")
     print_table(header, rows, title="python -m fp8fn.demo --quiet --steps 1", left=0)
@@ -94,7 +100,7 @@ def main(argv=None) -> None:
     p.add_argument("--busy", type=int, default=2, help="spinning processes (default 2)")
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="default: 1 2")
     p.add_argument("--repeats", type=int, default=1, help="rounds of alone + busy (default 1)")
-    p.add_argument("--quick", action="store_true", help="5 steps, threads 1 only")
+    p.add_argument("--quick", action="store_true", help="5 steps of a tiny model, threads 1 only")
     p.add_argument(
         "--startup",
         type=int,
@@ -102,34 +108,36 @@ def main(argv=None) -> None:
         help="only the start-up (--steps 1, default threads): N rounds alone and beside --busy",
     )
     args = p.parse_args(argv)
+    sizes = TINY if args.quick else []
     if args.quick:
         args.steps, args.threads = 5, [1]
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "WORLD_SIZE")}
     if args.startup:
-        startup(args.startup, args.busy, env)
+        startup(args.startup, args.busy, env, sizes)
         return
     cores = os.cpu_count()
     rows = []
     for threads in args.threads:
         results = {0: [], args.busy: []}
         for _ in range(args.repeats):
-            results[0].append(run_demo(args.steps, threads, env))
+            results[0].append(run_demo(args.steps, threads, env, sizes))
             with Busy(args.busy):
-                results[args.busy].append(run_demo(args.steps, threads, env))
+                results[args.busy].append(run_demo(args.steps, threads, env, sizes))
         alone = statistics.median(r[0] for r in results[0])
         for busy, runs in results.items():
             wall = statistics.median(r[0] for r in runs)
             step = statistics.median(r[1] for r in runs)
             loads = ", ".join(r[2] for r in runs)
             rows.append((threads, busy, f"{wall:.1f}", f"{step:.0f}", ratio(wall, alone), loads))
+    model = " (a tiny model)" if sizes else ""
     title = (
-        f"python -m fp8fn.demo --quiet --steps {args.steps} on {cores} cores, median of "
+        f"python -m fp8fn.demo --quiet --steps {args.steps}{model} on {cores} cores, median of "
         f"{args.repeats}; busy = processes spinning a core each"
     )
     header = ("threads", "busy", "wall s", "fp8 step ms", "x alone", "load 1-min before-after")
     print_table(header, rows, title=title, left=0)
     print()
-    wall, _, load = run_demo(1, 1, env)
+    wall, _, load = run_demo(1, 1, env, sizes)
     print(f"start-up: --steps 1 --quiet takes {wall:.1f} s alone (load {load})")
 
 

@@ -3,6 +3,10 @@
 Without arguments, every `notebooks/*.ipynb`. Each notebook is cleared, run top to bottom in a
 fresh kernel from its own folder (figures inline, so they are saved as PNG outputs), and
 written back in place; a cell that raises stops the run with its traceback.
+
+The kernel runs torch with `THREADS` intra-op threads, whatever the machine: a CPU matmul's
+float32 sums depend on how many threads split them, and the saved outputs are compared number
+for number by `tests/test_notebooks.py`, which executes them with this same function.
 """
 
 from __future__ import annotations
@@ -14,9 +18,12 @@ import sys
 import nbclient
 import nbformat
 
+THREADS = "2"
+
 
 def execute(path: pathlib.Path) -> nbformat.NotebookNode:
     """The notebook at `path`, outputs cleared, then executed; raises on a cell's error."""
+    os.environ["OMP_NUM_THREADS"] = THREADS  # the kernel inherits it
     nb = nbformat.read(path, as_version=4)
     for cell in nb.cells:
         if cell.cell_type == "code":

@@ -866,13 +866,11 @@ SCENARIOS = [
 ]
 
 
-CHECKPOINT = [dcp_save, dcp_resume]  # run by name, each in its own spawn
+CHECKPOINT = [dcp_save, dcp_resume]  # run by name: dcp_save after SCENARIOS, then a new spawn
 
 
-def main(rank: int, world_size: int, port: int, out_dir: str, names=None) -> None:
+def main(rank: int, world_size: int, port: int, out_dir: str, names: list) -> None:
     global WORKDIR
     WORKDIR = out_dir
-    chosen = SCENARIOS
-    if names is not None:
-        chosen = [s for s in SCENARIOS + CHECKPOINT if s.__name__ in names]
+    chosen = [s for s in SCENARIOS + CHECKPOINT if s.__name__ in names]
     run_scenarios(rank, world_size, port, out_dir, chosen, MEASURED, group_timeout_s=60)

@@ -64,7 +64,9 @@ STATELESS = [fp8fn.RowwiseScaling(), fp8fn.BlockwiseScaling(), fp8fn.MXScaling()
 STATELESS_IDS = ["rowwise", "blockwise", "mx", "nvfp4"]
 
 
-@pytest.mark.parametrize("recipe", STATELESS, ids=STATELESS_IDS)
+# Rowwise stands for the finer recipes here (blockwise and MXFP8 run the same two custom ops,
+# and the op-level test below compiles all four bit for bit); NVFP4 has its own ops.
+@pytest.mark.parametrize("recipe", STATELESS[::3], ids=STATELESS_IDS[::3])
 def test_compiled_mixtral_experts_under_a_stateless_recipe_match_eager_with_no_graph_break(
         recipe):
     """The experts alone in float8 or NVFP4 (the rest in high precision): one step, compiled with

@@ -1,8 +1,8 @@
 """FSDP2 (`fully_shard`) with fp8fn on 2 gloo ranks on CPU, against one process.
 
 `test_fsdp_scenario` checks, on both ranks, one scenario of `_fsdp_workers`, all run in one
-spawn within `_TIMEOUT_S` (see `_spawn.all_scenarios_results`); the checkpoint scenarios run in
-spawns of their own. Below them, the pieces of `float8_all_gather` in one process.
+spawn within `_TIMEOUT_S`, which then saves the checkpoint (`dcp_save`) that a second spawn
+resumes from. Below them, the pieces of `float8_all_gather` in one process.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import _fsdp_workers as workers
 import pytest
 import torch
 from _helpers import assert_bit_identical, saved_and_loaded
-from _spawn import all_scenarios_results, assert_ok, spawn_results
+from _spawn import assert_ok, spawn_results
 
 import fp8fn
 from fp8fn._numerics.fp8 import cast_to_fp8
@@ -25,7 +25,20 @@ from fp8fn._parallel.fsdp_gather import (
 _TIMEOUT_S = 300
 
 
-results = all_scenarios_results(workers, _TIMEOUT_S)
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory):
+    """(its directory, `{rank: {scenario: "ok" | traceback}}`) of one spawn running every
+    scenario, then `dcp_save`, whose checkpoint and uninterrupted run stay in the directory
+    (spawning is the expensive part, so the module's tests share it)."""
+    out_dir = tmp_path_factory.mktemp("fsdp_workers")
+    names = [s.__name__ for s in workers.SCENARIOS] + [workers.dcp_save.__name__]
+    return out_dir, spawn_results(workers.main, workers.WORLD, out_dir, _TIMEOUT_S, names)
+
+
+@pytest.fixture(scope="module")
+def results(spawned):
+    """`{rank: {scenario: "ok" | traceback}}` of the shared spawn."""
+    return spawned[1]
 
 
 @pytest.mark.slow
@@ -35,13 +48,13 @@ def test_fsdp_scenario(results, scenario):
 
 
 @pytest.mark.slow
-def test_checkpoint_resume_on_the_same_ranks_is_bit_identical(tmp_path):
+def test_checkpoint_resume_on_the_same_ranks_is_bit_identical(spawned):
     """A run saved after 2 steps with torch.distributed.checkpoint and resumed in fresh processes
     takes a 3rd step bit-identical to the uninterrupted run (see `_fsdp_workers.dcp_resume`)."""
-    for scenario in workers.CHECKPOINT:
-        name = scenario.__name__
-        results = spawn_results(workers.main, workers.WORLD, tmp_path, _TIMEOUT_S, [name])
-        assert_ok(results, name, f"{name}, ")
+    out_dir, saved = spawned
+    assert_ok(saved, "dcp_save", "dcp_save, ")
+    resumed = spawn_results(workers.main, workers.WORLD, out_dir, _TIMEOUT_S, ["dcp_resume"])
+    assert_ok(resumed, "dcp_resume", "dcp_resume, ")
 
 
 # --- the pieces of float8_all_gather, in one process ----------------------------------------------

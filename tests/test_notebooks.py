@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 import pathlib
 import re
+import runpy
+import types
 
 import pytest
 
@@ -18,6 +20,7 @@ nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 
 ROOT = pathlib.Path(__file__).parents[1]
+run = types.SimpleNamespace(**runpy.run_path(str(ROOT / "notebooks" / "run.py")))  # execute
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 WITH_FIGURES = ("01_quickstart", "03_watching_scales", "04_recipes")
 
@@ -115,18 +118,10 @@ def test_notebook_is_saved_with_its_outputs(path):
 @pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_executes_from_a_clean_state_to_its_saved_outputs(path, monkeypatch):
-    nb = nbformat.read(path, as_version=4)
-    saved = _texts(nb)
-    for cell in _code_cells(nb):
-        cell.outputs, cell.execution_count = [], None
+    saved = _texts(nbformat.read(path, as_version=4))
     monkeypatch.setenv("MPLBACKEND", "Agg")  # no figures needed here
-    client = nbclient.NotebookClient(
-        nb,
-        timeout=300,
-        kernel_name="python3",
-        resources={"metadata": {"path": str(path.parent)}},
-    )
-    client.execute()
+    monkeypatch.setenv("OMP_NUM_THREADS", run.THREADS)  # execute sets it; this restores it
+    nb = run.execute(path)
     errors = [o for c in _code_cells(nb) for o in c.outputs if o.output_type == "error"]
     assert not errors
     drift = {
