@@ -19,7 +19,7 @@ from torch._inductor.utils import run_and_get_code
 
 import fp8fn
 import fp8fn._ops.linear
-from fp8fn._numerics.fp8 import amax
+from fp8fn._numerics.fp8 import amax, cast_to_fp8
 from fp8fn._ops.tensorwise import LOCAL, _after_gemm, _Fp8Linear
 
 pytestmark = pytest.mark.slow  # torch.compile: tens of seconds a test on 2 cores
@@ -487,6 +487,21 @@ def test_amax_by_rows_is_the_flat_amax_bit_for_bit(special):
     assert_bit_identical(by_rows, amax(t))
     torch.testing.assert_close(by_rows, t.float().abs().max(), rtol=0, atol=0, equal_nan=True)
     assert_bit_identical(_after_gemm(None, t[:0], True), torch.tensor(0.0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+def test_compiled_cast_gives_the_eager_bytes_for_special_values(dtype):
+    # Compiled, `saturate` selects NaN with a vectorized compare (not `nan_to_num`, whose
+    # inductor loop is scalar) after the clamp: every byte as eager, inf and NaN of either sign
+    # as the positive NaN (0x7F); finite values beyond the format's max saturated.
+    nan, inf = float("nan"), float("inf")
+    hp = torch.tensor([nan, -nan, inf, -inf, 1e30, -1e30, 448.0, 6e4, -0.0, 0.0, 1e-10, 3.3] * 8)
+    scale = torch.tensor(2.0)
+    eager = cast_to_fp8(hp, scale, dtype).view(torch.uint8)
+    compiled = torch.compile(cast_to_fp8, fullgraph=True)(hp, scale, dtype).view(torch.uint8)
+    assert torch.equal(compiled, eager)
+    assert eager[:4].tolist() == [0x7F] * 4
+    assert eager[4:6].tolist() == [0x7E, 0xFE] if dtype == torch.float8_e4m3fn else [0x7B, 0xFB]
 
 
 @RECIPES

@@ -482,6 +482,10 @@ def test_widen_is_exact_for_every_float8_value(dtype):
     finite = ~expected.isnan()
     assert torch.equal(got[finite], expected[finite])
     assert torch.equal(got.signbit()[finite], expected.signbit()[finite])  # -0.0 stays -0.0
+    # a transposed view keeps its layout (the emulated matmul's rounding depends on it)
+    hp_t, _ = _widen(every.t())
+    assert hp_t.stride() == every.t().stride()
+    assert torch.equal(hp_t.view(torch.int32), hp.t().view(torch.int32))
 
 
 def test_linear_forward_mode_is_refused():

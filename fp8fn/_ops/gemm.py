@@ -7,6 +7,8 @@ the per-tensor recipes `"triton"` (fused Triton casts, matmuls as `"auto"`).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -18,6 +20,7 @@ from .._core.recipes import (
     NVFP4Scaling,
     RowwiseScaling,
 )
+from .._numerics.fp8 import may_overwrite
 from .._torch_private import legacy_scaled_mm
 
 
@@ -54,23 +57,25 @@ def resolve_backend(recipe, device: torch.device, api: str = "linear") -> str:
 def _widen(fp8: torch.Tensor) -> tuple[torch.Tensor, float]:
     """`(hp, factor)` with `fp8.float() == hp * factor` exactly; `hp` float32, fp8's shape.
 
-    On CPU, `float8_e4m3fn.to(float32)` is slow (785 us for 512 x 512 on one core, against
-    193 us for these integer ops), so e4m3 goes through float16 bits instead. Its seven
+    On CPU, `float8_e4m3fn.to(float32)` is slow (3.0 ms for 1024 x 1024 on one core, against
+    0.5 ms for these integer ops), so e4m3 goes through float16 bits instead. Its seven
     magnitude bits placed at float16's bit 7 give the value times 2**-8 (float16's exponent bias
     is 15, e4m3's 7; subnormals land on float16 subnormals), and magnitude 0x7F (NaN) gets
     float16's all-ones exponent. Scaling by a power of two leaves the matmul's rounding as is.
     Only on CPU and from 64K elements: other devices convert natively, inductor vectorizes the
-    plain conversion itself, and below that size the seven integer ops cost more.
+    plain conversion itself, and below that size the integer ops cost more.
     """
-    small = fp8.numel() < 2**16  # below this the seven integer ops cost more than they save
+    small = fp8.numel() < 2**16  # below this the integer ops cost more than they save
     plain = fp8.dtype != torch.float8_e4m3fn or fp8.device.type != "cpu" or small
     if plain or torch.compiler.is_compiling():
         return fp8.float(), 1.0
-    bits = fp8.view(torch.uint8).to(torch.int16)
-    magnitude, sign = bits & 0x7F, (bits >> 7) * -32768
-    nan = (magnitude + 1) >> 7  # 1 for magnitude 0x7F only
-    half = (magnitude << 7) | (nan * 0x7C00) | sign
-    return half.view(torch.float16).float(), 256.0
+    # The byte sign-extended, times 128: the magnitude at bit 7, and bits 14 and 15 set for a
+    # negative one: clear bit 14 (-16385 is 0xBFFF). In place: every tensor here is ours.
+    half = fp8.view(torch.int8).to(torch.int16).mul_(128).bitwise_and_(-16385)
+    # Magnitude 0x7F (NaN), 0x3F80 here, is the only one that carries into bit 14 when 0x80 is
+    # added: that bit, shifted to bit 0, times 0x7C00 (float16's all-ones exponent).
+    nan = half.bitwise_and(0x3FFF).add_(0x80).bitwise_right_shift_(14).mul_(0x7C00)
+    return half.bitwise_or_(nan).view(torch.float16).float(), 256.0
 
 
 def _widen_stored(fp8: torch.Tensor) -> tuple[torch.Tensor, float]:
@@ -80,12 +85,32 @@ def _widen_stored(fp8: torch.Tensor) -> tuple[torch.Tensor, float]:
     more than one thread a scatter-add fused into such a tile (an embedding's backward) gets a
     wrong index: wrong gradients or heap corruption (tools/inductor_repro_embedding_tile.py,
     pytorch/pytorch#191837). Only when compiling: eager makes no such kernel, and the two
-    transposes would be two more dispatched ops. The copy is widened through float16 (exact for
-    both float8 formats), so that it is not the forward's own widening of that copy: AOTAutograd
-    would save that float32 tensor for the backward (4x the bytes) instead of the float8 copy."""
+    transposes would be two more dispatched ops. The copy is widened flattened (a view of its
+    storage), so that it is not the forward's own widening of that copy: AOTAutograd would save
+    that float32 tensor for the backward (4x the bytes) instead of the float8 copy. (Through
+    float16 it would be the same values too, but inductor's CPU code converts float8 to float16
+    element by element, 8x slower than to float32; a bitcast to uint8 and back, inductor
+    removes.)"""
     if torch.compiler.is_compiling() and fp8.dim() == 2 and fp8.t().is_contiguous():
-        return fp8.t().to(torch.float16).float().t(), 1.0
+        stored = fp8.t()
+        return stored.reshape(-1).float().view(stored.shape).t(), 1.0
     return _widen(fp8)
+
+
+class Widened(NamedTuple):
+    """A float8 operand of the emulated matmul, widened once for several GEMMs (`fp8_mm` takes
+    it in place of the float8 tensor): `hp * factor` is the float8 values, exactly."""
+
+    hp: torch.Tensor  # float32, the float8 operand's shape and layout
+    factor: float  # a power of two
+
+    def t(self) -> Widened:
+        return Widened(self.hp.t(), self.factor)
+
+
+def widen_operand(fp8: torch.Tensor) -> Widened:
+    """`fp8` widened as `fp8_mm`'s emulated matmul would widen it, for use in several GEMMs."""
+    return Widened(*_widen_stored(fp8))
 
 
 def _pad16(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -125,8 +150,8 @@ def fp8_mm(a, b, inv_scale_a, inv_scale_b, out_dtype: torch.dtype, backend: str)
     """`(a @ b.T) * inv_scale_a * inv_scale_b` for float8 operands, accumulated in float32.
 
     Args:
-      a: float8 `(m, k)`, any layout.
-      b: float8 `(n, k)`, any layout (a linear layer's weight layout).
+      a: float8 `(m, k)`, any layout (or, emulated, a `Widened` one).
+      b: float8 `(n, k)`, any layout (a linear layer's weight layout; or a `Widened` one).
       inv_scale_a, inv_scale_b: float32 `()` dequantization scales (`1 / scale`).
       out_dtype: dtype of the result.
       backend: `"emulated"`, `"scaled_mm"`, or `"triton"` (Triton casts: the matmul is
@@ -143,8 +168,11 @@ def fp8_mm(a, b, inv_scale_a, inv_scale_b, out_dtype: torch.dtype, backend: str)
     # of the saved float8 copies, which are not the forward's graph nodes, so when compiled
     # AOTAutograd cannot save the forward's float32 widening (4x the bytes); compiled, a view
     # is widened in its storage order (`_widen_stored`; traffic.py's bytes are unchanged).
-    (a_hp, a_factor), (b_hp, b_factor) = _widen_stored(a), _widen_stored(b)
+    (a_hp, a_factor), (b_hp, b_factor) = (
+        t if isinstance(t, Widened) else _widen_stored(t) for t in (a, b)
+    )
     inv = inv_scale_a * inv_scale_b
     if a_factor * b_factor != 1.0:  # powers of two: exact
         inv = inv * (a_factor * b_factor)
-    return (torch.mm(a_hp, b_hp.t()) * inv).to(out_dtype)
+    out = torch.mm(a_hp, b_hp.t())
+    return (out.mul_(inv) if may_overwrite(out) else out * inv).to(out_dtype)

@@ -20,7 +20,7 @@ from .._kernels.cast import backward_cast, forward_cast
 from .._numerics.fp8 import E4M3, E5M2, amax, cast_to_fp8, scale_from_amax
 from .._torch_private import tracked_below
 from .first_order import first_order_only
-from .gemm import fp8_mm, scaled_mm_supported
+from .gemm import fp8_mm, scaled_mm_supported, widen_operand
 
 
 class Local:
@@ -268,6 +268,9 @@ class _Fp8LinearOp(torch.autograd.Function):
             )
             x_dtype, w_dtype, b_dtype = ctx.dtypes
             grads = [None] * 4
+            if ctx.backend == "emulated" and needs[0] and needs[1]:  # g widened once for both
+                g_fp8 = widen_operand(g_fp8)
+                g_fp8_t = g_fp8.t()
             if needs[0]:
                 w_fp8 = ctx.place.weight_again(w_fp8)
                 grads[0] = fp8_mm(g_fp8, w_fp8.t(), g_inv, w_inv, x_dtype, ctx.backend)
