@@ -7,6 +7,8 @@ resumes from. Below them, the pieces of `float8_all_gather` in one process.
 
 from __future__ import annotations
 
+import types
+
 import _fsdp_workers as workers
 import pytest
 import torch
@@ -359,3 +361,24 @@ def test_transform_refuses_a_float8_gathered_experts_weight_with_another_recipe(
     with pytest.raises(ValueError, match=r"^fp8fn\.transform: expected the float8_all_gather weig"
                        r"ht of experts weight 'w' to be sharded by FSDP2"):
         fp8fn.transform(model, fp8fn.CurrentScaling())
+
+
+def test_float8_gathered_experts_scales_refuse_sites_apart_in_the_state():
+    """The all-gather casts expert `e` with state row `first + e`: a state whose experts' sites
+    are apart (here `w[0], w[2], w[1]`, amaxes 1, 100, 2) is refused, not cast with another
+    expert's scale (expert 2 would saturate under expert 1's 224)."""
+    from fp8fn._transform.fsdp import Fsdp2, _Gathered
+
+    module = torch.nn.Module()
+    module.w = torch.nn.Parameter(torch.randn(3, 4, 8))
+    recipe = fp8fn.DelayedScaling(history_len=4)
+    state = fp8fn.init_state(recipe, ["w[0]", "w[2]", "w[1]"])
+    history = state.amax_history.clone()
+    history[:, 1, 0] = torch.tensor([1.0, 100.0, 2.0])
+    state = fp8fn.update(state, state._replace(amax_history=history))
+    gathered = _Gathered("w", module, "w", recipe, "w[0]")
+    calls = types.SimpleNamespace(module=module, gathered=[gathered])
+    with pytest.raises(ValueError, match=r"^fp8fn\.apply: expected the sites of the 3 experts "
+                                         r"of 'w' \(call 0\) in `state`, one after another, got "
+                                         r"them apart"):
+        Fsdp2._weight_scales(calls, state)

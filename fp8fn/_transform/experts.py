@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .._core.state import site_name
 from .._torch_private import is_convolution, private_grouped_mm
 
 GROUPED_MM = tuple({f for f in (private_grouped_mm(), getattr(F, "grouped_mm", None)) if f})
@@ -282,3 +283,24 @@ def _batch_over_experts(d: Derived, x, weight, left) -> Gemm:
 
     offs = _equal_groups(experts, rows, x.device)
     return Gemm(d, x.reshape(experts * rows, k), weight, offs=offs, finish=finish)
+
+
+def expert_rows(api: str, positions: dict, path: str, experts: int, call: int) -> int:
+    """The first of the `experts` consecutive state rows of call `call` of the experts weight
+    at `path` (expert `e`'s site `site_name(f"{path}[{e}]", call)` at row `first + e`: the
+    grouped op and the float8 all-gather take them as one slice).
+
+    Raises:
+      ValueError: `fp8fn.<api>: ...` when a site is missing or the rows are apart (a state made
+        by hand, or with inputs that called the experts differently).
+    """
+    rows = [positions.get(site_name(f"{path}[{e}]", call)) for e in range(experts)]
+    first = rows[0]
+    if first is None or rows != list(range(first, first + experts)):
+        raise ValueError(
+            f"fp8fn.{api}: expected the sites of the {experts} experts of {path!r} (call "
+            f"{call}) in `state`, one after another, got "
+            f"{'none' if first is None else 'them apart or missing'}. Make the state with "
+            "`fn.init` with inputs that call the experts as often."
+        )
+    return first

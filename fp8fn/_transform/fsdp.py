@@ -20,6 +20,7 @@ from .._parallel.fsdp_gather import (
 )
 from .._parallel.wrappers import is_fsdp_module, reshard_fsdp
 from .._torch_private import module_parameters
+from .experts import expert_rows
 
 
 class Fsdp2:
@@ -142,15 +143,17 @@ class Fsdp2:
             # root unsharded) holds that call's scale: reshard, so it is gathered again.
             reshard_fsdp(self.module)
         positions = state._positions()
-        entries = [
-            (
-                g.module,
-                g.attr,
-                positions[site_name(g.site, 0)] if isinstance(g.recipe, DelayedScaling) else None,
-                getattr(g.recipe, "margin", 0),
-            )
-            for g in self.gathered
-        ]
+
+        def row(g):  # the state row of its (first expert's) first site
+            if not isinstance(g.recipe, DelayedScaling):
+                return None
+            held = g.held()
+            if held.dim() < 3:
+                return positions[site_name(g.site, 0)]
+            return expert_rows("apply", positions, g.path, len(held), 0)
+
+        entries = [(g.module, g.attr, row(g), getattr(g.recipe, "margin", 0))
+                   for g in self.gathered]
         return ScalesForCall(weight_scales(entries, state))
 
 

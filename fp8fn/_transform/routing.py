@@ -29,6 +29,7 @@ from .experts import (
     Derived,
     _ExpertLayer,
     derive,
+    expert_rows,
     read_gemm,
 )
 
@@ -249,16 +250,7 @@ class _Call(TorchFunctionMode):
         k = self._count_experts(entry)
         newest = stored = None
         if isinstance(entry.recipe, DelayedScaling):
-            positions = self.state._positions()
-            rows = [positions.get(site_name(entry.expert(e), k)) for e in range(entry.experts)]
-            first = rows[0]
-            if first is None or rows != list(range(first, first + entry.experts)):
-                raise ValueError(
-                    f"fp8fn.apply: expected the sites of the {entry.experts} experts of "
-                    f"{entry.path!r} (call {k}) in `state`, one after another, got "
-                    f"{'none' if first is None else 'them apart or missing'}. Make the state with "
-                    "`fn.init` with inputs that call the experts as often."
-                )
+            first = expert_rows("apply", self.state._positions(), entry.path, entry.experts, k)
             newest = self._newest_rows()[first : first + entry.experts]
             stored = self.state.scale[first : first + entry.experts]
         x, weight = gemm.x, gemm.weight
