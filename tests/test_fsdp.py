@@ -64,7 +64,7 @@ def test_checkpoint_resume_on_the_same_ranks_is_bit_identical(spawned):
 
 class _Mesh:
     """What FSDP2's pre-all-gather hook reads of its device mesh: `ndim`, `size()`,
-    `get_local_rank()`."""
+    `get_local_rank()` (and the backward's all-gather again: `get_group()`)."""
 
     def __init__(self, world: int, rank: int = 0):
         self.ndim, self.world, self.rank = 1, world, rank
@@ -74,6 +74,9 @@ class _Mesh:
 
     def get_local_rank(self):
         return self.rank
+
+    def get_group(self):
+        return None
 
 
 def _gather(shards, scale, module=None, rows=None):
@@ -382,3 +385,43 @@ def test_float8_gathered_experts_scales_refuse_sites_apart_in_the_state():
                                          r"of 'w' \(call 0\) in `state`, one after another, got "
                                          r"them apart"):
         Fsdp2._weight_scales(calls, state)
+
+
+def test_experts_backward_regathers_once_whichever_experts_received_tokens(monkeypatch):
+    """transformers' eager loop calls `F.linear(x, W[e])` only for the experts that received
+    tokens, which differ between ranks. When FSDP2 refilled the weight with another forward's
+    scale before the backward, the backward all-gathers the whole weight again once, whichever
+    experts ran (it did once per expert: ranks routing differently issued different numbers of
+    collectives, a hang), and takes the bytes of its own forward's scale."""
+    from fp8fn._parallel import fsdp_gather
+
+    g = torch.Generator().manual_seed(6)
+    data = torch.randn(4, 8, 16, generator=g)
+    recipe, state, scale = _experts_state(4)
+    gathers = []
+
+    class _AllGather:  # one process: the whole weight, cast with the forward's scale
+        @staticmethod
+        def apply(local, group, rows):
+            gathers.append(rows)
+            return cast_to_fp8(data, scale[:, None, None])
+
+    monkeypatch.setattr(fsdp_gather, "_AllGather", _AllGather)
+    x = torch.randn(5, 16, generator=g)
+    for hit in ([0, 1, 2, 3], [1, 3]):
+        grads = []
+        for refill in (False, True):
+            gathered = _gather([Float8ShardWeight(t, "w", "w") for t in data.split(2)], scale)
+            xl = x.clone().requires_grad_()
+            observed = fp8fn.observe(state)
+            out = sum(fp8fn.linear(xl, gathered[e], None, observed[f"w[{e}]"], recipe).square()
+                      .sum() for e in hit)
+            if refill:  # FSDP2 refilled the buffer in place, with another forward's scale
+                gathered._data.copy_(cast_to_fp8(data, 2 * scale[:, None, None]))
+                gathered._scale, gathered._again = 2 * scale, None
+            gathers.clear()
+            out.backward()
+            grads.append((xl.grad, len(gathers)))
+        (want, none), (got, once) = grads
+        assert (none, once) == (0, 1)
+        assert torch.equal(got, want)

@@ -205,6 +205,7 @@ class Float8ShardWeight(torch.Tensor):
             whole_amax = gathered.max() if scale.dim() == 0 else gathered.clone()
         if out is not None:  # later all-gathers refill the same buffers
             out._scale, out._amax, out._source = scale, whole_amax, source
+            out._again = None
             return None
         gathered = Float8GatheredWeight(data, scale, whole_amax, param_dtype, source)
         return gathered, tuple(outputs)
@@ -236,6 +237,7 @@ class Float8GatheredWeight(torch.Tensor):
     def __init__(self, data, scale, whole_amax, dtype, source=None, view=None):
         self._data, self._scale, self._amax, self._source = data, scale, whole_amax, source
         self._view = view
+        self._again = None  # (scale, the weight all-gathered again with it): `gathered_again`
 
     def __repr__(self):
         return f"Float8GatheredWeight(shape={tuple(self.shape)}, dtype={self.dtype})"
@@ -251,16 +253,23 @@ class Float8GatheredWeight(torch.Tensor):
 
     def gathered_again(self, scale: torch.Tensor) -> torch.Tensor:
         """The whole weight cast to e4m3 with `scale` (of the weight FSDP2 refills: for a
-        derived weight, `_view[0]`'s), all-gathered again from the shards (in a backward: every
-        rank runs it), and derived as this weight was."""
+        derived weight, `_view[0]`'s), all-gathered again from the shards, and derived as this
+        weight was. Once per weight and scale (kept until FSDP2 refills the weight): the
+        experts of transformers' eager loop each ask for it in the backward, but only those
+        that received tokens, which differ between ranks; every rank asks once (each of its
+        tokens reached some expert), so the ranks' collectives pair up."""
         if self._view is not None:
             root, _, expert, flipped = self._view
             whole = root.gathered_again(scale)
             whole = whole if expert is None else whole[expert]
             return whole.transpose(-2, -1) if flipped else whole
-        shard, mesh, rows = self._source
-        local = cast_to_fp8(shard._tensor, _shard_scale(scale, mesh, rows, shard._tensor), E4M3)
-        return _AllGather.apply(local, mesh.get_group(), rows)
+        if self._again is None or self._again[0] is not scale:
+            shard, mesh, rows = self._source
+            local = cast_to_fp8(
+                shard._tensor, _shard_scale(scale, mesh, rows, shard._tensor), E4M3
+            )
+            self._again = (scale, _AllGather.apply(local, mesh.get_group(), rows))
+        return self._again[1]
 
     def __tensor_flatten__(self):
         return ["_data", "_scale", "_amax"], {"dtype": self.dtype}
