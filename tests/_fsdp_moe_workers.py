@@ -29,15 +29,20 @@ def _loss(fn, model, state, ids):
     return fn.apply(dict(model.named_parameters()), state, ids, labels=ids).loss
 
 
-def _reference(implementation, recipe):
-    """(params, states) of the single process after each of `STEPS` steps."""
-    model = build("mixtral", implementation)
+def _experts(layer):
+    """A decoder layer's experts module (Llama 4's are in `feed_forward`, the others' `mlp`)."""
+    return (layer.feed_forward if hasattr(layer, "feed_forward") else layer.mlp).experts
+
+
+def _reference(implementation, recipe, arch="mixtral", steps=STEPS):
+    """(params, states) of the single process after each of `steps` steps."""
+    model = build(arch, implementation)
     fn = fp8fn.transform(model, recipe)
     ids = batch()
     state = fn.init(ids)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     states = []
-    for _ in range(STEPS):
+    for _ in range(steps):
         obs = None
         for part in ids.chunk(WORLD):
             observed = fp8fn.observe(state)
@@ -53,37 +58,39 @@ def _reference(implementation, recipe):
     return {n: p.detach().clone() for n, p in model.named_parameters()}, states
 
 
-def _sharded(implementation):
-    """The tiny Mixtral with its linear and experts weights all-gathered in float8, each
-    decoder layer and the root sharded by FSDP2."""
+def _sharded(implementation, arch="mixtral"):
+    """The tiny `arch` (Mixtral) with its linear and experts weights all-gathered in float8,
+    each decoder layer and the root sharded by FSDP2."""
     from torch.distributed.fsdp import fully_shard
 
-    model = fp8fn.float8_all_gather(build("mixtral", implementation))
+    model = fp8fn.float8_all_gather(build(arch, implementation))
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
     return model
 
 
-def _experts_under_fsdp2(implementation, rank, recipe=RECIPE):
-    ref_params, ref_states = _reference(implementation, recipe)
-    model = _sharded(implementation)
-    experts = model.model.layers[0].mlp.experts
-    assert type(experts.gate_up_proj) is DTensor
-    assert type(experts.gate_up_proj.to_local()) is Float8ShardWeight
-    assert experts.gate_up_proj.to_local().shape == (2, 128, 32)  # 2 of the 4 experts per rank
+def _experts_under_fsdp2(implementation, rank, recipe=RECIPE, arch="mixtral", steps=STEPS):
+    ref_params, ref_states = _reference(implementation, recipe, arch, steps)
+    model = _sharded(implementation, arch)
+    experts = _experts(model.model.layers[0])
+    path = "model.layers.{}." + ("feed_forward" if arch == "llama4" else "mlp") + ".experts"
+    for w in (experts.gate_up_proj, experts.down_proj):
+        assert type(w) is DTensor
+        assert type(w.to_local()) is Float8ShardWeight
+        assert w.to_local().shape == (2, *w.shape[1:])  # 2 of the 4 experts per rank
     gathered = []  # what the experts modules hold in their forward: FSDP2's unsharded weights
     for layer in model.model.layers:
-        layer.mlp.experts.register_forward_pre_hook(
+        _experts(layer).register_forward_pre_hook(
             lambda m, _: gathered.append([(type(w), w._data.dtype, w._scale.shape)
                                           for w in (m.gate_up_proj, m.down_proj)]))
     fn = fp8fn.transform(model, recipe)
     ids = batch()
     state = fn.init(ids.chunk(WORLD)[rank])
-    assert "model.layers.0.mlp.experts.gate_up_proj" in fn.layers
+    assert path.format(0) + ".gate_up_proj" in fn.layers
     assert list(state) == list(ref_states[0])
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    for step in range(STEPS):
+    for step in range(steps):
         observed = fp8fn.observe(state)
         _loss(fn, model, observed, ids.chunk(WORLD)[rank]).backward()
         obs = fp8fn.all_reduce(fp8fn.observations(observed))
@@ -96,7 +103,7 @@ def _experts_under_fsdp2(implementation, rank, recipe=RECIPE):
     e4m3 = (Float8GatheredWeight, torch.float8_e4m3fn, (4,))
     assert gathered and all(g == [e4m3, e4m3] for g in gathered), gathered
     if isinstance(recipe, fp8fn.DelayedScaling):  # every expert received tokens, observed
-        rows = [state[f"model.layers.{i}.mlp.experts.{w}[{e}]"].input.amax_history[0]
+        rows = [state[f"{path.format(i)}.{w}[{e}]"].input.amax_history[0]
                 for i in range(2) for w in ("gate_up_proj", "down_proj") for e in range(4)]
         assert all(r > 0 for r in rows), rows
     for name, p in model.named_parameters():
@@ -160,6 +167,20 @@ def experts_backward_after_another_forward(rank):
         assert_bit_identical(got_obs, want_obs)
 
 
+def experts_gpt_oss(rank):
+    """GPT-OSS, whose experts weights are stored transposed to Mixtral's (`gate_up_proj`
+    `(E, D, 2I)`, used as `x @ W[e]` or `torch._grouped_mm(x, W)`), grouped_mm and eager: states
+    bit-identical to one process on every rank after each of 2 steps, params after 2 steps."""
+    for implementation in ("grouped_mm", "eager"):
+        _experts_under_fsdp2(implementation, rank, arch="gpt_oss", steps=2)
+
+
+def experts_llama4(rank):
+    """Llama 4, whose experts run as its own `torch.bmm` on the `(E, D, 2I)` weights (and whose
+    shared expert and dense MLP are linear weights): as GPT-OSS."""
+    _experts_under_fsdp2("grouped_mm", rank, arch="llama4", steps=2)
+
+
 class _NotExperts(torch.nn.Module):
     """A 3-D parameter of 2 rows on dim 0 used outside a GEMM (float8_all_gather chooses it)."""
 
@@ -193,6 +214,7 @@ def init_refuses_a_gathered_3d_weight_outside_gemms(rank):
 
 SCENARIOS = [experts_grouped_mm, experts_eager, experts_batched_mm,
              experts_grouped_mm_current_scaling, experts_backward_after_another_forward,
+             experts_gpt_oss, experts_llama4,
              init_refuses_a_gathered_3d_weight_outside_gemms]
 
 
