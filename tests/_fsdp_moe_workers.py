@@ -29,50 +29,73 @@ def _loss(fn, model, state, ids):
     return fn.apply(dict(model.named_parameters()), state, ids, labels=ids).loss
 
 
+def _bf16_grid(params):
+    """Round float32 `params` in place to bfloat16 values."""
+    with torch.no_grad():
+        for p in params:
+            p.copy_(p.to(torch.bfloat16))
+
+
 def _experts(layer):
     """A decoder layer's experts module (Llama 4's are in `feed_forward`, the others' `mlp`)."""
     return (layer.feed_forward if hasattr(layer, "feed_forward") else layer.mlp).experts
 
 
-def _reference(implementation, recipe, arch="mixtral", steps=STEPS):
-    """(params, states) of the single process after each of `steps` steps."""
+def _reference(implementation, recipe, arch="mixtral", steps=STEPS, bf16=False):
+    """(params, states) of the single process after each of `steps` steps; `bf16`: as FSDP2's
+    `MixedPrecisionPolicy(param_dtype=torch.bfloat16)` runs it (forward and backward on
+    bfloat16 copies of the params, gradients summed in bfloat16), the params on the bfloat16
+    grid (rounded after each step; see `experts_bf16_param_dtype`)."""
     model = build(arch, implementation)
+    if bf16:
+        _bf16_grid(model.parameters())
     fn = fp8fn.transform(model, recipe)
     ids = batch()
     state = fn.init(ids)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     states = []
     for _ in range(steps):
+        params = dict(model.named_parameters())
+        if bf16:
+            params = {n: p.detach().to(torch.bfloat16).requires_grad_() for n, p in params.items()}
         obs = None
         for part in ids.chunk(WORLD):
             observed = fp8fn.observe(state)
-            _loss(fn, model, observed, part).backward()
+            fn.apply(params, observed, part, labels=part).loss.backward()
             seen = fp8fn.observations(observed)
             obs = seen if obs is None else fp8fn.merge(obs, seen)
-        for p in model.parameters():
-            p.grad /= WORLD
+        for n, p in model.named_parameters():
+            p.grad = params[n].grad.float() / WORLD
         opt.step()
         model.zero_grad()
+        if bf16:
+            _bf16_grid(model.parameters())
         state = fp8fn.update(state, obs)
         states.append(state)
     return {n: p.detach().clone() for n, p in model.named_parameters()}, states
 
 
-def _sharded(implementation, arch="mixtral"):
+def _sharded(implementation, arch="mixtral", bf16=False):
     """The tiny `arch` (Mixtral) with its linear and experts weights all-gathered in float8,
-    each decoder layer and the root sharded by FSDP2."""
-    from torch.distributed.fsdp import fully_shard
+    each decoder layer and the root sharded by FSDP2; `bf16`: params on the bfloat16 grid, under
+    `MixedPrecisionPolicy(param_dtype=torch.bfloat16)`."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    model = fp8fn.float8_all_gather(build(arch, implementation))
+    model = build(arch, implementation)
+    if bf16:
+        _bf16_grid(model.parameters())
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None)
+    model = fp8fn.float8_all_gather(model)
     for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
     return model
 
 
-def _experts_under_fsdp2(implementation, rank, recipe=RECIPE, arch="mixtral", steps=STEPS):
-    ref_params, ref_states = _reference(implementation, recipe, arch, steps)
-    model = _sharded(implementation, arch)
+def _experts_under_fsdp2(implementation, rank, recipe=RECIPE, arch="mixtral", steps=STEPS,
+                         bf16=False):
+    ref_params, ref_states = _reference(implementation, recipe, arch, steps, bf16)
+    model = _sharded(implementation, arch, bf16)
     experts = _experts(model.model.layers[0])
     path = "model.layers.{}." + ("feed_forward" if arch == "llama4" else "mlp") + ".experts"
     for w in (experts.gate_up_proj, experts.down_proj):
@@ -82,7 +105,7 @@ def _experts_under_fsdp2(implementation, rank, recipe=RECIPE, arch="mixtral", st
     gathered = []  # what the experts modules hold in their forward: FSDP2's unsharded weights
     for layer in model.model.layers:
         _experts(layer).register_forward_pre_hook(
-            lambda m, _: gathered.append([(type(w), w._data.dtype, w._scale.shape)
+            lambda m, _: gathered.append([(type(w), w.dtype, w._data.dtype, w._scale.shape)
                                           for w in (m.gate_up_proj, m.down_proj)]))
     fn = fp8fn.transform(model, recipe)
     ids = batch()
@@ -96,11 +119,14 @@ def _experts_under_fsdp2(implementation, rank, recipe=RECIPE, arch="mixtral", st
         obs = fp8fn.all_reduce(fp8fn.observations(observed))
         opt.step()
         model.zero_grad()
+        if bf16:
+            _bf16_grid(model.parameters())
         state = fp8fn.update(state, obs)
         assert_state_same_on_all_ranks(state)
         assert_bit_identical(state, ref_states[step])
     # the experts weights were gathered as e4m3 bytes with one scale per expert, every forward
-    e4m3 = (Float8GatheredWeight, torch.float8_e4m3fn, (4,))
+    dtype = torch.bfloat16 if bf16 else torch.float32  # FSDP2's param_dtype, to autograd
+    e4m3 = (Float8GatheredWeight, dtype, torch.float8_e4m3fn, (4,))
     assert gathered and all(g == [e4m3, e4m3] for g in gathered), gathered
     if isinstance(recipe, fp8fn.DelayedScaling):  # every expert received tokens, observed
         rows = [state[f"{path.format(i)}.{w}[{e}]"].input.amax_history[0]
@@ -181,6 +207,18 @@ def experts_llama4(rank):
     _experts_under_fsdp2("grouped_mm", rank, arch="llama4", steps=2)
 
 
+def experts_bf16_param_dtype(rank):
+    """FSDP2's `MixedPrecisionPolicy(param_dtype=torch.bfloat16)` (grouped_mm): the experts
+    weights gathered as e4m3 and, to autograd, bfloat16; states bit-identical to one process
+    running bfloat16 copies of the params after each of 2 steps, params after 2 steps.
+
+    float8_all_gather casts a weight to e4m3 from the float32 master (its amax too), not from
+    its bfloat16 copy as the one process does, so both runs keep the params on the bfloat16
+    grid (rounded after each step), where the two casts agree; off it the second step's weight
+    amaxes differ in the last bits of a bfloat16 (the float32 master's amax)."""
+    _experts_under_fsdp2("grouped_mm", rank, steps=2, bf16=True)
+
+
 class _NotExperts(torch.nn.Module):
     """A 3-D parameter of 2 rows on dim 0 used outside a GEMM (float8_all_gather chooses it)."""
 
@@ -214,7 +252,7 @@ def init_refuses_a_gathered_3d_weight_outside_gemms(rank):
 
 SCENARIOS = [experts_grouped_mm, experts_eager, experts_batched_mm,
              experts_grouped_mm_current_scaling, experts_backward_after_another_forward,
-             experts_gpt_oss, experts_llama4,
+             experts_gpt_oss, experts_llama4, experts_bf16_param_dtype,
              init_refuses_a_gathered_3d_weight_outside_gemms]
 
 
