@@ -1,5 +1,6 @@
-"""Scenarios that `tests/test_fsdp_moe.py` runs on 2 gloo ranks: FSDP2 of a tiny Mixtral whose
-experts are 3-D weights, all-gathered in float8 (`fp8fn.float8_all_gather`) with their
+"""Scenarios that `tests/test_fsdp_moe.py` runs on 2 gloo ranks: FSDP2 of a tiny Mixtral (and
+GPT-OSS, Llama 4, whose experts weights are stored transposed to Mixtral's) whose experts are
+3-D weights, all-gathered in float8 (`fp8fn.float8_all_gather`) with their
 per-expert scales (not a test module).
 
 The reference is one process running the global batch (2 sequences) as `WORLD` microbatches,
@@ -195,9 +196,10 @@ def experts_backward_after_another_forward(rank):
 
 def experts_gpt_oss(rank):
     """GPT-OSS, whose experts weights are stored transposed to Mixtral's (`gate_up_proj`
-    `(E, D, 2I)`, used as `x @ W[e]` or `torch._grouped_mm(x, W)`), grouped_mm and eager: states
-    bit-identical to one process on every rank after each of 2 steps, params after 2 steps."""
-    for implementation in ("grouped_mm", "eager"):
+    `(E, D, 2I)`, used as `x @ W[e]`, `torch.bmm(x, W[ids])` or `torch._grouped_mm(x, W)`),
+    grouped_mm, eager and batched_mm: states bit-identical to one process on every rank after
+    each of 2 steps, params after 2 steps."""
+    for implementation in ("grouped_mm", "eager", "batched_mm"):
         _experts_under_fsdp2(implementation, rank, arch="gpt_oss", steps=2)
 
 
@@ -214,8 +216,9 @@ def experts_bf16_param_dtype(rank):
 
     float8_all_gather casts a weight to e4m3 from the float32 master (its amax too), not from
     its bfloat16 copy as the one process does, so both runs keep the params on the bfloat16
-    grid (rounded after each step), where the two casts agree; off it the second step's weight
-    amaxes differ in the last bits of a bfloat16 (the float32 master's amax)."""
+    grid (rounded after each step), where the two casts agree; off it the first step is still
+    bit-identical and the second differs (the weights' amaxes and e4m3 bytes, so the
+    activations after them: an input amax 3.1562 against 3.1406)."""
     _experts_under_fsdp2("grouped_mm", rank, steps=2, bf16=True)
 
 
