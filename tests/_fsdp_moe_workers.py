@@ -217,8 +217,8 @@ def experts_bf16_param_dtype(rank):
     float8_all_gather casts a weight to e4m3 from the float32 master (its amax too), not from
     its bfloat16 copy as the one process does, so both runs keep the params on the bfloat16
     grid (rounded after each step), where the two casts agree; off it the first step is still
-    bit-identical and the second differs (the weights' amaxes and e4m3 bytes, so the
-    activations after them: an input amax 3.1562 against 3.1406)."""
+    bit-identical and the second's state differs (the float32 master's amax and e4m3 bytes
+    against its bfloat16 copy's)."""
     _experts_under_fsdp2("grouped_mm", rank, steps=2, bf16=True)
 
 
