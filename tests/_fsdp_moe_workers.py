@@ -210,7 +210,8 @@ def experts_llama4(rank):
 
 
 def experts_bf16_param_dtype(rank):
-    """FSDP2's `MixedPrecisionPolicy(param_dtype=torch.bfloat16)` (grouped_mm): the experts
+    """FSDP2's `MixedPrecisionPolicy(param_dtype=torch.bfloat16)` (Mixtral, GPT-OSS and Llama 4
+    with grouped_mm, or Llama 4's bmm): the experts
     weights gathered as e4m3 and, to autograd, bfloat16; states bit-identical to one process
     running bfloat16 copies of the params after each of 2 steps, params after 2 steps.
 
@@ -219,7 +220,8 @@ def experts_bf16_param_dtype(rank):
     grid (rounded after each step), where the two casts agree; off it the first step is still
     bit-identical and the second's state differs (the float32 master's amax and e4m3 bytes
     against its bfloat16 copy's)."""
-    _experts_under_fsdp2("grouped_mm", rank, steps=2, bf16=True)
+    for arch in ("mixtral", "gpt_oss", "llama4"):
+        _experts_under_fsdp2("grouped_mm", rank, arch=arch, steps=2, bf16=True)
 
 
 class _NotExperts(torch.nn.Module):
