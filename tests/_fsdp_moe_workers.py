@@ -1,5 +1,6 @@
-"""Scenarios that `tests/test_fsdp_moe.py` runs on 2 gloo ranks: FSDP2 of a tiny Mixtral whose
-experts are 3-D weights, all-gathered in float8 (`fp8fn.float8_all_gather`) with their
+"""Scenarios that `tests/test_fsdp_moe.py` runs on 2 gloo ranks: FSDP2 of a tiny Mixtral (and
+GPT-OSS, Llama 4, whose experts weights are stored transposed to Mixtral's) whose experts are
+3-D weights, all-gathered in float8 (`fp8fn.float8_all_gather`) with their
 per-expert scales (not a test module).
 
 The reference is one process running the global batch (2 sequences) as `WORLD` microbatches,
@@ -29,74 +30,107 @@ def _loss(fn, model, state, ids):
     return fn.apply(dict(model.named_parameters()), state, ids, labels=ids).loss
 
 
-def _reference(implementation, recipe):
-    """(params, states) of the single process after each of `STEPS` steps."""
-    model = build("mixtral", implementation)
+def _bf16_grid(params):
+    """Round float32 `params` in place to bfloat16 values."""
+    with torch.no_grad():
+        for p in params:
+            p.copy_(p.to(torch.bfloat16))
+
+
+def _experts(layer):
+    """A decoder layer's experts module (Llama 4's are in `feed_forward`, the others' `mlp`)."""
+    return (layer.feed_forward if hasattr(layer, "feed_forward") else layer.mlp).experts
+
+
+def _reference(implementation, recipe, arch="mixtral", steps=STEPS, bf16=False):
+    """(params, states) of the single process after each of `steps` steps; `bf16`: as FSDP2's
+    `MixedPrecisionPolicy(param_dtype=torch.bfloat16)` runs it (forward and backward on
+    bfloat16 copies of the params, gradients summed in bfloat16), the params on the bfloat16
+    grid (rounded after each step; see `experts_bf16_param_dtype`)."""
+    model = build(arch, implementation)
+    if bf16:
+        _bf16_grid(model.parameters())
     fn = fp8fn.transform(model, recipe)
     ids = batch()
     state = fn.init(ids)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     states = []
-    for _ in range(STEPS):
+    for _ in range(steps):
+        params = dict(model.named_parameters())
+        if bf16:
+            params = {n: p.detach().to(torch.bfloat16).requires_grad_() for n, p in params.items()}
         obs = None
         for part in ids.chunk(WORLD):
             observed = fp8fn.observe(state)
-            _loss(fn, model, observed, part).backward()
+            fn.apply(params, observed, part, labels=part).loss.backward()
             seen = fp8fn.observations(observed)
             obs = seen if obs is None else fp8fn.merge(obs, seen)
-        for p in model.parameters():
-            p.grad /= WORLD
+        for n, p in model.named_parameters():
+            p.grad = params[n].grad.float() / WORLD
         opt.step()
         model.zero_grad()
+        if bf16:
+            _bf16_grid(model.parameters())
         state = fp8fn.update(state, obs)
         states.append(state)
     return {n: p.detach().clone() for n, p in model.named_parameters()}, states
 
 
-def _sharded(implementation):
-    """The tiny Mixtral with its linear and experts weights all-gathered in float8, each
-    decoder layer and the root sharded by FSDP2."""
-    from torch.distributed.fsdp import fully_shard
+def _sharded(implementation, arch="mixtral", bf16=False):
+    """The tiny `arch` (Mixtral) with its linear and experts weights all-gathered in float8,
+    each decoder layer and the root sharded by FSDP2; `bf16`: params on the bfloat16 grid, under
+    `MixedPrecisionPolicy(param_dtype=torch.bfloat16)`."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    model = fp8fn.float8_all_gather(build("mixtral", implementation))
+    model = build(arch, implementation)
+    if bf16:
+        _bf16_grid(model.parameters())
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None)
+    model = fp8fn.float8_all_gather(model)
     for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
     return model
 
 
-def _experts_under_fsdp2(implementation, rank, recipe=RECIPE):
-    ref_params, ref_states = _reference(implementation, recipe)
-    model = _sharded(implementation)
-    experts = model.model.layers[0].mlp.experts
-    assert type(experts.gate_up_proj) is DTensor
-    assert type(experts.gate_up_proj.to_local()) is Float8ShardWeight
-    assert experts.gate_up_proj.to_local().shape == (2, 128, 32)  # 2 of the 4 experts per rank
+def _experts_under_fsdp2(implementation, rank, recipe=RECIPE, arch="mixtral", steps=STEPS,
+                         bf16=False):
+    ref_params, ref_states = _reference(implementation, recipe, arch, steps, bf16)
+    model = _sharded(implementation, arch, bf16)
+    experts = _experts(model.model.layers[0])
+    path = "model.layers.{}." + ("feed_forward" if arch == "llama4" else "mlp") + ".experts"
+    for w in (experts.gate_up_proj, experts.down_proj):
+        assert type(w) is DTensor
+        assert type(w.to_local()) is Float8ShardWeight
+        assert w.to_local().shape == (2, *w.shape[1:])  # 2 of the 4 experts per rank
     gathered = []  # what the experts modules hold in their forward: FSDP2's unsharded weights
     for layer in model.model.layers:
-        layer.mlp.experts.register_forward_pre_hook(
-            lambda m, _: gathered.append([(type(w), w._data.dtype, w._scale.shape)
+        _experts(layer).register_forward_pre_hook(
+            lambda m, _: gathered.append([(type(w), w.dtype, w._data.dtype, w._scale.shape)
                                           for w in (m.gate_up_proj, m.down_proj)]))
     fn = fp8fn.transform(model, recipe)
     ids = batch()
     state = fn.init(ids.chunk(WORLD)[rank])
-    assert "model.layers.0.mlp.experts.gate_up_proj" in fn.layers
+    assert path.format(0) + ".gate_up_proj" in fn.layers
     assert list(state) == list(ref_states[0])
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    for step in range(STEPS):
+    for step in range(steps):
         observed = fp8fn.observe(state)
         _loss(fn, model, observed, ids.chunk(WORLD)[rank]).backward()
         obs = fp8fn.all_reduce(fp8fn.observations(observed))
         opt.step()
         model.zero_grad()
+        if bf16:
+            _bf16_grid(model.parameters())
         state = fp8fn.update(state, obs)
         assert_state_same_on_all_ranks(state)
         assert_bit_identical(state, ref_states[step])
     # the experts weights were gathered as e4m3 bytes with one scale per expert, every forward
-    e4m3 = (Float8GatheredWeight, torch.float8_e4m3fn, (4,))
+    dtype = torch.bfloat16 if bf16 else torch.float32  # FSDP2's param_dtype, to autograd
+    e4m3 = (Float8GatheredWeight, dtype, torch.float8_e4m3fn, (4,))
     assert gathered and all(g == [e4m3, e4m3] for g in gathered), gathered
     if isinstance(recipe, fp8fn.DelayedScaling):  # every expert received tokens, observed
-        rows = [state[f"model.layers.{i}.mlp.experts.{w}[{e}]"].input.amax_history[0]
+        rows = [state[f"{path.format(i)}.{w}[{e}]"].input.amax_history[0]
                 for i in range(2) for w in ("gate_up_proj", "down_proj") for e in range(4)]
         assert all(r > 0 for r in rows), rows
     for name, p in model.named_parameters():
@@ -160,6 +194,36 @@ def experts_backward_after_another_forward(rank):
         assert_bit_identical(got_obs, want_obs)
 
 
+def experts_gpt_oss(rank):
+    """GPT-OSS, whose experts weights are stored transposed to Mixtral's (`gate_up_proj`
+    `(E, D, 2I)`, used as `x @ W[e]`, `torch.bmm(x, W[ids])` or `torch._grouped_mm(x, W)`),
+    grouped_mm, eager and batched_mm: states bit-identical to one process on every rank after
+    each of 2 steps, params after 2 steps."""
+    for implementation in ("grouped_mm", "eager", "batched_mm"):
+        _experts_under_fsdp2(implementation, rank, arch="gpt_oss", steps=2)
+
+
+def experts_llama4(rank):
+    """Llama 4, whose experts run as its own `torch.bmm` on the `(E, D, 2I)` weights (and whose
+    shared expert and dense MLP are linear weights): as GPT-OSS."""
+    _experts_under_fsdp2("grouped_mm", rank, arch="llama4", steps=2)
+
+
+def experts_bf16_param_dtype(rank):
+    """FSDP2's `MixedPrecisionPolicy(param_dtype=torch.bfloat16)` (Mixtral, GPT-OSS and Llama 4
+    with grouped_mm, or Llama 4's bmm): the experts
+    weights gathered as e4m3 and, to autograd, bfloat16; states bit-identical to one process
+    running bfloat16 copies of the params after each of 2 steps, params after 2 steps.
+
+    float8_all_gather casts a weight to e4m3 from the float32 master (its amax too), not from
+    its bfloat16 copy as the one process does, so both runs keep the params on the bfloat16
+    grid (rounded after each step), where the two casts agree; off it the first step is still
+    bit-identical and the second's state differs (the float32 master's amax and e4m3 bytes
+    against its bfloat16 copy's)."""
+    for arch in ("mixtral", "gpt_oss", "llama4"):
+        _experts_under_fsdp2("grouped_mm", rank, arch=arch, steps=2, bf16=True)
+
+
 class _NotExperts(torch.nn.Module):
     """A 3-D parameter of 2 rows on dim 0 used outside a GEMM (float8_all_gather chooses it)."""
 
@@ -193,6 +257,7 @@ def init_refuses_a_gathered_3d_weight_outside_gemms(rank):
 
 SCENARIOS = [experts_grouped_mm, experts_eager, experts_batched_mm,
              experts_grouped_mm_current_scaling, experts_backward_after_another_forward,
+             experts_gpt_oss, experts_llama4, experts_bf16_param_dtype,
              init_refuses_a_gathered_3d_weight_outside_gemms]
 
 

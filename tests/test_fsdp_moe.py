@@ -1,4 +1,5 @@
-"""FSDP2 (`fully_shard`) of a tiny Mixtral's experts weights on 2 gloo ranks on CPU, against
+"""FSDP2 (`fully_shard`) of tiny Mixtral, GPT-OSS and Llama 4 experts weights (float32, and
+under a bfloat16 `MixedPrecisionPolicy`) on 2 gloo ranks on CPU, against
 one process: FSDP2's unsharded experts weights, swapped in for the forward, run in float8
 (`_fsdp_moe_workers`, all scenarios in one spawn within `_TIMEOUT_S`)."""
 
