@@ -301,7 +301,7 @@ def test_compiled_func_grad_fullgraph_raises_fp8fns_error(route):
     api = "linear" if route == "linear" else "apply: layer ''"  # what the user called
     with pytest.raises(
         RuntimeError,
-        match=rf"^fp8fn.{api}: torch.compile cannot trace fp8fn's float8 linear op inside a "
+        match=rf"^fp8fn.{api}: torch.compile cannot trace fp8fn's float8 ops inside a "
         r"torch.func transform .* Use fp8fn.value_and_grad",
     ) as e:
         torch.compile(_grad(fs[route]), fullgraph=True)(params, state, x, c)

@@ -122,3 +122,64 @@ def test_compiled_stateless_grouped_op_is_bit_identical_to_eager():
     for a, b in zip(got, grads(loss)):
         assert torch.equal(a, b)
     torch._dynamo.reset()
+
+
+class _Experts(torch.nn.Module):
+    """User code: a `(4, 24, 32)` bfloat16 experts weight (compiled, torch 2.13's CPU
+    `_grouped_mm` takes no other dtype) in one GEMM form; 20 tokens, 5 per expert."""
+
+    def __init__(self, form):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(4, 24, 32, dtype=torch.bfloat16))
+        self.form = form
+
+    def forward(self, x):
+        w = self.w.transpose(-2, -1)
+        if self.form == "bmm":
+            return torch.bmm(x.view(4, 5, 32), w).view(20, 24)
+        offs = torch.tensor([5, 10, 15, 20], dtype=torch.int32)
+        gemm = torch.nn.functional.grouped_mm if self.form == "F.grouped_mm" else (
+            torch._grouped_mm)
+        return gemm(x, w, offs=offs)
+
+
+@pytest.mark.parametrize("recipe", [fp8fn.DelayedScaling(), fp8fn.RowwiseScaling(),
+                                    fp8fn.NVFP4Scaling(stochastic_rounding=False, hadamard=False)],
+                         ids=["delayed", "rowwise", "nvfp4"])
+def test_compiled_func_grad_of_experts_raises_fp8fns_error(recipe):
+    """torch.compile of torch.func.grad over the experts' grouped op: fp8fn's refusal (as for
+    the linear op: dynamo would drop the op's backward, pytorch#193279), not dynamo's error
+    from the custom ops' fake call."""
+    torch._dynamo.reset()
+    module, x = _Experts("bmm"), torch.randn(20, 32, dtype=torch.bfloat16)
+    fn = fp8fn.transform(module, recipe)
+    state = fn.init(x)
+
+    def loss(params):
+        return fn.apply(params, state, x).float().square().sum()
+
+    with pytest.raises(RuntimeError, match=r"^fp8fn\.apply: experts 'w': torch.compile cannot "
+                                           r"trace fp8fn's float8 ops inside a torch.func"):
+        torch.compile(torch.func.grad(loss), fullgraph=True)(dict(module.named_parameters()))
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("form", ["F.grouped_mm", "torch._grouped_mm"])
+def test_compiled_user_grouped_mm_raises_fp8fns_error(form):
+    """Dynamo (torch 2.13) does not hand `torch._grouped_mm` to fp8fn's TorchFunctionMode: the
+    experts ran in high precision, silently (the bits of the plain module). Now compiled
+    `apply` raises fp8fn's error, with fullgraph at trace time, without it when run; eager
+    `apply` runs them in float8."""
+    torch._dynamo.reset()
+    module, x = _Experts(form), torch.randn(20, 32, dtype=torch.bfloat16)
+    fn = fp8fn.transform(module, fp8fn.DelayedScaling())
+    state = fn.init(x)
+    params = dict(module.named_parameters())
+    assert not torch.equal(fn.apply(params, state, x), module(x))
+    for fullgraph in (True, False):
+        torch._dynamo.reset()
+        with pytest.raises(RuntimeError, match=r"^fp8fn\.apply: expected the GEMMs of experts "
+                                               r"weights \['w'\] routed to fp8fn, as in fn.init, "
+                                               r"got none: under torch.compile"):
+            torch.compile(fn.apply, fullgraph=fullgraph)(params, state, x)
+    torch._dynamo.reset()

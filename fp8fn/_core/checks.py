@@ -70,7 +70,7 @@ def refuse_compile_under_func(api: str) -> None:
     """
     if torch.compiler.is_compiling() and traced_functorch_level() is not None:
         message = (
-            f"fp8fn.{api}: torch.compile cannot trace fp8fn's float8 linear op inside a torch.func "
+            f"fp8fn.{api}: torch.compile cannot trace fp8fn's float8 ops inside a torch.func "
             "transform (grad, vjp, vmap): it would drop fp8fn's backward and return wrong "
             "gradients and observations (pytorch#193279). Use fp8fn.value_and_grad, or compile "
             "with plain autograd (loss.backward() or torch.autograd.grad), or leave fullgraph "

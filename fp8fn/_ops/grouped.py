@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from .._core.checks import no_autocast
+from .._core.checks import no_autocast, refuse_compile_under_func
 from .._core.recipes import NVFP4Scaling
 from .._numerics.fp8 import E4M3, E5M2, cast_to_fp8
 from .._torch_private import scaled_grouped_mm, scaled_grouped_mm_available
@@ -153,7 +153,7 @@ class _Fp8GroupedMM(torch.autograd.Function):
 
 
 def grouped_mm(x, weight, offs, newest=None, stored=None, margin: int = 0,
-               backend: str = "emulated", recipe=None, random=None):
+               backend: str = "emulated", recipe=None, random=None, api: str = "grouped_mm"):
     """Float8 grouped GEMM: `(T, N)` of x's dtype, rows `offs[e-1]:offs[e]` of `x @ weight[e].T`.
 
     Args:
@@ -167,12 +167,14 @@ def grouped_mm(x, weight, offs, newest=None, stored=None, margin: int = 0,
         `MXScaling` (per group), `NVFP4Scaling` (per expert).
       random: NVFP4 only: `(key, site)` as `fp8fn.linear`'s `site_state` (expert `e` draws
         with the key folded with `e`), or None for a recipe without randomness.
+      api: what the user called, for errors (`fp8fn.{api}:`).
 
     Returns:
       `(T, N)` tensor of `x`'s dtype (the autocast dtype under autocast: `x` is cast to it
       first and the op itself is not re-autocast, as `fp8fn.linear`). Rows past `offs[-1]` are
       0 and get no gradient.
     """
+    refuse_compile_under_func(api)
     device = x.device.type
     if torch.is_autocast_enabled(device):
         x = x.to(torch.get_autocast_dtype(device))

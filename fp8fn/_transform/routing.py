@@ -26,6 +26,7 @@ from .._torch_private import (
 from .experts import (
     DERIVING,
     GEMMS,
+    GROUPED_MM,
     Derived,
     _ExpertLayer,
     derive,
@@ -114,6 +115,8 @@ class _Call(TorchFunctionMode):
             weight = entry.own(tensors)
             self._track(weight, Derived(entry, weight))
         self.weights = {}
+        self.torch_grouped = set()  # experts weights in torch._grouped_mm, while discovering
+        self.touched = set()  # experts weights viewed, indexed or transposed in this call
         self._names = None
         if state is None:  # discovering: every weight that may reach a GEMM, by identity
             given = {**dict(transformed.module.named_parameters()), **tensors}
@@ -167,6 +170,8 @@ class _Call(TorchFunctionMode):
                 single = None if gemm.expert is None else self._expert_layer(gemm.derived)
                 if self.state is None:
                     self._count(single) if single else self._count_experts(gemm.derived.entry)
+                    if func in GROUPED_MM:
+                        self.torch_grouped.add(gemm.derived.entry.path)
                     self._note(gemm.derived.source, None)
                     return func(*args, **kwargs)
                 if single:
@@ -214,8 +219,10 @@ class _Call(TorchFunctionMode):
         if isinstance(derived, list):
             for piece, d in zip(result, derived):
                 self._track(piece, d)
+                self.touched.add(d.entry.path)
         elif derived is not None:
             self._track(result, derived)
+            self.touched.add(derived.entry.path)
         return result
 
     def _note(self, t, op):
@@ -261,7 +268,8 @@ class _Call(TorchFunctionMode):
         if isinstance(entry.recipe, NVFP4Scaling):
             random = (self.state.key, site_name(entry.path, k))
         return gemm.finish(grouped_mm(x, weight, gemm.offs, newest, stored, margin, backend,
-                                      recipe=entry.recipe, random=random))
+                                      recipe=entry.recipe, random=random,
+                                      api=f"apply: experts {entry.path!r}"))
 
     def _newest_rows(self):
         """`state.amax_history[..., 0]`, `(n_sites, 3)`, taken once per call."""

@@ -46,6 +46,7 @@ from .._torch_private import (
     module_children,
     module_parameters,
     recomputing_in_torch_checkpoint,
+    refuse_fullgraph_trace,
     tree_map,
 )
 from .checkpoint import refuse_compile
@@ -145,6 +146,7 @@ class Transformed:
         self.module = module
         self._choices = (recipe, filter_fn, checkpoint_fn)
         self._confirmed = set()  # the experts weights `init` saw in a GEMM
+        self._torch_grouped = set()  # those among them `init` saw in torch._grouped_mm
         self._weights = None  # {weight name: None (float8) or the op}, from `init`
         self._reported = False  # the high-precision GEMMs were reported (once)
         self._read_module()
@@ -314,6 +316,7 @@ class Transformed:
             calls[path] = max(calls.get(path, 0), k + 1)
         self._weights = call.weights
         confirmed = {e.path for e in self._experts if call.weights.get(e.path, "") is None}
+        self._torch_grouped |= call.torch_grouped
         if not confirmed <= self._confirmed:
             self._confirmed |= confirmed
             self._read_module()
@@ -439,6 +442,7 @@ class Transformed:
         call = _Call(self, tensors, state)
         if self._checkpointed_modules:
             refuse_compile()  # before the `with`: dynamo then runs this frame eagerly
+
         with (
             translated_errors(self.module, params),
             self._fsdp.scales(state),
@@ -447,7 +451,34 @@ class Transformed:
             recomputing(call, self._checkpointed_modules),
             kept,
         ):
-            return _functional_call(self.module, None, tensors, args, kwargs)
+            out = _functional_call(self.module, None, tensors, args, kwargs)
+            if self._torch_grouped:
+                self._refuse_unrouted_grouped_mm(call)
+            return out
+
+    def _refuse_unrouted_grouped_mm(self, call):
+        """Raise when this forward used an experts weight that `init` saw in `torch._grouped_mm`
+        (or `F.grouped_mm`) but no GEMM of it reached fp8fn: under torch.compile, dynamo (torch
+        2.13) does not hand that call to a `TorchFunctionMode`, so it ran in high precision.
+        (transformers' grouped_mm experts, compiled, call their own custom op, which dynamo
+        hands over.) Under fullgraph the user sees this error at trace time; without it, when
+        the frame runs."""
+        watched = call.touched & self._torch_grouped & self._confirmed
+        names = sorted(
+            e.path for e in self._experts
+            if e.path in watched and not any(call.counts.get(e.expert(i)) for i in range(e.experts))
+        )
+        if names:
+            message = (
+                f"fp8fn.apply: expected the GEMMs of experts weights {names} routed to fp8fn, "
+                "as in fn.init, got none: under torch.compile, dynamo does not hand "
+                "torch._grouped_mm (F.grouped_mm) to fp8fn, so they ran in high precision. "
+                "Call the experts as torch.bmm or a loop of F.linear(x, weight[e]), or run "
+                "apply uncompiled."
+            )
+            if torch.compiler.is_compiling():
+                refuse_fullgraph_trace(message)
+            raise RuntimeError(message)
 
     def _check(self, params, state):
         if not isinstance(params, dict):
