@@ -74,6 +74,7 @@ def _recipe(kind: str, block_size: int, hp_grad_weight: bool, scale_rounding: st
         return RowwiseScaling(hp_grad_weight=hp_grad_weight)
     if kind == "BlockwiseScaling":
         return BlockwiseScaling(block_size=block_size)
+    assert kind == "MXScaling", kind  # `_recipe_args` of a finer recipe: one of three
     return MXScaling(block_size=block_size, scale_rounding=scale_rounding)
 
 
