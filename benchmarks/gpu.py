@@ -223,8 +223,7 @@ def throughput(shape: dict, device: str, repeats: int, clock) -> dict:
     print()
     print_table(["variant", "ms/step", "tokens/s", "vs bf16", "first call s"], rows, title)
     print(
-        "delayed / current (tokens/s): "
-        f"{ratio(per_s['fp8fn delayed'], per_s['fp8fn current'], 3)}"
+        f"delayed / current (tokens/s): {ratio(per_s['fp8fn delayed'], per_s['fp8fn current'], 3)}"
     )
     return per_s
 

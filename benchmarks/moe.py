@@ -88,21 +88,28 @@ def variants(x, w, ends, g) -> dict:
     offs, ends_list = ends, ends.tolist()
     experts = w.shape[0]
     state = torch.ones(experts, 3)
-    stored = torch.stack([torch.full((experts,), 448.0 / x.float().abs().max()),
-                          448.0 / w.float().abs().flatten(1).amax(1),
-                          torch.full((experts,), 57344.0 / g.float().abs().max())], 1)
+    stored = torch.stack(
+        [
+            torch.full((experts,), 448.0 / x.float().abs().max()),
+            448.0 / w.float().abs().flatten(1).amax(1),
+            torch.full((experts,), 57344.0 / g.float().abs().max()),
+        ],
+        1,
+    )
     current = fp8fn.CurrentScaling(backend="emulated")
     key = (torch.tensor(1.0, dtype=torch.float64), "experts")
     out = {
         "F.linear per expert (bf16)": _per_expert(F.linear, ends_list),
         "fp8fn.linear per expert": _per_expert(
-            lambda x, w: fp8fn.linear(x, w, None, None, current), ends_list),
+            lambda x, w: fp8fn.linear(x, w, None, None, current), ends_list
+        ),
         "grouped delayed": lambda x, w: grouped_mm(x, w, offs, state, stored),
         "grouped current": lambda x, w: grouped_mm(x, w, offs),
         "grouped rowwise": lambda x, w: grouped_mm(x, w, offs, recipe=fp8fn.RowwiseScaling()),
         "grouped mxfp8": lambda x, w: grouped_mm(x, w, offs, recipe=fp8fn.MXScaling()),
-        "grouped nvfp4": lambda x, w: grouped_mm(x, w, offs, recipe=fp8fn.NVFP4Scaling(),
-                                                 random=key),
+        "grouped nvfp4": lambda x, w: grouped_mm(
+            x, w, offs, recipe=fp8fn.NVFP4Scaling(), random=key
+        ),
     }
     steps = {name: _step(fn, x, w, g) for name, fn in out.items()}
     x32, w32 = x.float(), w.float()
@@ -137,11 +144,21 @@ def table(quick: bool) -> dict:
         counts[name] = (traffic.ops, traffic.nbytes)
     times = median_times(steps, repeats=3 if quick else 5, warmup=1)
     base = times["F.linear per expert (bf16)"]
-    rows = [[name, str(ops), f"{nbytes / 1e6:.1f}", f"{times[name] * 1e3:.2f}",
-             ratio(times[name], base)] for name, (ops, nbytes) in counts.items()]
+    rows = [
+        [
+            name,
+            str(ops),
+            f"{nbytes / 1e6:.1f}",
+            f"{times[name] * 1e3:.2f}",
+            ratio(times[name], base),
+        ]
+        for name, (ops, nbytes) in counts.items()
+    ]
     tokens, experts, k, n = shape
-    print(f"T={tokens} token rows, E={experts} experts, K={k}, N={n}, bf16, groups "
-          f"{ends.tolist()}; {torch.get_num_threads()} threads")
+    print(
+        f"T={tokens} token rows, E={experts} experts, K={k}, N={n}, bf16, groups "
+        f"{ends.tolist()}; {torch.get_num_threads()} threads"
+    )
     print_table(["variant", "ops", "MB", "ms", "/ bf16 loop"], rows)
     return {name: (*counts[name], times[name]) for name in steps}
 

@@ -166,7 +166,12 @@ class GPT(nn.Module):
     """A character-level GPT: token and position embeddings, `Block`s, a linear `head`."""
 
     def __init__(
-        self, vocab_size: int, seq_len: int, d_model: int, n_layers: int, n_heads: int,
+        self,
+        vocab_size: int,
+        seq_len: int,
+        d_model: int,
+        n_layers: int,
+        n_heads: int,
         moe: bool = False,
     ):
         super().__init__()
@@ -882,9 +887,9 @@ def _main(cfg, ranks: Ranks, device: torch.device) -> dict:
 def compare(cfg, corpus: Corpus, ranks: Ranks, device: torch.device, say) -> dict:
     """The float32 and the fp8 run of one seed (`cfg.seed`): the results of `main` for it."""
     torch.manual_seed(cfg.seed)
-    model = GPT(
-        len(corpus.chars), cfg.seq_len, cfg.d_model, cfg.layers, cfg.heads, cfg.moe
-    ).to(device)
+    model = GPT(len(corpus.chars), cfg.seq_len, cfg.d_model, cfg.layers, cfg.heads, cfg.moe).to(
+        device
+    )
     init = {k: v.detach().clone() for k, v in model.named_parameters()}
 
     recipe = RECIPES[cfg.recipe]()

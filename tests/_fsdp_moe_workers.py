@@ -93,8 +93,9 @@ def _sharded(implementation, arch="mixtral", bf16=False):
     return model
 
 
-def _experts_under_fsdp2(implementation, rank, recipe=RECIPE, arch="mixtral", steps=STEPS,
-                         bf16=False):
+def _experts_under_fsdp2(
+    implementation, rank, recipe=RECIPE, arch="mixtral", steps=STEPS, bf16=False
+):
     ref_params, ref_states = _reference(implementation, recipe, arch, steps, bf16)
     model = _sharded(implementation, arch, bf16)
     experts = _experts(model.model.layers[0])
@@ -106,8 +107,13 @@ def _experts_under_fsdp2(implementation, rank, recipe=RECIPE, arch="mixtral", st
     gathered = []  # what the experts modules hold in their forward: FSDP2's unsharded weights
     for layer in model.model.layers:
         _experts(layer).register_forward_pre_hook(
-            lambda m, _: gathered.append([(type(w), w.dtype, w._data.dtype, w._scale.shape)
-                                          for w in (m.gate_up_proj, m.down_proj)]))
+            lambda m, _: gathered.append(
+                [
+                    (type(w), w.dtype, w._data.dtype, w._scale.shape)
+                    for w in (m.gate_up_proj, m.down_proj)
+                ]
+            )
+        )
     fn = fp8fn.transform(model, recipe)
     ids = batch()
     state = fn.init(ids.chunk(WORLD)[rank])
@@ -130,8 +136,12 @@ def _experts_under_fsdp2(implementation, rank, recipe=RECIPE, arch="mixtral", st
     e4m3 = (Float8GatheredWeight, dtype, torch.float8_e4m3fn, (4,))
     assert gathered and all(g == [e4m3, e4m3] for g in gathered), gathered
     if isinstance(recipe, fp8fn.DelayedScaling):  # every expert received tokens, observed
-        rows = [state[f"{path.format(i)}.{w}[{e}]"].input.amax_history[0]
-                for i in range(2) for w in ("gate_up_proj", "down_proj") for e in range(4)]
+        rows = [
+            state[f"{path.format(i)}.{w}[{e}]"].input.amax_history[0]
+            for i in range(2)
+            for w in ("gate_up_proj", "down_proj")
+            for e in range(4)
+        ]
         assert all(r > 0 for r in rows), rows
     for name, p in model.named_parameters():
         assert torch.equal(p.full_tensor(), ref_params[name]), name
@@ -250,15 +260,23 @@ def init_refuses_a_gathered_3d_weight_outside_gemms(rank):
         assert str(e).startswith(
             "fp8fn.init: expected 'table', whose weight is all-gathered in float8 "
             "(fp8fn.float8_all_gather chose it as an experts weight), to be used as an experts "
-            "weight in a GEMM, got no such use"), e
+            "weight in a GEMM, got no such use"
+        ), e
     else:
         raise AssertionError("fn.init did not refuse")
 
 
-SCENARIOS = [experts_grouped_mm, experts_eager, experts_batched_mm,
-             experts_grouped_mm_current_scaling, experts_backward_after_another_forward,
-             experts_gpt_oss, experts_llama4, experts_bf16_param_dtype,
-             init_refuses_a_gathered_3d_weight_outside_gemms]
+SCENARIOS = [
+    experts_grouped_mm,
+    experts_eager,
+    experts_batched_mm,
+    experts_grouped_mm_current_scaling,
+    experts_backward_after_another_forward,
+    experts_gpt_oss,
+    experts_llama4,
+    experts_bf16_param_dtype,
+    init_refuses_a_gathered_3d_weight_outside_gemms,
+]
 
 
 def main(rank: int, world_size: int, port: int, out_dir: str) -> None:

@@ -6,41 +6,82 @@ import torch
 import fp8fn
 
 VOCAB = 64
-_COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    tie_word_embeddings=False,
+)
 
 
 def _config(arch: str):
     import transformers as tf
 
     if arch == "mixtral":
-        return tf.MixtralConfig(**_COMMON, intermediate_size=64, num_local_experts=4,
-                                num_experts_per_tok=2)
+        return tf.MixtralConfig(
+            **_COMMON, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2
+        )
     if arch == "qwen3_moe":
-        return tf.Qwen3MoeConfig(**_COMMON, intermediate_size=64, moe_intermediate_size=48,
-                                 num_experts=4, num_experts_per_tok=2, head_dim=8)
+        return tf.Qwen3MoeConfig(
+            **_COMMON,
+            intermediate_size=64,
+            moe_intermediate_size=48,
+            num_experts=4,
+            num_experts_per_tok=2,
+            head_dim=8,
+        )
     if arch == "olmoe":
-        return tf.OlmoeConfig(**_COMMON, intermediate_size=48, num_experts=4,
-                              num_experts_per_tok=2)
+        return tf.OlmoeConfig(**_COMMON, intermediate_size=48, num_experts=4, num_experts_per_tok=2)
     if arch == "gpt_oss":
-        return tf.GptOssConfig(**_COMMON, intermediate_size=48, num_local_experts=4,
-                               num_experts_per_tok=2, head_dim=8, sliding_window=8,
-                               layer_types=["sliding_attention", "full_attention"])
+        return tf.GptOssConfig(
+            **_COMMON,
+            intermediate_size=48,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            head_dim=8,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"],
+        )
     if arch == "qwen2_moe":
-        return tf.Qwen2MoeConfig(**_COMMON, intermediate_size=64, moe_intermediate_size=48,
-                                 shared_expert_intermediate_size=64, num_experts=4,
-                                 num_experts_per_tok=2)
+        return tf.Qwen2MoeConfig(
+            **_COMMON,
+            intermediate_size=64,
+            moe_intermediate_size=48,
+            shared_expert_intermediate_size=64,
+            num_experts=4,
+            num_experts_per_tok=2,
+        )
     if arch == "deepseek_v3":
         common = {**_COMMON, "num_key_value_heads": 4}  # (MLA: as many as the heads)
-        return tf.DeepseekV3Config(**common, intermediate_size=64, moe_intermediate_size=48,
-                                   n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
-                                   n_group=1, topk_group=1, first_k_dense_replace=1,
-                                   q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
-                                   qk_nope_head_dim=8, v_head_dim=8)
+        return tf.DeepseekV3Config(
+            **common,
+            intermediate_size=64,
+            moe_intermediate_size=48,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            n_group=1,
+            topk_group=1,
+            first_k_dense_replace=1,
+            q_lora_rank=16,
+            kv_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=8,
+        )
     if arch == "llama4":
-        return tf.Llama4TextConfig(**_COMMON, intermediate_size=48, intermediate_size_mlp=64,
-                                   num_local_experts=4, num_experts_per_tok=1, head_dim=8,
-                                   interleave_moe_layer_step=1)
+        return tf.Llama4TextConfig(
+            **_COMMON,
+            intermediate_size=48,
+            intermediate_size_mlp=64,
+            num_local_experts=4,
+            num_experts_per_tok=1,
+            head_dim=8,
+            interleave_moe_layer_step=1,
+        )
     raise ValueError(arch)
 
 
@@ -84,6 +125,7 @@ def train(model, steps=3, fn=None, route="func", lr=0.5):
             loss = torch.func.functional_call(model, leaves, (ids,), {"labels": ids}).loss
             grads = dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()))))
         elif route == "func":
+
             def f(p, s):
                 return fn.apply(p, s, ids, labels=ids).loss
 

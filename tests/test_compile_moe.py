@@ -59,16 +59,19 @@ def test_compiled_mixtral_grouped_mm_matches_eager_with_no_graph_break():
     torch._dynamo.reset()
 
 
-STATELESS = [fp8fn.RowwiseScaling(), fp8fn.BlockwiseScaling(), fp8fn.MXScaling(),
-             fp8fn.NVFP4Scaling()]
+STATELESS = [
+    fp8fn.RowwiseScaling(),
+    fp8fn.BlockwiseScaling(),
+    fp8fn.MXScaling(),
+    fp8fn.NVFP4Scaling(),
+]
 STATELESS_IDS = ["rowwise", "blockwise", "mx", "nvfp4"]
 
 
 # Rowwise stands for the finer recipes here (blockwise and MXFP8 run the same two custom ops,
 # and the op-level test below compiles all four bit for bit); NVFP4 has its own ops.
 @pytest.mark.parametrize("recipe", STATELESS[::3], ids=STATELESS_IDS[::3])
-def test_compiled_mixtral_experts_under_a_stateless_recipe_match_eager_with_no_graph_break(
-        recipe):
+def test_compiled_mixtral_experts_under_a_stateless_recipe_match_eager_with_no_graph_break(recipe):
     """The experts alone in float8 or NVFP4 (the rest in high precision): one step, compiled with
     fullgraph against eager. The grouped op itself is bit-identical (next test); what differs
     is inductor's rounding of the float32 attention and norms, which a float8 cast can amplify
@@ -109,8 +112,19 @@ def test_compiled_stateless_grouped_op_is_bit_identical_to_eager():
     key = torch.tensor(7.0, dtype=torch.float64)
 
     def loss(x, w, key):
-        return sum((grouped_mm(x, w, offs, recipe=r, random=(key, "e") if isinstance(
-            r, fp8fn.NVFP4Scaling) else None) * g).sum() for r in STATELESS)
+        return sum(
+            (
+                grouped_mm(
+                    x,
+                    w,
+                    offs,
+                    recipe=r,
+                    random=(key, "e") if isinstance(r, fp8fn.NVFP4Scaling) else None,
+                )
+                * g
+            ).sum()
+            for r in STATELESS
+        )
 
     def grads(f):
         xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
@@ -138,14 +152,21 @@ class _Experts(torch.nn.Module):
         if self.form == "bmm":
             return torch.bmm(x.view(4, 5, 32), w).view(20, 24)
         offs = torch.tensor([5, 10, 15, 20], dtype=torch.int32)
-        gemm = torch.nn.functional.grouped_mm if self.form == "F.grouped_mm" else (
-            torch._grouped_mm)
+        gemm = (
+            torch.nn.functional.grouped_mm if self.form == "F.grouped_mm" else (torch._grouped_mm)
+        )
         return gemm(x, w, offs=offs)
 
 
-@pytest.mark.parametrize("recipe", [fp8fn.DelayedScaling(), fp8fn.RowwiseScaling(),
-                                    fp8fn.NVFP4Scaling(stochastic_rounding=False, hadamard=False)],
-                         ids=["delayed", "rowwise", "nvfp4"])
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        fp8fn.DelayedScaling(),
+        fp8fn.RowwiseScaling(),
+        fp8fn.NVFP4Scaling(stochastic_rounding=False, hadamard=False),
+    ],
+    ids=["delayed", "rowwise", "nvfp4"],
+)
 def test_compiled_func_grad_of_experts_raises_fp8fns_error(recipe):
     """torch.compile of torch.func.grad over the experts' grouped op: fp8fn's refusal (as for
     the linear op: dynamo would drop the op's backward, pytorch#193279), not dynamo's error
@@ -158,8 +179,11 @@ def test_compiled_func_grad_of_experts_raises_fp8fns_error(recipe):
     def loss(params):
         return fn.apply(params, state, x).float().square().sum()
 
-    with pytest.raises(RuntimeError, match=r"^fp8fn\.apply: experts 'w': torch.compile cannot "
-                                           r"trace fp8fn's float8 ops inside a torch.func"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"^fp8fn\.apply: experts 'w': torch.compile cannot "
+        r"trace fp8fn's float8 ops inside a torch.func",
+    ):
         torch.compile(torch.func.grad(loss), fullgraph=True)(dict(module.named_parameters()))
     torch._dynamo.reset()
 
@@ -178,8 +202,11 @@ def test_compiled_user_grouped_mm_raises_fp8fns_error(form):
     assert not torch.equal(fn.apply(params, state, x), module(x))
     for fullgraph in (True, False):
         torch._dynamo.reset()
-        with pytest.raises(RuntimeError, match=r"^fp8fn\.apply: expected the GEMMs of experts "
-                                               r"weights \['w'\] routed to fp8fn, as in fn.init, "
-                                               r"got none: under torch.compile"):
+        with pytest.raises(
+            RuntimeError,
+            match=r"^fp8fn\.apply: expected the GEMMs of experts "
+            r"weights \['w'\] routed to fp8fn, as in fn.init, "
+            r"got none: under torch.compile",
+        ):
             torch.compile(fn.apply, fullgraph=fullgraph)(params, state, x)
     torch._dynamo.reset()

@@ -88,8 +88,10 @@ def _gather(shards, scale, module=None, rows=None):
     world = len(shards)
     token = SCALES.set(ScalesForCall({(module, shards[0]._attr): scale}))
     try:
-        pre = [s.fsdp_pre_all_gather(_Mesh(world, r), outer, None, module, None)
-               for r, s in enumerate(shards)]
+        pre = [
+            s.fsdp_pre_all_gather(_Mesh(world, r), outer, None, module, None)
+            for r, s in enumerate(shards)
+        ]
     finally:
         SCALES.reset(token)
     outputs = [torch.cat([p[0][i] for p in pre]) for i in range(len(pre[0][0]))]
@@ -245,8 +247,9 @@ def test_gathered_experts_weight_runs_the_grouped_op_as_the_cast_weight_does(exp
     want = cast_to_fp8(data, scale[:, None, None])
     assert torch.equal(gathered._data.view(torch.uint8), want.view(torch.uint8))
     whole = data.abs().flatten(1).amax(1)
-    assert torch.equal(gathered._amax, whole if experts % 2 == 0 else torch.cat(
-        [whole[:2], torch.zeros(1)]))  # padded: rank 0's experts only, until all_reduce
+    assert torch.equal(
+        gathered._amax, whole if experts % 2 == 0 else torch.cat([whole[:2], torch.zeros(1)])
+    )  # padded: rank 0's experts only, until all_reduce
 
     x = torch.randn(10, 16, generator=g, requires_grad=True)
     offs = torch.tensor([3, 3, 7, 10][:experts], dtype=torch.int32)
@@ -340,9 +343,12 @@ def test_float8_all_gather_leaves_the_router_next_to_experts_out():
 def test_float8_all_gather_refuses_a_tied_experts_weight():
     model = torch.nn.Sequential(_GroupedExperts(), _GroupedExperts())
     model[1].w = model[0].w
-    with pytest.raises(ValueError, match=r"^fp8fn\.float8_all_gather: expected the weight of "
-                       r"experts weight '0\.w' to be held by chosen nn\.Linear layers or experts "
-                       r"modules only, got it tied to '1\.w' \(_GroupedExperts\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"^fp8fn\.float8_all_gather: expected the weight of "
+        r"experts weight '0\.w' to be held by chosen nn\.Linear layers or experts "
+        r"modules only, got it tied to '1\.w' \(_GroupedExperts\)",
+    ):
         fp8fn.float8_all_gather(model)
     assert type(model[0].w) is torch.nn.Parameter  # nothing changed
 
@@ -353,16 +359,25 @@ def test_transform_refuses_a_float8_gathered_experts_weight_with_another_recipe(
     def recipe(name, module):
         return fp8fn.RowwiseScaling() if name == "w" else fp8fn.DelayedScaling()
 
-    with pytest.raises(ValueError, match=r"^fp8fn\.transform: expected experts weight 'w', whose "
-                       r"weight is all-gathered in float8 \(fp8fn\.float8_all_gather\), to use "
-                       r"DelayedScaling or CurrentScaling, got RowwiseScaling\. Leave it out"):
+    with pytest.raises(
+        ValueError,
+        match=r"^fp8fn\.transform: expected experts weight 'w', whose "
+        r"weight is all-gathered in float8 \(fp8fn\.float8_all_gather\), to use "
+        r"DelayedScaling or CurrentScaling, got RowwiseScaling\. Leave it out",
+    ):
         fp8fn.transform(model, recipe)
-    with pytest.raises(ValueError, match=r"^fp8fn\.transform: parameter 'w' is all-gathered in "
-                       r"float8 \(fp8fn\.float8_all_gather\), but its layer \(or experts weight\) "
-                       r"does not run in float8"):
+    with pytest.raises(
+        ValueError,
+        match=r"^fp8fn\.transform: parameter 'w' is all-gathered in "
+        r"float8 \(fp8fn\.float8_all_gather\), but its layer \(or experts weight\) "
+        r"does not run in float8",
+    ):
         fp8fn.transform(model, fp8fn.DelayedScaling(), filter_fn=lambda name, m: name != "w")
-    with pytest.raises(ValueError, match=r"^fp8fn\.transform: expected the float8_all_gather weig"
-                       r"ht of experts weight 'w' to be sharded by FSDP2"):
+    with pytest.raises(
+        ValueError,
+        match=r"^fp8fn\.transform: expected the float8_all_gather weig"
+        r"ht of experts weight 'w' to be sharded by FSDP2",
+    ):
         fp8fn.transform(model, fp8fn.CurrentScaling())
 
 
@@ -381,9 +396,12 @@ def test_float8_gathered_experts_scales_refuse_sites_apart_in_the_state():
     state = fp8fn.update(state, state._replace(amax_history=history))
     gathered = _Gathered("w", module, "w", recipe, "w[0]")
     calls = types.SimpleNamespace(module=module, gathered=[gathered])
-    with pytest.raises(ValueError, match=r"^fp8fn\.apply: expected the sites of the 3 experts "
-                                         r"of 'w' \(call 0\) in `state`, one after another, got "
-                                         r"them apart"):
+    with pytest.raises(
+        ValueError,
+        match=r"^fp8fn\.apply: expected the sites of the 3 experts "
+        r"of 'w' \(call 0\) in `state`, one after another, got "
+        r"them apart",
+    ):
         Fsdp2._weight_scales(calls, state)
 
 
@@ -414,8 +432,10 @@ def test_experts_backward_regathers_once_whichever_experts_received_tokens(monke
             gathered = _gather([Float8ShardWeight(t, "w", "w") for t in data.split(2)], scale)
             xl = x.clone().requires_grad_()
             observed = fp8fn.observe(state)
-            out = sum(fp8fn.linear(xl, gathered[e], None, observed[f"w[{e}]"], recipe).square()
-                      .sum() for e in hit)
+            out = sum(
+                fp8fn.linear(xl, gathered[e], None, observed[f"w[{e}]"], recipe).square().sum()
+                for e in hit
+            )
             if refill:  # FSDP2 refilled the buffer in place, with another forward's scale
                 gathered._data.copy_(cast_to_fp8(data, 2 * scale[:, None, None]))
                 gathered._scale, gathered._again = 2 * scale, None

@@ -81,8 +81,9 @@ def test_delayed_scaling_uses_stored_scales_and_observes_per_expert():
     ends = [6, 6, 15, 22]  # expert 1 receives no token
     x, w, offs, g = _case(ends, seed=1)
     newest = torch.ones(4, 3)
-    stored = torch.tensor([[50.0, 30.0, 9000.0], [40.0, 20.0, 8000.0],
-                           [60.0, 25.0, 7000.0], [35.0, 10.0, 6000.0]])
+    stored = torch.tensor(
+        [[50.0, 30.0, 9000.0], [40.0, 20.0, 8000.0], [60.0, 25.0, 7000.0], [35.0, 10.0, 6000.0]]
+    )
     out, gx, gw, obs = _run(x, w, offs, g, newest, stored)
     r_out, r_gx, r_gw, r_obs = _reference(x, w, ends, g, stored)
     _close(out, r_out)
@@ -186,8 +187,11 @@ def _grads(x, w, offs, g, recipe, random=None):
 
 def _per_group(x, w, ends, g, linear):
     """The same three tensors from `linear(x_e, w_e) -> (out_e, gx_e, gw_e)` per group."""
-    out, gx, gw = torch.zeros(x.shape[0], w.shape[1], dtype=x.dtype), torch.zeros_like(x), (
-        torch.zeros_like(w))
+    out, gx, gw = (
+        torch.zeros(x.shape[0], w.shape[1], dtype=x.dtype),
+        torch.zeros_like(x),
+        (torch.zeros_like(w)),
+    )
     start = 0
     for e, end in enumerate(ends):
         if end > start:
@@ -213,8 +217,9 @@ def _torchao_linear(recipe):
     return linear
 
 
-@pytest.mark.parametrize("recipe", FINER_RECIPES[:4], ids=["rowwise", "rowwise_gw_hp", "mx",
-                                                           "mx_floor"])
+@pytest.mark.parametrize(
+    "recipe", FINER_RECIPES[:4], ids=["rowwise", "rowwise_gw_hp", "mx", "mx_floor"]
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_finer_recipes_per_group_match_torchao_dense_per_expert(recipe, dtype):
     """Each group is torchao's emulated dense linear on that expert, bit for bit, an idle
@@ -245,8 +250,13 @@ def test_mxfp8_matches_torchao_grouped_emulation(rounding):
     xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
     mode = {"rceil": ScaleCalculationMode.RCEIL, "floor": ScaleCalculationMode.FLOOR}[rounding]
     out = _to_mxfp8_then_scaled_grouped_mm(
-        xl, wl.transpose(-2, -1), offs, out_dtype=torch.bfloat16,
-        kernel_preference=KernelPreference.EMULATED, scale_calculation_mode=mode)
+        xl,
+        wl.transpose(-2, -1),
+        offs,
+        out_dtype=torch.bfloat16,
+        kernel_preference=KernelPreference.EMULATED,
+        scale_calculation_mode=mode,
+    )
     want = (out, *torch.autograd.grad(out, [xl, wl], g))
     for a, b in zip(got, want):
         assert torch.equal(a, b)
@@ -271,8 +281,11 @@ def test_mxfp8_groups_of_any_size_match_a_float64_reference():
 
     def reference(x, w, g, e):
         x, w, g = x.double(), w.double(), g.double()
-        return (_mx_float64(x, 1) @ _mx_float64(w, 1).T, _mx_float64(g, 1) @ _mx_float64(w, 0),
-                _mx_float64(g, 0).T @ _mx_float64(x, 0))
+        return (
+            _mx_float64(x, 1) @ _mx_float64(w, 1).T,
+            _mx_float64(g, 1) @ _mx_float64(w, 0),
+            _mx_float64(g, 0).T @ _mx_float64(x, 0),
+        )
 
     got = _grads(x, w, offs, g, MX)
     want = _per_group(x.double(), w.double(), ends, g.double(), reference)
@@ -313,8 +326,9 @@ def test_nvfp4_per_expert_folds_the_expert_index_into_the_key():
     x[48:80], w[3], g[48:80] = x[16:48], w[2], g[16:48]
     _, _, gw = _grads(x, w, offs, g, NVFP4, random=(key, "experts"))
     assert not torch.equal(gw[2], gw[3])
-    _, _, gw_plain = _grads(x, w, offs, g, fp8fn.NVFP4Scaling(stochastic_rounding=False,
-                                                              hadamard=False))
+    _, _, gw_plain = _grads(
+        x, w, offs, g, fp8fn.NVFP4Scaling(stochastic_rounding=False, hadamard=False)
+    )
     assert torch.equal(gw_plain[2], gw_plain[3])
 
 
@@ -327,8 +341,11 @@ def _random(recipe):
 
 
 @pytest.mark.parametrize("recipe", ALL_RECIPES, ids=RECIPE_IDS)
-@pytest.mark.parametrize("ends", [[0, 20, 20, 45], [0, 0, 0, 0], [10, 30, 30, 30]],
-                         ids=["first_and_third_idle", "all_idle", "rows_past_the_end"])
+@pytest.mark.parametrize(
+    "ends",
+    [[0, 20, 20, 45], [0, 0, 0, 0], [10, 30, 30, 30]],
+    ids=["first_and_third_idle", "all_idle", "rows_past_the_end"],
+)
 def test_stateless_recipes_idle_experts_and_empty_groups(recipe, ends):
     x, w, _, g = _bf16_case([45], 4, seed=13)
     offs = torch.tensor(ends, dtype=torch.int32)
@@ -339,8 +356,8 @@ def test_stateless_recipes_idle_experts_and_empty_groups(recipe, ends):
             assert torch.equal(gw[e], torch.zeros_like(gw[e]))
         else:
             assert gw[e].abs().sum() > 0 and out[s:t].abs().sum() > 0
-    assert torch.equal(out[ends[-1]:], torch.zeros_like(out[ends[-1]:]))
-    assert torch.equal(gx[ends[-1]:], torch.zeros_like(gx[ends[-1]:]))
+    assert torch.equal(out[ends[-1] :], torch.zeros_like(out[ends[-1] :]))
+    assert torch.equal(gx[ends[-1] :], torch.zeros_like(gx[ends[-1] :]))
 
 
 @pytest.mark.parametrize("recipe", ALL_RECIPES, ids=RECIPE_IDS)
@@ -359,8 +376,11 @@ def test_stateless_recipes_torch_func_grad_equals_autograd(recipe):
 
 def test_mxfp8_refuses_float16():
     x, w, offs, _ = _bf16_case([8, 16], 2, dtype=torch.float16)
-    with pytest.raises(TypeError, match=r"expected `x` and `weight` in float32 or bfloat16 under "
-                                        r"MXScaling, got float16"):
+    with pytest.raises(
+        TypeError,
+        match=r"expected `x` and `weight` in float32 or bfloat16 under "
+        r"MXScaling, got float16",
+    ):
         grouped_mm(x, w, offs, recipe=MX)
 
 
@@ -399,16 +419,25 @@ def test_custom_ops_that_torch_compile_runs_are_the_dense_op_per_expert(recipe):
         key = torch.tensor(7.0, dtype=torch.float64)
         expert_keys = torch.stack([fold_key(key, e) for e in range(4)]).to(torch.int64)
         args = (recipe.stochastic_rounding, recipe.hadamard, recipe.weight_2d, site_id("e"), 0)
-        rows, weights, linear = ops.nvfp4_grouped_rows, ops.nvfp4_grouped_weights, (
-            _fp8fn_linear(recipe, key, "e"))
+        rows, weights, linear = (
+            ops.nvfp4_grouped_rows,
+            ops.nvfp4_grouped_weights,
+            (_fp8fn_linear(recipe, key, "e")),
+        )
         rows_args, weights_args = (expert_keys,), (expert_keys, *args)
     else:
         args = (*_recipe_args(recipe), "emulated")
-        rows, weights, linear = ops.finer_grouped_rows, ops.finer_grouped_weights, (
-            _fp8fn_linear(recipe))
+        rows, weights, linear = (
+            ops.finer_grouped_rows,
+            ops.finer_grouped_weights,
+            (_fp8fn_linear(recipe)),
+        )
         rows_args, weights_args = (), args
-    got = (rows(x, w, offs, *rows_args, 0, *args), rows(g, w, offs, *rows_args, 1, *args),
-           weights(g, x, offs, *weights_args))
+    got = (
+        rows(x, w, offs, *rows_args, 0, *args),
+        rows(g, w, offs, *rows_args, 1, *args),
+        weights(g, x, offs, *weights_args),
+    )
     for a, b in zip(got, _per_group(x, w, ends, g, linear)):
         assert torch.equal(a.to(b.dtype), b)
     torch.library.opcheck(rows, (g, w, offs, *rows_args, 1, *args))
@@ -422,9 +451,12 @@ def test_custom_op_arguments_carry_every_field_of_the_stateless_recipes():
 
     from fp8fn._ops.grouped_block_scaled import _recipe, _recipe_args
 
-    carried = {fp8fn.RowwiseScaling: {"hp_grad_weight"}, fp8fn.BlockwiseScaling: {"block_size"},
-               fp8fn.MXScaling: {"block_size", "scale_rounding"},
-               fp8fn.NVFP4Scaling: {"stochastic_rounding", "hadamard", "weight_2d"}}
+    carried = {
+        fp8fn.RowwiseScaling: {"hp_grad_weight"},
+        fp8fn.BlockwiseScaling: {"block_size"},
+        fp8fn.MXScaling: {"block_size", "scale_rounding"},
+        fp8fn.NVFP4Scaling: {"stochastic_rounding", "hadamard", "weight_2d"},
+    }
     for cls, names in carried.items():
         assert {f.name for f in dataclasses.fields(cls)} - {"backend"} == names
     for recipe in FINER_RECIPES:

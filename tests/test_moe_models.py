@@ -82,8 +82,11 @@ def test_summary_gives_each_weight_and_its_share():
 
 def test_routers_chosen_out_are_not_reported():
     model = build("mixtral")
-    fn = fp8fn.transform(model, fp8fn.DelayedScaling(),
-                         filter_fn=lambda name, module: not name.endswith("gate.weight"))
+    fn = fp8fn.transform(
+        model,
+        fp8fn.DelayedScaling(),
+        filter_fn=lambda name, module: not name.endswith("gate.weight"),
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         fn.init(batch())
@@ -204,8 +207,12 @@ def test_64_experts_stay_two_leaves_and_update_is_unchanged():
     assert state.amax_history.shape == (64, 3, 16)
 
 
-_STATELESS = [fp8fn.RowwiseScaling(), fp8fn.BlockwiseScaling(), fp8fn.MXScaling(),
-              fp8fn.NVFP4Scaling()]
+_STATELESS = [
+    fp8fn.RowwiseScaling(),
+    fp8fn.BlockwiseScaling(),
+    fp8fn.MXScaling(),
+    fp8fn.NVFP4Scaling(),
+]
 
 
 def _recipe_id(recipe):
@@ -235,13 +242,21 @@ def test_experts_stateless_recipes_run_the_grouped_op(recipe, route):
             random = (state.key, "w") if state.key is not None else None
             want = grouped_mm(xr, w, offs, recipe=recipe, random=random)
         else:
-            want = torch.cat([
-                fp8fn.linear(xr[s:t], w[e], None, recipe=recipe,
-                             site_state=None if state.key is None else (state.key, f"w[{e}]"))
-                for e, (s, t) in enumerate(zip([0, *ends[:-1]], ends))
-            ])
+            want = torch.cat(
+                [
+                    fp8fn.linear(
+                        xr[s:t],
+                        w[e],
+                        None,
+                        recipe=recipe,
+                        site_state=None if state.key is None else (state.key, f"w[{e}]"),
+                    )
+                    for e, (s, t) in enumerate(zip([0, *ends[:-1]], ends))
+                ]
+            )
         want_gx, want_gw = torch.autograd.grad((want * g).sum(), (xr, w))
         if route == "func":
+
             def f(p, xx):
                 return (fn.apply(p, state, xx, ends) * g).sum()
 
@@ -254,8 +269,12 @@ def test_experts_stateless_recipes_run_the_grouped_op(recipe, route):
             got_gx, got_gw = torch.autograd.grad((out * g).sum(), (xa, wa))
         assert torch.equal(out, want), form
         assert torch.equal(got_gx, want_gx) and torch.equal(got_gw, want_gw), form
-        exact = torch.cat([x[s:t] @ module.w.detach()[e].t()
-                           for e, (s, t) in enumerate(zip([0, *ends[:-1]], ends))])
+        exact = torch.cat(
+            [
+                x[s:t] @ module.w.detach()[e].t()
+                for e, (s, t) in enumerate(zip([0, *ends[:-1]], ends))
+            ]
+        )
         assert sqnr(exact, out) >= (12.0 if isinstance(recipe, fp8fn.NVFP4Scaling) else 25.0)
 
 
@@ -265,6 +284,7 @@ def test_mixtral_trains_with_a_stateless_recipe_on_its_experts(recipe):
     few percent of float32 on both routes; the grouped_mm implementation (the grouped op) next
     to the eager one (the dense op per expert) within float32 summation order (NVFP4: other
     random draws, hence within a few percent)."""
+
     def choose(name, module):
         return recipe if "experts" in name else fp8fn.DelayedScaling()
 
@@ -295,8 +315,11 @@ def test_experts_sites_apart_in_the_state_raise():
     flat = fp8fn.flatten_state(state)
     order = ["w[0]", "w[2]", "w[1]", "w[3]"]
     shuffled = {k: flat[k] for s in order for k in flat if k.startswith(s + ".")}
-    with pytest.raises(ValueError, match=r"expected the sites of the 4 experts of 'w' \(call 0\) "
-                                         r"in `state`, one after another, got them apart"):
+    with pytest.raises(
+        ValueError,
+        match=r"expected the sites of the 4 experts of 'w' \(call 0\) "
+        r"in `state`, one after another, got them apart",
+    ):
         fn.apply(dict(module.named_parameters()), fp8fn.unflatten_state(shuffled, recipe), x, ends)
 
 
@@ -387,12 +410,17 @@ def test_routers_and_gates_next_to_experts_stay_in_high_precision():
     assert "4 weight(s)" in warned and "'model.layers.0.mlp.gate.weight' (F.linear)" in warned
     assert "'model.layers.1.mlp.shared_expert_gate.weight' (F.linear; router or gate)" in warned
     assert not any("shared_expert_gate" in n for n in fn.layers)
-    row = next(r for r in fn.summary().splitlines()
-               if r.startswith("model.layers.1.mlp.shared_expert_gate.weight "))
+    row = next(
+        r
+        for r in fn.summary().splitlines()
+        if r.startswith("model.layers.1.mlp.shared_expert_gate.weight ")
+    )
     assert row.endswith("high precision (F.linear; router or gate; not converted)")
-    quiet = fp8fn.transform(model, fp8fn.DelayedScaling(),
-                            filter_fn=lambda name, module: not name.endswith(
-                                ("mlp.gate.weight", "shared_expert_gate")))
+    quiet = fp8fn.transform(
+        model,
+        fp8fn.DelayedScaling(),
+        filter_fn=lambda name, module: not name.endswith(("mlp.gate.weight", "shared_expert_gate")),
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         quiet.init(batch())
@@ -401,8 +429,11 @@ def test_routers_and_gates_next_to_experts_stay_in_high_precision():
 
     routed = _Routed()
     fn = fp8fn.transform(routed, fp8fn.CurrentScaling())
-    with pytest.warns(UserWarning, match=r"1 weight\(s\).*'block.router.weight' \(F.linear; "
-                                         r"router or gate\)"):
+    with pytest.warns(
+        UserWarning,
+        match=r"1 weight\(s\).*'block.router.weight' \(F.linear; "
+        r"router or gate\)",
+    ):
         fn.init(torch.randn(20, 32))
     assert fn.layers == ["head", "block.w"]
     x = torch.randn(20, 32)
@@ -410,8 +441,10 @@ def test_routers_and_gates_next_to_experts_stay_in_high_precision():
     ids = routed.block.router(x).argmax(-1)  # the router in float32: the same experts chosen
     y = torch.zeros(20, 24)
     for e in ids.unique().tolist():  # each expert's rows, current scaling per expert
-        y[ids == e] = fp8fn.linear(x[ids == e], routed.block.w[e], None, None,
-                                   recipe=fp8fn.CurrentScaling())
-    want = fp8fn.linear(y, routed.head.weight, routed.head.bias, None,
-                        recipe=fp8fn.CurrentScaling())
+        y[ids == e] = fp8fn.linear(
+            x[ids == e], routed.block.w[e], None, None, recipe=fp8fn.CurrentScaling()
+        )
+    want = fp8fn.linear(
+        y, routed.head.weight, routed.head.bias, None, recipe=fp8fn.CurrentScaling()
+    )
     torch.testing.assert_close(out, want, rtol=0, atol=0)

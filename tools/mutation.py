@@ -561,6 +561,7 @@ MUTATIONS += [
     ),
 ]
 
+
 class SetupError(Exception):
     pass
 

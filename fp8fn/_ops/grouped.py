@@ -41,8 +41,9 @@ from .tensorwise import _scales, placement_of
 def _group_ids(offs: torch.Tensor, rows: int) -> torch.Tensor:
     """The expert of each of `rows` rows, int64 `(rows,)`, from the cumulative group ends
     `offs` (int `(E,)`, non-decreasing, last <= rows; rows past the last end get id E)."""
-    return torch.searchsorted(offs.to(torch.int64), torch.arange(rows, device=offs.device),
-                              right=True)
+    return torch.searchsorted(
+        offs.to(torch.int64), torch.arange(rows, device=offs.device), right=True
+    )
 
 
 def _group_amax(hp: torch.Tensor, ids: torch.Tensor, experts: int) -> torch.Tensor:
@@ -65,8 +66,14 @@ def expert_amax(weight: torch.Tensor) -> torch.Tensor:
 
 def _one_scaled_grouped_mm(x, weight, backend: str) -> bool:
     """Whether the forward runs as one `torch._scaled_grouped_mm` (see the module docstring)."""
-    return (backend == "scaled_mm" and x.is_cuda and scaled_grouped_mm_available()
-            and x.dtype == torch.bfloat16 and x.shape[1] % 16 == 0 and weight.shape[1] % 16 == 0)
+    return (
+        backend == "scaled_mm"
+        and x.is_cuda
+        and scaled_grouped_mm_available()
+        and x.dtype == torch.bfloat16
+        and x.shape[1] % 16 == 0
+        and weight.shape[1] % 16 == 0
+    )
 
 
 def _scaled_grouped_forward(x_fp8, w_fp8, x_inv, w_inv, ids, offs):
@@ -101,8 +108,13 @@ class _Fp8GroupedMM(torch.autograd.Function):
         cast = place.float8_weight(weight)  # FSDP2's float8 all-gather: bytes, scales, amaxes
         w_amax = expert_amax(weight) if cast is None else cast[2]
         amaxes = torch.stack([x_amax, w_amax], 1)
-        scales = _scales(amaxes, None if newest is None else newest[:, :2],
-                         None if stored is None else stored[:, :2], margin, (448.0, 448.0))
+        scales = _scales(
+            amaxes,
+            None if newest is None else newest[:, :2],
+            None if stored is None else stored[:, :2],
+            margin,
+            (448.0, 448.0),
+        )
         x_scale, w_scale = scales.unbind(1)
         x_rows = torch.cat([x_scale, x_scale.new_ones(1)])[ids]
         x_fp8 = cast_to_fp8(x, x_rows[:, None], E4M3)
@@ -135,8 +147,13 @@ class _Fp8GroupedMM(torch.autograd.Function):
         with no_autocast(grad_out):
             ids = _group_ids(offs, grad_out.shape[0])
             g_amax = _group_amax(grad_out, ids, experts)
-            g_scale = _scales(g_amax, None if newest is None else newest[:, 2],
-                              None if stored is None else stored[:, 2], ctx.margin, 57344.0)
+            g_scale = _scales(
+                g_amax,
+                None if newest is None else newest[:, 2],
+                None if stored is None else stored[:, 2],
+                ctx.margin,
+                57344.0,
+            )
             g_rows = torch.cat([g_scale, g_scale.new_ones(1)])[ids]
             g_fp8 = cast_to_fp8(grad_out, g_rows[:, None], E5M2)
             g_inv = g_scale.reciprocal()
@@ -152,8 +169,18 @@ class _Fp8GroupedMM(torch.autograd.Function):
         return tuple(first_order_only(grads, x_amax))
 
 
-def grouped_mm(x, weight, offs, newest=None, stored=None, margin: int = 0,
-               backend: str = "emulated", recipe=None, random=None, api: str = "grouped_mm"):
+def grouped_mm(
+    x,
+    weight,
+    offs,
+    newest=None,
+    stored=None,
+    margin: int = 0,
+    backend: str = "emulated",
+    recipe=None,
+    random=None,
+    api: str = "grouped_mm",
+):
     """Float8 grouped GEMM: `(T, N)` of x's dtype, rows `offs[e-1]:offs[e]` of `x @ weight[e].T`.
 
     Args:

@@ -64,8 +64,12 @@ from .nvfp4 import (
 def _recipe_args(recipe) -> tuple[str, int, bool, str]:
     """`(class name, block_size, hp_grad_weight, scale_rounding)` of a finer recipe (0, False
     and "" where the recipe has no such field)."""
-    return (type(recipe).__name__, getattr(recipe, "block_size", 0),
-            getattr(recipe, "hp_grad_weight", False), getattr(recipe, "scale_rounding", ""))
+    return (
+        type(recipe).__name__,
+        getattr(recipe, "block_size", 0),
+        getattr(recipe, "hp_grad_weight", False),
+        getattr(recipe, "scale_rounding", ""),
+    )
 
 
 def _recipe(kind: str, block_size: int, hp_grad_weight: bool, scale_rounding: str):
@@ -78,9 +82,17 @@ def _recipe(kind: str, block_size: int, hp_grad_weight: bool, scale_rounding: st
     return MXScaling(block_size=block_size, scale_rounding=scale_rounding)
 
 
-def _rows(a: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, gemm: int, kind: str,
-          block_size: int, hp_grad_weight: bool, scale_rounding: str,
-          backend: str) -> torch.Tensor:
+def _rows(
+    a: torch.Tensor,
+    weight: torch.Tensor,
+    offs: torch.Tensor,
+    gemm: int,
+    kind: str,
+    block_size: int,
+    hp_grad_weight: bool,
+    scale_rounding: str,
+    backend: str,
+) -> torch.Tensor:
     """The output (`gemm` 0, `a` = x `(T, K)`) or grad_input (`gemm` 1, `a` = the output
     gradient `(T, N)`) GEMM of each group's rows of `a` with `weight[e]` (`(E, N, K)`), as
     the dense op's: `(T, N)` or `(T, K)` in `a`'s dtype, rows past `offs[-1]` 0."""
@@ -93,13 +105,20 @@ def _rows(a: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, gemm: int, 
     return out
 
 
-def _rows_fake(a, weight, offs, gemm, kind, block_size, hp_grad_weight, scale_rounding,
-               backend):
+def _rows_fake(a, weight, offs, gemm, kind, block_size, hp_grad_weight, scale_rounding, backend):
     return a.new_empty(a.shape[0], weight.shape[2 if gemm else 1])
 
 
-def _weights(g: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, kind: str, block_size: int,
-             hp_grad_weight: bool, scale_rounding: str, backend: str) -> torch.Tensor:
+def _weights(
+    g: torch.Tensor,
+    x: torch.Tensor,
+    offs: torch.Tensor,
+    kind: str,
+    block_size: int,
+    hp_grad_weight: bool,
+    scale_rounding: str,
+    backend: str,
+) -> torch.Tensor:
     """The grad_weight GEMM of each group, as the dense op's on its rows of `g` `(T, N)` and
     `x` `(T, K)`: `(E, N, K)` in `g`'s dtype, 0 for an empty group."""
     recipe = _recipe(kind, block_size, hp_grad_weight, scale_rounding)
@@ -173,14 +192,24 @@ def finer_grouped_mm(x, weight, offs, recipe, backend):
 # `(E,)`, expert e's key folded with e (None: a recipe without randomness).
 
 
-def _nvfp4_rows(a: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor,
-                expert_keys: torch.Tensor | None, gemm: int, stochastic_rounding: bool,
-                hadamard: bool, weight_2d: bool, site: int, rank: int) -> torch.Tensor:
+def _nvfp4_rows(
+    a: torch.Tensor,
+    weight: torch.Tensor,
+    offs: torch.Tensor,
+    expert_keys: torch.Tensor | None,
+    gemm: int,
+    stochastic_rounding: bool,
+    hadamard: bool,
+    weight_2d: bool,
+    site: int,
+    rank: int,
+) -> torch.Tensor:
     """The output (`gemm` 0, `a` = x `(T, K)`) or grad_input (`gemm` 1, `a` = the output
     gradient `(T, N)`) GEMM of each group's rows with `weight[e]` `(E, N, K)`, as the dense
     NVFP4 op's: float32 `(T, N)` or `(T, K)`, rows past `offs[-1]` 0."""
-    recipe = NVFP4Scaling(stochastic_rounding=stochastic_rounding, hadamard=hadamard,
-                          weight_2d=weight_2d)
+    recipe = NVFP4Scaling(
+        stochastic_rounding=stochastic_rounding, hadamard=hadamard, weight_2d=weight_2d
+    )
     out = a.new_zeros(a.shape[0], weight.shape[2 if gemm else 1], dtype=torch.float32)
     for e, (s, t) in enumerate(bounds(offs)):
         if t == s:
@@ -198,13 +227,22 @@ def _nvfp4_rows_fake(a, weight, offs, expert_keys, gemm, *args):
     return a.new_empty(a.shape[0], weight.shape[2 if gemm else 1], dtype=torch.float32)
 
 
-def _nvfp4_weights(g: torch.Tensor, x: torch.Tensor, offs: torch.Tensor,
-                   expert_keys: torch.Tensor | None, stochastic_rounding: bool, hadamard: bool,
-                   weight_2d: bool, site: int, rank: int) -> torch.Tensor:
+def _nvfp4_weights(
+    g: torch.Tensor,
+    x: torch.Tensor,
+    offs: torch.Tensor,
+    expert_keys: torch.Tensor | None,
+    stochastic_rounding: bool,
+    hadamard: bool,
+    weight_2d: bool,
+    site: int,
+    rank: int,
+) -> torch.Tensor:
     """The grad_weight GEMM of each group, as the dense NVFP4 op's on its rows of `g` `(T, N)`
     and `x` `(T, K)`: float32 `(E, N, K)`, 0 for an empty group."""
-    recipe = NVFP4Scaling(stochastic_rounding=stochastic_rounding, hadamard=hadamard,
-                          weight_2d=weight_2d)
+    recipe = NVFP4Scaling(
+        stochastic_rounding=stochastic_rounding, hadamard=hadamard, weight_2d=weight_2d
+    )
     out = g.new_zeros(offs.shape[0], g.shape[1], x.shape[1], dtype=torch.float32)
     for e, (s, t) in enumerate(bounds(offs)):
         if t > s:
@@ -219,8 +257,9 @@ def _nvfp4_weights_fake(g, x, offs, *args):
 
 
 nvfp4_rows = custom_op_when_compiling("nvfp4_grouped_rows", _nvfp4_rows, _nvfp4_rows_fake)
-nvfp4_weights = custom_op_when_compiling("nvfp4_grouped_weights", _nvfp4_weights,
-                                         _nvfp4_weights_fake)
+nvfp4_weights = custom_op_when_compiling(
+    "nvfp4_grouped_weights", _nvfp4_weights, _nvfp4_weights_fake
+)
 
 
 class _NVFP4GroupedMM(torch.autograd.Function):
@@ -279,8 +318,8 @@ def nvfp4_grouped_mm(x, weight, offs, recipe, random):
     if key is not None:
         keys.check_key("apply", key)
         site = keys.site_id(site)
-        expert_keys = torch.stack([keys.fold_key(key.detach(), e) for e in
-                                   range(weight.shape[0])]).to(torch.int64)
-    out, _ = _NVFP4GroupedMM.apply(x, weight, offs, expert_keys, recipe, site,
-                                   keys.process_rank())
+        expert_keys = torch.stack(
+            [keys.fold_key(key.detach(), e) for e in range(weight.shape[0])]
+        ).to(torch.int64)
+    out, _ = _NVFP4GroupedMM.apply(x, weight, offs, expert_keys, recipe, site, keys.process_rank())
     return out

@@ -30,8 +30,16 @@ def bounds(offs: torch.Tensor) -> list[tuple[int, int]]:
     return list(zip([0] + ends[:-1], ends))
 
 
-def _rows_mm(a: torch.Tensor, b: torch.Tensor, a_inv: torch.Tensor, b_inv: torch.Tensor,
-            offs: torch.Tensor, out_dtype: torch.dtype, backend: str, b_t: bool) -> torch.Tensor:
+def _rows_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_inv: torch.Tensor,
+    b_inv: torch.Tensor,
+    offs: torch.Tensor,
+    out_dtype: torch.dtype,
+    backend: str,
+    b_t: bool,
+) -> torch.Tensor:
     """See the module docstring. a: float8 `(T, K)`; b: float8 `(E, N, K)`, or `(E, K, N)`
     when `b_t`; a_inv, b_inv: float32 `(E,)`; offs: int32 `(E,)`."""
     n = b.shape[2] if b_t else b.shape[1]
@@ -47,8 +55,15 @@ def _rows_mm_fake(a, b, a_inv, b_inv, offs, out_dtype, backend, b_t):
     return a.new_empty(a.shape[0], b.shape[2] if b_t else b.shape[1], dtype=out_dtype)
 
 
-def _weight_mm(g: torch.Tensor, x: torch.Tensor, g_inv: torch.Tensor, x_inv: torch.Tensor,
-              offs: torch.Tensor, out_dtype: torch.dtype, backend: str) -> torch.Tensor:
+def _weight_mm(
+    g: torch.Tensor,
+    x: torch.Tensor,
+    g_inv: torch.Tensor,
+    x_inv: torch.Tensor,
+    offs: torch.Tensor,
+    out_dtype: torch.dtype,
+    backend: str,
+) -> torch.Tensor:
     """See the module docstring. g: float8 `(T, N)`; x: float8 `(T, K)`; g_inv, x_inv:
     float32 `(E,)`; offs: int32 `(E,)`."""
     out = torch.zeros(offs.shape[0], g.shape[1], x.shape[1], dtype=out_dtype, device=g.device)
@@ -60,7 +75,6 @@ def _weight_mm(g: torch.Tensor, x: torch.Tensor, g_inv: torch.Tensor, x_inv: tor
 
 def _weight_mm_fake(g, x, g_inv, x_inv, offs, out_dtype, backend):
     return g.new_empty(offs.shape[0], g.shape[1], x.shape[1], dtype=out_dtype)
-
 
 
 def custom_op_when_compiling(name: str, fn, fake):

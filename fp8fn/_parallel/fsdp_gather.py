@@ -243,8 +243,11 @@ class Float8GatheredWeight(torch.Tensor):
         return f"Float8GatheredWeight(shape={tuple(self.shape)}, dtype={self.dtype})"
 
     def dequantize(self) -> torch.Tensor:
-        scale = self._scale.reshape(-1, *[1] * (self._data.dim() - 1)) if self._scale.dim() else (
-            self._scale)
+        scale = (
+            self._scale.reshape(-1, *[1] * (self._data.dim() - 1))
+            if self._scale.dim()
+            else (self._scale)
+        )
         return (self._data.float() / scale).to(self.dtype)
 
     def fp8fn_placement(self) -> _Float8Gathered:
@@ -265,9 +268,7 @@ class Float8GatheredWeight(torch.Tensor):
             return whole.transpose(-2, -1) if flipped else whole
         if self._again is None or self._again[0] is not scale:
             shard, mesh, rows = self._source
-            local = cast_to_fp8(
-                shard._tensor, _shard_scale(scale, mesh, rows, shard._tensor), E4M3
-            )
+            local = cast_to_fp8(shard._tensor, _shard_scale(scale, mesh, rows, shard._tensor), E4M3)
             self._again = (scale, _AllGather.apply(local, mesh.get_group(), rows))
         return self._again[1]
 
@@ -315,8 +316,14 @@ def _expert_view(cls, func, args, kwargs):
         if dim % nd != 0:
             return None
         e = e % src.shape[0]
-        return cls(src._data[e], src._scale[e], src._amax[e], src.dtype, src._source,
-                   (root, stamp, e, flipped))
+        return cls(
+            src._data[e],
+            src._scale[e],
+            src._amax[e],
+            src.dtype,
+            src._source,
+            (root, stamp, e, flipped),
+        )
     if func is _aten.transpose.int and not kwargs:
         dims = sorted(d % nd for d in args[1:3])
         if dims != [nd - 2, nd - 1] or nd < 2:
@@ -324,8 +331,9 @@ def _expert_view(cls, func, args, kwargs):
     elif not (func is _aten.t.default and nd == 2):
         return None
     data = src._data.transpose(-2, -1)
-    return cls(data, src._scale, src._amax, src.dtype, src._source,
-               (root, stamp, expert, not flipped))
+    return cls(
+        data, src._scale, src._amax, src.dtype, src._source, (root, stamp, expert, not flipped)
+    )
 
 
 def _shard_scale(scale: torch.Tensor, mesh, rows: int, shard: torch.Tensor) -> torch.Tensor:
@@ -357,8 +365,9 @@ class _Float8Gathered(Local):
 
     def __init__(self, weight: Float8GatheredWeight):
         self.weight = weight
-        self.root, self.scale = (weight, weight._scale) if weight._view is None else (
-            weight._view[:2])
+        self.root, self.scale = (
+            (weight, weight._scale) if weight._view is None else (weight._view[:2])
+        )
 
     def float8_weight(self, weight):
         return weight._data, weight._scale, weight._amax
@@ -435,8 +444,11 @@ def weight_scales(entries, state) -> dict:
     """
     # Views, by Python index: an index tensor would be a copy to the device (a device sync).
     weights = [getattr(module, attr) for module, attr, _, _ in entries]
-    spans = [(r, r + (len(w) if w.dim() >= 3 else 1)) for w, (_, _, r, _) in
-             zip(weights, entries) if r is not None]
+    spans = [
+        (r, r + (len(w) if w.dim() >= 3 else 1))
+        for w, (_, _, r, _) in zip(weights, entries)
+        if r is not None
+    ]
     if state.filled is not None:  # static: whether each weight history holds an amax
         empty = [not all(state.filled[3 * r + 1] for r in range(*span)) for span in spans]
     else:  # not known (a state made by hand): read the values (a device sync; not for experts)

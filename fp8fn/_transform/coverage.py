@@ -23,8 +23,11 @@ def _rows(transformed, weights: dict) -> list[tuple[str, int, str]]:
             layer = name.rpartition(".")[0]
             if layer in transformed._gates:  # left out by default: reported as the routers
                 sub = transformed.module.get_submodule(layer)
-                chosen = "chosen" if transformed._chosen(layer, sub) is None else (
-                    "router or gate; not converted")
+                chosen = (
+                    "chosen"
+                    if transformed._chosen(layer, sub) is None
+                    else ("router or gate; not converted")
+                )
             how[name] = "float8" if op is None else f"high precision ({op}; {chosen})"
     order = {n: i for i, n in enumerate(params)}
     rows = [(n, params[n].numel(), h) for n, h in how.items() if n in params]
@@ -70,8 +73,9 @@ def report_high_precision(transformed, weights: dict) -> bool:
     if not silent:
         return False
     share = _share(sum(k for _, k, _ in silent), total)
-    named = ", ".join(f"{n!r} ({h[len('high precision ('):-len('; not converted)')]})"
-                      for n, _, h in silent)
+    named = ", ".join(
+        f"{n!r} ({h[len('high precision (') : -len('; not converted)')]})" for n, _, h in silent
+    )
     warnings.warn(
         f"fp8fn.init: {len(silent)} weight(s) run their GEMMs in high precision, {share} of the "
         f"model's matmul weights: {named}. fp8fn converts nn.Linear, HF Conv1D, "

@@ -31,8 +31,17 @@ _MATMULS = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm
 _BMMS = (torch.bmm, torch.Tensor.bmm)
 # Every op that multiplies a weight: a weight reaching one of these and not converted is
 # reported (`Transformed.init`).
-GEMMS = (F.linear, torch.addmm, torch.Tensor.addmm, torch.Tensor.__rmatmul__, torch.baddbmm,
-         torch.einsum, *_MATMULS, *_BMMS, *GROUPED_MM)
+GEMMS = (
+    F.linear,
+    torch.addmm,
+    torch.Tensor.addmm,
+    torch.Tensor.__rmatmul__,
+    torch.baddbmm,
+    torch.einsum,
+    *_MATMULS,
+    *_BMMS,
+    *GROUPED_MM,
+)
 
 
 def grouped_ops() -> tuple:
@@ -42,11 +51,26 @@ def grouped_ops() -> tuple:
     `torch._grouped_mm` cannot run. Read at `transform` (it appears when transformers loads)."""
     hf = getattr(getattr(torch.ops, "transformers", None), "grouped_mm_fallback", None)
     return GROUPED_MM if hf is None else (*GROUPED_MM, hf)
-_TRANSPOSES = (torch.Tensor.transpose, torch.transpose, torch.Tensor.swapaxes,
-               torch.swapaxes, torch.Tensor.swapdims, torch.swapdims)
+
+
+_TRANSPOSES = (
+    torch.Tensor.transpose,
+    torch.transpose,
+    torch.Tensor.swapaxes,
+    torch.swapaxes,
+    torch.Tensor.swapdims,
+    torch.swapdims,
+)
 _FLIPS = (torch.Tensor.t, torch.t, torch.Tensor.T.__get__, torch.Tensor.mT.__get__)
-DERIVING = (torch.Tensor.__getitem__, torch.Tensor.select, torch.select, torch.Tensor.unbind,
-            torch.unbind, *_TRANSPOSES, *_FLIPS)
+DERIVING = (
+    torch.Tensor.__getitem__,
+    torch.Tensor.select,
+    torch.select,
+    torch.Tensor.unbind,
+    torch.unbind,
+    *_TRANSPOSES,
+    *_FLIPS,
+)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -114,8 +138,11 @@ def find_gates(module, experts: list[_Experts]) -> set[str]:
 
     def linear_children(path):
         prefix = f"{path}." if path else ""
-        return [(prefix + n, c) for n, c in module.get_submodule(path).named_children()
-                if isinstance(c, nn.Linear)]
+        return [
+            (prefix + n, c)
+            for n, c in module.get_submodule(path).named_children()
+            if isinstance(c, nn.Linear)
+        ]
 
     for entry in experts:
         owner_path = entry.path.rpartition(".")[0]

@@ -152,8 +152,9 @@ class Fsdp2:
                 return positions[site_name(g.site, 0)]
             return expert_rows("apply", positions, g.path, len(held), 0)
 
-        entries = [(g.module, g.attr, row(g), getattr(g.recipe, "margin", 0))
-                   for g in self.gathered]
+        entries = [
+            (g.module, g.attr, row(g), getattr(g.recipe, "margin", 0)) for g in self.gathered
+        ]
         return ScalesForCall(weight_scales(entries, state))
 
 

@@ -267,9 +267,20 @@ class _Call(TorchFunctionMode):
         random = None  # NVFP4: expert e draws with the key folded with e, at the call's site
         if isinstance(entry.recipe, NVFP4Scaling):
             random = (self.state.key, site_name(entry.path, k))
-        return gemm.finish(grouped_mm(x, weight, gemm.offs, newest, stored, margin, backend,
-                                      recipe=entry.recipe, random=random,
-                                      api=f"apply: experts {entry.path!r}"))
+        return gemm.finish(
+            grouped_mm(
+                x,
+                weight,
+                gemm.offs,
+                newest,
+                stored,
+                margin,
+                backend,
+                recipe=entry.recipe,
+                random=random,
+                api=f"apply: experts {entry.path!r}",
+            )
+        )
 
     def _newest_rows(self):
         """`state.amax_history[..., 0]`, `(n_sites, 3)`, taken once per call."""

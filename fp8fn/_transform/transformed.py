@@ -164,15 +164,18 @@ class Transformed:
         # routers and gates next to the experts: high precision, unless a recipe function
         # chooses for them
         self._gates = find_gates(module, self._experts) if isinstance(recipe, RECIPES) else set()
-        self._layers = _find_layers(module, recipe, filter_fn, warn=not self._experts,
-                                    gates=self._gates)
+        self._layers = _find_layers(
+            module, recipe, filter_fn, warn=not self._experts, gates=self._gates
+        )
         self.recipes = {layer.path: layer.recipe for layer in self._layers}
         self.recipes.update({e.path: e.recipe for e in self._experts if e.path in self._confirmed})
         self.layers = list(self.recipes)
         self._delayed = self._delayed_recipe()
         self._stateful = [m.path for m in self._layers if isinstance(m.recipe, DelayedScaling)]
         self._stateful_experts = {  # `path[e]` of the delayed experts weights
-            e.expert(i): e for e in self._experts if isinstance(e.recipe, DelayedScaling)
+            e.expert(i): e
+            for e in self._experts
+            if isinstance(e.recipe, DelayedScaling)
             for i in range(e.experts)
         }
         self._fsdp = Fsdp2(module, self._layers, self._experts)  # slots, float8 all-gathers
@@ -326,7 +329,8 @@ class Transformed:
         recipe = self._delayed or DelayedScaling(history_len=1)
         names = [site_name(p, k) for p in self._stateful for k in range(max(calls.get(p, 0), 1))]
         experts = [
-            e for e in self._experts
+            e
+            for e in self._experts
             if isinstance(e.recipe, DelayedScaling) and e.path in self._confirmed
         ]
         for entry in experts:  # each call: one row per expert, contiguous
@@ -337,7 +341,8 @@ class Transformed:
         first = next((m for m in self._layers if m.path in stateful), None)
         nvfp4 = [m for m in self._layers if isinstance(m.recipe, NVFP4Scaling)]
         nvfp4_experts = [
-            e for e in self._experts
+            e
+            for e in self._experts
             if isinstance(e.recipe, NVFP4Scaling) and e.path in self._confirmed
         ]
         first = first or next(iter(nvfp4), None)
@@ -465,7 +470,8 @@ class Transformed:
         the frame runs."""
         watched = call.touched & self._torch_grouped & self._confirmed
         names = sorted(
-            e.path for e in self._experts
+            e.path
+            for e in self._experts
             if e.path in watched and not any(call.counts.get(e.expert(i)) for i in range(e.experts))
         )
         if names:
@@ -526,8 +532,10 @@ class Transformed:
             )
         if state.sites is not self._known_sites:
             missing = [p for p in self._stateful if site_name(p, 0) not in state] + [
-                e.expert(0) for e in self._experts
-                if e.path in self._confirmed and isinstance(e.recipe, DelayedScaling)
+                e.expert(0)
+                for e in self._experts
+                if e.path in self._confirmed
+                and isinstance(e.recipe, DelayedScaling)
                 and e.expert(0) not in state
             ]
             stateful = set(self._stateful)
