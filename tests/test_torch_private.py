@@ -387,12 +387,12 @@ def test_wrapper_subclass_helpers_make_a_storage_free_tensor_seeing_every_op():
     assert private.aten_copy_ops() == (aten._to_copy.default, aten._pin_memory.default)
 
 
-def test_legacy_scaled_mm_multiplies_with_dequantizing_scales():
+def test_scaled_mm_multiplies_with_dequantizing_scales():
     gen = torch.Generator().manual_seed(0)
     a = torch.randn(16, 32, generator=gen).to(torch.float8_e4m3fn)
     b = torch.randn(8, 32, generator=gen).to(torch.float8_e4m3fn).t()
     sa, sb = torch.tensor(2.0), torch.tensor(0.25)
-    out = private.legacy_scaled_mm(a, b, sa, sb, torch.float32)
+    out = private.scaled_mm(a, b, sa, sb, torch.float32)
     want = (a.double() * 2.0) @ (b.double() * 0.25)
     assert out.dtype == torch.float32 and out.shape == (16, 8)
     torch.testing.assert_close(out.double(), want, rtol=1e-6, atol=1e-6)

@@ -21,7 +21,7 @@ from .._core.recipes import (
     RowwiseScaling,
 )
 from .._numerics.fp8 import may_overwrite
-from .._torch_private import legacy_scaled_mm
+from .._torch_private import scaled_mm as torch_scaled_mm
 
 
 def scaled_mm_supported(device: torch.device) -> bool:
@@ -136,13 +136,7 @@ def scaled_mm(a, b, scale_a, scale_b, out_dtype: torch.dtype) -> torch.Tensor:
     m, n = a.shape[0], b.shape[0]
     a = _pad16(_pad16(a, 0), 1).contiguous()
     b = _pad16(_pad16(b, 0), 1).contiguous()
-    if hasattr(F, "scaled_mm"):  # public from torch 2.10
-        tensorwise = F.ScalingType.TensorWise
-        out = F.scaled_mm(
-            a, b.t(), scale_a, tensorwise, scale_b, tensorwise, output_dtype=out_dtype
-        )
-    else:
-        out = legacy_scaled_mm(a, b.t(), scale_a, scale_b, out_dtype)
+    out = torch_scaled_mm(a, b.t(), scale_a, scale_b, out_dtype)
     return out if out.shape == (m, n) else out[:m, :n]
 
 
