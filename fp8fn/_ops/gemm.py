@@ -12,6 +12,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from .._core.device import cuda_capability, describe, scaled_mm_supported
 from .._core.recipes import (
     BlockwiseScaling,
     CurrentScaling,
@@ -24,10 +25,6 @@ from .._numerics.fp8 import may_overwrite
 from .._torch_private import legacy_scaled_mm
 
 
-def scaled_mm_supported(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
-
-
 def resolve_backend(recipe, device: torch.device, api: str = "linear") -> str:
     """The backend `recipe` runs on `device`: `"emulated"`, `"scaled_mm"` or `"triton"`.
 
@@ -35,21 +32,25 @@ def resolve_backend(recipe, device: torch.device, api: str = "linear") -> str:
     per-tensor recipes; emulation for the finer recipes (their GEMMs have not run on a GPU).
 
     Raises:
-      ValueError: `backend="scaled_mm"` on a device without the float8 GEMM (CPU excepted:
-        its reference kernel is slow but exact, for tests at small shapes).
+      ValueError: `backend="scaled_mm"` or `"triton"` on a device without the float8 GEMM and
+        Triton's float8 type (compute capability below 8.9, or a device other than CUDA; the
+        CPU's own path excepted: its reference kernel and Triton's interpreter are exact, for
+        tests at small shapes).
     """
     backend = recipe.backend
+    cpu_own_path = device.type == "cpu" and cuda_capability(device) is None
+    if backend in ("scaled_mm", "triton") and not (cpu_own_path or scaled_mm_supported(device)):
+        raise ValueError(
+            f"fp8fn.{api}: {type(recipe).__name__}(backend={backend!r}) needs a CUDA device of "
+            f"compute capability >= 8.9 (torch._scaled_mm; Triton's float8 type), got "
+            f"{describe(device)}. Use backend='auto' (emulated there) or 'emulated'."
+        )
     if isinstance(recipe, (DelayedScaling, CurrentScaling)):
         if backend == "auto":
             return "scaled_mm" if scaled_mm_supported(device) else "emulated"
         return backend
     if isinstance(recipe, (BlockwiseScaling, MXScaling, NVFP4Scaling)) or backend == "auto":
         return "emulated"
-    if backend == "scaled_mm" and device.type != "cpu" and not scaled_mm_supported(device):
-        raise ValueError(
-            f"fp8fn.{api}: expected a CUDA device of compute capability >= 8.9 (or the CPU) "
-            f"for backend='scaled_mm', got {device}. Use backend='emulated'."
-        )
     assert isinstance(recipe, RowwiseScaling), recipe
     return backend
 

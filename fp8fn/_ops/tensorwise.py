@@ -16,11 +16,12 @@ from __future__ import annotations
 import torch
 
 from .._core.checks import no_autocast
+from .._core.device import scaled_mm_supported
 from .._kernels.cast import backward_cast, forward_cast
 from .._numerics.fp8 import E4M3, E5M2, amax, cast_to_fp8, scale_from_amax
 from .._torch_private import tracked_below
 from .first_order import first_order_only
-from .gemm import fp8_mm, scaled_mm_supported, widen_operand
+from .gemm import fp8_mm, widen_operand
 
 
 class Local:

@@ -40,10 +40,11 @@ import sys
 import torch
 import torch.distributed as dist
 
+from .._core.device import scaled_mm_supported
 from .._core.recipes import CurrentScaling, DelayedScaling
 from .._numerics.fp8 import FP8_DTYPES, ceil_div
 from .._ops.first_order import BackwardOnly
-from .._ops.gemm import resolve_backend, scaled_mm_supported
+from .._ops.gemm import resolve_backend
 from .._ops.tensorwise import Local, tensorwise_linear
 from .._torch_private import (
     dtensor_local,
