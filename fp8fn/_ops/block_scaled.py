@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from .._core.checks import no_autocast
+from .._core.device import cuda_capability
 from .._core.recipes import BlockwiseScaling, MXScaling, RowwiseScaling
 from .._numerics import fp8 as q
 from .gemm import scaled_mm
@@ -27,10 +28,16 @@ def _rowwise_mm(a_fp8, a_scale, b_fp8, b_scale, out_dtype, backend):
 
     a_fp8 `(m, k)` e4m3 with a_scale float32 `(m, 1)`; b_fp8 `(k, n)` e4m3 (any layout) with
     b_scale float32 `(1, n)` or `()`. The scales are powers of two.
+
+    `"scaled_mm"` on the CUDA path is torch's row-wise scaled GEMM (the scales applied in its
+    epilogue: one pass over the output); elsewhere (the CPU's own path, its reference) a GEMM
+    with unit scales and a float32 result, then the power-of-two scales: exact, and the same
+    values up to the GEMM's accumulation order (tests/test_cuda_paths.py).
     """
+    if backend == "scaled_mm" and cuda_capability(a_fp8.device) is not None:
+        inv_b = b_scale.reciprocal().expand(1, b_fp8.shape[1])
+        return scaled_mm(a_fp8, b_fp8.t(), a_scale.reciprocal(), inv_b, out_dtype)
     if backend == "scaled_mm":
-        # Unit scales and a float32 result, then the power-of-two scales: exact, and the
-        # tensorwise kernel takes a float32 output where the rowwise one gives bfloat16 only.
         one = torch.ones((), dtype=torch.float32, device=a_fp8.device)
         out = scaled_mm(a_fp8, b_fp8.t(), one, one, torch.float32)
         return (out * (a_scale.reciprocal() * b_scale.reciprocal())).to(out_dtype)

@@ -127,24 +127,29 @@ def scaled_mm(a, b, scale_a, scale_b, out_dtype: torch.dtype) -> torch.Tensor:
 
     Args:
       a: float8 `(m, k)`; b: float8 `(n, k)` (a linear layer's weight layout).
-      scale_a, scale_b: float32 `()` dequantization scales.
+      scale_a, scale_b: float32 dequantization scales: `()` and `()` (per tensor), or `(m, 1)`
+        and `(1, n)` (per row of `a` and of `b`: torch's row-wise scaled GEMM).
       out_dtype: the result's dtype.
 
     Returns:
-      `(m, n)` in `out_dtype`. (The GEMM wants `a` row-major, `b.T` column-major and every dim
-    a multiple of 16: operands are padded with zeros and made contiguous, the result sliced.)
+      `(m, n)` in `out_dtype`. (The GEMM wants `a` row-major, `b.T` column-major, and K and N
+    multiples of 16, M any: K and N are padded with zeros (a row scale of a padded row of `b`
+    with 1), operands made contiguous, the result sliced.)
     """
-    m, n = a.shape[0], b.shape[0]
-    a = _pad16(_pad16(a, 0), 1).contiguous()
+    n = b.shape[0]
+    a = _pad16(a, 1).contiguous()
     b = _pad16(_pad16(b, 0), 1).contiguous()
+    rowwise = scale_a.dim() == 2
+    if rowwise and b.shape[0] != n:
+        scale_b = F.pad(scale_b, (0, b.shape[0] - n), value=1.0)
     if hasattr(F, "scaled_mm"):  # public from torch 2.10
-        tensorwise = F.ScalingType.TensorWise
+        kind = F.ScalingType.RowWise if rowwise else F.ScalingType.TensorWise
         out = F.scaled_mm(
-            a, b.t(), scale_a, tensorwise, scale_b, tensorwise, output_dtype=out_dtype
+            a, b.t(), scale_a.contiguous(), kind, scale_b.contiguous(), kind, output_dtype=out_dtype
         )
     else:
-        out = legacy_scaled_mm(a, b.t(), scale_a, scale_b, out_dtype)
-    return out if out.shape == (m, n) else out[:m, :n]
+        out = legacy_scaled_mm(a, b.t(), scale_a.contiguous(), scale_b.contiguous(), out_dtype)
+    return out if out.shape[1] == n else out[:, :n]
 
 
 def fp8_mm(a, b, inv_scale_a, inv_scale_b, out_dtype: torch.dtype, backend: str):
