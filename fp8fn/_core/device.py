@@ -8,13 +8,16 @@ where its dispatch mode checks every float8 GEMM call against torch's CUDA rules
 
 from __future__ import annotations
 
-import contextvars
+import contextlib
 
 import torch
 
 # The capability the CPU stands in for, set by `fp8fn.testing.cuda_path_on_cpu`; None: the CPU
-# takes its own path. (docs/semantics.md lists it among what fp8fn keeps outside the state.)
-CPU_AS_CUDA: contextvars.ContextVar = contextvars.ContextVar("fp8fn_cpu_as_cuda", default=None)
+# takes its own path. (docs/semantics.md lists it among what fp8fn keeps outside the state.) A
+# module global, not a context variable: torch.compile traces a global's read (and guards on its
+# value: a graph compiled for one path is not reused on the other); dynamo cannot trace
+# `ContextVar.get`. Process-wide: a test switch, set around a whole test or script.
+_cpu_as_cuda: tuple[int, int] | None = None
 
 FLOAT8_GEMM = (8, 9)  # torch._scaled_mm and Triton's fp8e4nv need sm_89 or later
 
@@ -29,8 +32,19 @@ def cuda_capability(device: torch.device) -> tuple[int, int] | None:
     if device.type == "cuda":
         return tuple(torch.cuda.get_device_capability(device))
     if device.type == "cpu":
-        return CPU_AS_CUDA.get()
+        return _cpu_as_cuda
     return None
+
+
+@contextlib.contextmanager
+def cpu_as_cuda(capability: tuple[int, int] | None):
+    """Within: the CPU takes the CUDA path of `capability` (None: its own path)."""
+    global _cpu_as_cuda
+    previous, _cpu_as_cuda = _cpu_as_cuda, capability
+    try:
+        yield
+    finally:
+        _cpu_as_cuda = previous
 
 
 def scaled_mm_supported(device: torch.device) -> bool:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 
-from .._core.device import CPU_AS_CUDA
+from .._core.device import cpu_as_cuda
 from .cuda_contract import CudaContract, CudaContractError
 
 __all__ = ["CudaContract", "CudaContractError", "cuda_path_on_cpu"]
@@ -59,9 +59,5 @@ def cuda_path_on_cpu(capability: tuple[int, int]):
             "fp8fn.testing.cuda_path_on_cpu: expected `capability` a tuple (major, minor) of "
             f"ints, e.g. (9, 0), got {capability!r}."
         )
-    token = CPU_AS_CUDA.set(capability)
-    try:
-        with CudaContract(capability) as contract:
-            yield contract
-    finally:
-        CPU_AS_CUDA.reset(token)
+    with cpu_as_cuda(capability), CudaContract(capability) as contract:
+        yield contract
