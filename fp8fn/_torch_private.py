@@ -358,9 +358,12 @@ def is_convolution(module: torch.nn.Module) -> bool:
     return isinstance(module, torch.nn.modules.conv._ConvNd)
 
 
-def legacy_scaled_mm(a, b, scale_a, scale_b, out_dtype):
-    """`torch._scaled_mm` with tensorwise scales, for a torch without `F.scaled_mm` (< 2.10)."""
-    return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+def legacy_scaled_mm(a, b, scale_a, scale_b, out_dtype, use_fast_accum=False):
+    """`torch._scaled_mm` (tensorwise or row-wise scales), for a torch without `F.scaled_mm`
+    (< 2.10)."""
+    return torch._scaled_mm(
+        a, b, scale_a, scale_b, out_dtype=out_dtype, use_fast_accum=use_fast_accum
+    )
 
 
 def _attention_forward():

@@ -14,6 +14,7 @@ from torch._subclasses import FakeTensorMode
 
 import fp8fn
 from fp8fn._ops.grouped import grouped_mm
+from fp8fn._torch_private import bind_op_arguments
 from fp8fn.testing import cuda_path_on_cpu
 
 CAPS = [(9, 0), (10, 0)]
@@ -255,3 +256,38 @@ def test_native_rowwise_gemm_agrees_with_the_unit_scale_reference(dtype):
     eps = torch.finfo(dtype).eps
     scale = cpu.float().abs().amax(1, keepdim=True)
     assert ((cuda.float() - cpu.float()).abs() <= 2 * eps * scale).all()
+
+
+# -- fast accumulation ---------------------------------------------------------------------------
+
+
+class _FastAccum(torch.utils._python_dispatch.TorchDispatchMode):
+    """The `use_fast_accum` of each float8 GEMM call, in order."""
+
+    def __init__(self):
+        super().__init__()
+        self.flags = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._scaled_mm_v2.default:
+            bound = bind_op_arguments(func, args, kwargs or {})
+            self.flags.append(bound["use_fast_accum"])
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("cls", [fp8fn.DelayedScaling, fp8fn.CurrentScaling, fp8fn.RowwiseScaling])
+def test_fast_accum_is_torchaos_by_default_and_the_recipes_choice(cls):
+    """On the output GEMM only, by default (torchao's); `fast_accum` chooses per GEMM."""
+    x = torch.randn(32, 64, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(48, 64, dtype=torch.bfloat16, requires_grad=True)
+    for fast_accum in (None, (False, True, True)):
+        fields = {} if fast_accum is None else {"fast_accum": fast_accum}
+        recipe = cls(backend="scaled_mm", **fields)
+        with cuda_path_on_cpu((9, 0)), _FastAccum() as spy:
+            fp8fn.linear(x, w, None, _site_state(recipe), recipe).sum().backward()
+        assert spy.flags == ([True, False, False] if fast_accum is None else [False, True, True])
+
+
+def test_fast_accum_must_be_three_bools():
+    with pytest.raises(TypeError, match=r"fp8fn.CurrentScaling: expected `fast_accum` a tuple"):
+        fp8fn.CurrentScaling(fast_accum=True)

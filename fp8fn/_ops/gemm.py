@@ -122,7 +122,9 @@ def _pad16(t: torch.Tensor, dim: int) -> torch.Tensor:
     return F.pad(t.view(torch.uint8), pad).view(t.dtype)
 
 
-def scaled_mm(a, b, scale_a, scale_b, out_dtype: torch.dtype) -> torch.Tensor:
+def scaled_mm(
+    a, b, scale_a, scale_b, out_dtype: torch.dtype, fast_accum: bool = False
+) -> torch.Tensor:
     """`(a @ b.T) * scale_a * scale_b` by torch's float8 GEMM, for any shapes and layouts.
 
     Args:
@@ -130,6 +132,7 @@ def scaled_mm(a, b, scale_a, scale_b, out_dtype: torch.dtype) -> torch.Tensor:
       scale_a, scale_b: float32 dequantization scales: `()` and `()` (per tensor), or `(m, 1)`
         and `(1, n)` (per row of `a` and of `b`: torch's row-wise scaled GEMM).
       out_dtype: the result's dtype.
+      fast_accum: the GEMM's `use_fast_accum` (the recipe's `fast_accum` for this GEMM).
 
     Returns:
       `(m, n)` in `out_dtype`. (The GEMM wants `a` row-major, `b.T` column-major, and K and N
@@ -145,14 +148,22 @@ def scaled_mm(a, b, scale_a, scale_b, out_dtype: torch.dtype) -> torch.Tensor:
     if hasattr(F, "scaled_mm"):  # public from torch 2.10
         kind = F.ScalingType.RowWise if rowwise else F.ScalingType.TensorWise
         out = F.scaled_mm(
-            a, b.t(), scale_a.contiguous(), kind, scale_b.contiguous(), kind, output_dtype=out_dtype
+            a,
+            b.t(),
+            scale_a.contiguous(),
+            kind,
+            scale_b.contiguous(),
+            kind,
+            output_dtype=out_dtype,
+            use_fast_accum=fast_accum,
         )
     else:
-        out = legacy_scaled_mm(a, b.t(), scale_a.contiguous(), scale_b.contiguous(), out_dtype)
+        scales = scale_a.contiguous(), scale_b.contiguous()
+        out = legacy_scaled_mm(a, b.t(), *scales, out_dtype, fast_accum)
     return out if out.shape[1] == n else out[:, :n]
 
 
-def fp8_mm(a, b, inv_scale_a, inv_scale_b, out_dtype: torch.dtype, backend: str):
+def fp8_mm(a, b, inv_scale_a, inv_scale_b, out_dtype: torch.dtype, backend: str, fast_accum=False):
     """`(a @ b.T) * inv_scale_a * inv_scale_b` for float8 operands, accumulated in float32.
 
     Args:
@@ -162,6 +173,7 @@ def fp8_mm(a, b, inv_scale_a, inv_scale_b, out_dtype: torch.dtype, backend: str)
       out_dtype: dtype of the result.
       backend: `"emulated"`, `"scaled_mm"`, or `"triton"` (Triton casts: the matmul is
         `scaled_mm` where supported, else emulated).
+      fast_accum: `scaled_mm`'s (emulation ignores it).
 
     Returns:
       `(m, n)` tensor in `out_dtype`.
@@ -169,7 +181,7 @@ def fp8_mm(a, b, inv_scale_a, inv_scale_b, out_dtype: torch.dtype, backend: str)
     if backend == "triton":
         backend = "scaled_mm" if scaled_mm_supported(a.device) else "emulated"
     if backend == "scaled_mm":
-        return scaled_mm(a, b, inv_scale_a, inv_scale_b, out_dtype)
+        return scaled_mm(a, b, inv_scale_a, inv_scale_b, out_dtype, fast_accum)
     # Each operand is widened in the layout it comes in: the backward widens transposed views
     # of the saved float8 copies, which are not the forward's graph nodes, so when compiled
     # AOTAutograd cannot save the forward's float32 widening (4x the bytes); compiled, a view
