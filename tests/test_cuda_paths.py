@@ -291,3 +291,28 @@ def test_fast_accum_is_torchaos_by_default_and_the_recipes_choice(cls):
 def test_fast_accum_must_be_three_bools():
     with pytest.raises(TypeError, match=r"fp8fn.CurrentScaling: expected `fast_accum` a tuple"):
         fp8fn.CurrentScaling(fast_accum=True)
+
+
+class _GemmShapes(torch.utils._python_dispatch.TorchDispatchMode):
+    """The `(mat_a, mat_b)` shapes of each float8 GEMM call, in order."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._scaled_mm_v2.default:
+            self.shapes.append((tuple(args[0].shape), tuple(args[1].shape)))
+        return func(*args, **(kwargs or {}))
+
+
+def test_only_k_and_n_are_padded_to_16_not_the_tokens():
+    """37 tokens, K 100, N 50: the output GEMM's M stays 37 (no copy of x for it); K -> 112 and
+    N -> 64. The weight gradient's contraction dim is the tokens: 37 -> 48 there."""
+    recipe = fp8fn.CurrentScaling()
+    x = torch.randn(37, 100, requires_grad=True)
+    w = torch.randn(50, 100, requires_grad=True)
+    with cuda_path_on_cpu((9, 0)), _GemmShapes() as spy:
+        fp8fn.linear(x, w, None, None, recipe).sum().backward()
+    # output x @ w.T; grad_input g @ w; grad_weight g.T @ x
+    assert spy.shapes == [((37, 112), (112, 64)), ((37, 64), (64, 112)), ((50, 48), (48, 112))]
