@@ -1,7 +1,8 @@
 """Eager memory traffic of one fp8fn linear's forward + backward on the CUDA path, without a GPU.
 
-Standalone: `python benchmarks/eager_traffic.py [--shape M K N]` (default 4096 4096 11008, bf16);
-the package never imports it. Under `FakeTensorMode` (no data, any size) and
+Standalone: `python benchmarks/eager_traffic.py [--quick] [--shape M K N]` (default 4096 4096
+11008, bf16; `--quick` is the same run: fake tensors cost nothing); the package never imports
+it. Under `FakeTensorMode` (no data, any size) and
 `fp8fn.testing.cuda_path_on_cpu((9, 0))` (the CUDA path, each float8 GEMM call checked against
 torch's CUDA rules), a dispatch mode counts every aten op's bytes: each tensor argument read
 once and each output written once (views and metadata ops move nothing and count 0; a GEMM
@@ -65,6 +66,7 @@ def step_bytes(recipe, shape, own_cpu_path: bool) -> tuple[int, int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", type=int, nargs=3, default=(4096, 4096, 11008))
+    parser.add_argument("--quick", action="store_true", help="the same (no data: no cost)")
     shape = tuple(parser.parse_args().shape)
     rows, figures = [], {}
     for name, recipe, own in (
