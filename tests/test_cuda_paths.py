@@ -368,3 +368,24 @@ def test_every_float8_gemm_call_site_of_fp8fn_is_checked():
         and not any(p == path and first <= line <= last for p, line in frames)
     ]
     assert missed == [] and len(sites) == 13, (missed, sorted(sites))
+
+
+@pytest.mark.slow
+def test_a_transforms_layers_and_experts_on_sm_80_refuse_scaled_mm_naming_apply():
+    import _moe_models
+
+    model = _moe_models.build("gpt_oss", "grouped_mm")
+    recipe = fp8fn.CurrentScaling(backend="scaled_mm")
+    ids = _moe_models.batch()
+    params = dict(model.named_parameters())
+    sm_80 = r"CurrentScaling\(backend='scaled_mm'.*got cpu \(standing in for sm_80\)"
+    for chosen, where in ((None, "layer 'model.layers.0.self_attn.q_proj': "), ("experts", "")):
+        fn = fp8fn.transform(model, lambda n, m: recipe if chosen is None or chosen in n else None)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (the routers stay in high precision)
+            state = fn.init(ids)
+            with (
+                cuda_path_on_cpu((8, 0)),
+                pytest.raises(ValueError, match=rf"^fp8fn.apply: {where}{sm_80}"),
+            ):
+                fn.apply(params, state, ids)

@@ -214,7 +214,7 @@ def grouped_mm(
     with no_autocast(x):
         if isinstance(recipe, FINER):
             check_finer(x, weight, recipe)
-            return finer_grouped_mm(x, weight, offs, recipe, resolve_backend(recipe, x.device))
+            return finer_grouped_mm(x, weight, offs, recipe, resolve_backend(recipe, x.device, api))
         if isinstance(recipe, NVFP4Scaling):
             check_random("apply", random, recipe, x.device)
             return nvfp4_grouped_mm(x, weight, offs, recipe, random)
