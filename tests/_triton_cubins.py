@@ -1,13 +1,14 @@
 """Compile fp8fn's Triton kernels to cubins for the given CUDA archs, without a GPU (Triton's
 bundled ptxas): `python tests/_triton_cubins.py 90 100` prints `{arch: [compiled, failed]}` as
 JSON, then one line per failure. Run with `TRITON_INTERPRET=0` (the kernels must be JIT
-functions, not the interpreter's). tests/test_triton.py runs it in the slow tier.
+functions, not the interpreter's). tests/test_triton_cubins.py runs it in the slow tier.
 
 One variant per kernel, dtype pair and launch geometry (2 kernels x 3 input dtypes x 2 float8
 formats x 2 geometries = 24 per arch: the transposing kernels' 64 x 64 tiles with 4 warps, the
 flat kernels' 4096-element blocks with 8 warps, as `triton_jit._allocate` launches them), each
-with every other feature on (the cast, the observation, delayed scaling); all 120 variants take
-~2 s each on 2 cores, over 2 minutes per arch.
+with every other feature on (the cast, the observation, delayed scaling), sizes as int32; and
+the flat bf16 ones with int64 sizes (a tensor past 2**31 elements): 28 per arch. All 120
+constexpr variants take ~2 s each on 2 cores, over 2 minutes per arch.
 """
 
 import itertools
@@ -39,26 +40,23 @@ def variants():
     for kernel, (transpose, block, warps), hp, fp8 in kinds:
         constants = {**kernels._format(fp8), "FP8_MAX": FP8_MAX[fp8], "BLOCK": block}
         constants["TRANSPOSE"] = transpose
-        signature, constexprs = {}, {}
-        for i, arg in enumerate(kernel.arg_names):
-            if arg.isupper():
-                signature[arg] = "constexpr"
-                constexprs[(i,)] = _FEATURES.get(arg, constants.get(arg))
-            elif arg == "hp_ptr":
-                signature[arg] = _POINTER[hp]
-            elif arg in ("out_ptr", "out_t_ptr"):
-                signature[arg] = _FP8[fp8]
-            elif arg.endswith("_ptr"):
-                signature[arg] = "*fp32"
-            else:  # the sizes, and the margin (a float)
-                signature[arg] = "fp32" if arg == "margin" else "i32"
-        yield (
-            f"{kernel.__name__}[{hp}->{fp8}, TRANSPOSE={transpose}]",
-            kernel,
-            signature,
-            (constexprs),
-            warps,
-        )
+        # sizes past 2**31 elements come as int64 (Triton specializes): the flat bf16 kernels
+        for size in ("i32", "i64") if not transpose and hp is torch.bfloat16 else ("i32",):
+            signature, constexprs = {}, {}
+            for i, arg in enumerate(kernel.arg_names):
+                if arg.isupper():
+                    signature[arg] = "constexpr"
+                    constexprs[(i,)] = _FEATURES.get(arg, constants.get(arg))
+                elif arg == "hp_ptr":
+                    signature[arg] = _POINTER[hp]
+                elif arg in ("out_ptr", "out_t_ptr"):
+                    signature[arg] = _FP8[fp8]
+                elif arg.endswith("_ptr"):
+                    signature[arg] = "*fp32"
+                else:  # the sizes, and the margin (a float)
+                    signature[arg] = "fp32" if arg == "margin" else size
+            name = f"{kernel.__name__}[{hp}->{fp8}, TRANSPOSE={transpose}, sizes {size}]"
+            yield name, kernel, signature, constexprs, warps
 
 
 def main(archs: list[int]) -> None:
