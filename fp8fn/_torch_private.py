@@ -17,6 +17,7 @@ import types
 
 import torch
 import torch.nn.functional as F
+import torch.utils._python_dispatch
 import torch.utils.checkpoint
 import torch.utils.hooks
 from torch.utils import _pytree
@@ -357,11 +358,13 @@ def is_convolution(module: torch.nn.Module) -> bool:
     return isinstance(module, torch.nn.modules.conv._ConvNd)
 
 
-def scaled_mm(a, b, scale_a, scale_b, out_dtype):
-    """`torch._scaled_mm` with tensorwise scales: the op torchao calls. (`F.scaled_mm`, public
-    from torch 2.10, dispatches to `_scaled_mm_v2`, whose CPU kernel rounds differently on CPUs
-    with AVX512-FP16/AMX: up to 2.9e-6 apart at 32x64x48 in float32.)"""
-    return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+def scaled_mm(a, b, scale_a, scale_b, out_dtype, use_fast_accum=False):
+    """`torch._scaled_mm` (tensorwise or row-wise scales): the op torchao calls. (`F.scaled_mm`,
+    public from torch 2.10, dispatches to `_scaled_mm_v2`, whose CPU kernel rounds differently on
+    CPUs with AVX512-FP16/AMX: up to 2.9e-6 apart at 32x64x48 in float32.)"""
+    return torch._scaled_mm(
+        a, b, scale_a, scale_b, out_dtype=out_dtype, use_fast_accum=use_fast_accum
+    )
 
 
 def _attention_forward():
@@ -425,3 +428,40 @@ def make_dtensor(local: torch.Tensor, spec) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return DTensor(local, spec, requires_grad=False)
+
+
+# -- the CUDA contract of the float8 GEMMs, checked on CPU (fp8fn.testing) ---------------------
+# A dispatch mode sees every aten call below autograd and torch.func; torch's meta kernels of the
+# float8 GEMMs apply the CUDA rules to tensors on the meta device (`device_hint` says cuda).
+DispatchMode = torch.utils._python_dispatch.TorchDispatchMode
+
+
+def scaled_gemm_ops() -> dict:
+    """`{name: aten overload}` of torch's float8 GEMMs, as `__torch_dispatch__` receives them:
+    `_scaled_mm` (`torch._scaled_mm`), `_scaled_mm_v2` (`F.scaled_mm`) and
+    `_scaled_grouped_mm` (`torch._scaled_grouped_mm`)."""
+    aten = torch.ops.aten
+    return {
+        "_scaled_mm": aten._scaled_mm.default,
+        "_scaled_mm_v2": aten._scaled_mm_v2.default,
+        "_scaled_grouped_mm": aten._scaled_grouped_mm.default,
+    }
+
+
+def bind_op_arguments(op, args: tuple, kwargs: dict) -> dict:
+    """`{argument name: value}` of an aten overload's call, defaults filled from its schema."""
+    bound = {}
+    for i, a in enumerate(op._schema.arguments):
+        if i < len(args):
+            bound[a.name] = args[i]
+        elif a.name in kwargs:
+            bound[a.name] = kwargs[a.name]
+        else:
+            bound[a.name] = a.default_value if a.has_default_value() else None
+    return bound
+
+
+def outside_fake_mode():
+    """A context in which tensors are made for real, even inside a FakeTensorMode (so that a
+    meta tensor made there is a plain meta tensor, to which torch applies its CUDA rules)."""
+    return torch._subclasses.fake_tensor.unset_fake_temporarily()

@@ -266,6 +266,31 @@ def init_refuses_a_gathered_3d_weight_outside_gemms(rank):
         raise AssertionError("fn.init did not refuse")
 
 
+def experts_gathered_pass_the_cuda_rules(rank):
+    """FSDP2's float8-gathered experts weights (Mixtral `(E, N, K)`, GPT-OSS and Llama 4
+    `(E, K, N)` reached through a transpose) under a bfloat16 policy, one training step under
+    `fp8fn.testing.cuda_path_on_cpu`: every float8 GEMM call passes torch's CUDA rules for
+    sm_90 (the forward one `torch._scaled_grouped_mm` per experts weight) and sm_100 (per
+    expert)."""
+    import collections
+
+    from fp8fn.testing import cuda_path_on_cpu
+
+    ids = batch().chunk(WORLD)[rank]
+    for arch in ("mixtral", "gpt_oss", "llama4"):
+        for capability in ((9, 0), (10, 0)):
+            model = _sharded("grouped_mm", arch, bf16=True)
+            fn = fp8fn.transform(model, RECIPE)
+            state = fn.init(ids)
+            observed = fp8fn.observe(state)
+            with cuda_path_on_cpu(capability) as contract:
+                loss = _loss(fn, model, observed, ids)
+                loss.backward()
+            ops = collections.Counter(op for op, _ in contract.calls)
+            assert loss.isfinite() and ops["_scaled_mm"] > 0, (arch, capability, ops)
+            assert (ops["_scaled_grouped_mm"] == 4) == (capability == (9, 0)), (arch, ops)
+
+
 SCENARIOS = [
     experts_grouped_mm,
     experts_eager,
@@ -276,6 +301,7 @@ SCENARIOS = [
     experts_llama4,
     experts_bf16_param_dtype,
     init_refuses_a_gathered_3d_weight_outside_gemms,
+    experts_gathered_pass_the_cuda_rules,
 ]
 
 

@@ -25,6 +25,7 @@ HELPER = ROOT / "benchmarks" / "_common.py"
 OPTIONAL = ("torchao",)
 # A line each script's table must print (its header); other scripts need some table row.
 HEADERS = {
+    "eager_traffic.py": re.compile(r"^variant\s+GB \(eager\)\s+GB in GEMM calls", re.M),
     "import_time.py": re.compile(r"^import\s+heavy modules loaded\s+median s", re.M),
     "memory.py": re.compile(r"^run\s+all saved\s+new memory", re.M),
     "moe.py": re.compile(r"^variant\s+ops\s+MB\s+ms", re.M),

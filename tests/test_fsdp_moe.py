@@ -1,7 +1,8 @@
 """FSDP2 (`fully_shard`) of tiny Mixtral, GPT-OSS and Llama 4 experts weights (float32, and
 under a bfloat16 `MixedPrecisionPolicy`) on 2 gloo ranks on CPU, against
 one process: FSDP2's unsharded experts weights, swapped in for the forward, run in float8
-(`_fsdp_moe_workers`, all scenarios in one spawn within `_TIMEOUT_S`)."""
+(`_fsdp_moe_workers`, all scenarios in one spawn within `_TIMEOUT_S`); and their float8 GEMM
+calls under torch's CUDA rules for sm_90 and sm_100 (`fp8fn.testing.cuda_path_on_cpu`)."""
 
 from __future__ import annotations
 

@@ -452,7 +452,7 @@ def test_custom_op_arguments_carry_every_field_of_the_stateless_recipes():
     from fp8fn._ops.grouped_block_scaled import _recipe, _recipe_args
 
     carried = {
-        fp8fn.RowwiseScaling: {"hp_grad_weight"},
+        fp8fn.RowwiseScaling: {"hp_grad_weight", "fast_accum"},
         fp8fn.BlockwiseScaling: {"block_size"},
         fp8fn.MXScaling: {"block_size", "scale_rounding"},
         fp8fn.NVFP4Scaling: {"stochastic_rounding", "hadamard", "weight_2d"},

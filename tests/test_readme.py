@@ -173,6 +173,14 @@ def _check_moe(namespace):
 CHECKS = {"semantics.md": _check_semantics, "compile.md": _check_compile}
 CHECKS["recipes.md"] = _check_recipes
 CHECKS["moe.md"] = _check_moe
+
+
+def _check_cuda(namespace):
+    assert namespace["contract"].calls and namespace["contract"].calls[0][0] == "_scaled_mm"
+    assert namespace["obs"].amax_history[:, :, 0].gt(0).all()  # every role observed
+
+
+CHECKS["cuda.md"] = _check_cuda
 SLOW = {"compile.md"}  # torch.compile
 
 

@@ -618,8 +618,13 @@ def test_auto_backend_follows_the_device_capability(monkeypatch, capability, wan
         assert asked, "the capability was not consulted"
         assert resolve_backend(per_tensor(), cpu) == "emulated"
         for explicit in ("emulated", "scaled_mm", "triton"):
-            assert resolve_backend(per_tensor(backend=explicit), cuda) == explicit
             assert resolve_backend(per_tensor(backend=explicit), cpu) == explicit
+            if want == "emulated" and explicit != "emulated":  # no float8 GEMM below sm_89
+                match = rf"{per_tensor.__name__}\(backend='{explicit}'\).*got cuda:0 \(sm_86\)"
+                with pytest.raises(ValueError, match=match):
+                    resolve_backend(per_tensor(backend=explicit), cuda)
+            else:
+                assert resolve_backend(per_tensor(backend=explicit), cuda) == explicit
     # The finer recipes: emulated until their GEMMs have run on a GPU.
     for finer in (fp8fn.RowwiseScaling(), fp8fn.BlockwiseScaling(), fp8fn.MXScaling()):
         assert resolve_backend(finer, cuda) == resolve_backend(finer, cpu) == "emulated"

@@ -690,3 +690,25 @@ def test_is_convolution_is_every_torch_convolution_only():
     convs = (torch.nn.Conv1d(2, 2, 1), torch.nn.Conv2d(2, 2, 1), torch.nn.ConvTranspose3d(2, 2, 1))
     assert all(map(private.is_convolution, convs))
     assert not private.is_convolution(torch.nn.Linear(2, 2))
+
+
+def test_scaled_gemm_ops_bind_their_arguments_by_schema_name():
+    ops = private.scaled_gemm_ops()
+    assert set(ops) == {"_scaled_mm", "_scaled_mm_v2", "_scaled_grouped_mm"}
+    one = torch.ones(())
+    bound = private.bind_op_arguments(ops["_scaled_mm"], ("a", "b", one, one), {"bias": "c"})
+    assert bound["self"] == "a" and bound["bias"] == "c" and bound["use_fast_accum"] is False
+    assert bound["out_dtype"] is None
+    grouped = private.bind_op_arguments(ops["_scaled_grouped_mm"], (1, 2, 3, 4), {"offs": 5})
+    assert [grouped[k] for k in ("self", "mat2", "scale_a", "scale_b", "offs")] == [1, 2, 3, 4, 5]
+
+
+def test_outside_fake_mode_makes_plain_meta_tensors_inside_a_fake_mode():
+    from torch._subclasses import FakeTensorMode
+
+    with FakeTensorMode():
+        assert private.is_fake(torch.empty(2, device="meta"))
+        with private.outside_fake_mode():
+            t = torch.empty(2, device="meta")
+    assert not private.is_fake(t) and t.device.type == "meta"
+    assert issubclass(private.DispatchMode, torch.utils._python_dispatch.TorchDispatchMode)

@@ -21,6 +21,21 @@ def check_margin(api: str, margin) -> None:
         raise ValueError(f"fp8fn.{api}: expected `margin` an int from 0 to 64, got {margin}.")
 
 
+FAST_ACCUM = (True, False, False)  # torchao's: the output GEMM fast, the gradients' not
+
+
+def _check_fast_accum(api: str, fast_accum: object) -> None:
+    if not (
+        isinstance(fast_accum, tuple)
+        and len(fast_accum) == 3
+        and all(isinstance(f, bool) for f in fast_accum)
+    ):
+        raise TypeError(
+            f"fp8fn.{api}: expected `fast_accum` a tuple of 3 bools (output, grad_input, "
+            f"grad_weight), got {fast_accum!r}."
+        )
+
+
 def _check_backend(api: str, backend: object, allowed: tuple = _BACKENDS) -> None:
     if backend not in allowed:
         raise ValueError(f"fp8fn.{api}: expected `backend` in {allowed}, got {backend!r}.")
@@ -46,17 +61,22 @@ class DelayedScaling:
       backend: `"auto"` (`torch._scaled_mm` on CUDA devices of compute capability >= 8.9,
         emulation elsewhere), `"emulated"`, `"scaled_mm"`, or `"triton"` (fused Triton casts:
         cast and amax in one pass; matmuls as `"auto"`; not yet run on a GPU).
+      fast_accum: `(output, grad_input, grad_weight)`: whether each float8 GEMM on CUDA
+        accumulates in the tensor cores' fast mode (`use_fast_accum` of `torch._scaled_mm`:
+        fewer promotions to float32, faster, less exact). torchao's defaults: the output GEMM
+        fast, the gradients' not. Emulation (the CPU) ignores it.
 
     Example:
       >>> import fp8fn
-      >>> fp8fn.DelayedScaling(history_len=4, amax_compute="most_recent")
-      DelayedScaling(history_len=4, amax_compute='most_recent', margin=0, backend='auto')
+      >>> fp8fn.DelayedScaling(history_len=4, amax_compute="most_recent")  # doctest: +ELLIPSIS
+      DelayedScaling(history_len=4, amax_compute='most_recent', margin=0, backend='auto', ...)
     """
 
     history_len: int = 16
     amax_compute: str = "max"
     margin: int = 0
     backend: str = "auto"
+    fast_accum: tuple[bool, bool, bool] = FAST_ACCUM
 
     def __post_init__(self):
         if isinstance(self.history_len, bool) or not isinstance(self.history_len, int):
@@ -75,6 +95,7 @@ class DelayedScaling:
             )
         check_margin("DelayedScaling", self.margin)
         _check_backend("DelayedScaling", self.backend, _TENSORWISE_BACKENDS)
+        _check_fast_accum("DelayedScaling", self.fast_accum)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,18 +105,20 @@ class CurrentScaling:
     Stateless: sites have no scaling state (`None`), and there is nothing to `update`.
 
     Args:
-      backend: as for `DelayedScaling`.
+      backend, fast_accum: as for `DelayedScaling`.
 
     Example:
       >>> import fp8fn
       >>> fp8fn.CurrentScaling()
-      CurrentScaling(backend='auto')
+      CurrentScaling(backend='auto', fast_accum=(True, False, False))
     """
 
     backend: str = "auto"
+    fast_accum: tuple[bool, bool, bool] = FAST_ACCUM
 
     def __post_init__(self):
         _check_backend("CurrentScaling", self.backend, _TENSORWISE_BACKENDS)
+        _check_fast_accum("CurrentScaling", self.fast_accum)
 
 
 _STATELESS_BACKENDS = ("auto", "emulated")
@@ -137,18 +160,20 @@ class RowwiseScaling:
     Args:
       hp_grad_weight: compute `grad_weight` from the high-precision operands.
       backend: `"auto"` (emulation until `torch._scaled_mm` is verified on a GPU),
-        `"emulated"` (dequantize, float32 matmul) or `"scaled_mm"` (`torch._scaled_mm` with
-        a float32 result, then the power-of-two scales, which is exact; CUDA sm >= 8.9, or the
-        CPU's slow reference kernel).
+        `"emulated"` (dequantize, float32 matmul) or `"scaled_mm"` (on CUDA sm >= 8.9,
+        torch's row-wise scaled GEMM; on the CPU, its slow reference kernel with unit scales
+        and a float32 result, then the power-of-two scales, which is exact).
+      fast_accum: as for `DelayedScaling`.
 
     Example:
       >>> import fp8fn
       >>> fp8fn.RowwiseScaling(hp_grad_weight=True)
-      RowwiseScaling(hp_grad_weight=True, backend='auto')
+      RowwiseScaling(hp_grad_weight=True, backend='auto', fast_accum=(True, False, False))
     """
 
     hp_grad_weight: bool = False
     backend: str = "auto"
+    fast_accum: tuple[bool, bool, bool] = FAST_ACCUM
 
     def __post_init__(self):
         if not isinstance(self.hp_grad_weight, bool):
@@ -157,6 +182,7 @@ class RowwiseScaling:
                 f"got {type(self.hp_grad_weight).__name__} {self.hp_grad_weight!r}."
             )
         _check_backend("RowwiseScaling", self.backend)
+        _check_fast_accum("RowwiseScaling", self.fast_accum)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from .._core.checks import no_autocast
+from .._core.device import cuda_capability
 from .._core.recipes import BlockwiseScaling, MXScaling, RowwiseScaling
 from .._numerics import fp8 as q
 from .gemm import scaled_mm
@@ -22,15 +23,22 @@ FINER = (RowwiseScaling, BlockwiseScaling, MXScaling)
 # -- rowwise ------------------------------------------------------------------------------------
 
 
-def _rowwise_mm(a_fp8, a_scale, b_fp8, b_scale, out_dtype, backend):
+def _rowwise_mm(a_fp8, a_scale, b_fp8, b_scale, out_dtype, backend, fast_accum: bool):
     """`(a_fp8 / a_scale) @ (b_fp8 / b_scale)` in float32, then cast to `out_dtype`.
 
     a_fp8 `(m, k)` e4m3 with a_scale float32 `(m, 1)`; b_fp8 `(k, n)` e4m3 (any layout) with
-    b_scale float32 `(1, n)` or `()`. The scales are powers of two.
+    b_scale float32 `(1, n)` or `()`. The scales are powers of two. `fast_accum`: the recipe's
+    for this GEMM (torch's row-wise GEMM's `use_fast_accum`).
+
+    `"scaled_mm"` on the CUDA path is torch's row-wise scaled GEMM (the scales applied in its
+    epilogue: one pass over the output); elsewhere (the CPU's own path, its reference) a GEMM
+    with unit scales and a float32 result, then the power-of-two scales: exact, and the same
+    values up to the GEMM's accumulation order (tests/test_cuda_paths.py).
     """
+    if backend == "scaled_mm" and cuda_capability(a_fp8.device) is not None:
+        inv_b = b_scale.reciprocal().expand(1, b_fp8.shape[1])
+        return scaled_mm(a_fp8, b_fp8.t(), a_scale.reciprocal(), inv_b, out_dtype, fast_accum)
     if backend == "scaled_mm":
-        # Unit scales and a float32 result, then the power-of-two scales: exact, and the
-        # tensorwise kernel takes a float32 output where the rowwise one gives bfloat16 only.
         one = torch.ones((), dtype=torch.float32, device=a_fp8.device)
         out = scaled_mm(a_fp8, b_fp8.t(), one, one, torch.float32)
         return (out * (a_scale.reciprocal() * b_scale.reciprocal())).to(out_dtype)
@@ -41,7 +49,8 @@ def _rowwise_mm(a_fp8, a_scale, b_fp8, b_scale, out_dtype, backend):
 def _rowwise_output(x, weight, recipe, backend):
     x_fp8, x_scale = q.quantize_rowwise(x)
     w_fp8, w_scale = q.quantize_rowwise(weight)
-    return _rowwise_mm(x_fp8, x_scale, w_fp8.t(), w_scale.t(), x.dtype, backend)
+    accum = recipe.fast_accum[0]
+    return _rowwise_mm(x_fp8, x_scale, w_fp8.t(), w_scale.t(), x.dtype, backend, accum)
 
 
 def _rowwise_grad_input(g, weight, recipe, backend):
@@ -52,7 +61,7 @@ def _rowwise_grad_input(g, weight, recipe, backend):
     else:
         w_fp8_t, w_scale_t = q.quantize_rowwise(weight.t())  # (k, n): rows along n
         w_fp8, w_scale = w_fp8_t.t(), w_scale_t.t()
-    return _rowwise_mm(g_fp8, g_scale, w_fp8, w_scale, g.dtype, backend)
+    return _rowwise_mm(g_fp8, g_scale, w_fp8, w_scale, g.dtype, backend, recipe.fast_accum[1])
 
 
 def _rowwise_grad_weight(g, x, recipe, backend):
@@ -61,7 +70,8 @@ def _rowwise_grad_weight(g, x, recipe, backend):
     # Quantize g and x along m; the dequantized g.T keeps g's layout, as in torchao.
     g_fp8_t, g_scale_t = q.quantize_rowwise(g.t())
     x_fp8_t, x_scale_t = q.quantize_rowwise(x.t())
-    return _rowwise_mm(g_fp8_t, g_scale_t, x_fp8_t.t(), x_scale_t.t(), g.dtype, backend)
+    accum = recipe.fast_accum[2]
+    return _rowwise_mm(g_fp8_t, g_scale_t, x_fp8_t.t(), x_scale_t.t(), g.dtype, backend, accum)
 
 
 # -- MXFP8 --------------------------------------------------------------------------------------

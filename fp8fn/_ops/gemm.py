@@ -12,6 +12,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from .._core.device import cuda_capability, describe, scaled_mm_supported
 from .._core.recipes import (
     BlockwiseScaling,
     CurrentScaling,
@@ -24,10 +25,6 @@ from .._numerics.fp8 import may_overwrite
 from .._torch_private import scaled_mm as torch_scaled_mm
 
 
-def scaled_mm_supported(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
-
-
 def resolve_backend(recipe, device: torch.device, api: str = "linear") -> str:
     """The backend `recipe` runs on `device`: `"emulated"`, `"scaled_mm"` or `"triton"`.
 
@@ -35,21 +32,25 @@ def resolve_backend(recipe, device: torch.device, api: str = "linear") -> str:
     per-tensor recipes; emulation for the finer recipes (their GEMMs have not run on a GPU).
 
     Raises:
-      ValueError: `backend="scaled_mm"` on a device without the float8 GEMM (CPU excepted:
-        its reference kernel is slow but exact, for tests at small shapes).
+      ValueError: `backend="scaled_mm"` or `"triton"` on a device without the float8 GEMM and
+        Triton's float8 type (compute capability below 8.9, or a device other than CUDA; the
+        CPU's own path excepted: its reference kernel and Triton's interpreter are exact, for
+        tests at small shapes).
     """
     backend = recipe.backend
+    cpu_own_path = device.type == "cpu" and cuda_capability(device) is None
+    if backend in ("scaled_mm", "triton") and not (cpu_own_path or scaled_mm_supported(device)):
+        raise ValueError(
+            f"fp8fn.{api}: {type(recipe).__name__}(backend={backend!r}) needs a CUDA device of "
+            f"compute capability >= 8.9 (torch._scaled_mm; Triton's float8 type), got "
+            f"{describe(device)}. Use backend='auto' (emulated there) or 'emulated'."
+        )
     if isinstance(recipe, (DelayedScaling, CurrentScaling)):
         if backend == "auto":
             return "scaled_mm" if scaled_mm_supported(device) else "emulated"
         return backend
     if isinstance(recipe, (BlockwiseScaling, MXScaling, NVFP4Scaling)) or backend == "auto":
         return "emulated"
-    if backend == "scaled_mm" and device.type != "cpu" and not scaled_mm_supported(device):
-        raise ValueError(
-            f"fp8fn.{api}: expected a CUDA device of compute capability >= 8.9 (or the CPU) "
-            f"for backend='scaled_mm', got {device}. Use backend='emulated'."
-        )
     assert isinstance(recipe, RowwiseScaling), recipe
     return backend
 
@@ -121,26 +122,35 @@ def _pad16(t: torch.Tensor, dim: int) -> torch.Tensor:
     return F.pad(t.view(torch.uint8), pad).view(t.dtype)
 
 
-def scaled_mm(a, b, scale_a, scale_b, out_dtype: torch.dtype) -> torch.Tensor:
+def scaled_mm(
+    a, b, scale_a, scale_b, out_dtype: torch.dtype, fast_accum: bool = False
+) -> torch.Tensor:
     """`(a @ b.T) * scale_a * scale_b` by torch's float8 GEMM, for any shapes and layouts.
 
     Args:
       a: float8 `(m, k)`; b: float8 `(n, k)` (a linear layer's weight layout).
-      scale_a, scale_b: float32 `()` dequantization scales.
+      scale_a, scale_b: float32 dequantization scales: `()` and `()` (per tensor), or `(m, 1)`
+        and `(1, n)` (per row of `a` and of `b`: torch's row-wise scaled GEMM).
       out_dtype: the result's dtype.
+      fast_accum: the GEMM's `use_fast_accum` (the recipe's `fast_accum` for this GEMM).
 
     Returns:
-      `(m, n)` in `out_dtype`. (The GEMM wants `a` row-major, `b.T` column-major and every dim
-    a multiple of 16: operands are padded with zeros and made contiguous, the result sliced.)
+      `(m, n)` in `out_dtype`. (The GEMM wants `a` row-major, `b.T` column-major, and K and N
+    multiples of 16, M any: K and N are padded with zeros (a row scale of a padded row of `b`
+    with 1), operands made contiguous, the result sliced.)
     """
-    m, n = a.shape[0], b.shape[0]
-    a = _pad16(_pad16(a, 0), 1).contiguous()
+    n = b.shape[0]
+    a = _pad16(a, 1).contiguous()
     b = _pad16(_pad16(b, 0), 1).contiguous()
-    out = torch_scaled_mm(a, b.t(), scale_a, scale_b, out_dtype)
-    return out if out.shape == (m, n) else out[:m, :n]
+    if scale_a.dim() == 2 and b.shape[0] != n:  # row-wise: padded rows of `b` scale by 1
+        scale_b = F.pad(scale_b, (0, b.shape[0] - n), value=1.0)
+    out = torch_scaled_mm(
+        a, b.t(), scale_a.contiguous(), scale_b.contiguous(), out_dtype, fast_accum
+    )
+    return out if out.shape[1] == n else out[:, :n]
 
 
-def fp8_mm(a, b, inv_scale_a, inv_scale_b, out_dtype: torch.dtype, backend: str):
+def fp8_mm(a, b, inv_scale_a, inv_scale_b, out_dtype: torch.dtype, backend: str, fast_accum=False):
     """`(a @ b.T) * inv_scale_a * inv_scale_b` for float8 operands, accumulated in float32.
 
     Args:
@@ -150,6 +160,7 @@ def fp8_mm(a, b, inv_scale_a, inv_scale_b, out_dtype: torch.dtype, backend: str)
       out_dtype: dtype of the result.
       backend: `"emulated"`, `"scaled_mm"`, or `"triton"` (Triton casts: the matmul is
         `scaled_mm` where supported, else emulated).
+      fast_accum: `scaled_mm`'s (emulation ignores it).
 
     Returns:
       `(m, n)` tensor in `out_dtype`.
@@ -157,7 +168,7 @@ def fp8_mm(a, b, inv_scale_a, inv_scale_b, out_dtype: torch.dtype, backend: str)
     if backend == "triton":
         backend = "scaled_mm" if scaled_mm_supported(a.device) else "emulated"
     if backend == "scaled_mm":
-        return scaled_mm(a, b, inv_scale_a, inv_scale_b, out_dtype)
+        return scaled_mm(a, b, inv_scale_a, inv_scale_b, out_dtype, fast_accum)
     # Each operand is widened in the layout it comes in: the backward widens transposed views
     # of the saved float8 copies, which are not the forward's graph nodes, so when compiled
     # AOTAutograd cannot save the forward's float32 widening (4x the bytes); compiled, a view

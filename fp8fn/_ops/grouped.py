@@ -9,13 +9,13 @@ observed: `update` keeps those histories); its weight is observed as usual.
 Backends: on CPU the GEMMs are emulated, one float32 matmul of the widened float8 operands per
 group (`fp8_mm`), which reads the group offsets on the host (under torch.compile inside the
 custom ops of `grouped_gemm`, so the graph does not break). On CUDA (`backend="scaled_mm"`)
-the forward is one `torch._scaled_grouped_mm` call where the torch in use has it, the output is
-bfloat16 and K, N are multiples of 16 (per-expert scales given as its row and column scales);
+the forward is one `torch._scaled_grouped_mm` call on sm_90 (torch's float32-scaled grouped
+kernel is built for sm_90 only), where the torch in use has it, the output is bfloat16 and K, N
+are multiples of 16 (per-expert scales given as its row and column scales);
 the backward's GEMMs, and the forward otherwise, go per group through `fp8_mm`'s
 `torch._scaled_mm` (`_scaled_grouped_mm` takes e4m3 operands only, and the output gradient is
-e5m2). **The CUDA path is untested** (no GPU in this project's test runs; on CPU
-`torch._scaled_grouped_mm` has no kernel in torch 2.13, so not even its argument conventions are
-checked here).
+e5m2). **The CUDA path has not run on a GPU**; its calls pass torch's CUDA rules for sm_90
+and sm_100 on CPU (`fp8fn.testing.cuda_path_on_cpu`, tests/test_cuda_paths.py).
 
 The stateless recipes (rowwise, blockwise, MXFP8 per group; NVFP4 per expert) live in
 `grouped_block_scaled`; `grouped_mm` dispatches on the recipe.
@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from .._core.checks import no_autocast, refuse_compile_under_func
+from .._core.device import cuda_capability
 from .._core.recipes import NVFP4Scaling
 from .._numerics.fp8 import E4M3, E5M2, cast_to_fp8
 from .._torch_private import scaled_grouped_mm, scaled_grouped_mm_available
@@ -66,9 +67,11 @@ def expert_amax(weight: torch.Tensor) -> torch.Tensor:
 
 def _one_scaled_grouped_mm(x, weight, backend: str) -> bool:
     """Whether the forward runs as one `torch._scaled_grouped_mm` (see the module docstring)."""
+    capability = cuda_capability(x.device)
     return (
         backend == "scaled_mm"
-        and x.is_cuda
+        and capability is not None
+        and capability[0] == 9  # torch's float32-scaled grouped kernel is built for sm_90 only
         and scaled_grouped_mm_available()
         and x.dtype == torch.bfloat16
         and x.shape[1] % 16 == 0
@@ -84,7 +87,10 @@ def _scaled_grouped_forward(x_fp8, w_fp8, x_inv, w_inv, ids, offs):
     experts, n = w_fp8.shape[0], w_fp8.shape[1]
     row_inv = torch.cat([x_inv, x_inv.new_ones(1)])[ids]
     col_inv = w_inv[:, None].expand(experts, n).contiguous()
-    out = scaled_grouped_mm(x_fp8, w_fp8.transpose(-2, -1), row_inv, col_inv, offs, torch.bfloat16)
+    # mat_b must be column-major in its last two dims: an (E, K, N) weight reached by a
+    # transpose (Llama 4's bmm, batched_mm) is copied to (E, N, K) first (1 byte per element)
+    w_t = w_fp8.contiguous().transpose(-2, -1)
+    out = scaled_grouped_mm(x_fp8, w_t, row_inv, col_inv, offs, torch.bfloat16)
     return torch.where((ids < experts)[:, None], out, 0.0)
 
 
@@ -208,7 +214,7 @@ def grouped_mm(
     with no_autocast(x):
         if isinstance(recipe, FINER):
             check_finer(x, weight, recipe)
-            return finer_grouped_mm(x, weight, offs, recipe, resolve_backend(recipe, x.device))
+            return finer_grouped_mm(x, weight, offs, recipe, resolve_backend(recipe, x.device, api))
         if isinstance(recipe, NVFP4Scaling):
             check_random("apply", random, recipe, x.device)
             return nvfp4_grouped_mm(x, weight, offs, recipe, random)

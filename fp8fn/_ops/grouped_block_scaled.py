@@ -61,21 +61,24 @@ from .nvfp4 import (
 # its GEMMs read (`_recipe_args`), and is rebuilt inside (`_recipe`).
 
 
-def _recipe_args(recipe) -> tuple[str, int, bool, str]:
-    """`(class name, block_size, hp_grad_weight, scale_rounding)` of a finer recipe (0, False
-    and "" where the recipe has no such field)."""
+def _recipe_args(recipe) -> tuple[str, int, bool, str, list[bool]]:
+    """`(class name, block_size, hp_grad_weight, scale_rounding, fast_accum)` of a finer recipe
+    (0, False, "" and `[False] * 3` where the recipe has no such field)."""
     return (
         type(recipe).__name__,
         getattr(recipe, "block_size", 0),
         getattr(recipe, "hp_grad_weight", False),
         getattr(recipe, "scale_rounding", ""),
+        list(getattr(recipe, "fast_accum", (False,) * 3)),
     )
 
 
-def _recipe(kind: str, block_size: int, hp_grad_weight: bool, scale_rounding: str):
+def _recipe(
+    kind: str, block_size: int, hp_grad_weight: bool, scale_rounding: str, fast_accum: list[bool]
+):
     """The finer recipe `_recipe_args` described."""
     if kind == "RowwiseScaling":
-        return RowwiseScaling(hp_grad_weight=hp_grad_weight)
+        return RowwiseScaling(hp_grad_weight=hp_grad_weight, fast_accum=tuple(fast_accum))
     if kind == "BlockwiseScaling":
         return BlockwiseScaling(block_size=block_size)
     assert kind == "MXScaling", kind  # `_recipe_args` of a finer recipe: one of three
@@ -91,12 +94,13 @@ def _rows(
     block_size: int,
     hp_grad_weight: bool,
     scale_rounding: str,
+    fast_accum: list[bool],
     backend: str,
 ) -> torch.Tensor:
     """The output (`gemm` 0, `a` = x `(T, K)`) or grad_input (`gemm` 1, `a` = the output
     gradient `(T, N)`) GEMM of each group's rows of `a` with `weight[e]` (`(E, N, K)`), as
     the dense op's: `(T, N)` or `(T, K)` in `a`'s dtype, rows past `offs[-1]` 0."""
-    recipe = _recipe(kind, block_size, hp_grad_weight, scale_rounding)
+    recipe = _recipe(kind, block_size, hp_grad_weight, scale_rounding, fast_accum)
     fn, cols = _GEMMS[type(recipe)][gemm], weight.shape[2 if gemm else 1]
     out = a.new_zeros(a.shape[0], cols)
     for e, (s, t) in enumerate(bounds(offs)):
@@ -105,7 +109,7 @@ def _rows(
     return out
 
 
-def _rows_fake(a, weight, offs, gemm, kind, block_size, hp_grad_weight, scale_rounding, backend):
+def _rows_fake(a, weight, offs, gemm, *recipe_args_and_backend):
     return a.new_empty(a.shape[0], weight.shape[2 if gemm else 1])
 
 
@@ -117,11 +121,12 @@ def _weights(
     block_size: int,
     hp_grad_weight: bool,
     scale_rounding: str,
+    fast_accum: list[bool],
     backend: str,
 ) -> torch.Tensor:
     """The grad_weight GEMM of each group, as the dense op's on its rows of `g` `(T, N)` and
     `x` `(T, K)`: `(E, N, K)` in `g`'s dtype, 0 for an empty group."""
-    recipe = _recipe(kind, block_size, hp_grad_weight, scale_rounding)
+    recipe = _recipe(kind, block_size, hp_grad_weight, scale_rounding, fast_accum)
     fn, (n, k) = _GEMMS[type(recipe)][2], (g.shape[1], x.shape[1])
     out = g.new_zeros(offs.shape[0], n, k)
     for e, (s, t) in enumerate(bounds(offs)):
@@ -130,7 +135,7 @@ def _weights(
     return out
 
 
-def _weights_fake(g, x, offs, kind, block_size, hp_grad_weight, scale_rounding, backend):
+def _weights_fake(g, x, offs, *recipe_args_and_backend):
     return g.new_empty(offs.shape[0], g.shape[1], x.shape[1])
 
 

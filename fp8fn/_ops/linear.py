@@ -122,4 +122,14 @@ def fp8_linear(
         with no_autocast(x):
             return finer_linear(x, weight, bias, recipe, backend)
     margin = getattr(recipe, "margin", 0)
-    return tensorwise_linear(x, weight, bias, newest, stored, margin, backend, filled=filled)
+    return tensorwise_linear(
+        x,
+        weight,
+        bias,
+        newest,
+        stored,
+        margin,
+        backend,
+        filled=filled,
+        fast_accum=recipe.fast_accum,
+    )

@@ -16,11 +16,13 @@ from __future__ import annotations
 import torch
 
 from .._core.checks import no_autocast
+from .._core.device import scaled_mm_supported
+from .._core.recipes import FAST_ACCUM
 from .._kernels.cast import backward_cast, forward_cast
 from .._numerics.fp8 import E4M3, E5M2, amax, cast_to_fp8, scale_from_amax
 from .._torch_private import tracked_below
 from .first_order import first_order_only
-from .gemm import fp8_mm, scaled_mm_supported, widen_operand
+from .gemm import fp8_mm, widen_operand
 
 
 class Local:
@@ -202,18 +204,18 @@ def _cast_grad_output(grad_out, newest, stored, ctx, observe):
     return g_fp8, g_fp8.t(), g_scale.reciprocal(), observed
 
 
-def _fp8_gemm(x_fp8, w_fp8, x_inv, w_inv, bias, out_dtype, backend: str):
+def _fp8_gemm(x_fp8, w_fp8, x_inv, w_inv, bias, out_dtype, backend: str, fast_accum: bool):
     """The forward's float8 GEMM with its dequantization and bias.
 
     Args:
       x_fp8: e4m3 `(m, k)`. w_fp8: e4m3 `(n, k)`. x_inv, w_inv: the float32 `()` reciprocals of
         the scales they were cast with. bias: `(n,)`, added in `out_dtype`, or None. out_dtype:
-        the output's dtype (the input's). backend: `fp8_mm`'s backend.
+        the output's dtype (the input's). backend, fast_accum: `fp8_mm`'s.
 
     Returns:
       `out = (x_fp8 @ w_fp8.T) * x_inv * w_inv (+ bias)`, `(m, n)` of `out_dtype`.
     """
-    out = fp8_mm(x_fp8, w_fp8, x_inv, w_inv, out_dtype, backend)
+    out = fp8_mm(x_fp8, w_fp8, x_inv, w_inv, out_dtype, backend, fast_accum)
     if bias is not None:
         out = out + bias.to(out.dtype)
     return out
@@ -226,7 +228,8 @@ class _Fp8LinearOp(torch.autograd.Function):
     DTensors (see `fp8fn/_parallel/dtensor.py`). `newest` and `stored` are the site's newest
     history entries and stored scales, float32 `(3,)` (roles input, weight, grad_output), or
     None for current scaling; `margin` an int; `backend` `fp8_mm`'s;
-    `filled` the roles whose histories are known non-empty (three static bools), or None.
+    `filled` the roles whose histories are known non-empty (three static bools), or None;
+    `fast_accum` the recipe's (output, grad_input, grad_weight) `use_fast_accum`.
     The gradient with respect to `newest` is the observation `[x_amax, w_amax, g_amax]` of the
     local operands.
     """
@@ -234,13 +237,13 @@ class _Fp8LinearOp(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x, weight, bias, newest, stored, margin, backend, place, filled):
+    def forward(x, weight, bias, newest, stored, margin, backend, place, filled, fast_accum):
         x, w = place.operands(x, weight)
         x_fp8, w_fp8, x_inv, w_inv, x_amax, w_amax, x_keep, w_keep = _cast_operands(
             x, w, newest, stored, margin, backend, place, filled
         )
         w_gemm, b_gemm = place.gemm_weight(w_fp8), place.gemm_bias(bias)
-        out = _fp8_gemm(x_fp8, w_gemm, x_inv, w_inv, b_gemm, x.dtype, backend)
+        out = _fp8_gemm(x_fp8, w_gemm, x_inv, w_inv, b_gemm, x.dtype, backend, fast_accum[0])
         # Compiled, a scaled_mm backward that needs `grad_input` (`x` differentiated) wants the
         # weight transposed too; inductor writes both layouts from one loop over `w`'s two dims.
         both = backend == "scaled_mm" and x.requires_grad and torch.compiler.is_compiling()
@@ -249,11 +252,12 @@ class _Fp8LinearOp(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, weight, bias, newest, stored, margin, backend, place, filled = inputs
+        x, weight, bias, newest, stored, margin, backend, place, filled, fast_accum = inputs
         ctx.mark_non_differentiable(*output[1:6])  # x_amax stays differentiable: see backward
         ctx.set_materialize_grads(False)  # the residual outputs get no gradient: no zeros made
         ctx.save_for_backward(*output[1:], newest, stored)
         ctx.margin, ctx.backend, ctx.place, ctx.filled = margin, backend, place, filled
+        ctx.fast_accum = fast_accum
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
 
     @staticmethod
@@ -273,9 +277,13 @@ class _Fp8LinearOp(torch.autograd.Function):
                 g_fp8_t = g_fp8.t()
             if needs[0]:
                 w_fp8 = ctx.place.weight_again(w_fp8)
-                grads[0] = fp8_mm(g_fp8, w_fp8.t(), g_inv, w_inv, x_dtype, ctx.backend)
+                grads[0] = fp8_mm(
+                    g_fp8, w_fp8.t(), g_inv, w_inv, x_dtype, ctx.backend, ctx.fast_accum[1]
+                )
             if needs[1]:
-                grads[1] = fp8_mm(g_fp8_t, x_fp8.t(), g_inv, x_inv, w_dtype, ctx.backend)
+                grads[1] = fp8_mm(
+                    g_fp8_t, x_fp8.t(), g_inv, x_inv, w_dtype, ctx.backend, ctx.fast_accum[2]
+                )
             if needs[2]:
                 grads[2] = grad_out.float().sum(0).to(b_dtype)
             if needs[3] and observed is None:  # the stored scale: g's amax after the GEMMs
@@ -287,7 +295,7 @@ class _Fp8LinearOp(torch.autograd.Function):
             grads[:3] = ctx.place.place_grads(grads[:3])
             if needs[3]:  # [x_amax, w_amax, g_amax], made here: at the backward's level
                 grads[3] = observed
-        return (*first_order_only(grads, x_amax), None, None, None, None, None)
+        return (*first_order_only(grads, x_amax), None, None, None, None, None, None)
 
 
 class _Fp8Linear(_Fp8LinearOp):
@@ -303,7 +311,9 @@ class _Fp8Linear(_Fp8LinearOp):
     generate_vmap_rule = False
 
     @staticmethod
-    def vmap(info, in_dims, x, weight, bias, newest, stored, margin, backend, place, filled):
+    def vmap(
+        info, in_dims, x, weight, bias, newest, stored, margin, backend, place, filled, fast_accum
+    ):
         if place.vmap_refusal is not None:
             raise ValueError(place.vmap_refusal)
         args = (x, weight, bias, newest, stored)
@@ -312,7 +322,7 @@ class _Fp8Linear(_Fp8LinearOp):
             xb = x.movedim(in_dims[0], 0)
             rows = xb.flatten(0, 1)
             outs = _Fp8Linear.apply(
-                rows, weight, bias, newest, stored, margin, backend, place, filled
+                rows, weight, bias, newest, stored, margin, backend, place, filled, fast_accum
             )
             out, x_fp8, *rest = outs
             folded = (out.unflatten(0, xb.shape[:2]), x_fp8.unflatten(0, xb.shape[:2]))
@@ -323,8 +333,9 @@ class _Fp8Linear(_Fp8LinearOp):
                 "would share one state and autograd would sum their observations. Give each "
                 "member its own state (stack the states and vmap over them too)."
             )
-        outs = torch.vmap(_Fp8LinearOp.apply, in_dims=(*in_dims[:5], None, None, None, None))(
-            *args, margin, backend, place, filled
+        statics = (margin, backend, place, filled, fast_accum)
+        outs = torch.vmap(_Fp8LinearOp.apply, in_dims=(*in_dims[:5], *(None,) * len(statics)))(
+            *args, *statics
         )
         return outs, (0,) * len(outs)
 
@@ -338,7 +349,16 @@ def placement_of(weight) -> Local:
 
 
 def tensorwise_linear(
-    x, weight, bias, newest, stored, margin: int, backend: str, place=None, filled=None
+    x,
+    weight,
+    bias,
+    newest,
+    stored,
+    margin: int,
+    backend: str,
+    place=None,
+    filled=None,
+    fast_accum=FAST_ACCUM,
 ):
     """`x @ weight.T + bias` under a per-tensor recipe, on checked operands.
 
@@ -351,6 +371,7 @@ def tensorwise_linear(
       place: where the operands live (a `Local`); None: `placement_of(weight)`.
       filled: which of the three roles' histories are known non-empty (static bools, from
         `State.filled`): those cast with the stored scale alone. None: decided in the graph.
+      fast_accum: the recipe's `fast_accum`, (output, grad_input, grad_weight).
 
     Returns:
       `(..., n)` in `x.dtype` (placed by `place`); the gradient with respect to `newest` is the
@@ -360,7 +381,6 @@ def tensorwise_linear(
     flat = x.dim() == 2 or not place.takes_rows
     rows = x if flat else x.reshape(-1, x.shape[-1])  # (a reshape is a kernel call)
     with no_autocast(x):
-        out = _Fp8Linear.apply(rows, weight, bias, newest, stored, margin, backend, place, filled)[
-            0
-        ]
+        args = (newest, stored, margin, backend, place, filled, fast_accum)
+        out = _Fp8Linear.apply(rows, weight, bias, *args)[0]
     return out if flat else out.reshape(*x.shape[:-1], weight.shape[0])

@@ -40,10 +40,11 @@ import sys
 import torch
 import torch.distributed as dist
 
+from .._core.device import scaled_mm_supported
 from .._core.recipes import CurrentScaling, DelayedScaling
 from .._numerics.fp8 import FP8_DTYPES, ceil_div
 from .._ops.first_order import BackwardOnly
-from .._ops.gemm import resolve_backend, scaled_mm_supported
+from .._ops.gemm import resolve_backend
 from .._ops.tensorwise import Local, tensorwise_linear
 from .._torch_private import (
     dtensor_local,
@@ -346,7 +347,8 @@ def sharded_linear(call, layer, site, x, weight, bias, newest, stored):
     if torch.is_autocast_enabled(device.type):
         x = x.to(torch.get_autocast_dtype(device.type))
     margin = getattr(recipe, "margin", 0)
-    scaling = (newest, stored, margin, backend)
+    scaling = dict(newest=newest, stored=stored, margin=margin, backend=backend)
+    scaling["fast_accum"] = recipe.fast_accum
     if xd is None:
         return _fsdp_linear(api, x, weight, wd, bias, bd, scaling, unobserved)
     return _tp_linear(api, x, xd, weight, wd, bias, bd, scaling, unobserved)
@@ -377,7 +379,7 @@ def _fsdp_linear(api, x, weight, wd, bias, bd, scaling, unobserved):
         )
     whole = (False, unobserved[1], False)
     place = _FsdpShard(spec=dtensor_spec(wd), group=wd.device_mesh.get_group(), whole=whole)
-    return tensorwise_linear(x, weight, bias, *scaling, place)
+    return tensorwise_linear(x, weight, bias, place=place, **scaling)
 
 
 def _placements():
@@ -431,7 +433,7 @@ def _tp_linear(api, x, xd, weight, wd, bias, bd, scaling, unobserved):
     if functorch_level() is not None:
         raise RuntimeError(_TP_UNDER_FUNC)
     plan = _tp_plan(api, xd, wd, bias, bd, unobserved)
-    return tensorwise_linear(x, weight, bias, *scaling, plan)
+    return tensorwise_linear(x, weight, bias, place=plan, **scaling)
 
 
 # -- `fn.apply`: params and errors --------------------------------------------------------------

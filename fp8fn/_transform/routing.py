@@ -262,7 +262,7 @@ class _Call(TorchFunctionMode):
             stored = self.state.scale[first : first + entry.experts]
         x, weight = gemm.x, gemm.weight
         check_dtypes(f"apply: experts {entry.path!r}", x, weight[0], None)
-        backend = resolve_backend(entry.recipe, x.device)
+        backend = resolve_backend(entry.recipe, x.device, "apply")
         margin = getattr(entry.recipe, "margin", 0)
         random = None  # NVFP4: expert e draws with the key folded with e, at the call's site
         if isinstance(entry.recipe, NVFP4Scaling):
