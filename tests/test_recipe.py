@@ -69,7 +69,7 @@ def test_public_api_is_exactly_all():
         "BlockwiseScaling", "CurrentScaling", "DelayedScaling", "MXScaling", "NVFP4Scaling",
         "Recipe", "RowwiseScaling",
         "ScaleState", "SiteState", "State", "Transformed", "__version__", "all_reduce",
-        "checkpoint", "compute_scale", "flatten_state", "float8_all_gather", "fold_in",
+        "checkpoint", "compute_scale", "expert_parallel", "flatten_state", "float8_all_gather", "fold_in",
         "init_state", "linear", "merge",
         "observations", "observe", "stack_states", "transform", "unflatten_state", "update",
         "value_and_grad",
