@@ -117,6 +117,11 @@ class _Run:
                     p.copy_(self.ref.get_parameter(n))
 
 
+def _whole(t):
+    """A DTensor's whole value (a collective), or `t`."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 def _observe_ref(run, state):
     observed = fp8fn.observe(state)
     out = run.rfn.apply(dict(run.ref.named_parameters()), observed, run.ids, labels=run.ids)
@@ -194,13 +199,12 @@ def wire_bytes_halve(rank):
     (l8, g8, o8, b8), (l32, g32, o32, b32) = seen[True], seen[False]
     assert torch.equal(l8, l32) and torch.equal(o8.amax_history, o32.amax_history)
     for n in g8:
-        assert torch.equal(g8[n].full_tensor() if isinstance(g8[n], DTensor) else g8[n],
-                           g32[n].full_tensor() if isinstance(g32[n], DTensor) else g32[n]), n  # fmt: skip
+        assert torch.equal(_whole(g8[n]), _whole(g32[n])), n
     for d in ("dispatch forward", "combine backward"):
         assert 4 * b8[d] == b32[d], (d, b8[d], b32[d])
     for d in ("combine forward", "dispatch backward", "counts", "allreduce_"):
         assert b8[d] == b32[d], (d, b8[d], b32[d])
-    MEASURED["wire_bytes_rank%d" % rank] = {"float8": b8, "float32": b32}
+    MEASURED[f"wire_bytes_rank{rank}"] = {"float8": b8, "float32": b32}
 
 
 def _to_rank0(module, args, output):
@@ -254,8 +258,7 @@ def checkpointed_layers(rank):
     _, gb, ob = b.step()
     assert torch.equal(oa.amax_history, ob.amax_history)
     for n in ga:
-        assert torch.equal(ga[n].to_local() if isinstance(ga[n], DTensor) else ga[n],
-                           gb[n].to_local() if isinstance(gb[n], DTensor) else gb[n]), n  # fmt: skip
+        assert torch.equal(_whole(ga[n]), _whole(gb[n])), n
 
 
 def loss_20_steps(rank):
