@@ -537,18 +537,19 @@ class _LocalShard(torch.autograd.Function):
     torch.func); the gradient comes back as a DTensor of the input's spec."""
 
     @staticmethod
-    def forward(d):
+    def forward(d, spec):
         return dtensor_local(d).view_as(dtensor_local(d))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.spec = dtensor_spec(inputs[0])
+        ctx.spec = inputs[1]
 
     @staticmethod
     def backward(ctx, grad):
-        return _FromLocal.apply(grad, ctx.spec)
+        return _FromLocal.apply(grad, ctx.spec), None
 
 
 def local_shard(d: torch.Tensor) -> torch.Tensor:
-    """The local shard of the DTensor `d`, differentiable (plain autograd and torch.func)."""
-    return _LocalShard.apply(d)
+    """The local shard of the DTensor `d` (or a torch.func wrapper of one), differentiable
+    (plain autograd and torch.func)."""
+    return _LocalShard.apply(d, dtensor_spec(as_dtensor(d)))

@@ -15,6 +15,7 @@ the bytes are the same whatever the dtype.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 import torch.distributed as dist
@@ -88,7 +89,7 @@ def plan_exchange(send_ids: torch.Tensor, experts: int, group) -> Exchange:
 def exchange_rows(rows: torch.Tensor, send: list, recv: list, group) -> torch.Tensor:
     """`rows` `(sum(send), ...)`, any dtype (float8 included), split by `send` over the ranks
     of `group`; returns the `(sum(recv), ...)` rows received, source-major, of its dtype."""
-    flat = rows.contiguous().view(rows.shape[0], -1).view(torch.uint8)
+    flat = rows.contiguous().view(rows.shape[0], math.prod(rows.shape[1:])).view(torch.uint8)
     out = flat.new_empty(sum(recv), flat.shape[1])
     dist.all_to_all_single(out, flat, recv, send, group=group)
     return out.view(rows.dtype).view(sum(recv), *rows.shape[1:])
