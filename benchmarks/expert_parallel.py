@@ -2,7 +2,7 @@
 row with float8 on the wire against the activation dtype (bfloat16), the collectives of a
 training step, and the step time of the two wires.
 
-Standalone: `python benchmarks/expert_parallel.py [--hidden 256] [--steps 5] [--dry-run]`.
+Standalone: `python benchmarks/expert_parallel.py [--hidden 256] [--steps 5] [--dry-run | --quick]`.
 The package never imports it. It spawns 2 gloo ranks on CPU; each runs a tiny Mixtral
 (transformers 5.x, from a config) in bfloat16 with its 4 experts sharded 2 per rank, under
 `fp8fn.transform(..., DelayedScaling())`, warmed by one step (every expert's histories filled),
@@ -28,6 +28,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _common import print_table, ratio
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fp8fn
@@ -176,7 +177,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--dry-run", action="store_true", help="tiny sizes, 1 step")
+    parser.add_argument("--dry-run", "--quick", action="store_true", help="tiny sizes, 1 step")
     args = parser.parse_args()
     hidden, seq, steps = (32, 16, 1) if args.dry_run else (args.hidden, args.seq, args.steps)
     with tempfile.TemporaryDirectory() as tmp:
@@ -186,32 +187,42 @@ def main() -> None:
             lines = [eval(line) for line in f]  # noqa: S307 (our own repr)
     results = {wire: (nbytes, counts, t) for wire, nbytes, counts, t in lines[:2]}
     rows = lines[2][1]
-    print(
-        f"{WORLD} gloo ranks on CPU, tiny Mixtral (hidden {hidden}, 4 experts, top 2, 2 MoE "
-        f"layers) in bfloat16, {rows} (token, k) rows dispatched per layer (all ranks), "
-        f"DelayedScaling, median of {steps} step(s)"
-    )
     per_row = 2 * rows  # rows x 2 layers: bytes per (token, k) row of one layer
-    print(f"{'direction':<20} {'float8 B/row':>13} {'bf16 B/row':>11} {'ratio':>7} {'anchors':>8}")
     f8, bf = results[True][0], results[False][0]
-    for name in DIRECTIONS:
-        a, b = f8.get(name, 0) / per_row, bf.get(name, 0) / per_row
-        anchor = (
-            f"{(hidden + hidden / 32) / (2 * hidden):.3f}x" if name in DIRECTIONS[::2] else "1x"
-        )
-        print(f"{name:<20} {a:>13.1f} {b:>11.1f} {a / b:>6.3f}x {anchor:>8}")
 
     def share(names):
-        return sum(f8.get(n, 0) for n in names) / sum(bf.get(n, 0) for n in names)
+        return ratio(sum(f8.get(n, 0) for n in names), sum(bf.get(n, 0) for n in names), 3)
 
-    print(
-        f"dispatch forward + combine backward: {share(DIRECTIONS[::2]):.3f}x bf16; all four "
-        f"directions: {share(DIRECTIONS):.3f}x"
+    anchor = ratio(hidden + hidden / 32, 2 * hidden, 3)
+    table = [
+        [name, f"{f8.get(name, 0) / per_row:.1f}", f"{bf.get(name, 0) / per_row:.1f}",
+         share([name]), anchor if name in DIRECTIONS[::2] else "1.000x"]
+        for name in DIRECTIONS
+    ]  # fmt: skip
+    table.append(["dispatch fwd + combine bwd", "", "", share(DIRECTIONS[::2]), anchor])
+    table.append(["all four directions", "", "", share(DIRECTIONS), ""])
+    print_table(
+        ["direction", "float8 B/row", "bf16 B/row", "vs bf16", "anchors"],
+        table,
+        title=f"{WORLD} gloo ranks on CPU, tiny Mixtral (hidden {hidden}, 4 experts, top 2, 2 "
+        f"MoE layers) in bfloat16, {rows} (token, k) rows per layer (all ranks), "
+        "DelayedScaling; bytes handed to all_to_all_single, summed over the ranks",
     )
-    for wire, (nbytes, counts, t) in results.items():
-        label = "float8 wire" if wire else "bf16 wire"
-        print(f"{label}: collectives per step {counts}, bytes {nbytes}, step {t * 1e3:.1f} ms")
-    print(f"step time float8 / bf16 wire: {results[True][2] / results[False][2]:.2f}x")
+    print()
+    print_table(
+        ["wire", "all_to_all (counts, rows)", "all_reduce", "step ms"],
+        [
+            [
+                "float8" if wire else "bf16",
+                f"{counts.get('counts', 0)}, {sum(counts.get(d, 0) for d in DIRECTIONS)}",
+                counts.get("allreduce_", 0),
+                f"{t * 1e3:.1f}",
+            ]
+            for wire, (_, counts, t) in results.items()
+        ],
+        title=f"collectives per training step, median of {steps} step(s)",
+    )
+    print(f"step time, float8 / bf16 wire: {ratio(results[True][2], results[False][2])}")
 
 
 if __name__ == "__main__":
