@@ -423,3 +423,10 @@ def make_dtensor(local: torch.Tensor, spec) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return DTensor(local, spec, requires_grad=False)
+
+
+def experts_gate(module: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """transformers 5.x experts' gating of the up projection's output `h` `(rows, 2I)` ->
+    `(rows, I)` (`act_fn(gate) * up`, or the model's own layout): the interface's
+    `_apply_gate` hook, an underscored method of transformers (not torch), fenced here too."""
+    return module._apply_gate(h)

@@ -690,3 +690,14 @@ def test_is_convolution_is_every_torch_convolution_only():
     convs = (torch.nn.Conv1d(2, 2, 1), torch.nn.Conv2d(2, 2, 1), torch.nn.ConvTranspose3d(2, 2, 1))
     assert all(map(private.is_convolution, convs))
     assert not private.is_convolution(torch.nn.Linear(2, 2))
+
+
+def test_experts_gate_is_transformers_gating_of_the_up_projection():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.MixtralConfig(
+        hidden_size=8, intermediate_size=6, num_local_experts=2, num_hidden_layers=1
+    )
+    experts = transformers.models.mixtral.modeling_mixtral.MixtralExperts(config)
+    h = torch.randn(5, 12)
+    gate, up = h.chunk(2, dim=-1)
+    assert torch.equal(private.experts_gate(experts, h), experts.act_fn(gate) * up)

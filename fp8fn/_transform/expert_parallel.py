@@ -21,7 +21,12 @@ from .._ops.gemm import resolve_backend
 from .._parallel.dtensor import as_dtensor, local_shard
 from .._parallel.expert_exchange import plan_exchange, send_rows
 from .._parallel.expert_gemm import dispatch_grouped_mm, grouped_mm_combine
-from .._torch_private import function_modes, module_parameters, refuse_fullgraph_trace
+from .._torch_private import (
+    experts_gate,
+    function_modes,
+    module_parameters,
+    refuse_fullgraph_trace,
+)
 from .experts import find_experts
 from .routing import _Call
 
@@ -89,7 +94,7 @@ class _ExpertParallelForward:
         wire_x = self.float8_wire and _filled(newest_1, 0)
         wire_g = self.float8_wire and _filled(newest_2, 2)
         h = dispatch_grouped_mm(x, weights[0], newest_1, stored_1, ex, margin, backend, wire_x)
-        h = m._apply_gate(h) if m.has_gate else m.act_fn(h)
+        h = experts_gate(m, h) if m.has_gate else m.act_fn(h)
         return grouped_mm_combine(h, weights[1], newest_2, stored_2, ex, margin, backend, wire_g)
 
     def _high_precision(self, x, ex, weight_dtype):
