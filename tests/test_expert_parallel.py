@@ -170,3 +170,19 @@ def test_expert_parallel_refuses_a_finer_recipe_for_the_experts(one_rank_mesh):
     fn = fp8fn.transform(model, fp8fn.RowwiseScaling(), filter_fn=_not_router)
     with pytest.raises(ValueError, match=r"^fp8fn\.apply: expected the expert-parallel experts"):
         fn.init(batch())
+
+
+@pytest.mark.slow
+def test_compiled_expert_parallel_forward_is_refused(one_rank_mesh):
+    """torch.compile(fullgraph=True) of `apply` over expert-parallel experts: fp8fn's error at
+    trace time. (Without fullgraph the graph breaks at `apply`'s start, and dynamo, tracing the
+    model's frames under fp8fn's mode, fails inside transformers: docs/moe.md.)"""
+    model = fp8fn.expert_parallel(_tiny(), one_rank_mesh)
+    model.config.use_cache = False  # (with the cache, dynamo fails earlier, in transformers)
+    fn = fp8fn.transform(model, fp8fn.DelayedScaling(), filter_fn=_not_router)
+    ids = batch()
+    state = fn.init(ids)
+    params = dict(model.named_parameters())
+    compiled = torch.compile(fn.apply, fullgraph=True)
+    with pytest.raises(Exception, match=r"^fp8fn\.expert_parallel: expected an eager forward"):
+        compiled(params, state, ids)

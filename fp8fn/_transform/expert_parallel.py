@@ -32,8 +32,8 @@ from .routing import _Call
 
 _NO_COMPILE = (
     "fp8fn.expert_parallel: expected an eager forward of expert-parallel experts, got "
-    "torch.compile: the all-to-all's splits are read on the host (a graph break inside "
-    "fp8fn.apply). Compile the other modules (e.g. each attention block), or run eagerly."
+    "torch.compile: the all-to-all's splits are read on the host. Leave fullgraph off (fn.apply "
+    "then runs eagerly), or run eagerly."
 )
 _CONTRACT = (
     "transformers 5.x's experts interface: `forward(hidden_states, top_k_index, "
@@ -63,7 +63,7 @@ class _ExpertParallelForward:
         self.float8_wire = float8_wire
 
     def __call__(self, hidden_states, top_k_index, top_k_weights):
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():  # (a compiled model call, outside `apply`)
             refuse_fullgraph_trace(_NO_COMPILE)
             raise RuntimeError(_NO_COMPILE)
         m = self.module
@@ -114,6 +114,19 @@ class _ExpertParallelForward:
             params.update(held)
             m.num_experts = held_experts
         return send_rows(y, ex, back=True)
+
+
+def expert_parallel_in(experts) -> bool:
+    """Whether any of `experts` (`_Experts`) is held by an expert-parallel module."""
+    return any(isinstance(vars(e.module).get("forward"), _ExpertParallelForward) for e in experts)
+
+
+def refuse_compile() -> None:
+    """While dynamo traces `apply` of a model with expert-parallel experts: raise (under
+    fullgraph fp8fn's error, at trace time)."""
+    if torch.compiler.is_compiling():
+        refuse_fullgraph_trace(_NO_COMPILE)
+        raise RuntimeError(_NO_COMPILE)
 
 
 def _filled(newest, role: int) -> bool:
