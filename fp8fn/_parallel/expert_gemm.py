@@ -66,9 +66,7 @@ def _receive(rows, ex: Exchange, newest, stored, margin, role: int, wire: bool, 
     hp = send(rows, ex.send, ex.recv, ex.group)[ex.to_experts]
     amax = group_amax(hp, ex.ids, ex.local)
     scale = scales_for(amax, _role(newest, ex, role), _role(stored, ex, role), margin, _MAX[dtype])
-    observed = amax.new_zeros(ex.experts)
-    observed[ex.first : ex.first + ex.local] = amax
-    return cast_to_fp8(hp, scale[ex.ids][:, None], dtype), scale, observed
+    return cast_to_fp8(hp, scale[ex.ids][:, None], dtype), scale, _spread(amax, ex)
 
 
 def _role(rows, ex, role):
@@ -82,12 +80,17 @@ def _cast_weight(weight, ex, newest, stored, margin):
     return cast_to_fp8(weight, scale[:, None, None], E4M3), scale, amax
 
 
+def _spread(local, ex):
+    """This rank's experts' `(El,)` amaxes placed among all E, 0 elsewhere: `(E,)` (made
+    without writes in place, at the level of `local`)."""
+    zeros = local.new_zeros(ex.experts - ex.local)
+    return torch.cat([zeros[: ex.first], local, zeros[ex.first :]])
+
+
 def _observation(ex, x_amax, w_amax, g_amax):
-    """`(E, 3)`: the input, weight and grad_output amaxes observed on this rank."""
-    out = w_amax.new_zeros(ex.experts, 3)
-    out[:, 0], out[:, 2] = x_amax, g_amax
-    out[ex.first : ex.first + ex.local, 1] = w_amax
-    return out
+    """`(E, 3)`: the input, weight and grad_output amaxes observed on this rank (`x_amax`,
+    `g_amax` `(E,)`; `w_amax` `(El,)`, this rank's experts)."""
+    return torch.stack([x_amax, _spread(w_amax, ex), g_amax], 1)
 
 
 class _DispatchGroupedMM(torch.autograd.Function):
@@ -124,8 +127,7 @@ class _DispatchGroupedMM(torch.autograd.Function):
             # every rank sends its gradient rows back (the collective pairs across ranks)
             grads = [_Exchanged.apply(grad_x[ex.from_experts], ex.recv, ex.send, ex.group)]
             grads.append(weight_mm(g_fp8, x_fp8, g_inv, x_inv, ex.offs, w_dtype, ctx.backend))
-            g_observed = g_amax.new_zeros(ex.experts)
-            g_observed[ex.first : ex.first + ex.local] = g_amax
+            g_observed = _spread(g_amax, ex)
             obs = _observation(ex, x_amax, w_amax, g_observed) if ctx.needs_input_grad[2] else None
             grads += [obs, None, None, None, None, None]
         return tuple(first_order_only(grads, x_amax))
@@ -144,9 +146,7 @@ class _GroupedMMCombine(torch.autograd.Function):
         h_inv, w_inv = h_scale.reciprocal(), w_scale.reciprocal()
         y = rows_mm(h_fp8, w_fp8, h_inv, w_inv, ex.offs, h.dtype, backend, False)
         out = exchange_rows(y[ex.from_experts], ex.recv, ex.send, ex.group)
-        h_observed = h_amax.new_zeros(ex.experts)
-        h_observed[ex.first : ex.first + ex.local] = h_amax
-        return out, h_observed, h_fp8, w_fp8, h_inv, w_inv, w_amax
+        return out, _spread(h_amax, ex), h_fp8, w_fp8, h_inv, w_inv, w_amax
 
     @staticmethod
     def setup_context(ctx, inputs, output):
