@@ -110,17 +110,19 @@ def test_one_rank_expert_parallel_mixtral_is_the_plain_model(one_rank_mesh, reci
     """Every expert on the one rank: a training step (the state after one, so the wire is
     float8 under DelayedScaling) gives the bits of the plain model with transformers'
     batched_mm experts (rows grouped in token order), and the plain forward those of the
-    plain model. Under CurrentScaling the rows travel in float32 (the receiver casts them)."""
+    plain model; a transform (and state) made before `expert_parallel` runs it. Under
+    CurrentScaling the rows travel in float32 (the receiver casts them)."""
     ids = batch()
     ref, model = _tiny("batched_mm"), _tiny()
     plain = ref(ids).logits
+    rfn = fp8fn.transform(ref, recipe, filter_fn=_not_router)
+    fn = fp8fn.transform(model, recipe, filter_fn=_not_router)  # made before expert_parallel
+    made_before = fn.init(ids)
     fp8fn.expert_parallel(model, one_rank_mesh)
     assert isinstance(model.model.layers[0].mlp.experts.gate_up_proj, DTensor)
     assert torch.equal(model(ids).logits, plain)
-    rfn = fp8fn.transform(ref, recipe, filter_fn=_not_router)
-    fn = fp8fn.transform(model, recipe, filter_fn=_not_router)
     state = rfn.init(ids)
-    assert fn.init(ids).sites == state.sites
+    assert fn.init(ids).sites == state.sites == made_before.sites  # rows per global expert
     state = fp8fn.update(state, _step(rfn, ref, state, ids)[2])
     meter = WireMeter()
     with meter:
