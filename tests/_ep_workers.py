@@ -307,6 +307,36 @@ def loss_20_steps(rank):
     MEASURED["loss_20_steps"] = losses[True]
 
 
+def fsdp2_beside_expert_parallel(rank):
+    """A 2-D mesh ("dp" of size 1, "ep" of 2): `fully_shard` of the decoder layers and the
+    root over "dp" after `expert_parallel` over "ep" (the experts weights then `(_StridedShard,
+    Shard(0))` DTensors): loss, the experts' gradient and the observations are those without
+    FSDP2, bit for bit. (Only the composition: a data-parallel dim of 1 shards nothing.)"""
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (1, WORLD), mesh_dim_names=("dp", "ep"))
+    ids = _ids(WORLD)[rank : rank + 1]
+    seen = []
+    for fsdp in (False, True):
+        model = build("mixtral")
+        model.config.use_cache = False
+        fp8fn.expert_parallel(model, mesh, mesh_dim="ep")
+        if fsdp:
+            for layer in model.model.layers:
+                fully_shard(layer, mesh=mesh["dp"])
+            fully_shard(model, mesh=mesh["dp"])
+        fn = fp8fn.transform(model, RECIPE)
+        state = fn.init(ids)
+        observed = fp8fn.observe(state)
+        loss = fn.apply(dict(model.named_parameters()), observed, ids, labels=ids).loss
+        loss.backward()
+        grad = model.model.layers[0].mlp.experts.gate_up_proj.grad
+        seen.append((loss.detach(), grad.to_local(), fp8fn.observations(observed).amax_history))
+    assert len(grad.placements) == 2, grad.placements
+    for a, b in zip(*seen):
+        assert torch.equal(a, b)
+
+
 def dcp_round_trip(rank, out_dir):
     """DCP saves the experts' DTensor shards and loads them into another expert-parallel model."""
     import torch.distributed.checkpoint as dcp
@@ -370,6 +400,7 @@ SCENARIOS = [
     torch_func_route,
     checkpointed_layers,
     loss_20_steps,
+    fsdp2_beside_expert_parallel,
     bad_input,
 ]
 
