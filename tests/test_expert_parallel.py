@@ -170,7 +170,7 @@ def test_expert_parallel_refuses_bad_input(one_rank_mesh):
 def test_expert_parallel_refuses_a_finer_recipe_for_the_experts(one_rank_mesh):
     model = fp8fn.expert_parallel(_tiny(), one_rank_mesh)
     fn = fp8fn.transform(model, fp8fn.RowwiseScaling(), filter_fn=_not_router)
-    with pytest.raises(ValueError, match=r"^fp8fn\.apply: expected the expert-parallel experts"):
+    with pytest.raises(ValueError, match=r"^fp8fn\.init: expected the expert-parallel experts"):
         fn.init(batch())
 
 

@@ -289,8 +289,8 @@ class _Call(TorchFunctionMode):
         DelayedScaling, else None; None while discovering); None when fp8fn does not run them.
 
         Raises:
-          ValueError: `fp8fn.apply: ...` for a recipe other than DelayedScaling or
-            CurrentScaling, or when only some of `attrs` are chosen.
+          ValueError: `fp8fn.apply: ...` (`fp8fn.init: ...`) for a recipe other than
+            DelayedScaling or CurrentScaling, or when only some of `attrs` are chosen.
         """
         entries = [
             next((e for e in self.transformed._experts if e.module is module and e.attr == a), None)
@@ -302,8 +302,9 @@ class _Call(TorchFunctionMode):
         names = [f"{known}.{a}" for a in attrs]
         kinds = {type(e.recipe).__name__ if e else None for e in entries}
         if None in kinds or not kinds <= {"DelayedScaling", "CurrentScaling"}:
+            api = "init" if self.state is None else "apply"
             raise ValueError(
-                f"fp8fn.apply: expected the expert-parallel experts weights {names} to use "
+                f"fp8fn.{api}: expected the expert-parallel experts weights {names} to use "
                 "DelayedScaling or CurrentScaling together (fp8fn.expert_parallel runs their "
                 f"GEMMs on each rank's experts), got {sorted(map(str, kinds))}. Choose one of "
                 "those for both weights, or None for both (high precision)."
