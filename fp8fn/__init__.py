@@ -27,6 +27,7 @@ from ._ops.linear import linear
 from ._parallel.all_reduce import all_reduce
 from ._parallel.fsdp_gather import float8_all_gather
 from ._transform.checkpoint import checkpoint
+from ._transform.expert_parallel import expert_parallel
 from ._transform.transformed import Transformed, transform
 
 __all__ = [
@@ -45,6 +46,7 @@ __all__ = [
     "all_reduce",
     "checkpoint",
     "compute_scale",
+    "expert_parallel",
     "flatten_state",
     "float8_all_gather",
     "fold_in",

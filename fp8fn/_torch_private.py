@@ -465,3 +465,10 @@ def outside_fake_mode():
     """A context in which tensors are made for real, even inside a FakeTensorMode (so that a
     meta tensor made there is a plain meta tensor, to which torch applies its CUDA rules)."""
     return torch._subclasses.fake_tensor.unset_fake_temporarily()
+
+
+def experts_gate(module: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """transformers 5.x experts' gating of the up projection's output `h` `(rows, 2I)` ->
+    `(rows, I)` (`act_fn(gate) * up`, or the model's own layout): the interface's
+    `_apply_gate` hook, an underscored method of transformers (not torch), fenced here too."""
+    return module._apply_gate(h)

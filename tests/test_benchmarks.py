@@ -26,6 +26,7 @@ OPTIONAL = ("torchao",)
 # A line each script's table must print (its header); other scripts need some table row.
 HEADERS = {
     "eager_traffic.py": re.compile(r"^variant\s+GB \(eager\)\s+GB in GEMM calls", re.M),
+    "expert_parallel.py": re.compile(r"^direction\s+float8 B/row\s+bf16 B/row", re.M),
     "import_time.py": re.compile(r"^import\s+heavy modules loaded\s+median s", re.M),
     "memory.py": re.compile(r"^run\s+all saved\s+new memory", re.M),
     "moe.py": re.compile(r"^variant\s+ops\s+MB\s+ms", re.M),
@@ -175,3 +176,19 @@ def test_gpu_dry_run_prints_its_tables():
     triton = importlib.util.find_spec("triton") is not None
     # 4 tensors x (copy, delayed and current compiled, and the 2 Triton kernels)
     assert _rows(out[casts.end() :].strip("\n")) == 4 * (5 if triton else 3), out
+
+
+@pytest.mark.slow
+def test_expert_parallel_dry_run_halves_the_bytes(quick_runs):
+    """`expert_parallel.py --quick` (its `--dry-run`): dispatch forward and combine backward
+    send half the bytes of bfloat16 (no scales on the wire), the other two directions the
+    same; 10 all-to-alls (2 of counts) and one all_reduce a step."""
+    out = quick_runs(ROOT / "benchmarks" / "expert_parallel.py").stdout
+    for name in ("dispatch forward", "combine backward"):
+        assert re.search(rf"^{name}\s+32\.0\s+64\.0\s+0\.500x\s+0\.516x$", out, re.M), out
+    for name in ("combine forward", "dispatch backward"):
+        assert re.search(rf"^{name}\s+64\.0\s+64\.0\s+1\.000x", out, re.M), out
+    assert re.search(r"^dispatch fwd \+ combine bwd\s+0\.500x", out, re.M), out
+    assert re.search(r"^all four directions\s+0\.750x$", out, re.M), out
+    for wire in ("float8", "bf16"):
+        assert re.search(rf"^{wire}\s+2, 8\s+1\s", out, re.M), out

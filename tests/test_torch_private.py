@@ -712,3 +712,14 @@ def test_outside_fake_mode_makes_plain_meta_tensors_inside_a_fake_mode():
             t = torch.empty(2, device="meta")
     assert not private.is_fake(t) and t.device.type == "meta"
     assert issubclass(private.DispatchMode, torch.utils._python_dispatch.TorchDispatchMode)
+
+
+def test_experts_gate_is_transformers_gating_of_the_up_projection():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.MixtralConfig(
+        hidden_size=8, intermediate_size=6, num_local_experts=2, num_hidden_layers=1
+    )
+    experts = transformers.models.mixtral.modeling_mixtral.MixtralExperts(config)
+    h = torch.randn(5, 12)
+    gate, up = h.chunk(2, dim=-1)
+    assert torch.equal(private.experts_gate(experts, h), experts.act_fn(gate) * up)

@@ -532,3 +532,26 @@ _TP_UNDER_FUNC = (
     "without setup_context, which torch.func refuses. Differentiate with fp8fn.value_and_grad, "
     "or fp8fn.observe and loss.backward()."
 )
+
+
+class _LocalShard(torch.autograd.Function):
+    """A DTensor -> its local shard (`DTensor.to_local` with `setup_context`, usable under
+    torch.func); the gradient comes back as a DTensor of the input's spec."""
+
+    @staticmethod
+    def forward(d, spec):
+        return dtensor_local(d).view_as(dtensor_local(d))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.spec = inputs[1]
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _FromLocal.apply(grad, ctx.spec), None
+
+
+def local_shard(d: torch.Tensor) -> torch.Tensor:
+    """The local shard of the DTensor `d` (or a torch.func wrapper of one), differentiable
+    (plain autograd and torch.func)."""
+    return _LocalShard.apply(d, dtensor_spec(as_dtensor(d)))

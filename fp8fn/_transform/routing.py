@@ -282,6 +282,49 @@ class _Call(TorchFunctionMode):
             )
         )
 
+    def expert_parallel_rows(self, module, attrs) -> list | None:
+        """For fp8fn's expert-parallel forward (`expert_parallel.py`): this call of the experts
+        weights `attrs` of `module`, counted as one grouped call of all their experts, as
+        `[(recipe, newest, stored)]` (`newest`, `stored`: float32 `(E, 3)` state rows under
+        DelayedScaling, else None; None while discovering); None when fp8fn does not run them.
+
+        Raises:
+          ValueError: `fp8fn.apply: ...` (`fp8fn.init: ...`) for a recipe other than
+            DelayedScaling or CurrentScaling, or when only some of `attrs` are chosen.
+        """
+        entries = [
+            next((e for e in self.transformed._experts if e.module is module and e.attr == a), None)
+            for a in attrs
+        ]
+        if all(e is None for e in entries):
+            return None
+        known = next(e.path for e in entries if e is not None).rpartition(".")[0]
+        names = [f"{known}.{a}" for a in attrs]
+        kinds = {type(e.recipe).__name__ if e else None for e in entries}
+        if None in kinds or not kinds <= {"DelayedScaling", "CurrentScaling"}:
+            api = "init" if self.state is None else "apply"
+            raise ValueError(
+                f"fp8fn.{api}: expected the expert-parallel experts weights {names} to use "
+                "DelayedScaling or CurrentScaling together (fp8fn.expert_parallel runs their "
+                f"GEMMs on each rank's experts), got {sorted(map(str, kinds))}. Choose one of "
+                "those for both weights, or None for both (high precision)."
+            )
+        out = []
+        for entry in entries:
+            k = self._count_experts(entry)
+            if self.state is None:
+                self.weights[entry.path] = None  # runs in float8 (`_note`)
+                out.append((entry.recipe, None, None))
+                continue
+            newest = stored = None
+            if isinstance(entry.recipe, DelayedScaling):
+                positions = self.state._positions()
+                first = expert_rows("apply", positions, entry.path, entry.experts, k)
+                newest = self._newest_rows()[first : first + entry.experts]
+                stored = self.state.scale[first : first + entry.experts]
+            out.append((entry.recipe, newest, stored))
+        return out
+
     def _newest_rows(self):
         """`state.amax_history[..., 0]`, `(n_sites, 3)`, taken once per call."""
         if self._newest is None:

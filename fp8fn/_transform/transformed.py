@@ -51,6 +51,8 @@ from .._torch_private import (
 )
 from .checkpoint import refuse_compile
 from .coverage import report_high_precision, summarize
+from .expert_parallel import expert_parallel_in
+from .expert_parallel import refuse_compile as refuse_expert_parallel_compile
 from .experts import find_experts, find_gates, grouped_ops
 from .fsdp import Fsdp2
 from .layers import _find_layers, _is_linear_weight, _recipe_for
@@ -160,6 +162,7 @@ class Transformed:
         module, (recipe, filter_fn, checkpoint_fn) = self.module, self._choices
         self._ddp_param = ddp_parameter(module)  # (name, parameter) of a DDP model, else None
         self._experts = find_experts(module, self._chosen)
+        self._expert_parallel = expert_parallel_in(self._experts)  # (fp8fn.expert_parallel)
         self._grouped_ops = grouped_ops()  # the grouped GEMM ops (transformers' custom one)
         # routers and gates next to the experts: high precision, unless a recipe function
         # chooses for them
@@ -447,6 +450,8 @@ class Transformed:
         call = _Call(self, tensors, state)
         if self._checkpointed_modules:
             refuse_compile()  # before the `with`: dynamo then runs this frame eagerly
+        if self._expert_parallel:
+            refuse_expert_parallel_compile()
 
         with (
             translated_errors(self.module, params),

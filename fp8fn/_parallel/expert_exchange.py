@@ -1,0 +1,129 @@
+"""Expert parallel's exchange of token rows: the plan of one all-to-all of rows between the
+ranks of an expert-parallel group (`plan_exchange`), the rows sent (`exchange_rows`, one
+`torch.distributed.all_to_all_single` of their bytes) and its autograd form (`send_rows`).
+
+Each rank holds `E / world` consecutive experts (rank r: experts `r * El ... (r+1) * El - 1`,
+DTensor `Shard(0)`). A sender sorts its (token, k) rows by their global expert; the rows for
+rank r's experts go to rank r. A receiver gets, from each source rank in turn, its rows for
+each local expert in turn, and regroups them expert-major (stable: source 0's rows of an
+expert first), as one process running all the ranks' tokens would order them.
+
+Every exchange sends the tensor's bytes (a `uint8` view): gloo has no float8 collectives, and
+the bytes are the same whatever the dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.distributed as dist
+
+from .._ops.first_order import BackwardOnly
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Exchange:
+    """One dispatch (and its combine, reversed) between the ranks of `group`.
+
+    Fields (sender side: S rows sorted by global expert; receiver side: M rows):
+      group: the expert-parallel process group.
+      experts: E, the number of experts of the whole weight.
+      first: the global index of this rank's first expert (`rank * El`).
+      send, recv: rows sent to, received from, each rank (lists of ints, the splits).
+      send_ids: int64 `(S,)`, the global expert of each sent row.
+      to_experts: int64 `(M,)`, received order -> expert-major (`x[to_experts]`).
+      from_experts: int64 `(M,)`, its inverse.
+      ids: int64 `(M,)`, the local expert of each expert-major row.
+      offs: int32 `(El,)`, cumulative ends of the local experts' expert-major rows.
+    """
+
+    group: object
+    experts: int
+    first: int
+    send: list
+    recv: list
+    send_ids: torch.Tensor
+    to_experts: torch.Tensor
+    from_experts: torch.Tensor
+    ids: torch.Tensor
+    offs: torch.Tensor
+
+    @property
+    def local(self) -> int:
+        """El, the number of experts on this rank."""
+        return self.offs.shape[0]
+
+
+def plan_exchange(send_ids: torch.Tensor, experts: int, group) -> Exchange:
+    """The `Exchange` of rows whose global experts are `send_ids` (int64 `(S,)`, sorted).
+
+    One collective: an all-to-all of the per-expert row counts (int64, `E` per rank), read on
+    the host (the splits of the rows' all-to-all are host integers).
+    """
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    local = experts // world
+    counts = torch.bincount(send_ids, minlength=experts)
+    received = torch.empty_like(counts)
+    dist.all_to_all_single(received, counts, group=group)
+    received = received.view(world, local)  # [source, local expert]: rows
+    # received rows come source-major; each one's local expert, then a stable expert-major sort
+    expert_of = torch.arange(local, device=counts.device).repeat(world)
+    to_experts = torch.argsort(expert_of.repeat_interleave(received.flatten()), stable=True)
+    per_expert = received.sum(0)
+    return Exchange(
+        group=group,
+        experts=experts,
+        first=rank * local,
+        send=counts.view(world, local).sum(1).tolist(),
+        recv=received.sum(1).tolist(),
+        send_ids=send_ids,
+        to_experts=to_experts,
+        from_experts=torch.argsort(to_experts),
+        ids=torch.arange(local, device=counts.device).repeat_interleave(per_expert),
+        offs=per_expert.cumsum(0).int(),
+    )
+
+
+def exchange_rows(rows: torch.Tensor, send: list, recv: list, group) -> torch.Tensor:
+    """`rows` `(sum(send), ...)`, any dtype (float8 included), split by `send` over the ranks
+    of `group`; returns the `(sum(recv), ...)` rows received, source-major, of its dtype."""
+    flat = rows.contiguous().view(rows.shape[0], math.prod(rows.shape[1:])).view(torch.uint8)
+    out = flat.new_empty(sum(recv), flat.shape[1])
+    dist.all_to_all_single(out, flat, recv, send, group=group)
+    return out.view(rows.dtype).view(sum(recv), *rows.shape[1:])
+
+
+class _Exchanged(BackwardOnly):
+    """`exchange_rows` inside a backward (differentiating it again raises)."""
+
+    @staticmethod
+    def forward(rows, send, recv, group):
+        return exchange_rows(rows, send, recv, group)
+
+
+class _SendRows(torch.autograd.Function):
+    """`exchange_rows` with autograd: the backward sends the gradient rows back (reversed
+    splits), in the gradient's dtype."""
+
+    @staticmethod
+    def forward(rows, send, recv, group):
+        return exchange_rows(rows, send, recv, group)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.send, ctx.recv, ctx.group = inputs[1], inputs[2], inputs[3]
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _Exchanged.apply(grad, ctx.recv, ctx.send, ctx.group), None, None, None
+
+
+def send_rows(rows: torch.Tensor, ex: Exchange, back: bool = False) -> torch.Tensor:
+    """Dispatch (`back` False: sender-sorted rows -> the receiver's rows, expert-major) or
+    combine (`back` True: expert-major rows -> the sender's sorted rows), in `rows`' dtype,
+    differentiable (the gradient goes the other way, in its own dtype)."""
+    if back:
+        return _SendRows.apply(rows[ex.from_experts], ex.recv, ex.send, ex.group)
+    return _SendRows.apply(rows, ex.send, ex.recv, ex.group)[ex.to_experts]

@@ -1,0 +1,189 @@
+"""Expert parallel's two float8 grouped GEMMs, each fused with the all-to-all on its operand's
+side (built from the grouped op's parts, `fp8fn/_ops/grouped.py`):
+
+* `dispatch_grouped_mm`: dispatch, then `out = x_e @ W[e].T` on the experts' ranks. With
+  `wire` (DelayedScaling, every expert's input history filled), the sender casts each row to
+  e4m3 with its destination expert's input scale (the state's, known on every rank) in the
+  pass that packs it, and sends only those bytes; the receiver's GEMM takes them as they are.
+  Its backward sends `grad_x` back in high precision.
+* `grouped_mm_combine`: `y = h_e @ W[e].T` on the experts' ranks, then combine (the rows sent
+  back in high precision). Its backward with `wire` (every expert's grad_output history
+  filled): the sender casts each row of the output gradient to e5m2 with its expert's
+  grad_output scale and sends the bytes; the receiver's GEMMs take them as they are.
+
+Without `wire` (the first step, an expert whose history is still empty, CurrentScaling), the
+rows travel in high precision and the receiver casts them as the grouped op does (current
+scaling from the amax of all the rows the expert received, from every rank).
+
+Observations (the gradient with respect to `newest`, float32 `(E, 3)` for all E experts):
+what a rank sent in float8 is observed by the sender (the amax of its rows per destination
+expert); the rest by the experts' rank (its experts' rows, 0 elsewhere). `fp8fn.all_reduce`
+(max over the ranks) makes them the amaxes of one process running every rank's tokens. An
+expert that received no row observes 0 for its input and grad_output (history kept).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._core.checks import no_autocast
+from .._numerics.fp8 import E4M3, E5M2, cast_to_fp8
+from .._ops.first_order import first_order_only
+from .._ops.grouped import _group_amax as group_amax
+from .._ops.grouped import expert_amax
+from .._ops.grouped_gemm import rows_mm, weight_mm
+from .._ops.tensorwise import _scales as scales_for
+from .expert_exchange import Exchange, _Exchanged, exchange_rows
+
+_MAX = {E4M3: 448.0, E5M2: 57344.0}
+
+
+def pack_rows(rows: torch.Tensor, ids: torch.Tensor, scale: torch.Tensor, dtype) -> tuple:
+    """`(fp8, amax)`: each row of `rows` `(S, K)` cast to `dtype` with the scale of its expert
+    (`scale` float32 `(E,)`, row r's expert `ids[r]`, int64 `(S,)`), and the per-expert amax
+    of the rows (float32 `(E,)`, 0 for an expert without a row): the sender's observation."""
+    experts = scale.shape[0]
+    amax = group_amax(rows, ids, experts)
+    return cast_to_fp8(rows, scale[ids][:, None], dtype), amax
+
+
+def _local(t, ex: Exchange):
+    return None if t is None else t[ex.first : ex.first + ex.local]
+
+
+def _receive(rows, ex: Exchange, newest, stored, margin, role: int, wire: bool, back: bool):
+    """`(fp8, scale, observed)` of `rows` sent to the experts' ranks, cast to role `role`'s
+    format (0 input e4m3, 2 grad_output e5m2) with its experts' scales: on the sender, in the
+    pass that packs them (`wire`), else on the receiver. `fp8` `(M, K)` expert-major, `scale`
+    float32 `(El,)` (this rank's experts), `observed` float32 `(E,)` (0 where not observed
+    here). `back`: the rows go from the sender to the experts in a backward."""
+    dtype = E4M3 if role == 0 else E5M2
+    send = _Exchanged.apply if back else exchange_rows
+    if wire:
+        scale = stored[:, role]
+        fp8, observed = pack_rows(rows, ex.send_ids, scale, dtype)
+        return send(fp8, ex.send, ex.recv, ex.group)[ex.to_experts], _local(scale, ex), observed
+    hp = send(rows, ex.send, ex.recv, ex.group)[ex.to_experts]
+    amax = group_amax(hp, ex.ids, ex.local)
+    scale = scales_for(amax, _role(newest, ex, role), _role(stored, ex, role), margin, _MAX[dtype])
+    return cast_to_fp8(hp, scale[ex.ids][:, None], dtype), scale, _spread(amax, ex)
+
+
+def _role(rows, ex, role):
+    return None if rows is None else _local(rows, ex)[:, role]
+
+
+def _cast_weight(weight, ex, newest, stored, margin):
+    """`(w_fp8, w_scale, w_amax)` of this rank's experts `(El, N, K)`."""
+    amax = expert_amax(weight)
+    scale = scales_for(amax, _role(newest, ex, 1), _role(stored, ex, 1), margin, 448.0)
+    return cast_to_fp8(weight, scale[:, None, None], E4M3), scale, amax
+
+
+def _spread(local, ex):
+    """This rank's experts' `(El,)` amaxes placed among all E, 0 elsewhere: `(E,)` (made
+    without writes in place, at the level of `local`)."""
+    zeros = local.new_zeros(ex.experts - ex.local)
+    return torch.cat([zeros[: ex.first], local, zeros[ex.first :]])
+
+
+def _observation(ex, x_amax, w_amax, g_amax):
+    """`(E, 3)`: the input, weight and grad_output amaxes observed on this rank (`x_amax`,
+    `g_amax` `(E,)`; `w_amax` `(El,)`, this rank's experts)."""
+    return torch.stack([x_amax, _spread(w_amax, ex), g_amax], 1)
+
+
+class _DispatchGroupedMM(torch.autograd.Function):
+    """`x` `(S, K)` (sender rows sorted by global expert) -> `(M, N)` expert-major rows of
+    `x_e @ weight[e].T` on the experts' rank (`weight` `(El, N, K)`, this rank's experts)."""
+
+    @staticmethod
+    def forward(x, weight, newest, stored, ex, margin, backend, wire):
+        x_fp8, x_scale, x_amax = _receive(x, ex, newest, stored, margin, 0, wire, False)
+        w_fp8, w_scale, w_amax = _cast_weight(weight, ex, newest, stored, margin)
+        x_inv, w_inv = x_scale.reciprocal(), w_scale.reciprocal()
+        out = rows_mm(x_fp8, w_fp8, x_inv, w_inv, ex.offs, x.dtype, backend, False)
+        return out, x_amax, x_fp8, w_fp8, x_inv, w_inv, w_amax
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, weight, newest, stored, ex, margin, backend, wire = inputs
+        ctx.mark_non_differentiable(*output[2:])
+        ctx.save_for_backward(*output[1:], newest, stored)
+        ctx.ex, ctx.margin, ctx.backend, ctx.dtypes = ex, margin, backend, (x.dtype, weight.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out, *_):
+        x_amax, x_fp8, w_fp8, x_inv, w_inv, w_amax, newest, stored = ctx.saved_tensors
+        ex, (x_dtype, w_dtype) = ctx.ex, ctx.dtypes
+        with no_autocast(grad_out):
+            g_amax = group_amax(grad_out, ex.ids, ex.local)
+            g_scale = scales_for(
+                g_amax, _role(newest, ex, 2), _role(stored, ex, 2), ctx.margin, 57344.0
+            )
+            g_fp8 = cast_to_fp8(grad_out, g_scale[ex.ids][:, None], E5M2)
+            g_inv = g_scale.reciprocal()
+            grad_x = rows_mm(g_fp8, w_fp8, g_inv, w_inv, ex.offs, x_dtype, ctx.backend, True)
+            # every rank sends its gradient rows back (the collective pairs across ranks)
+            grads = [_Exchanged.apply(grad_x[ex.from_experts], ex.recv, ex.send, ex.group)]
+            grads.append(weight_mm(g_fp8, x_fp8, g_inv, x_inv, ex.offs, w_dtype, ctx.backend))
+            g_observed = _spread(g_amax, ex)
+            obs = _observation(ex, x_amax, w_amax, g_observed) if ctx.needs_input_grad[2] else None
+            grads += [obs, None, None, None, None, None]
+        return tuple(first_order_only(grads, x_amax))
+
+
+class _GroupedMMCombine(torch.autograd.Function):
+    """`h` `(M, K)` expert-major rows on the experts' rank -> `(S, N)` rows of
+    `h_e @ weight[e].T` back on their senders, in their sorted order."""
+
+    @staticmethod
+    def forward(h, weight, newest, stored, ex, margin, backend, wire):
+        h_amax = group_amax(h, ex.ids, ex.local)
+        h_scale = scales_for(h_amax, _role(newest, ex, 0), _role(stored, ex, 0), margin, 448.0)
+        h_fp8 = cast_to_fp8(h, h_scale[ex.ids][:, None], E4M3)
+        w_fp8, w_scale, w_amax = _cast_weight(weight, ex, newest, stored, margin)
+        h_inv, w_inv = h_scale.reciprocal(), w_scale.reciprocal()
+        y = rows_mm(h_fp8, w_fp8, h_inv, w_inv, ex.offs, h.dtype, backend, False)
+        out = exchange_rows(y[ex.from_experts], ex.recv, ex.send, ex.group)
+        return out, _spread(h_amax, ex), h_fp8, w_fp8, h_inv, w_inv, w_amax
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        h, weight, newest, stored, ex, margin, backend, wire = inputs
+        ctx.mark_non_differentiable(*output[2:])
+        ctx.save_for_backward(*output[1:], newest, stored)
+        ctx.ex, ctx.margin, ctx.backend, ctx.wire = ex, margin, backend, wire
+        ctx.dtypes = (h.dtype, weight.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out, *_):
+        h_observed, h_fp8, w_fp8, h_inv, w_inv, w_amax, newest, stored = ctx.saved_tensors
+        ex, (h_dtype, w_dtype) = ctx.ex, ctx.dtypes
+        with no_autocast(grad_out):
+            g_fp8, g_scale, g_observed = _receive(
+                grad_out, ex, newest, stored, ctx.margin, 2, ctx.wire, True
+            )
+            g_inv = g_scale.reciprocal()
+            grads = [rows_mm(g_fp8, w_fp8, g_inv, w_inv, ex.offs, h_dtype, ctx.backend, True)]
+            grads.append(weight_mm(g_fp8, h_fp8, g_inv, h_inv, ex.offs, w_dtype, ctx.backend))
+            obs = (
+                _observation(ex, h_observed, w_amax, g_observed)
+                if ctx.needs_input_grad[2]
+                else None
+            )
+            grads += [obs, None, None, None, None, None]
+        return tuple(first_order_only(grads, h_observed))
+
+
+def dispatch_grouped_mm(x, weight, newest, stored, ex, margin, backend, wire):
+    """See the module docstring. x: `(S, K)` sorted by global expert (`ex.send_ids`); weight:
+    `(El, N, K)`; newest, stored: float32 `(E, 3)` rows of the weight's experts, or None
+    (current scaling; then `wire` must be False); returns `(M, N)` of x's dtype."""
+    return _DispatchGroupedMM.apply(x, weight, newest, stored, ex, margin, backend, wire)[0]
+
+
+def grouped_mm_combine(h, weight, newest, stored, ex, margin, backend, wire):
+    """See the module docstring. h: `(M, K)` expert-major; weight: `(El, N, K)`; returns
+    `(S, N)` of h's dtype, the sender's rows in `ex.send_ids` order."""
+    return _GroupedMMCombine.apply(h, weight, newest, stored, ex, margin, backend, wire)[0]

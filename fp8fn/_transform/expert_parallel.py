@@ -1,0 +1,253 @@
+"""`fp8fn.expert_parallel`: the experts of a model sharded over the ranks of a process group
+(expert parallelism), their forward run as dispatch -> this rank's experts -> combine.
+
+What it changes on the model (docs/semantics.md, "What fp8fn touches outside the state"):
+each experts weight becomes a DTensor `Shard(0)` parameter on the mesh (rank r holds experts
+`r * El ... (r+1) * El - 1`; DCP saves and loads them), and the experts module gets an instance
+`forward` (`_ExpertParallelForward`). Under `fn.apply` with DelayedScaling or CurrentScaling
+for the experts weights, that forward runs the float8 grouped GEMMs fused with the all-to-alls
+(`fp8fn/_parallel/expert_gemm.py`: with DelayedScaling the tokens travel as e4m3 cast by the
+sender with the destination expert's input scale, the output gradients as e5m2 with its
+grad_output scale); otherwise (plain use, `fn.init`, a recipe of None) it runs the module's
+own forward on the rows each rank received, in high precision.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .._ops.gemm import resolve_backend
+from .._parallel.dtensor import as_dtensor, local_shard
+from .._parallel.expert_exchange import plan_exchange, send_rows
+from .._parallel.expert_gemm import dispatch_grouped_mm, grouped_mm_combine
+from .._torch_private import (
+    experts_gate,
+    function_modes,
+    module_parameters,
+    refuse_fullgraph_trace,
+)
+from .experts import find_experts
+from .routing import _Call
+
+_NO_COMPILE = (
+    "fp8fn.expert_parallel: expected an eager forward of expert-parallel experts, got "
+    "torch.compile: the all-to-all's splits are read on the host. Leave fullgraph off (fn.apply "
+    "then runs eagerly), or run eagerly."
+)
+_CONTRACT = (
+    "transformers 5.x's experts interface: `forward(hidden_states, top_k_index, "
+    "top_k_weights)`, attributes `has_gate`, `has_bias`, `is_transposed`, `act_fn`, weights "
+    "`gate_up_proj` (or `up_proj`) and `down_proj`"
+)
+
+
+def _running_call():
+    """The `_Call` of the `fn.apply` (or `fn.init`) running this forward, or None."""
+    return next(
+        (m for m in reversed(function_modes()) if isinstance(m, _Call) and not m.passive), None
+    )
+
+
+class _ExpertParallelForward:
+    """The `forward` of an expert-parallel experts module (an instance attribute).
+
+    `(hidden_states (T, D), top_k_index int64 (T, k), top_k_weights (T, k)) -> (T, D)`: the
+    (token, k) rows, sorted by expert (stable), go to their experts' ranks; each rank runs its
+    experts on the rows it received; the results come back and are weighted and summed over k
+    as transformers' `batched_mm` experts do (`(y * w).view(T, k, D).sum(1)`).
+    """
+
+    def __init__(self, module, group, attrs, float8_wire: bool):
+        self.module, self.group, self.attrs = module, group, attrs
+        self.float8_wire = float8_wire
+
+    def __call__(self, hidden_states, top_k_index, top_k_weights):
+        if torch.compiler.is_compiling():  # (a compiled model call, outside `apply`)
+            refuse_fullgraph_trace(_NO_COMPILE)
+            raise RuntimeError(_NO_COMPILE)
+        m = self.module
+        experts = getattr(m, self.attrs[0]).shape[0]
+        tokens, k = top_k_index.shape
+        ids = top_k_index.reshape(-1)
+        order = torch.argsort(ids, stable=True)
+        x = hidden_states.repeat_interleave(k, dim=0)[order]
+        ex = plan_exchange(ids[order], experts, self.group)
+        call = _running_call()
+        rows = None if call is None else call.expert_parallel_rows(m, self.attrs)
+        if rows is None or call.state is None:
+            y = self._high_precision(x, ex, top_k_weights.dtype)
+        else:
+            y = self._float8(x, ex, rows)
+        y = y[torch.argsort(order)]
+        out = (y * top_k_weights.reshape(-1, 1)).view(tokens, k, -1).sum(1)
+        return out.to(hidden_states.dtype)
+
+    def _float8(self, x, ex, rows):
+        m = self.module
+        weights = [local_shard(getattr(m, a)) for a in self.attrs]
+        if m.is_transposed:  # stored (E, K, N): the op takes (E, N, K)
+            weights = [w.transpose(-2, -1) for w in weights]
+        (recipe, newest_1, stored_1), (_, newest_2, stored_2) = rows
+        backend = resolve_backend(recipe, x.device)
+        margin = getattr(recipe, "margin", 0)
+        wire_x = self.float8_wire and _filled(newest_1, 0)
+        wire_g = self.float8_wire and _filled(newest_2, 2)
+        h = dispatch_grouped_mm(x, weights[0], newest_1, stored_1, ex, margin, backend, wire_x)
+        h = experts_gate(m, h) if m.has_gate else m.act_fn(h)
+        return grouped_mm_combine(h, weights[1], newest_2, stored_2, ex, margin, backend, wire_g)
+
+    def _high_precision(self, x, ex, weight_dtype):
+        """The module's own forward on this rank's rows, with its local experts."""
+        m = self.module
+        x = send_rows(x, ex)
+        params = module_parameters(m)
+        held = {a: params[a] for a in self.attrs}
+        held_experts = m.num_experts
+        try:
+            for a in self.attrs:
+                params[a] = local_shard(held[a])
+            m.num_experts = ex.local
+            ones = x.new_ones(x.shape[0], 1, dtype=weight_dtype)
+            y = type(m).forward(m, x, ex.ids[:, None], ones)
+        finally:
+            params.update(held)
+            m.num_experts = held_experts
+        return send_rows(y, ex, back=True)
+
+
+def expert_parallel_in(experts) -> bool:
+    """Whether any of `experts` (`_Experts`) is held by an expert-parallel module."""
+    return any(isinstance(vars(e.module).get("forward"), _ExpertParallelForward) for e in experts)
+
+
+def refuse_compile() -> None:
+    """While dynamo traces `apply` of a model with expert-parallel experts: raise (under
+    fullgraph fp8fn's error, at trace time)."""
+    if torch.compiler.is_compiling():
+        refuse_fullgraph_trace(_NO_COMPILE)
+        raise RuntimeError(_NO_COMPILE)
+
+
+def _filled(newest, role: int) -> bool:
+    """Whether every expert's `role` history holds an amax (a host read), False when
+    stateless: then the sender knows the expert's scale before the step."""
+    return newest is not None and bool((newest[:, role] > 0).all())
+
+
+def _experts_modules(model) -> list:
+    """`[(path, module, attrs)]`: the modules holding experts weights (3-D floating parameters,
+    as `transform` finds them), each checked against `_CONTRACT`."""
+    owners = {}
+    for entry in find_experts(model, lambda name, owner: True):
+        path = entry.path.rpartition(".")[0]
+        owners.setdefault(id(entry.module), (path, entry.module, []))[2].append(entry.attr)
+    found = []
+    for path, module, held in owners.values():
+        gate = getattr(module, "has_gate", None)
+        attrs = ("gate_up_proj" if gate else "up_proj", "down_proj")
+        if gate is None or not set(attrs) <= set(held) or not hasattr(module, "num_experts"):
+            raise ValueError(
+                f"fp8fn.expert_parallel: expected experts modules with {_CONTRACT}, got "
+                f"{path!r} ({type(module).__name__}) holding 3-D weights {held}. User experts "
+                "forms run in float8 through fp8fn.transform without expert parallelism."
+            )
+        unsupported = [a for a in ("has_bias", "has_post_expert_norm") if getattr(module, a, 0)]
+        if unsupported:
+            raise ValueError(
+                f"fp8fn.expert_parallel: expected experts without biases or a post-expert "
+                f"norm, got {path!r} ({type(module).__name__}) with {unsupported}: not "
+                "supported yet."
+            )
+        found.append((path, module, attrs))
+    return found
+
+
+def _group_of(mesh, mesh_dim):
+    """The process group of `mesh` (1-D) or of its dim `mesh_dim`, and that 1-D mesh."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(
+            "fp8fn.expert_parallel: expected `mesh` to be a torch.distributed DeviceMesh, got "
+            f"{type(mesh).__name__}. Make one with init_device_mesh('cpu', (world,))."
+        )
+    if mesh_dim is None and mesh.ndim != 1:
+        raise ValueError(
+            f"fp8fn.expert_parallel: expected a 1-D mesh or `mesh_dim`, got a {mesh.ndim}-D mesh "
+            f"{mesh.mesh_dim_names}. Name the expert-parallel dim: mesh_dim='ep'."
+        )
+    sub = mesh if mesh_dim is None else mesh[mesh_dim]
+    return sub, sub.get_group()
+
+
+def expert_parallel(model: nn.Module, mesh, *, mesh_dim=None, float8_wire: bool = True):
+    """Shard `model`'s experts over the ranks of `mesh` (expert parallelism), in place.
+
+    Each experts module (transformers 5.x's experts interface: `gate_up_proj` or `up_proj`,
+    `down_proj`, `forward(hidden_states, top_k_index, top_k_weights)`) has its experts weights
+    replaced by DTensor `Shard(0)` parameters (rank r holds experts `r * E/world ...`: each
+    rank's slice of the weight it holds now, which must be the same on every rank; DCP saves
+    and loads them) and runs as dispatch -> this rank's experts -> combine, two
+    `all_to_all_single` each way plus one of the row counts per call. Under `fn.apply` of a
+    `fp8fn.transform` of the model with DelayedScaling for the experts, the tokens are sent as
+    e4m3 bytes cast by the sender with the destination expert's input scale, and the output
+    gradients as e5m2 with its grad_output scale (`float8_wire`); the GEMMs take the bytes as
+    they are. Every rank must hold the same state (`fp8fn.all_reduce` the observations over
+    the expert-parallel group, and any data-parallel one).
+
+    Args:
+      model: an nn.Module holding experts modules.
+      mesh: a `DeviceMesh`; 1-D, or give `mesh_dim`.
+      mesh_dim: the name of the expert-parallel dim of a multi-dim `mesh`.
+      float8_wire: send float8 under DelayedScaling (False: the rows travel in the activation
+        dtype, and the receiver casts them; the same bits, twice the bytes at bfloat16).
+
+    Returns:
+      `model`, changed in place.
+
+    Raises:
+      ValueError: no experts module; one outside the experts interface (or with biases); a
+        number of experts that the mesh's size does not divide; experts weights already
+        DTensors (sharded by something else). Nothing is changed then.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"fp8fn.expert_parallel: expected `model` to be an nn.Module, got "
+            f"{type(model).__name__}."
+        )
+    sub, group = _group_of(mesh, mesh_dim)
+    world = sub.size()
+    found = _experts_modules(model)
+    if not found:
+        raise ValueError(
+            f"fp8fn.expert_parallel: expected a model with experts modules, got "
+            f"{type(model).__name__} with no 3-D floating parameter."
+        )
+    for path, module, attrs in found:
+        for a in attrs:
+            p = getattr(module, a)
+            if as_dtensor(p) is not None:
+                raise ValueError(
+                    f"fp8fn.expert_parallel: expected plain experts weights, got "
+                    f"'{path}.{a}' already a DTensor {tuple(p.placements)} (sharded by "
+                    "fully_shard, a tensor-parallel plan or expert_parallel). Call "
+                    "expert_parallel first, on the plain model."
+                )
+            if p.shape[0] % world:
+                raise ValueError(
+                    f"fp8fn.expert_parallel: expected the mesh's size to divide the number of "
+                    f"experts, got {p.shape[0]} experts in '{path}.{a}' over {world} ranks."
+                )
+    from torch.distributed.tensor import DTensor, Shard
+
+    rank = sub.get_local_rank()
+    for _, module, attrs in found:
+        for a in attrs:
+            p = getattr(module, a)
+            local = p.shape[0] // world
+            shard = p.detach()[rank * local : (rank + 1) * local].clone()
+            d = DTensor.from_local(shard, sub, [Shard(0)], run_check=False)
+            setattr(module, a, nn.Parameter(d, requires_grad=p.requires_grad))
+        module.forward = _ExpertParallelForward(module, group, attrs, float8_wire)
+    return model

@@ -1,0 +1,421 @@
+"""Scenarios that `tests/test_expert_parallel.py` runs on gloo ranks: `fp8fn.expert_parallel`
+of tiny Mixtral and Qwen3-MoE (4 experts over the ranks) under `fp8fn.transform` with
+DelayedScaling, float8 on the wire (not a test module).
+
+The reference is one process running every rank's sequence as one batch, its experts run by
+transformers' `batched_mm` (fp8fn groups its rows by a stable sort: an expert's rows in token
+order, as the receivers regroup them). Both start from the reference's state after one step
+(the histories filled: at step 1 each data-parallel rank would cast its linear layers with its
+own current scale). The experts' outputs, gradients and the observations are compared bit
+for bit; the other parameters' gradients (each rank's, summed over the ranks, as data
+parallel reduces them) within 1e-6 of their largest value (their sums run in another order),
+and the expert-parallel run takes the reference's values of those parameters after each step.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+import time
+import types
+
+import torch
+import torch.distributed as dist
+from _moe_models import build
+from _spawn import assert_state_same_on_all_ranks, run_scenarios
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+import fp8fn
+
+sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "benchmarks"))
+from expert_parallel import WireMeter  # noqa: E402
+
+WORLD = 2
+RECIPE = fp8fn.DelayedScaling(history_len=4)
+LR = 0.5
+MEASURED: dict = {}
+_EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+
+
+def _ids(world):
+    gen = torch.Generator().manual_seed(1)
+    return torch.randint(0, 64, (world, 16), generator=gen)
+
+
+def _mesh(world):
+    return init_device_mesh("cpu", (world,))
+
+
+class _Run:
+    """A reference (one process, whole batch) and an expert-parallel model of `arch`, both
+    from the reference's state after one step."""
+
+    def __init__(self, arch, world, rank, float8_wire=True, checkpoint_fn=None, hook=None):
+        self.world, self.rank, self.ids = world, rank, _ids(world)
+        self.ref = build(arch, "batched_mm")
+        self.model = build(arch, "grouped_mm")
+        for m in (self.ref, self.model):
+            m.config.use_cache = False  # (checkpoint_fn refuses a KV cache)
+            if hook is not None:
+                for layer in m.model.layers:
+                    layer.mlp.gate.register_forward_hook(hook)
+        fp8fn.expert_parallel(self.model, _mesh(world), float8_wire=float8_wire)
+        self.rfn = fp8fn.transform(self.ref, RECIPE)
+        self.fn = fp8fn.transform(self.model, RECIPE, checkpoint_fn=checkpoint_fn)
+        state = self.rfn.init(self.ids)
+        assert self.fn.init(self.ids[rank : rank + 1]).sites == state.sites
+        self.state = self.rstate = fp8fn.update(state, _observe_ref(self, state))
+
+    def ref_step(self, route="autograd"):
+        params = {n: p.detach().clone().requires_grad_() for n, p in self.ref.named_parameters()}
+        if route == "func":
+
+            def loss(p, s):
+                out = self.rfn.apply(p, s, self.ids, labels=self.ids)
+                return out.loss, out.logits
+
+            (grads, obs), logits = torch.func.grad(loss, argnums=(0, 1), has_aux=True)(
+                params, self.rstate
+            )
+            return types.SimpleNamespace(logits=logits), grads, obs
+        observed = fp8fn.observe(self.rstate)
+        out = self.rfn.apply(params, observed, self.ids, labels=self.ids)
+        out.loss.backward()
+        grads = {n: p.grad for n, p in params.items()}
+        return out, grads, fp8fn.observations(observed)
+
+    def step(self, route="autograd"):
+        """This rank's sequence: `(output, {name: grad}, observation all-reduced)`."""
+        ids = self.ids[self.rank : self.rank + 1]
+        params = dict(self.model.named_parameters())
+        if route == "autograd":
+            for p in params.values():
+                p.grad = None
+            observed = fp8fn.observe(self.state)
+            out = self.fn.apply(params, observed, ids, labels=ids)
+            (out.loss / self.world).backward()
+            grads, obs = {n: p.grad for n, p in params.items()}, fp8fn.observations(observed)
+        else:
+
+            def loss(p, s):
+                out = self.fn.apply(p, s, ids, labels=ids)
+                return out.loss / self.world, out.logits
+
+            (grads, obs), logits = torch.func.grad(loss, argnums=(0, 1), has_aux=True)(
+                params, self.state
+            )
+            out = types.SimpleNamespace(logits=logits)
+        return out, grads, fp8fn.all_reduce(obs)
+
+    @staticmethod
+    def summed(grads):
+        """`grads` with the non-expert ones summed over the ranks (data parallel's reduction;
+        outside the step's counted collectives)."""
+        for g in grads.values():
+            if not isinstance(g, DTensor):
+                dist.all_reduce(g)
+        return grads
+
+    def update(self, grads, ref_grads, obs, ref_obs):
+        self.state = fp8fn.update(self.state, obs)
+        self.rstate = fp8fn.update(self.rstate, ref_obs)
+        with torch.no_grad():
+            for n, p in self.ref.named_parameters():
+                p -= LR * ref_grads[n]
+            for n, p in self.model.named_parameters():
+                if isinstance(p, DTensor):
+                    p -= LR * grads[n]
+                else:
+                    p.copy_(self.ref.get_parameter(n))
+
+
+def _whole(t):
+    """A DTensor's whole value (a collective), or `t`."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _observe_ref(run, state):
+    observed = fp8fn.observe(state)
+    out = run.rfn.apply(dict(run.ref.named_parameters()), observed, run.ids, labels=run.ids)
+    out.loss.backward()
+    run.ref.zero_grad()
+    return fp8fn.observations(observed)
+
+
+def _check_step(run, out, grads, obs, ref_out, ref_grads, ref_obs, label):
+    """The bit-for-bit checks of one step (see the module docstring); returns the largest
+    relative difference of the non-expert gradients."""
+    rank, grads = run.rank, run.summed(grads)
+    assert torch.equal(out.logits[0], ref_out.logits[rank]), f"{label}: logits differ"
+    assert torch.equal(obs.amax_history, ref_obs.amax_history), f"{label}: observations differ"
+    worst = 0.0
+    for n, g in grads.items():
+        if isinstance(g, DTensor):
+            assert n.endswith(_EXPERTS), n
+            assert torch.equal(g.full_tensor(), ref_grads[n]), f"{label}: {n} gradient differs"
+        else:
+            ref = ref_grads[n]
+            worst = max(worst, ((g - ref).abs().max() / ref.abs().max()).item())
+    assert worst < 1e-6, f"{label}: non-expert gradients differ by {worst:.2e}"
+    return worst
+
+
+def _bit_identical(arch, world, steps=3):
+    def scenario(rank):
+        run = _Run(arch, world, rank)
+        worst = 0.0
+        for step in range(steps):
+            ref_out, ref_grads, ref_obs = run.ref_step()
+            meter = WireMeter()
+            with meter:
+                out, grads, obs = run.step()
+            worst = max(worst, _check_step(run, out, grads, obs, ref_out, ref_grads, ref_obs, step))
+            run.update(grads, ref_grads, obs, ref_obs)
+            assert torch.equal(run.state.amax_history, run.rstate.amax_history)
+            assert torch.equal(run.state.scale, run.rstate.scale)
+            for n, p in run.model.named_parameters():
+                if isinstance(p, DTensor):
+                    assert torch.equal(p.full_tensor(), run.ref.get_parameter(n)), n
+        assert_state_same_on_all_ranks(run.state)
+        # the last step's collectives (steady state: float8 on the wire)
+        counts = meter.counts()
+        layers = len(run.model.model.layers)
+        assert counts == {
+            "counts": layers,
+            "dispatch forward": layers,
+            "combine forward": layers,
+            "combine backward": layers,
+            "dispatch backward": layers,
+            "allreduce_": 1,
+        }, counts
+        MEASURED[f"{arch}_{world}"] = {
+            "non_expert_grad_rel": worst,
+            "collectives": counts,
+            "bytes": meter.bytes_by(),
+        }
+
+    scenario.__name__ = f"bit_identical_{arch}_{world}_ranks"
+    return scenario
+
+
+def wire_bytes_halve(rank):
+    """The same step with `float8_wire=False` sends 4x the bytes (float32) in dispatch forward
+    and combine backward, the same in the other two directions, and gives the same bits."""
+    runs = {wire: _Run("mixtral", WORLD, rank, float8_wire=wire) for wire in (True, False)}
+    seen = {}
+    for wire, run in runs.items():
+        meter = WireMeter()
+        with meter:
+            out, grads, obs = run.step()
+        seen[wire] = (out.loss, grads, obs, meter.bytes_by())
+    (l8, g8, o8, b8), (l32, g32, o32, b32) = seen[True], seen[False]
+    assert torch.equal(l8, l32) and torch.equal(o8.amax_history, o32.amax_history)
+    for n in g8:
+        assert torch.equal(_whole(g8[n]), _whole(g32[n])), n
+    for d in ("dispatch forward", "combine backward"):
+        assert 4 * b8[d] == b32[d], (d, b8[d], b32[d])
+    for d in ("combine forward", "dispatch backward", "counts", "allreduce_"):
+        assert b8[d] == b32[d], (d, b8[d], b32[d])
+    MEASURED[f"wire_bytes_rank{rank}"] = {"float8": b8, "float32": b32}
+
+
+def _to_rank0(module, args, output):
+    """A router hook: every token's experts are rank 0's (expert ids modulo 2)."""
+    logits, scores, indices = output
+    return logits, scores, indices % 2
+
+
+def idle_experts(rank):
+    """Every token routed to rank 0's experts: rank 1's experts receive nothing; no hang;
+    their input and grad_output histories are unchanged by the update (their weight's is
+    observed), and the step is bit-identical to one process."""
+    run = _Run("mixtral", WORLD, rank, hook=_to_rank0)
+    before = run.state
+    ref_out, ref_grads, ref_obs = run.ref_step()
+    out, grads, obs = run.step()
+    _check_step(run, out, grads, obs, ref_out, ref_grads, ref_obs, "idle")
+    run.update(grads, ref_grads, obs, ref_obs)
+    for layer in range(2):
+        for weight in ("gate_up_proj", "down_proj"):
+            for e in (2, 3):
+                site = f"model.layers.{layer}.mlp.experts.{weight}[{e}]"
+                old, new = before[site], run.state[site]
+                assert torch.equal(old.input.amax_history, new.input.amax_history), site
+                assert torch.equal(old.grad_output.amax_history, new.grad_output.amax_history)
+                assert not torch.equal(old.weight.amax_history, new.weight.amax_history), site
+                assert obs[site].input.amax_history[0] == 0, site
+
+
+def torch_func_route(rank):
+    """Under torch.func.grad, a step is bit-identical to one process under torch.func.grad
+    (plain autograd and torch.func differentiate `F.silu` differently in the last bit, as
+    docs/moe.md says: each route is compared with itself), the experts' gradients DTensors."""
+    run = _Run("mixtral", WORLD, rank)
+    ref_out, ref_grads, ref_obs = run.ref_step("func")
+    out, grads, obs = run.step("func")
+    _check_step(run, out, grads, obs, ref_out, ref_grads, ref_obs, "torch.func")
+
+
+def checkpointed_layers(rank):
+    """`checkpoint_fn` on the decoder layers (their experts' all-to-alls run again in the
+    backward's recompute) gives the bits of no recompute."""
+    a = _Run("mixtral", WORLD, rank)
+    b = _Run("mixtral", WORLD, rank, checkpoint_fn=lambda name, m: name.count(".") == 2)
+    assert b.fn.checkpointed == ["model.layers.0", "model.layers.1"], b.fn.checkpointed
+    _, ga, oa = a.step()
+    _, gb, ob = b.step()
+    assert torch.equal(oa.amax_history, ob.amax_history)
+    for n in ga:
+        assert torch.equal(_whole(ga[n]), _whole(gb[n])), n
+
+
+def loss_20_steps(rank):
+    """20 SGD steps of a bfloat16 Mixtral (the non-expert gradients averaged over the ranks):
+    the float8 wire's losses are those of the bfloat16 wire, bit for bit (the receiver casts
+    the same values with the same scales)."""
+    losses = {}
+    for wire in (True, False):
+        model = fp8fn.expert_parallel(build("mixtral").to(torch.bfloat16), _mesh(WORLD),
+                                      float8_wire=wire)  # fmt: skip
+        fn = fp8fn.transform(model, RECIPE)
+        ids = _ids(WORLD)[rank : rank + 1]
+        state = fn.init(ids)
+        losses[wire] = []
+        start = time.perf_counter()
+        for _ in range(20):
+            params = dict(model.named_parameters())
+            for p in params.values():
+                p.grad = None
+            observed = fp8fn.observe(state)
+            loss = fn.apply(params, observed, ids, labels=ids).loss
+            (loss / WORLD).backward()
+            state = fp8fn.update(state, fp8fn.all_reduce(fp8fn.observations(observed)))
+            with torch.no_grad():
+                for p in params.values():
+                    if not isinstance(p.grad, DTensor):
+                        dist.all_reduce(p.grad)
+                    p -= LR * p.grad
+            total = loss.detach().float().clone() / WORLD
+            dist.all_reduce(total)
+            losses[wire].append(total.item())
+        MEASURED[f"loss_20_steps_{'float8' if wire else 'bf16'}_wire_s"] = (
+            time.perf_counter() - start
+        )
+    assert losses[True] == losses[False], losses
+    assert losses[True][-1] < losses[True][0] - 1.0, losses[True]
+    MEASURED["loss_20_steps"] = losses[True]
+
+
+def fsdp2_beside_expert_parallel(rank):
+    """A 2-D mesh ("dp" of size 1, "ep" of 2): `fully_shard` of the decoder layers and the
+    root over "dp" after `expert_parallel` over "ep" (the experts weights then `(_StridedShard,
+    Shard(0))` DTensors): loss, the experts' gradient and the observations are those without
+    FSDP2, bit for bit. (Only the composition: a data-parallel dim of 1 shards nothing.)"""
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (1, WORLD), mesh_dim_names=("dp", "ep"))
+    ids = _ids(WORLD)[rank : rank + 1]
+    seen = []
+    for fsdp in (False, True):
+        model = build("mixtral")
+        model.config.use_cache = False
+        fp8fn.expert_parallel(model, mesh, mesh_dim="ep")
+        if fsdp:
+            for layer in model.model.layers:
+                fully_shard(layer, mesh=mesh["dp"])
+            fully_shard(model, mesh=mesh["dp"])
+        fn = fp8fn.transform(model, RECIPE)
+        state = fn.init(ids)
+        observed = fp8fn.observe(state)
+        loss = fn.apply(dict(model.named_parameters()), observed, ids, labels=ids).loss
+        loss.backward()
+        grad = model.model.layers[0].mlp.experts.gate_up_proj.grad
+        seen.append((loss.detach(), grad.to_local(), fp8fn.observations(observed).amax_history))
+    assert len(grad.placements) == 2, grad.placements
+    for a, b in zip(*seen):
+        assert torch.equal(a, b)
+
+
+def dcp_round_trip(rank, out_dir):
+    """DCP saves the experts' DTensor shards and loads them into another expert-parallel model."""
+    import torch.distributed.checkpoint as dcp
+
+    path = pathlib.Path(out_dir) / "dcp"
+    a = fp8fn.expert_parallel(build("mixtral", seed=0), _mesh(WORLD))
+    dcp.save(a.state_dict(), checkpoint_id=str(path))
+    b = fp8fn.expert_parallel(build("mixtral", seed=3), _mesh(WORLD))
+    state = b.state_dict()
+    dcp.load(state, checkpoint_id=str(path))
+    b.load_state_dict(state)
+    for (n, p), q in zip(a.named_parameters(), b.parameters()):
+        x, y = (p.to_local(), q.to_local()) if isinstance(p, DTensor) else (p, q)
+        assert torch.equal(x, y), n
+
+
+def bad_input(rank):
+    """Each refused with an fp8fn error, the model unchanged."""
+    import transformers as tf
+
+    def refused(model, match, mesh=None):
+        before = {n: p for n, p in model.named_parameters()}
+        forwards = [vars(m).get("forward") for m in model.modules()]
+        try:
+            fp8fn.expert_parallel(model, mesh or _mesh(WORLD))
+        except (ValueError, TypeError) as e:
+            assert str(e).startswith("fp8fn.expert_parallel: expected ") and match in str(e), e
+        else:
+            raise AssertionError(f"not refused: {match}")
+        assert {n: p for n, p in model.named_parameters()} == before
+        assert [vars(m).get("forward") for m in model.modules()] == forwards
+
+    config = tf.MixtralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=3,
+    )  # fmt: skip
+    refused(tf.MixtralForCausalLM(config), "to divide the number of experts, got 3 experts")
+    refused(torch.nn.Sequential(torch.nn.Linear(4, 4)), "a model with experts modules")
+    twice = fp8fn.expert_parallel(build("mixtral"), _mesh(WORLD))
+    refused(twice, "already a DTensor")
+    refused(_UserExperts(), "experts modules with transformers 5.x's experts interface")
+    refused(build("mixtral"), "to be a torch.distributed DeviceMesh", mesh="not a mesh")
+
+
+class _UserExperts(torch.nn.Module):
+    """fp8fn's user experts form (a grouped_mm on a 3-D weight), without HF's interface."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(4, 8, 8))
+
+    def forward(self, x, offs):
+        return torch._grouped_mm(x, self.w.transpose(-2, -1), offs=offs)
+
+
+SCENARIOS = [
+    _bit_identical("mixtral", WORLD),
+    _bit_identical("qwen3_moe", WORLD),
+    wire_bytes_halve,
+    idle_experts,
+    torch_func_route,
+    checkpointed_layers,
+    loss_20_steps,
+    fsdp2_beside_expert_parallel,
+    bad_input,
+]
+
+
+def main(rank: int, world_size: int, port: int, out_dir: str) -> None:
+    if world_size == 4:
+        scenarios = [_bit_identical("mixtral", 4)]
+    else:
+        scenarios = [*SCENARIOS, _with_dir(dcp_round_trip, out_dir)]
+    run_scenarios(rank, world_size, port, out_dir, scenarios, MEASURED, group_timeout_s=120)
+
+
+def _with_dir(scenario, out_dir):
+    def run(rank):
+        scenario(rank, out_dir)
+
+    run.__name__ = scenario.__name__
+    return run
