@@ -9,11 +9,14 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from test_fsdp import _Mesh
 
 import fp8fn
 from fp8fn._numerics import planes
 from fp8fn._numerics.fp8 import ceil_div
 from fp8fn._ops.block_scaled import _WEIGHTS
+from fp8fn._parallel.fsdp_finer import FinerGatheredWeight, FinerScales
+from fp8fn._parallel.fsdp_gather import SCALES, Float8ShardWeight, ScalesForCall
 
 RECIPES = [
     fp8fn.RowwiseScaling(),
@@ -107,3 +110,127 @@ def test_shards_cast_with_the_whole_weights_scales_are_the_whole_cast(
     want_fp8, want_grid = planes.quantize(plane, weight)
     _assert_same_bits(fp8, want_fp8)
     _assert_same_bits(grid, want_grid)
+
+
+# --- FSDP2's hooks and the op, in one process --------------------------------------------------
+
+
+def _plan(recipe, weight):
+    """The step's `FinerScales` of `weight` as `finer_scales` makes them on every rank: the
+    statistics of the whole weight's groups, for the planes of both GEMMs."""
+    n, k = weight.shape
+    grids = {}
+    for gemm in (0, 1):
+        plane = planes.plane_of(recipe, gemm)
+        grids[plane] = planes.quantize(plane, weight)[1]
+    return FinerScales(recipe, (n, k), grids)
+
+
+class _FakeFsdp2:
+    """What FSDP2 does with `Float8ShardWeight` shards of one weight on `world` ranks: each
+    rank's pre-all-gather hook (in `apply`'s forward: `plan` in `SCALES`; outside: the
+    backward re-gather), the all-gather (a concatenation), the post-all-gather hook (a new
+    unsharded weight, or `out` refilled: its bytes rewritten in place), and the unpadding
+    view. `inputs` records each all-gather's inputs."""
+
+    def __init__(self, weight, world):
+        n, k = weight.shape
+        rows = ceil_div(n, world)
+        self.shards = [Float8ShardWeight(t, "fc") for t in weight.split(rows)]
+        self.shards += [Float8ShardWeight(weight[n:], "fc")] * (world - len(self.shards))
+        self.shape, self.world, self.inputs = (n, k), world, []
+
+    def gather(self, plan=None, out=None):
+        token = SCALES.set(None if plan is None else ScalesForCall({(None, "weight"): plan}))
+        try:
+            pre = [
+                s.fsdp_pre_all_gather(_Mesh(self.world, r), self.shape, None, None, None)
+                for r, s in enumerate(self.shards)
+            ]
+        finally:
+            SCALES.reset(token)
+        self.inputs.append([p[0] for p in pre])
+        outputs = [torch.cat([p[0][i] for p in pre]) for i in range(len(pre[0][0]))]
+        if out is not None:
+            out._data.view(torch.uint8).copy_(outputs[0][: self.shape[0]])
+            assert (
+                self.shards[0].fsdp_post_all_gather(outputs, pre[0][1], torch.float32, out=out)
+                is None
+            )
+            return out
+        gathered, _ = self.shards[0].fsdp_post_all_gather(outputs, pre[0][1], torch.float32)
+        stride = torch.empty(self.shape).stride()
+        return torch.nn.Parameter(torch.as_strided(gathered, self.shape, stride, 0))
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=_IDS)
+@pytest.mark.parametrize("n", [64, 37])  # even; uneven (padded), cuts inside groups
+@pytest.mark.parametrize("regather", [True, False])
+def test_gathered_weight_runs_the_op_as_the_weight_does(recipe, n, regather, monkeypatch):
+    """The finer op on FSDP2's float8-gathered weight gives the bits of the op on the weight
+    itself: output, input, weight and bias gradients. The forward all-gather carries the output
+    GEMM's plane only: the bytes of the whole weight's plane; the backward takes the grad_input
+    GEMM's plane from FSDP2's re-gather (`regather`), or, where FSDP2 does not re-gather (the
+    root; reshard_after_forward=False), all-gathers it itself once (blockwise: the one plane,
+    no all-gather)."""
+    from fp8fn._parallel import fsdp_finer
+
+    k, world = 48, 2
+    weight = _weight(n, k, seed=n)
+    fsdp2 = _FakeFsdp2(weight, world)
+    own = []
+
+    class _AllGather:  # the op's own all-gather: every rank's shard cast to the plane it needs
+        @staticmethod
+        def apply(local, group, rows):
+            plane = planes.plane_of(recipe, 1)
+            own.append(plane)
+            casts = [
+                planes.cast_rows(plane, s._tensor, r * ceil_div(n, world), n, plan.grids[plane])
+                for r, s in enumerate(fsdp2.shards)
+            ]
+            assert torch.equal(casts[0].view(torch.uint8), local.view(torch.uint8))
+            return torch.cat(casts)[:rows]
+
+    monkeypatch.setattr(fsdp_finer, "_AllGather", _AllGather)
+    plan = _plan(recipe, weight)
+    gathered = fsdp2.gather(plan)
+    assert type(gathered) is FinerGatheredWeight and gathered.dtype == torch.float32
+    rows_plane = planes.plane_of(recipe, 0)
+    want_fp8, _ = planes.quantize(rows_plane, weight)
+    _assert_same_bits(gathered._data, want_fp8)  # the output GEMM's plane, bit for bit
+    assert len(fsdp2.inputs[0][0]) == 1  # the bytes alone: one input per rank, of the padded shard
+    assert fsdp2.inputs[0][0][0].shape == (ceil_div(n, world), k)
+
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(5, k, generator=g, requires_grad=True)
+    bias = torch.randn(n, generator=g, requires_grad=True)
+    results = []
+    for w in (gathered, torch.nn.Parameter(weight.clone())):
+        out = fp8fn.linear(x, w, bias, None, recipe)
+        if w is gathered and regather:  # FSDP2's backward re-gather, into the same weight
+            fsdp2.gather(out=gathered)
+            grad_plane = planes.plane_of(recipe, 1)
+            _assert_same_bits(gathered._data, planes.quantize(grad_plane, weight)[0])
+        out.square().sum().backward()
+        results.append((out, x.grad, w.grad, bias.grad))
+        x.grad = bias.grad = None
+    for a, b in zip(*results):
+        _assert_same_bits(a, b)
+    refetched = not regather and not isinstance(recipe, fp8fn.BlockwiseScaling)
+    assert len(own) == int(refetched), own
+
+
+@pytest.mark.parametrize(
+    "recipe", RECIPES[:1] + RECIPES[2:3] + RECIPES[4:], ids=["rowwise", "mx", "blockwise"]
+)
+def test_gathered_weight_is_its_dequantized_plane_elsewhere(recipe):
+    weight = _weight(40, 64, seed=3)
+    gathered = _FakeFsdp2(weight, 2).gather(_plan(recipe, weight))
+    dequantized = gathered + 0  # a plain forward outside fp8fn.apply
+    assert type(dequantized) is torch.Tensor and dequantized.shape == (40, 64)
+    error = (dequantized - weight).norm() / weight.norm()
+    assert 0 < error < 0.05, error
+    with pytest.raises(RuntimeError, match=r"^fp8fn\.float8_all_gather: the gathered float8 weig"):
+        with torch.no_grad():
+            gathered.add_(1.0)

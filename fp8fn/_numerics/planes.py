@@ -175,9 +175,9 @@ def cast_rows(plane: Plane, hp: torch.Tensor, first: int, n: int, grid: torch.Te
     if rows == 0:
         return torch.empty(0, k, dtype=q.E4M3, device=hp.device)
     factor, divide = _multiplier(plane, grid[g0:g1])
-    if g1 - g0 > 1:  # one row of factors per row of `hp`
-        top = first - g0 * bn
-        factor = factor.repeat_interleave(bn, 0)[top : top + rows]
+    if g1 - g0 > 1:  # one row of factors per row of `hp` (expanded: no host read)
+        top, (g, gk) = first - g0 * bn, factor.shape
+        factor = factor[:, None].expand(g, bn, gk).reshape(g * bn, gk)[top : top + rows]
     blocks = q.pad_last(hp.float(), bk).unflatten(-1, (-1, bk))
     factor = factor.unsqueeze(-1)
     scaled = (blocks / factor if divide else blocks * factor).flatten(-2)[..., :k]
