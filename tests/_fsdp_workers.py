@@ -750,7 +750,7 @@ def fp8_all_gather_errors(rank):
     with pytest.raises(ValueError, match=r"^fp8fn\.transform: parameter 'head.weight' is all-ga"):
         fp8fn.transform(model, RECIPE, filter_fn=lambda name, module: name != "head")
     with pytest.raises(ValueError, match=r"^fp8fn\.transform: expected layer 'blocks.0.fc1', wh"):
-        fp8fn.transform(model, fp8fn.RowwiseScaling())
+        fp8fn.transform(model, fp8fn.NVFP4Scaling())
     unsharded = fp8fn.float8_all_gather(Net())
     with pytest.raises(ValueError, match=r"to be sharded by FSDP2, got an unsharded weight\. Ca"):
         fp8fn.transform(unsharded, RECIPE)
@@ -776,6 +776,206 @@ def fp8_all_gather_errors(rank):
     fn = fp8fn.transform(model, RECIPE)
     with pytest.raises(RuntimeError, match=r"expected 'blocks.0.fc1' sharded along dim 0, got a "):
         fn.init(_shard(_batch(0), rank))
+
+
+# --- 6b. the finer recipes: one plane per phase ------------------------------------------------
+
+FINER = [
+    fp8fn.RowwiseScaling(),
+    fp8fn.RowwiseScaling(hp_grad_weight=True),
+    fp8fn.MXScaling(),
+    fp8fn.MXScaling(scale_rounding="floor"),
+    fp8fn.BlockwiseScaling(),
+]
+
+
+def _stateless_step(model, fn, state, x, opt=None, microbatches=1):
+    """One step of a stateless recipe on this rank's rows `x` (as `microbatches` microbatches
+    whose gradients accumulate): apply, backward, the optimizer step."""
+    for part in x.chunk(microbatches):
+        _loss(fn.apply(dict(model.named_parameters()), state, part)).backward()
+    if opt is not None:
+        opt.step()
+    model.zero_grad()
+
+
+def _record_planes(model, layers):
+    """`(forward, backward)`: `{path: (plane kind, gathered e4m3 bytes)}` that each layer's
+    weight holds when its forward runs and when its backward starts."""
+    from fp8fn._parallel.fsdp_finer import FinerGatheredWeight
+
+    forward, backward = {}, {}
+
+    def record(into, path):
+        def hook(module, *args):
+            w = module.weight
+            assert type(w) is FinerGatheredWeight, (path, type(w), into is backward)
+            into[path] = (w._plane.kind, w._data.view(torch.uint8).clone())
+
+        return hook
+
+    for path, layer in layers.items():
+        layer.register_forward_pre_hook(record(forward, path))
+        layer.register_full_backward_pre_hook(record(backward, path))
+    return forward, backward
+
+
+def fp8_all_gather_finer_recipes(rank):
+    """float8_all_gather under each finer recipe (rowwise, rowwise_with_gw_hp, MXFP8 RCEIL and
+    FLOOR, blockwise), an uneven head (7 rows: padded) and cuts inside groups (rows 16 of 32:
+    every MX 32 x 1 and blockwise 128 x 128 group of fc1 split): each forward gathers the
+    output GEMM's plane, the e4m3 bytes of the whole weight's plane bit for bit; each block's
+    backward re-gather the grad_input GEMM's (blockwise: the same plane); after a warm step
+    and 3 SGD steps the parameters are bit-identical to one process (float32 gathers) on
+    every rank; a steady step reads no value on the host."""
+    from _helpers import CountHostReads
+
+    from fp8fn._numerics import planes
+
+    for recipe in FINER:
+        ref_params, _ = _reference(3, recipe=recipe, out=7)
+        model = _gathered_model(out=7)
+        fn = fp8fn.transform(model, recipe)
+        state = fn.init(_shard(_batch(0), rank))
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        layers = {p: model.get_submodule(p) for p in fn.layers}
+        forward, backward = _record_planes(model, layers)
+        _stateless_step(model, fn, state, _shard(_batch(0), rank))  # warm
+        for step in range(3):
+            full = {path: _full(layer.weight) for path, layer in layers.items()}
+            with CountHostReads() as reads:
+                _stateless_step(model, fn, state, _shard(_batch(1 + step), rank), opt)
+            assert reads.reads == [], (recipe, reads.reads)
+            for path in layers:
+                for gemm, seen in ((0, forward), (1, backward)):
+                    if gemm and path == "head":  # the root stays gathered for its backward
+                        continue
+                    plane = planes.plane_of(recipe, gemm)
+                    kind, data = seen.pop(path)
+                    want, _ = planes.quantize(plane, full[path])
+                    assert kind == plane.kind, (recipe, path, kind)
+                    assert torch.equal(data, want.view(torch.uint8)), (recipe, path, gemm)
+        name = type(recipe).__name__ + ("_gw_hp" if getattr(recipe, "hp_grad_weight", 0) else "")
+        name += "_" + getattr(recipe, "scale_rounding", "")
+        worst = _params_worst_rel_diff(model, ref_params, f"finer_{name}")
+        assert MEASURED[f"finer_{name}_params_bit_identical_3_steps"], (recipe, worst)
+
+
+def fp8_all_gather_finer_bytes(rank):
+    """Per rank and steady step on 3 blocks of `Linear(64, 256)`, `Linear(256, 64)` and a head,
+    each finer recipe: FSDP2's all-gathers (as many as in float32) carry one plane's e4m3 bytes
+    per weight half, every other parameter's float32 half, nothing else; one more all-gather
+    carries the statistics of both planes of all 7 weights; the root's head, which FSDP2 keeps
+    gathered, all-gathers its grad_input plane in the backward (rowwise, MX); the
+    reduce-scatters are float32's. All-gathered bytes, scales included, <= 0.30x float32's;
+    recorded beside a both-planes gather (each FSDP2 all-gather carrying both planes' bytes,
+    the head's own all-gather not needed)."""
+    net = dict(d=64, hidden=256, out=64, seed=2)
+
+    def x(step):
+        return _shard(_batch(step, 64), rank)
+
+    fp32 = _float32_step_collectives(net, x, steps=2).summary()
+    for recipe in FINER:
+        model = _gathered_model(**net)
+        fn = fp8fn.transform(model, recipe)
+        state = fn.init(x(0))
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        _stateless_step(model, fn, state, x(0), opt)
+        with CommCounter() as comm:
+            _stateless_step(model, fn, state, x(1), opt)
+        got = comm.summary()
+        assert set(got) == {"_allgather_base_", "_reduce_scatter_base_"}, got
+        assert got["_reduce_scatter_base_"] == fp32["_reduce_scatter_base_"]
+        own = 0 if isinstance(recipe, fp8fn.BlockwiseScaling) else 1  # the head's
+        assert got["_allgather_base_"][0] == fp32["_allgather_base_"][0] + 1 + own, got
+
+        def fsdp_bytes(module):  # FSDP2's all-gather of `module`'s own parameters, one plane
+            params = [p for n, p in module.named_parameters() if not n.startswith("blocks.")]
+            weights = [p for p in params if p.dim() == 2]
+            rest = sum(p.numel() for p in params) - sum(w.numel() for w in weights)
+            return sum(w.numel() // WORLD for w in weights) + rest * 4 // WORLD
+
+        fp8 = sum(2 * fsdp_bytes(b) for b in model.blocks) + fsdp_bytes(model)
+        head = model.head.weight.numel() // WORLD
+        sizes = [b for n, b in comm.log if n == "_allgather_base_"]
+        side = sizes[0]  # the statistics' all-gather comes first (in apply, before the forward)
+        assert sum(sizes) == fp8 + side + own * head, (recipe, sizes, fp8, side)
+        one_plane = sum(sizes)
+        weight_bytes = sum(
+            2 * p.numel() // WORLD for b in model.blocks for p in b.parameters() if p.dim() == 2
+        )
+        both_planes = one_plane + weight_bytes + head - own * head
+        ratio = one_plane / fp32["_allgather_base_"][1]
+        assert ratio <= 0.30, (recipe, ratio)
+        MEASURED.setdefault("finer_bytes_per_step", {})[repr(recipe)] = {
+            "fp32_all_gather": fp32["_allgather_base_"][1],
+            "one_plane": one_plane,
+            "statistics": side,
+            "both_planes": both_planes,
+            "ratio_one_plane": ratio,
+            "ratio_both_planes": both_planes / fp32["_allgather_base_"][1],
+            "all_gathers": got["_allgather_base_"][0],
+            "all_gathers_fp32": fp32["_allgather_base_"][0],
+        }
+
+
+def fp8_all_gather_finer_variants(rank):
+    """Each finer recipe, against one process, bit for bit: FSDP2 with
+    `reshard_after_forward=False` (no backward re-gather: every layer's op all-gathers its
+    grad_input plane itself), gradient accumulation over 2 microbatches, and an evaluation
+    (`fn.apply` under no_grad, which gathers the forward plane again) between a training
+    forward and its backward."""
+    x = _shard(_batch(1), rank)
+    for recipe in FINER:
+        ref_params, _ = _reference(2, recipe=recipe)
+        model = _fully_shard(fp8fn.float8_all_gather(Net()), reshard_after_forward=False)
+        fn = fp8fn.transform(model, recipe)
+        state = fn.init(_shard(_batch(0), rank))
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        _stateless_step(model, fn, state, _shard(_batch(0), rank))
+        for step in range(2):
+            _stateless_step(model, fn, state, _shard(_batch(1 + step), rank), opt)
+        for name, p in model.named_parameters():
+            assert torch.equal(_full(p), ref_params[name]), (recipe, "no reshard", name)
+
+        # gradient accumulation: 2 microbatches per rank = 4 microbatches of one process
+        model = _gathered_model()
+        fn = fp8fn.transform(model, recipe)
+        state = fn.init(_shard(_batch(0), rank))
+        _stateless_step(model, fn, state, _shard(_batch(0), rank))
+        for part in _shard(_batch(1), rank).chunk(2):
+            _loss(fn.apply(dict(model.named_parameters()), state, part)).backward()
+        grads = _local_grads(model)
+        ref = Net()
+        ref_fn = fp8fn.transform(ref, recipe)
+        ref_state = ref_fn.init(_batch(0))
+        parts = [x.chunk(2) for x in _batch(1).chunk(WORLD)]  # [rank][microbatch]
+        per = [[None] * 2 for _ in range(WORLD)]
+        for r in range(WORLD):
+            for j in range(2):
+                _loss(ref_fn.apply(dict(ref.named_parameters()), ref_state, parts[r][j])).backward()
+                per[r][j] = {k: p.grad.clone() for k, p in ref.named_parameters()}
+                ref.zero_grad()
+        for name in grads:  # FSDP2: each microbatch's gradient averaged over ranks, accumulated
+            want = sum(per[r][0][name] for r in range(WORLD)) / WORLD
+            want = want + sum(per[r][1][name] for r in range(WORLD)) / WORLD
+            assert torch.equal(grads[name], want.chunk(WORLD)[rank]), (recipe, "accum", name)
+
+        # an evaluation between the forward and its backward
+        runs = []
+        for between in (False, True):
+            model = _gathered_model()
+            fn = fp8fn.transform(model, recipe)
+            state = fn.init(_shard(_batch(0), rank))
+            out = fn.apply(dict(model.named_parameters()), state, x)
+            if between:
+                with torch.no_grad():
+                    fn.apply(dict(model.named_parameters()), state, _shard(_batch(2), rank))
+            _loss(out).backward()
+            runs.append(_local_grads(model))
+        for k, g in runs[1].items():
+            assert torch.equal(g, runs[0][k]), (recipe, "eval between", k)
 
 
 # --- 7. checkpoints ----------------------------------------------------------------------------
@@ -863,6 +1063,9 @@ SCENARIOS = [
     fp8_all_gather_sharded_classes,
     fsdp2_split_attention,
     fp8_all_gather_errors,
+    fp8_all_gather_finer_recipes,
+    fp8_all_gather_finer_bytes,
+    fp8_all_gather_finer_variants,
 ]
 
 

@@ -363,7 +363,8 @@ def test_transform_refuses_a_float8_gathered_experts_weight_with_another_recipe(
         ValueError,
         match=r"^fp8fn\.transform: expected experts weight 'w', whose "
         r"weight is all-gathered in float8 \(fp8fn\.float8_all_gather\), to use "
-        r"DelayedScaling or CurrentScaling, got RowwiseScaling\. Leave it out",
+        r"DelayedScaling or CurrentScaling, got RowwiseScaling \(not gathered in float8: "
+        r"NVFP4Scaling, .*; the finer recipes for experts weights\)\. Leave it out",
     ):
         fp8fn.transform(model, recipe)
     with pytest.raises(
