@@ -195,6 +195,14 @@ class FinerGatheredWeight(torch.Tensor):
     def __repr__(self):
         return f"FinerGatheredWeight(shape={tuple(self.shape)}, plane={self._plane.kind!r})"
 
+    def __tensor_flatten__(self):
+        return ["_data"], (self._plan, self._plane, self.dtype, self._source)
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+        plan, plane, dtype, source = meta
+        return FinerGatheredWeight(inner["_data"], plan, plane, dtype, source)
+
     def fp8fn_finer_operand(self, recipe, gemm: int) -> tuple:
         """The weight operand of the output (`gemm` 0) or grad_input (`gemm` 1) GEMM under
         `recipe` (`block_scaled`'s form): from the bytes FSDP2 gathered when they are that
