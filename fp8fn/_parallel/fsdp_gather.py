@@ -1,5 +1,6 @@
 """Float8 weight all-gather under FSDP2: `float8_all_gather`, the opt-in that makes FSDP2 gather
-the chosen weights as e4m3 bytes cast with fp8fn's scales.
+the chosen weights as e4m3 bytes cast with fp8fn's scales. (This module: the per-tensor recipes
+and the hooks; the finer recipes' planes: `fsdp_finer.py`.)
 
 FSDP2 (`fully_shard`) lets a parameter's local tensor choose what is all-gathered
 (`fsdp_pre_all_gather`) and what the gathered bytes become (`fsdp_post_all_gather`). fp8fn's
@@ -572,6 +573,13 @@ def float8_all_gather(model: nn.Module, filter_fn=None) -> nn.Module:
     scale of the first of them that FSDP2 names); a weight tied to any other module (an
     embedding) or to a layer `filter_fn` leaves out is refused: leave its layers out.
 
+    Under a finer recipe (`RowwiseScaling`, `BlockwiseScaling`, `MXScaling`) a linear weight is
+    gathered one float8 plane per phase: in the forward the plane the output GEMM reads, in
+    FSDP2's backward re-gather the plane the grad_input GEMM reads (blockwise: the same one),
+    each rank casting its shard with the whole weight's scales, which one all-gather per step
+    of the ranks' group statistics makes (`fp8fn/_parallel/fsdp_finer.py`); the gathered bytes
+    and scales are those of casting the whole weight, bit for bit.
+
     Weights are sharded along dim 0. One whose rows do not split evenly over the ranks is gathered
     padded, and its observation is the shard's amax (an experts weight's: 0 for the experts of
     other ranks) until `fp8fn.all_reduce` (the usual loop) takes the max over the ranks.
@@ -585,7 +593,8 @@ def float8_all_gather(model: nn.Module, filter_fn=None) -> nn.Module:
         layer's name) and the experts weights (asked with the weight's name,
         `model.layers.0.mlp.experts.gate_up_proj`, and the module holding it), as
         `fp8fn.transform` asks it (default: all). Every chosen one must run in float8 with
-        `DelayedScaling` or `CurrentScaling` under the transform (`fp8fn.transform` checks).
+        `DelayedScaling` or `CurrentScaling` under the transform, or, a linear weight, with
+        `RowwiseScaling`, `BlockwiseScaling` or `MXScaling` (`fp8fn.transform` checks).
 
     Returns:
       `model` itself, changed in place.
