@@ -613,8 +613,9 @@ def fp8_all_gather_backward_after_another_forward(rank):
 def fp8_all_gather_tied_weights(rank):
     """Two Linears sharing one weight stay one parameter under float8_all_gather: after 3 AdamW
     steps under FSDP2 they are still tied, and params and states are bitwise those of the same
-    FSDP2 model gathered in float32. A weight tied to an embedding is refused before
-    fully_shard, naming the fix."""
+    FSDP2 model gathered in float32, under DelayedScaling and the finer recipes (rowwise, MX,
+    blockwise: each layer's backward gathers its grad_input plane of the shared weight). A
+    weight tied to an embedding is refused before fully_shard, naming the fix."""
     import pytest
     from _models import Tied
     from torch.distributed.fsdp import fully_shard
@@ -624,26 +625,28 @@ def fp8_all_gather_tied_weights(rank):
     with pytest.raises(ValueError, match=r"^fp8fn\.float8_all_gather: expected the weight of la"):
         fp8fn.float8_all_gather(Tied(16, 32))
     idx = torch.randint(0, 16, (BATCH, 3), generator=torch.Generator().manual_seed(5))
-    runs = []
-    for gathered in (True, False):
-        model = Tied(16, 32, seed=4)
-        if gathered:
-            fp8fn.float8_all_gather(model, filter_fn=lambda name, module: name != "head")
-            assert type(model.a.weight) is Float8ShardWeight  # (an nn.Parameter)
-            assert isinstance(model.a.weight, nn.Parameter) and model.b.weight is model.a.weight
-        fully_shard(model)
-        fn = fp8fn.transform(model, RECIPE)
-        state = fn.init(_shard(idx, rank))
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        for _ in range(3):
-            state = rank_step(model, fn, state, _shard(idx, rank), opt)
-        assert model.b.weight is model.a.weight
-        assert len(list(model.parameters())) == 4  # emb = head, a = b weights; a's, b's biases
-        runs.append(({k: _full(p) for k, p in model.named_parameters()}, state))
-    (params, state), (want, want_state) = runs
-    assert_bit_identical(state, want_state)
-    for k, p in params.items():
-        assert torch.equal(p, want[k]), k
+    for recipe in (RECIPE, FINER[0], FINER[2], FINER[4]):
+        runs = []
+        for gathered in (True, False):
+            model = Tied(16, 32, seed=4)
+            if gathered:
+                fp8fn.float8_all_gather(model, filter_fn=lambda name, module: name != "head")
+                assert type(model.a.weight) is Float8ShardWeight  # (an nn.Parameter)
+                assert isinstance(model.a.weight, nn.Parameter)
+                assert model.b.weight is model.a.weight
+            fully_shard(model)
+            fn = fp8fn.transform(model, recipe)
+            state = fn.init(_shard(idx, rank))
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            for _ in range(3):
+                state = rank_step(model, fn, state, _shard(idx, rank), opt)
+            assert model.b.weight is model.a.weight
+            assert len(list(model.parameters())) == 4  # emb = head, a = b weights; 2 biases
+            runs.append(({k: _full(p) for k, p in model.named_parameters()}, state))
+        (params, state), (want, want_state) = runs
+        assert_bit_identical(state, want_state)
+        for k, p in params.items():
+            assert torch.equal(p, want[k]), (recipe, k)
 
 
 def fp8_all_gather_sharded_classes(rank):
@@ -976,6 +979,79 @@ def fp8_all_gather_finer_variants(rank):
             runs.append(_local_grads(model))
         for k, g in runs[1].items():
             assert torch.equal(g, runs[0][k]), (recipe, "eval between", k)
+
+        _finer_bf16_meta_checkpoint(rank, recipe)
+
+
+def _bf16_grid(model):
+    """Round `model`'s float32 parameters in place to bfloat16 values (FSDP2's sharded ones
+    too: their local shards)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            local.copy_(local.to(torch.bfloat16))
+
+
+def _finer_bf16_meta_checkpoint(rank, recipe):
+    """Under `recipe`, against one process, bit for bit after 2 SGD steps: (1) FSDP2's
+    `MixedPrecisionPolicy(param_dtype=torch.bfloat16)` (the weights gathered as e4m3 and, to
+    autograd, bfloat16; one process runs bfloat16 copies of the params, gradients summed in
+    bfloat16; both keep the params on the bfloat16 grid, where the float32 master's cast and its
+    bfloat16 copy's agree); (2) a model made on the meta device, float8_all_gather and
+    fully_shard there, then `to_empty` and filled from one process's initial weights; (3)
+    `checkpoint_fn` recomputing the blocks in the backward (the recompute's output GEMM
+    all-gathers its plane again)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    ref = Net()
+    _bf16_grid(ref)
+    ref_fn = fp8fn.transform(ref, recipe)
+    ref_state = ref_fn.init(_batch(0))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    model = _fully_shard(fp8fn.float8_all_gather(Net()), mp_policy=policy)
+    _bf16_grid(model)
+    fn = fp8fn.transform(model, recipe)
+    state = fn.init(_shard(_batch(0), rank))
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for step in range(2):
+        params = {
+            n: p.detach().to(torch.bfloat16).requires_grad_() for n, p in ref.named_parameters()
+        }
+        for part in _batch(step).chunk(WORLD):
+            part = part.to(torch.bfloat16)  # (FSDP2 casts the root's inputs to param_dtype)
+            _loss(ref_fn.apply(params, ref_state, part)).backward()
+        for n, p in ref.named_parameters():
+            p.grad = params[n].grad.float() / WORLD
+        ref_opt.step()
+        ref.zero_grad()
+        _bf16_grid(ref)
+        _stateless_step(model, fn, state, _shard(_batch(step), rank), opt)
+        _bf16_grid(model)
+    for name, p in model.named_parameters():
+        assert torch.equal(_full(p), dict(ref.named_parameters())[name]), (recipe, "bf16", name)
+
+    ref_params, _ = _reference(2, recipe=recipe)
+    with torch.device("meta"):
+        model = Net()
+    _fully_shard(fp8fn.float8_all_gather(model))
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for name, p in Net().named_parameters():  # the initial weights, this rank's rows
+            model.get_parameter(name).to_local().copy_(p.chunk(WORLD)[rank])
+    runs = [model, _gathered_model()]
+    checkpointed = fp8fn.transform(
+        runs[1], recipe, checkpoint_fn=lambda name, m: name.startswith("blocks.")
+    )
+    for model, fn in ((runs[0], fp8fn.transform(runs[0], recipe)), (runs[1], checkpointed)):
+        state = fn.init(_shard(_batch(0), rank))
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        _stateless_step(model, fn, state, _shard(_batch(0), rank))
+        for step in range(2):
+            _stateless_step(model, fn, state, _shard(_batch(1 + step), rank), opt)
+        what = "meta" if model is runs[0] else "checkpoint_fn"
+        for name, p in model.named_parameters():
+            assert torch.equal(_full(p), ref_params[name]), (recipe, what, name)
 
 
 # --- 7. checkpoints ----------------------------------------------------------------------------
