@@ -1087,6 +1087,50 @@ def dcp_save(rank):
     state = rank_step(model, fn, state, _shard(_batch(3), rank), opt)
     params = {k: _full(p) for k, p in model.named_parameters()}
     torch.save({"params": params, "state": state}, os.path.join(WORKDIR, f"truth{rank}.pt"))
+    for recipe in DCP_FINER:  # the finer recipes: resumed on 1 rank (`dcp_resume_one_rank`)
+        model = _gathered_model(seed=1)
+        fn = fp8fn.transform(model, recipe)
+        state = fn.init(_shard(_batch(0), rank))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        _stateless_step(model, fn, state, _shard(_batch(0), rank))
+        for step in range(2):
+            _stateless_step(model, fn, state, _shard(_batch(1 + step), rank), opt)
+        path = os.path.join(WORKDIR, f"ckpt_{type(recipe).__name__}")
+        dcp.save(_dcp_dict(model, opt, state), checkpoint_id=path)
+        _stateless_step(model, fn, state, _shard(_batch(3), rank), opt)
+        params = {k: _full(p) for k, p in model.named_parameters()}
+        torch.save(params, path + ".truth.pt")
+
+
+def dcp_resume_one_rank(rank):
+    """On ONE rank (another world size), for each finer recipe: a model built from other
+    weights loads the 2-rank checkpoint (float8_all_gather, FSDP2 over 1 rank, AdamW) and takes
+    the 3rd step on the global batch as the 2 ranks' rows (2 microbatches, gradients averaged
+    as FSDP2 averaged them over 2 ranks): parameters bit-identical to the uninterrupted 2-rank
+    run."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    assert torch.distributed.get_world_size() == 1
+    for recipe in DCP_FINER:
+        path = os.path.join(WORKDIR, f"ckpt_{type(recipe).__name__}")
+        model = _gathered_model(seed=7)
+        fn = fp8fn.transform(model, recipe)
+        state = fn.init(_batch(0))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        loaded = _dcp_dict(model, opt, state)
+        dcp.load(loaded, checkpoint_id=path)
+        set_state_dict(
+            model, opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"]
+        )
+        for part in _batch(3).chunk(WORLD):
+            _loss(fn.apply(dict(model.named_parameters()), state, part)).backward()
+        for p in model.parameters():
+            p.grad /= WORLD  # (exact: a power of two)
+        opt.step()
+        truth = torch.load(path + ".truth.pt", weights_only=True)
+        for name, p in model.named_parameters():
+            assert torch.equal(_full(p), truth[name]), (recipe, name)
 
 
 def dcp_resume(rank):
@@ -1145,7 +1189,9 @@ SCENARIOS = [
 ]
 
 
-CHECKPOINT = [dcp_save, dcp_resume]  # run by name: dcp_save after SCENARIOS, then a new spawn
+DCP_FINER = [fp8fn.RowwiseScaling(), fp8fn.MXScaling(), fp8fn.BlockwiseScaling()]
+# run by name: dcp_save after SCENARIOS, then new spawns (dcp_resume_one_rank: on 1 rank)
+CHECKPOINT = [dcp_save, dcp_resume, dcp_resume_one_rank]
 
 
 def main(rank: int, world_size: int, port: int, out_dir: str, names: list) -> None:

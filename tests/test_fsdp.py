@@ -59,6 +59,16 @@ def test_checkpoint_resume_on_the_same_ranks_is_bit_identical(spawned):
     assert_ok(resumed, "dcp_resume", "dcp_resume, ")
 
 
+@pytest.mark.slow
+def test_checkpoint_resume_on_one_rank_is_bit_identical(spawned):
+    """The finer recipes' 2-rank checkpoints (float8 all-gathers) resumed on 1 rank take a 3rd
+    step bit-identical to the uninterrupted 2-rank run (`_fsdp_workers.dcp_resume_one_rank`)."""
+    out_dir, saved = spawned
+    assert_ok(saved, "dcp_save", "dcp_save, ")
+    resumed = spawn_results(workers.main, 1, out_dir, _TIMEOUT_S, ["dcp_resume_one_rank"])
+    assert_ok(resumed, "dcp_resume_one_rank", "dcp_resume_one_rank, ")
+
+
 # --- the pieces of float8_all_gather, in one process ----------------------------------------------
 
 
