@@ -67,7 +67,9 @@ class Plane:
 
 
 def plane_of(recipe, gemm: int) -> Plane:
-    """The plane the output (`gemm` 0) or grad_input (`gemm` 1) GEMM reads under `recipe`."""
+    """The plane the output (`gemm` 0) or grad_input (`gemm` 1) GEMM reads under `recipe` (its
+    numerics: the recipe's `backend` does not change a plane)."""
+    recipe = dataclasses.replace(recipe, backend="auto")
     if isinstance(recipe, BlockwiseScaling):
         return Plane(recipe, "blocks")
     if gemm == 0:

@@ -101,25 +101,24 @@ def finer_scales(entries, discovering: bool = False) -> dict:
     from .fsdp_gather import shard_of  # (the module that imports this one)
 
     parts: dict = {}  # group -> [(key, plane, layout, (n, k), own bytes)]
-    out = {}
+    grids: dict = {}  # key -> {plane: statistics}
     with torch.no_grad():
         for module, attr, recipe in entries:
             weight = getattr(module, attr)
             mesh, (n, k) = weight.device_mesh, tuple(weight.shape)
             world, rank = mesh.size(), mesh.get_local_rank()
             shard = shard_of(weight)._tensor
-            grids = {}
+            grids[(module, attr)] = {}
             for plane in dict.fromkeys(planes.plane_of(recipe, g) for g in (0, 1)):
                 layout = _layout(plane, n, k, world)
                 first = layout[rank][0]
                 own = planes.piece_stats(plane, shard, first, n)
                 if discovering or world == 1:
-                    grids[plane] = planes.assemble(plane, [(first, own)], n, k)
+                    grids[(module, attr)][plane] = planes.assemble(plane, [(first, own)], n, k)
                     continue
                 count = max(c for _, _, c in layout)
                 item = ((module, attr), plane, layout, (n, k), _to_bytes(own, count))
                 parts.setdefault(mesh.get_group(), []).append(item)
-            out[(module, attr)] = FinerScales(recipe, (n, k), grids)
         for group, items in parts.items():
             local = torch.cat([b for *_, b in items])
             world = len(items[0][2])
@@ -133,8 +132,13 @@ def finer_scales(entries, discovering: bool = False) -> dict:
                 for r, (first, _, c) in enumerate(layout):
                     stats = raw[r, : count * gk * plane.stat_dtype.itemsize]
                     pieces.append((first, stats.view(plane.stat_dtype).reshape(count, gk)[:c]))
-                out[key].grids[plane] = planes.assemble(plane, pieces, n, k)
-    return out
+                grids[key][plane] = planes.assemble(plane, pieces, n, k)
+    return {
+        (module, attr): FinerScales(
+            recipe, tuple(getattr(module, attr).shape), grids[(module, attr)]
+        )
+        for module, attr, recipe in entries
+    }
 
 
 def _cast_shard(plan: FinerScales, plane, shard: torch.Tensor, first: int) -> torch.Tensor:
@@ -208,7 +212,7 @@ class FinerGatheredWeight(torch.Tensor):
         `recipe` (`block_scaled`'s form): from the bytes FSDP2 gathered when they are that
         GEMM's plane, else from the shards cast to it and all-gathered now."""
         plane = planes.plane_of(recipe, gemm)
-        if plane.recipe != self._plan.recipe:
+        if plane not in self._plan.grids:
             raise RuntimeError(
                 f"fp8fn.float8_all_gather: {self._source[0]._path!r} was all-gathered for "
                 f"{self._plan.recipe}, but runs under {recipe}. Run each float8-gathered "

@@ -145,6 +145,7 @@ class Fsdp2:
         if not self.gathered:
             return contextlib.nullcontext()
         if state is None:
+            _reshard_gathered(self.module, self.gathered)
             finer = finer_scales(self._finer_entries(), discovering=True)
             return _scales_for_call(ScalesForCall(None, discovering=finer))
         return _scales_for_call(self._weight_scales(state))
@@ -154,11 +155,9 @@ class Fsdp2:
         return [(g.module, g.attr, g.recipe) for g in self.gathered if isinstance(g.recipe, _FINER)]
 
     def _weight_scales(self, state) -> ScalesForCall:
-        """The weight scales of this call's float8 all-gathers (`_parallel/fsdp_gather.py`)."""
-        if any(not sharded_operands(g.held()) for g in self.gathered):
-            # A weight still gathered from an earlier forward without backward (FSDP2 keeps the
-            # root unsharded) holds that call's scale: reshard, so it is gathered again.
-            reshard_fsdp(self.module)
+        """The weight scales of this call's float8 all-gathers (`_parallel/fsdp_gather.py`,
+        `_parallel/fsdp_finer.py`)."""
+        _reshard_gathered(self.module, self.gathered)
         positions = state._positions()
 
         def row(g):  # the state row of its (first expert's) first site
@@ -199,6 +198,13 @@ class _Gathered:
     def held(self):
         """The weight the module holds now (FSDP2 swaps its shard and the unsharded weight)."""
         return module_parameters(self.module).get(self.attr)
+
+
+def _reshard_gathered(module, gathered):
+    """A weight still gathered from an earlier forward without backward (FSDP2 keeps the root
+    unsharded) holds that call's scales: reshard `module`, so it is gathered again."""
+    if any(not sharded_operands(g.held()) for g in gathered):
+        reshard_fsdp(module)
 
 
 @contextlib.contextmanager
