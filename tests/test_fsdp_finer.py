@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_fsdp import _Mesh
 
@@ -234,3 +234,72 @@ def test_gathered_weight_is_its_dequantized_plane_elsewhere(recipe):
     with pytest.raises(RuntimeError, match=r"^fp8fn\.float8_all_gather: the gathered float8 weig"):
         with torch.no_grad():
             gathered.add_(1.0)
+
+
+class _FakeMesh:
+    """A 1-D device mesh of `world` ranks seen from `rank` (what `finer_scales` reads)."""
+
+    def __init__(self, world, rank):
+        self.world, self.rank = world, rank
+
+    def size(self):
+        return self.world
+
+    def get_local_rank(self):
+        return self.rank
+
+    def get_group(self):
+        return "group"
+
+
+class _ShardedParam:
+    """What `finer_scales` reads of an FSDP2-sharded parameter on `rank`: its mesh, its whole
+    shape and (through `shard_of`, patched) this rank's rows, FSDP2's dim-0 chunk."""
+
+    def __init__(self, whole, world, rank):
+        rows = ceil_div(len(whole), world)
+        self.device_mesh, self.shape = _FakeMesh(world, rank), whole.shape
+        self.local = Float8ShardWeight(whole[rank * rows : (rank + 1) * rows], "w")
+
+
+@settings(max_examples=30)  # (each example runs `finer_scales` 2 x world times)
+@given(
+    recipes=st.lists(st.sampled_from(RECIPES), min_size=1, max_size=3),
+    shapes=st.lists(st.tuples(st.integers(1, 300), st.integers(1, 70)), min_size=3, max_size=3),
+    world=st.integers(2, 5),
+    seed=st.integers(0, 2**16),
+)
+def test_finer_scales_on_every_rank_are_the_whole_weights(recipes, shapes, world, seed):
+    """`finer_scales` on `world` ranks (its one all-gather simulated: the ranks' wire bytes,
+    concatenated), several weights and recipes at once: every rank assembles, for both planes of
+    every weight, the statistics of the whole weight's groups, bit for bit, whatever the ranks'
+    rows (padded, empty) and the groups the cuts split."""
+    from fp8fn._parallel import fsdp_finer, fsdp_gather
+
+    weights = [_weight(n, k, seed + i) for i, (n, k) in enumerate(shapes[: len(recipes)])]
+    wires, rank = {}, [0]
+
+    def all_gather_rows(local, group, rows):  # every rank's bytes, in rank order
+        assert group == "group" and rows == world
+        wires[rank[0]] = local
+        return torch.cat([wires.get(r, local) for r in range(world)])
+
+    patch = pytest.MonkeyPatch()  # (not the fixture: hypothesis reruns the function body)
+    patch.setattr(fsdp_gather, "shard_of", lambda p: p.local)
+    patch.setattr(fsdp_finer, "_all_gather_rows", all_gather_rows)
+    try:
+        for rank[0] in list(range(world)) * 2:  # the 1st pass records every rank's bytes
+            modules = [torch.nn.Module() for _ in weights]
+            for m, w in zip(modules, weights):
+                m.w = _ShardedParam(w, world, rank[0])
+            entries = [(m, "w", r) for m, r in zip(modules, recipes)]
+            scales = fsdp_finer.finer_scales(entries)
+            if len(wires) < world:
+                continue
+            for m, w, recipe in zip(modules, weights, recipes):
+                for gemm in (0, 1):
+                    plane = planes.plane_of(recipe, gemm)
+                    want = planes.quantize(plane, w)[1]
+                    _assert_same_bits(scales[(m, "w")].grids[plane], want)
+    finally:
+        patch.undo()
