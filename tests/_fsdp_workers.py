@@ -653,12 +653,20 @@ def fp8_all_gather_sharded_classes(rank):
     """float8_all_gather against FSDP2's float32 gather of the same model, 3 SGD steps from a
     cold state, params and states bitwise: DelayedScaling with margin=1 (a weight whose float8
     bits depend on the margin), a frozen weight (stays as it was), layers of CurrentScaling
-    between the delayed ones (a recipe function), a head of 1 row (more ranks than rows), and
-    the state's sites in reverse order (scales are found by site name, not position)."""
+    (then of MXScaling, then of RowwiseScaling: one step with both the per-tensor amaxes'
+    all-reduce and the finer statistics' all-gather) between the delayed ones (a recipe
+    function), a head of 1 row (more ranks than rows; under the finer recipe, an empty shard),
+    and the state's sites in reverse order (scales are found by site name, not position)."""
     delayed = fp8fn.DelayedScaling(history_len=4, margin=1)
+    for middle in (fp8fn.CurrentScaling(), fp8fn.MXScaling(), fp8fn.RowwiseScaling()):
+        _sharded_classes(rank, delayed, middle)
 
+
+def _sharded_classes(rank, delayed, middle):
     def recipe(name, module):
-        return fp8fn.CurrentScaling() if name.startswith("blocks.1.") else delayed
+        if name == "head" and not isinstance(middle, fp8fn.CurrentScaling):
+            return middle
+        return middle if name.startswith("blocks.1.") else delayed
 
     x0 = _shard(_batch(0), rank)
     runs = []
@@ -675,7 +683,7 @@ def fp8_all_gather_sharded_classes(rank):
         state = fn.init(x0)
         flat = fp8fn.flatten_state(state)
         state = fp8fn.unflatten_state(dict(reversed(list(flat.items()))), delayed)
-        assert list(state)[0] == list(flat)[-1].split(".")[0]  # reversed
+        assert list(state)[0] == list(flat)[-1].rsplit(".", 2)[0]  # reversed
         opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
         for step in range(3):
             state = rank_step(model, fn, state, _shard(_batch(step), rank), opt)
@@ -684,7 +692,7 @@ def fp8_all_gather_sharded_classes(rank):
     (params, state), (want, want_state) = runs
     assert_bit_identical(fp8fn.flatten_state(state), fp8fn.flatten_state(want_state))
     for k, p in params.items():
-        assert torch.equal(p, want[k]), k
+        assert torch.equal(p, want[k]), (middle, k)
 
 
 class SplitAttention(nn.Module):
