@@ -34,8 +34,6 @@ import torch.nn.functional as F
 from .._core.recipes import BlockwiseScaling, MXScaling, RowwiseScaling
 from . import fp8 as q
 
-_KINDS = ("rows", "columns", "tensor", "blocks")
-
 
 @dataclasses.dataclass(frozen=True)
 class Plane:

@@ -63,6 +63,7 @@ class FinerScales:
     grids: dict
 
     def plane(self, gemm: int) -> planes.Plane:
+        """The plane of the output (`gemm` 0) or grad_input (`gemm` 1) GEMM."""
         return planes.plane_of(self.recipe, gemm)
 
 
