@@ -97,7 +97,10 @@ def finer_scales(entries, discovering: bool = False) -> dict:
         are not used; the shapes are those of a step's).
 
     One all-gather per device mesh, of every rank's pieces' statistics of both planes of every
-    weight (padded to the most pieces any rank has); no host read.
+    weight (padded to the most pieces any rank has); no host read. Where no group spans two
+    ranks and each rank's groups start at a multiple of that count (rowwise and MX rows,
+    aligned cuts), a weight's grid is the gathered statistics reshaped (one op); else each
+    rank's pieces are placed in turn and max-combined.
     """
     from .fsdp_gather import shard_of  # (the module that imports this one)
 
@@ -126,13 +129,16 @@ def finer_scales(entries, discovering: bool = False) -> dict:
             wire = _all_gather_rows(local.unsqueeze(0), group, world)  # (world, bytes)
             offset = 0
             for key, plane, layout, (n, k), own in items:
-                count, gk = max(c for _, _, c in layout), plane.grid(n, k)[1]
-                raw = wire[:, offset : offset + len(own)]
+                (gn, gk), bn = plane.grid(n, k), plane.groups(n, k)[0]
+                count = max(c for _, _, c in layout)
+                raw = wire[:, offset : offset + count * gk * plane.stat_dtype.itemsize]
                 offset += len(own)
-                pieces = []
-                for r, (first, _, c) in enumerate(layout):
-                    stats = raw[r, : count * gk * plane.stat_dtype.itemsize]
-                    pieces.append((first, stats.view(plane.stat_dtype).reshape(count, gk)[:c]))
+                stats = raw.view(plane.stat_dtype).reshape(world, count, gk)
+                if all(f // bn == r * count for r, (f, _, c) in enumerate(layout) if c):
+                    if sum(c for _, _, c in layout) == gn:  # each rank's groups its own, in order
+                        grids[key][plane] = stats.reshape(world * count, gk)[:gn]
+                        continue
+                pieces = [(f, stats[r, :c]) for r, (f, _, c) in enumerate(layout)]
                 grids[key][plane] = planes.assemble(plane, pieces, n, k)
     return {
         (module, attr): FinerScales(
