@@ -303,3 +303,27 @@ def test_finer_scales_on_every_rank_are_the_whole_weights(recipes, shapes, world
                     _assert_same_bits(scales[(m, "w")].grids[plane], want)
     finally:
         patch.undo()
+
+
+def test_a_gathered_weight_keeps_its_kind_of_recipe():
+    """FSDP2 refills the unsharded weight its first all-gather made: a weight first gathered
+    for a per-tensor recipe and then for a finer one (or the other way) raises, naming it."""
+    weight = _weight(8, 32, seed=5)
+    fsdp2 = _FakeFsdp2(weight, 2)
+    per_tensor = fsdp2.gather(torch.tensor(8.0))  # (a per-tensor scale in SCALES)
+    with pytest.raises(
+        RuntimeError,
+        match=r"^fp8fn\.float8_all_gather: 'fc' was all-gathered for a per-tensor recipe first",
+    ):
+        fsdp2.gather(_plan(fp8fn.MXScaling(), weight), out=per_tensor)
+    fsdp2 = _FakeFsdp2(weight, 2)
+    finer = fsdp2.gather(_plan(fp8fn.MXScaling(), weight))
+    with pytest.raises(
+        RuntimeError,
+        match=r"^fp8fn\.float8_all_gather: 'fc' was all-gathered for a finer recipe first",
+    ):
+        fsdp2.gather(torch.tensor(8.0), out=finer)
+    with pytest.raises(
+        RuntimeError, match=r"^fp8fn\.float8_all_gather: 'fc' was all-gathered for MXScaling"
+    ):
+        fp8fn.linear(torch.randn(2, 32), finer, None, None, fp8fn.RowwiseScaling())
