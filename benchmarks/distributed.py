@@ -17,7 +17,12 @@ package never imports it. It spawns 2 gloo ranks on CPU and prints two tables.
    float32; fp8fn DelayedScaling with float32 all-gathers and with `fp8fn.float8_all_gather`;
    fp8fn CurrentScaling with float8 all-gathers; torchao 0.18 tensorwise (`emulate=True`) with
    `enable_fsdp_float8_all_gather`, with and without `precompute_float8_dynamic_scale_for_fsdp`;
-   and fp8fn 0.2's route, `unshard()` of every FSDP module before the step. For each: the
+   fp8fn 0.2's route, `unshard()` of every FSDP module before the step; FSDP2 in bfloat16
+   (`MixedPrecisionPolicy(param_dtype=torch.bfloat16)`); and the finer recipes (rowwise,
+   rowwise_with_gw_hp, MXFP8, blockwise) with high-precision and with float8 all-gathers, one
+   weight plane per phase, whose rows also give the bytes of a both-planes gather (each FSDP2
+   all-gather carrying the bytes of both GEMMs' planes, so that the root needs no all-gather of
+   its own in the backward: computed from the measured step). For each: the
    collectives of the step (c10d ops seen by a dispatch mode, FSDP2's and the route's own) and
    the bytes this rank sends into them, and the peak parameter memory per rank (the shards plus
    the unsharded parameters alive, sampled at every op of the step). torchao rows are left out
@@ -212,10 +217,11 @@ class StepMeter(TorchDispatchMode):
 def _fsdp_route(name: str, rank: int, shape: tuple):
     """(collectives, peak parameter bytes) of the 3rd training step of route `name` on the
     model of `shape`: `(d, hidden, n_blocks, batch, out, norm)`."""
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     d, hidden, n_blocks, batch, out, norm = shape
     model = Net(d, hidden, n_blocks, out, norm)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if name == "bfloat16" else None)
     torchao = name.startswith("torchao")
     if torchao:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
@@ -225,13 +231,13 @@ def _fsdp_route(name: str, rank: int, shape: tuple):
     if "fp8 gather" in name and not torchao:
         fp8fn.float8_all_gather(model)
     for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(rank)
     fn = state = None
     if name.startswith("fp8fn"):
-        recipe = fp8fn.CurrentScaling() if "current" in name else fp8fn.DelayedScaling()
+        recipe = RECIPES[name.split(",")[0].split()[1]]
         fn = fp8fn.transform(model, recipe)
         state = fn.init(torch.randn(batch, d, generator=gen))
     precompute = name.endswith("precompute")
@@ -262,26 +268,62 @@ def _fsdp_route(name: str, rank: int, shape: tuple):
         step()
     with StepMeter(model) as meter:
         step()
-    return meter.collectives, meter.peak
+    return meter.collectives, meter.peak, _both_planes(name, model, meter.collectives)
+
+
+def _both_planes(name: str, model, collectives) -> int | None:
+    """The all-gathered bytes of route `name` (a finer recipe with float8 all-gathers) had
+    FSDP2 gathered both planes of each weight: the measured bytes, plus each FSDP2 all-gather's
+    e4m3 bytes of the other plane (the blocks gather twice, the root once), less the root's own
+    all-gather of its grad_input plane (not needed then). None for other routes."""
+    finer = ("rowwise", "rowwise_gw_hp", "mx", "blockwise")
+    if "fp8 gather" not in name or name.split(",")[0].split()[1] not in finer:
+        return None
+    gathered = sum(b for op, b in collectives if op == "allgather_base")
+
+    def half(w):  # this rank's padded rows of a weight, in e4m3
+        return -(-w.shape[0] // WORLD) * w.shape[1]
+
+    other = sum(2 * half(b.fc1.weight) + 2 * half(b.fc2.weight) for b in model.blocks)
+    own = 0 if "blockwise" in name else half(model.head.weight)
+    return gathered + other + half(model.head.weight) - own
 
 
 # Issue 28's model: 3 blocks x + fc2(gelu(fc1(x))), Linear(32, 64) and Linear(64, 32), no
 # LayerNorm, a Linear(32, 8) head; batch 8 per rank.
 RESIDUAL = (32, 64, 3, 8, 8, False)
 
+RECIPES = {
+    "delayed": fp8fn.DelayedScaling(),
+    "current": fp8fn.CurrentScaling(),
+    "rowwise": fp8fn.RowwiseScaling(),
+    "rowwise_gw_hp": fp8fn.RowwiseScaling(hp_grad_weight=True),
+    "mx": fp8fn.MXScaling(),
+    "blockwise": fp8fn.BlockwiseScaling(),
+}
+
 FSDP_ROUTES = (
     "float32",
+    "bfloat16",
     "fp8fn delayed",
     "fp8fn delayed, fp8 gather",
     "fp8fn current, fp8 gather",
     "torchao tensorwise, fp8 gather",
     "torchao tensorwise, fp8 gather, precompute",
     "fp8fn delayed, unshard() (0.2)",
+    "fp8fn rowwise",
+    "fp8fn rowwise, fp8 gather",
+    "fp8fn rowwise_gw_hp, fp8 gather",
+    "fp8fn mx",
+    "fp8fn mx, fp8 gather",
+    "fp8fn blockwise",
+    "fp8fn blockwise, fp8 gather",
 )
 
 
 def fsdp_table(rank: int, shape) -> list:
-    """`[(route, {op: (count, bytes)}, peak parameter bytes)]` of every route."""
+    """`[(route, {op: (count, bytes)}, peak parameter bytes, both-planes bytes or None)]` of
+    every route."""
     try:
         import torchao.float8  # noqa: F401
     except ImportError:
@@ -290,12 +332,12 @@ def fsdp_table(rank: int, shape) -> list:
         routes = list(FSDP_ROUTES)
     rows = []
     for name in routes:
-        collectives, peak = _fsdp_route(name, rank, shape)
+        collectives, peak, both = _fsdp_route(name, rank, shape)
         counts: dict = {}
         for op, sent in collectives:
             c, b = counts.get(op, (0, 0))
             counts[op] = (c + 1, b + sent)
-        rows.append((name, counts, peak))
+        rows.append((name, counts, peak, both))
     return rows
 
 
@@ -306,23 +348,28 @@ def print_fsdp(rows, shape) -> None:
         f"\nFSDP2, {WORLD} gloo ranks: {n_blocks} blocks ({blocks}) + head Linear {d}->{out}, "
         f"fully_shard per block and root, batch {batch} per rank; the 3rd step, per rank"
     )
-    base = next(c for n, c, _ in rows if n == "float32")["allgather_base"][1]
-    head = ("route", "all-gathers", "bytes", "vs fp32", "reduce-scatters", "bytes", "all-reduces",
-            "bytes", "collectives", "peak param KiB")  # fmt: skip
+    base = next(c for n, c, *_ in rows if n == "float32")["allgather_base"][1]
+    bf16 = next(c for n, c, *_ in rows if n == "bfloat16")["allgather_base"][1]
+    head = ("route", "all-gathers", "bytes", "vs fp32", "vs bf16", "both planes", "reduce-scatters",
+            "bytes", "all-reduces", "bytes", "collectives", "peak param KiB")  # fmt: skip
     table = []
-    for name, counts, peak in rows:
+    for name, counts, peak, both in rows:
         ag = counts.get("allgather_base", (0, 0))
         rs = counts.get("reduce_scatter_base", (0, 0))
         ar = [v for k, v in counts.items() if "all_reduce" in k or k == "allreduce"]
         ar = (sum(c for c, _ in ar), sum(b for _, b in ar))
         total = sum(c for c, _ in counts.values())
-        table.append((name, ag[0], ag[1], f"{ag[1] / base:.3f}x", rs[0], rs[1], *ar, total,
-                      f"{peak / 1024:.1f}"))  # fmt: skip
+        both = "-" if both is None else f"{both / base:.3f}x"
+        table.append((name, ag[0], ag[1], f"{ag[1] / base:.3f}x", f"{ag[1] / bf16:.3f}x", both,
+                      rs[0], rs[1], *ar, total, f"{peak / 1024:.1f}"))  # fmt: skip
     print_table(head, table)
     print(
         "(bytes: sent by this rank into the collectives; collectives: FSDP2's all-gathers and "
         "reduce-scatters, and the route's all-reduces: fp8fn.all_reduce of the observations, "
-        "fp8fn's batched weight amaxes under CurrentScaling, torchao's amaxes; peak param: "
+        "fp8fn's batched weight amaxes under CurrentScaling, torchao's amaxes; the finer "
+        "recipes' fp8 gathers add one all-gather of both planes' scale statistics and, but for "
+        "blockwise, the root's own all-gather of its grad_input plane; both planes: vs fp32, "
+        "had each FSDP2 all-gather carried both GEMMs' planes; peak param: "
         "shards plus the unsharded parameters alive, sampled at every op)"
     )
 

@@ -613,8 +613,9 @@ def fp8_all_gather_backward_after_another_forward(rank):
 def fp8_all_gather_tied_weights(rank):
     """Two Linears sharing one weight stay one parameter under float8_all_gather: after 3 AdamW
     steps under FSDP2 they are still tied, and params and states are bitwise those of the same
-    FSDP2 model gathered in float32. A weight tied to an embedding is refused before
-    fully_shard, naming the fix."""
+    FSDP2 model gathered in float32, under DelayedScaling and the finer recipes (rowwise, MX,
+    blockwise: each layer's backward gathers its grad_input plane of the shared weight). A
+    weight tied to an embedding is refused before fully_shard, naming the fix."""
     import pytest
     from _models import Tied
     from torch.distributed.fsdp import fully_shard
@@ -624,38 +625,48 @@ def fp8_all_gather_tied_weights(rank):
     with pytest.raises(ValueError, match=r"^fp8fn\.float8_all_gather: expected the weight of la"):
         fp8fn.float8_all_gather(Tied(16, 32))
     idx = torch.randint(0, 16, (BATCH, 3), generator=torch.Generator().manual_seed(5))
-    runs = []
-    for gathered in (True, False):
-        model = Tied(16, 32, seed=4)
-        if gathered:
-            fp8fn.float8_all_gather(model, filter_fn=lambda name, module: name != "head")
-            assert type(model.a.weight) is Float8ShardWeight  # (an nn.Parameter)
-            assert isinstance(model.a.weight, nn.Parameter) and model.b.weight is model.a.weight
-        fully_shard(model)
-        fn = fp8fn.transform(model, RECIPE)
-        state = fn.init(_shard(idx, rank))
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        for _ in range(3):
-            state = rank_step(model, fn, state, _shard(idx, rank), opt)
-        assert model.b.weight is model.a.weight
-        assert len(list(model.parameters())) == 4  # emb = head, a = b weights; a's, b's biases
-        runs.append(({k: _full(p) for k, p in model.named_parameters()}, state))
-    (params, state), (want, want_state) = runs
-    assert_bit_identical(state, want_state)
-    for k, p in params.items():
-        assert torch.equal(p, want[k]), k
+    for recipe in (RECIPE, FINER[0], FINER[2], FINER[4]):
+        runs = []
+        for gathered in (True, False):
+            model = Tied(16, 32, seed=4)
+            if gathered:
+                fp8fn.float8_all_gather(model, filter_fn=lambda name, module: name != "head")
+                assert type(model.a.weight) is Float8ShardWeight  # (an nn.Parameter)
+                assert isinstance(model.a.weight, nn.Parameter)
+                assert model.b.weight is model.a.weight
+            fully_shard(model)
+            fn = fp8fn.transform(model, recipe)
+            state = fn.init(_shard(idx, rank))
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            for _ in range(3):
+                state = rank_step(model, fn, state, _shard(idx, rank), opt)
+            assert model.b.weight is model.a.weight
+            assert len(list(model.parameters())) == 4  # emb = head, a = b weights; 2 biases
+            runs.append(({k: _full(p) for k, p in model.named_parameters()}, state))
+        (params, state), (want, want_state) = runs
+        assert_bit_identical(state, want_state)
+        for k, p in params.items():
+            assert torch.equal(p, want[k]), (recipe, k)
 
 
 def fp8_all_gather_sharded_classes(rank):
     """float8_all_gather against FSDP2's float32 gather of the same model, 3 SGD steps from a
     cold state, params and states bitwise: DelayedScaling with margin=1 (a weight whose float8
     bits depend on the margin), a frozen weight (stays as it was), layers of CurrentScaling
-    between the delayed ones (a recipe function), a head of 1 row (more ranks than rows), and
-    the state's sites in reverse order (scales are found by site name, not position)."""
+    (then of MXScaling, then of RowwiseScaling: one step with both the per-tensor amaxes'
+    all-reduce and the finer statistics' all-gather) between the delayed ones (a recipe
+    function), a head of 1 row (more ranks than rows; under the finer recipe, an empty shard),
+    and the state's sites in reverse order (scales are found by site name, not position)."""
     delayed = fp8fn.DelayedScaling(history_len=4, margin=1)
+    for middle in (fp8fn.CurrentScaling(), fp8fn.MXScaling(), fp8fn.RowwiseScaling()):
+        _sharded_classes(rank, delayed, middle)
 
+
+def _sharded_classes(rank, delayed, middle):
     def recipe(name, module):
-        return fp8fn.CurrentScaling() if name.startswith("blocks.1.") else delayed
+        if name == "head" and not isinstance(middle, fp8fn.CurrentScaling):
+            return middle
+        return middle if name.startswith("blocks.1.") else delayed
 
     x0 = _shard(_batch(0), rank)
     runs = []
@@ -672,7 +683,7 @@ def fp8_all_gather_sharded_classes(rank):
         state = fn.init(x0)
         flat = fp8fn.flatten_state(state)
         state = fp8fn.unflatten_state(dict(reversed(list(flat.items()))), delayed)
-        assert list(state)[0] == list(flat)[-1].split(".")[0]  # reversed
+        assert list(state)[0] == list(flat)[-1].rsplit(".", 2)[0]  # reversed
         opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
         for step in range(3):
             state = rank_step(model, fn, state, _shard(_batch(step), rank), opt)
@@ -681,7 +692,7 @@ def fp8_all_gather_sharded_classes(rank):
     (params, state), (want, want_state) = runs
     assert_bit_identical(fp8fn.flatten_state(state), fp8fn.flatten_state(want_state))
     for k, p in params.items():
-        assert torch.equal(p, want[k]), k
+        assert torch.equal(p, want[k]), (middle, k)
 
 
 class SplitAttention(nn.Module):
@@ -750,7 +761,7 @@ def fp8_all_gather_errors(rank):
     with pytest.raises(ValueError, match=r"^fp8fn\.transform: parameter 'head.weight' is all-ga"):
         fp8fn.transform(model, RECIPE, filter_fn=lambda name, module: name != "head")
     with pytest.raises(ValueError, match=r"^fp8fn\.transform: expected layer 'blocks.0.fc1', wh"):
-        fp8fn.transform(model, fp8fn.RowwiseScaling())
+        fp8fn.transform(model, fp8fn.NVFP4Scaling())
     unsharded = fp8fn.float8_all_gather(Net())
     with pytest.raises(ValueError, match=r"to be sharded by FSDP2, got an unsharded weight\. Ca"):
         fp8fn.transform(unsharded, RECIPE)
@@ -776,6 +787,279 @@ def fp8_all_gather_errors(rank):
     fn = fp8fn.transform(model, RECIPE)
     with pytest.raises(RuntimeError, match=r"expected 'blocks.0.fc1' sharded along dim 0, got a "):
         fn.init(_shard(_batch(0), rank))
+
+
+# --- 6b. the finer recipes: one plane per phase ------------------------------------------------
+
+FINER = [
+    fp8fn.RowwiseScaling(),
+    fp8fn.RowwiseScaling(hp_grad_weight=True),
+    fp8fn.MXScaling(),
+    fp8fn.MXScaling(scale_rounding="floor"),
+    fp8fn.BlockwiseScaling(),
+]
+
+
+def _stateless_step(model, fn, state, x, opt=None, microbatches=1):
+    """One step of a stateless recipe on this rank's rows `x` (as `microbatches` microbatches
+    whose gradients accumulate): apply, backward, the optimizer step."""
+    for part in x.chunk(microbatches):
+        _loss(fn.apply(dict(model.named_parameters()), state, part)).backward()
+    if opt is not None:
+        opt.step()
+    model.zero_grad()
+
+
+def _record_planes(model, layers):
+    """`(forward, backward)`: `{path: (plane kind, gathered e4m3 bytes)}` that each layer's
+    weight holds when its forward runs and when its backward starts."""
+    from fp8fn._parallel.fsdp_finer import FinerGatheredWeight
+
+    forward, backward = {}, {}
+
+    def record(into, path):
+        def hook(module, *args):
+            w = module.weight
+            assert type(w) is FinerGatheredWeight, (path, type(w), into is backward)
+            into[path] = (w._plane.kind, w._data.view(torch.uint8).clone())
+
+        return hook
+
+    for path, layer in layers.items():
+        layer.register_forward_pre_hook(record(forward, path))
+        layer.register_full_backward_pre_hook(record(backward, path))
+    return forward, backward
+
+
+def fp8_all_gather_finer_recipes(rank):
+    """float8_all_gather under each finer recipe (rowwise, rowwise_with_gw_hp, MXFP8 RCEIL and
+    FLOOR, blockwise), an uneven head (7 rows: padded) and cuts inside groups (rows 16 of 32:
+    every MX 32 x 1 and blockwise 128 x 128 group of fc1 split): each forward gathers the
+    output GEMM's plane, the e4m3 bytes of the whole weight's plane bit for bit; each block's
+    backward re-gather the grad_input GEMM's (blockwise: the same plane); after a warm step
+    and 3 SGD steps the parameters are bit-identical to one process (float32 gathers) on
+    every rank; a steady step reads no value on the host."""
+    from _helpers import CountHostReads
+
+    from fp8fn._numerics import planes
+
+    for recipe in FINER:
+        ref_params, _ = _reference(3, recipe=recipe, out=7)
+        model = _gathered_model(out=7)
+        fn = fp8fn.transform(model, recipe)
+        state = fn.init(_shard(_batch(0), rank))
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        layers = {p: model.get_submodule(p) for p in fn.layers}
+        forward, backward = _record_planes(model, layers)
+        _stateless_step(model, fn, state, _shard(_batch(0), rank))  # warm
+        for step in range(3):
+            full = {path: _full(layer.weight) for path, layer in layers.items()}
+            with CountHostReads() as reads:
+                _stateless_step(model, fn, state, _shard(_batch(1 + step), rank), opt)
+            assert reads.reads == [], (recipe, reads.reads)
+            for path in layers:
+                for gemm, seen in ((0, forward), (1, backward)):
+                    if gemm and path == "head":  # the root stays gathered for its backward
+                        continue
+                    plane = planes.plane_of(recipe, gemm)
+                    kind, data = seen.pop(path)
+                    want, _ = planes.quantize(plane, full[path])
+                    assert kind == plane.kind, (recipe, path, kind)
+                    assert torch.equal(data, want.view(torch.uint8)), (recipe, path, gemm)
+        name = type(recipe).__name__ + ("_gw_hp" if getattr(recipe, "hp_grad_weight", 0) else "")
+        name += "_" + getattr(recipe, "scale_rounding", "")
+        worst = _params_worst_rel_diff(model, ref_params, f"finer_{name}")
+        assert MEASURED[f"finer_{name}_params_bit_identical_3_steps"], (recipe, worst)
+
+
+def fp8_all_gather_finer_bytes(rank):
+    """Per rank and steady step on 3 blocks of `Linear(64, 256)`, `Linear(256, 64)` and a head,
+    each finer recipe: FSDP2's all-gathers (as many as in float32) carry one plane's e4m3 bytes
+    per weight half, every other parameter's float32 half, nothing else; one more all-gather
+    carries the statistics of both planes of all 7 weights; the root's head, which FSDP2 keeps
+    gathered, all-gathers its grad_input plane in the backward (rowwise, MX); the
+    reduce-scatters are float32's. All-gathered bytes, scales included, <= 0.30x float32's;
+    recorded beside a both-planes gather (each FSDP2 all-gather carrying both planes' bytes,
+    the head's own all-gather not needed)."""
+    net = dict(d=64, hidden=256, out=64, seed=2)
+
+    def x(step):
+        return _shard(_batch(step, 64), rank)
+
+    fp32 = _float32_step_collectives(net, x, steps=2).summary()
+    for recipe in FINER:
+        model = _gathered_model(**net)
+        fn = fp8fn.transform(model, recipe)
+        state = fn.init(x(0))
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        _stateless_step(model, fn, state, x(0), opt)
+        with CommCounter() as comm:
+            _stateless_step(model, fn, state, x(1), opt)
+        got = comm.summary()
+        assert set(got) == {"_allgather_base_", "_reduce_scatter_base_"}, got
+        assert got["_reduce_scatter_base_"] == fp32["_reduce_scatter_base_"]
+        own = 0 if isinstance(recipe, fp8fn.BlockwiseScaling) else 1  # the head's
+        assert got["_allgather_base_"][0] == fp32["_allgather_base_"][0] + 1 + own, got
+
+        def fsdp_bytes(module):  # FSDP2's all-gather of `module`'s own parameters, one plane
+            params = [p for n, p in module.named_parameters() if not n.startswith("blocks.")]
+            weights = [p for p in params if p.dim() == 2]
+            rest = sum(p.numel() for p in params) - sum(w.numel() for w in weights)
+            return sum(w.numel() // WORLD for w in weights) + rest * 4 // WORLD
+
+        fp8 = sum(2 * fsdp_bytes(b) for b in model.blocks) + fsdp_bytes(model)
+        head = model.head.weight.numel() // WORLD
+        sizes = [b for n, b in comm.log if n == "_allgather_base_"]
+        side = sizes[0]  # the statistics' all-gather comes first (in apply, before the forward)
+        assert sum(sizes) == fp8 + side + own * head, (recipe, sizes, fp8, side)
+        one_plane = sum(sizes)
+        weight_bytes = sum(
+            2 * p.numel() // WORLD for b in model.blocks for p in b.parameters() if p.dim() == 2
+        )
+        both_planes = one_plane + weight_bytes + head - own * head
+        ratio = one_plane / fp32["_allgather_base_"][1]
+        assert ratio <= 0.30, (recipe, ratio)
+        MEASURED.setdefault("finer_bytes_per_step", {})[repr(recipe)] = {
+            "fp32_all_gather": fp32["_allgather_base_"][1],
+            "one_plane": one_plane,
+            "statistics": side,
+            "both_planes": both_planes,
+            "ratio_one_plane": ratio,
+            "ratio_both_planes": both_planes / fp32["_allgather_base_"][1],
+            "all_gathers": got["_allgather_base_"][0],
+            "all_gathers_fp32": fp32["_allgather_base_"][0],
+        }
+
+
+def fp8_all_gather_finer_variants(rank):
+    """Each finer recipe, against one process, bit for bit: FSDP2 with
+    `reshard_after_forward=False` (no backward re-gather: every layer's op all-gathers its
+    grad_input plane itself), gradient accumulation over 2 microbatches, and an evaluation
+    (`fn.apply` under no_grad, which gathers the forward plane again) between a training
+    forward and its backward."""
+    x = _shard(_batch(1), rank)
+    for recipe in FINER:
+        ref_params, _ = _reference(2, recipe=recipe)
+        model = _fully_shard(fp8fn.float8_all_gather(Net()), reshard_after_forward=False)
+        fn = fp8fn.transform(model, recipe)
+        state = fn.init(_shard(_batch(0), rank))
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        _stateless_step(model, fn, state, _shard(_batch(0), rank))
+        for step in range(2):
+            _stateless_step(model, fn, state, _shard(_batch(1 + step), rank), opt)
+        for name, p in model.named_parameters():
+            assert torch.equal(_full(p), ref_params[name]), (recipe, "no reshard", name)
+
+        # gradient accumulation: 2 microbatches per rank = 4 microbatches of one process
+        model = _gathered_model()
+        fn = fp8fn.transform(model, recipe)
+        state = fn.init(_shard(_batch(0), rank))
+        _stateless_step(model, fn, state, _shard(_batch(0), rank))
+        for part in _shard(_batch(1), rank).chunk(2):
+            _loss(fn.apply(dict(model.named_parameters()), state, part)).backward()
+        grads = _local_grads(model)
+        ref = Net()
+        ref_fn = fp8fn.transform(ref, recipe)
+        ref_state = ref_fn.init(_batch(0))
+        parts = [x.chunk(2) for x in _batch(1).chunk(WORLD)]  # [rank][microbatch]
+        per = [[None] * 2 for _ in range(WORLD)]
+        for r in range(WORLD):
+            for j in range(2):
+                _loss(ref_fn.apply(dict(ref.named_parameters()), ref_state, parts[r][j])).backward()
+                per[r][j] = {k: p.grad.clone() for k, p in ref.named_parameters()}
+                ref.zero_grad()
+        for name in grads:  # FSDP2: each microbatch's gradient averaged over ranks, accumulated
+            want = sum(per[r][0][name] for r in range(WORLD)) / WORLD
+            want = want + sum(per[r][1][name] for r in range(WORLD)) / WORLD
+            assert torch.equal(grads[name], want.chunk(WORLD)[rank]), (recipe, "accum", name)
+
+        # an evaluation between the forward and its backward
+        runs = []
+        for between in (False, True):
+            model = _gathered_model()
+            fn = fp8fn.transform(model, recipe)
+            state = fn.init(_shard(_batch(0), rank))
+            out = fn.apply(dict(model.named_parameters()), state, x)
+            if between:
+                with torch.no_grad():
+                    fn.apply(dict(model.named_parameters()), state, _shard(_batch(2), rank))
+            _loss(out).backward()
+            runs.append(_local_grads(model))
+        for k, g in runs[1].items():
+            assert torch.equal(g, runs[0][k]), (recipe, "eval between", k)
+
+        _finer_bf16_meta_checkpoint(rank, recipe)
+
+
+def _bf16_grid(model):
+    """Round `model`'s float32 parameters in place to bfloat16 values (FSDP2's sharded ones
+    too: their local shards)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            local.copy_(local.to(torch.bfloat16))
+
+
+def _finer_bf16_meta_checkpoint(rank, recipe):
+    """Under `recipe`, against one process, bit for bit after 2 SGD steps: (1) FSDP2's
+    `MixedPrecisionPolicy(param_dtype=torch.bfloat16)` (the weights gathered as e4m3 and, to
+    autograd, bfloat16; one process runs bfloat16 copies of the params, gradients summed in
+    bfloat16; both keep the params on the bfloat16 grid, where the float32 master's cast and its
+    bfloat16 copy's agree); (2) a model made on the meta device, float8_all_gather and
+    fully_shard there, then `to_empty` and filled from one process's initial weights; (3)
+    `checkpoint_fn` recomputing the blocks in the backward (the recompute's output GEMM
+    all-gathers its plane again)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    ref = Net()
+    _bf16_grid(ref)
+    ref_fn = fp8fn.transform(ref, recipe)
+    ref_state = ref_fn.init(_batch(0))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    model = _fully_shard(fp8fn.float8_all_gather(Net()), mp_policy=policy)
+    _bf16_grid(model)
+    fn = fp8fn.transform(model, recipe)
+    state = fn.init(_shard(_batch(0), rank))
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for step in range(2):
+        params = {
+            n: p.detach().to(torch.bfloat16).requires_grad_() for n, p in ref.named_parameters()
+        }
+        for part in _batch(step).chunk(WORLD):
+            part = part.to(torch.bfloat16)  # (FSDP2 casts the root's inputs to param_dtype)
+            _loss(ref_fn.apply(params, ref_state, part)).backward()
+        for n, p in ref.named_parameters():
+            p.grad = params[n].grad.float() / WORLD
+        ref_opt.step()
+        ref.zero_grad()
+        _bf16_grid(ref)
+        _stateless_step(model, fn, state, _shard(_batch(step), rank), opt)
+        _bf16_grid(model)
+    for name, p in model.named_parameters():
+        assert torch.equal(_full(p), dict(ref.named_parameters())[name]), (recipe, "bf16", name)
+
+    ref_params, _ = _reference(2, recipe=recipe)
+    with torch.device("meta"):
+        model = Net()
+    _fully_shard(fp8fn.float8_all_gather(model))
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for name, p in Net().named_parameters():  # the initial weights, this rank's rows
+            model.get_parameter(name).to_local().copy_(p.chunk(WORLD)[rank])
+    runs = [model, _gathered_model()]
+    checkpointed = fp8fn.transform(
+        runs[1], recipe, checkpoint_fn=lambda name, m: name.startswith("blocks.")
+    )
+    for model, fn in ((runs[0], fp8fn.transform(runs[0], recipe)), (runs[1], checkpointed)):
+        state = fn.init(_shard(_batch(0), rank))
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        _stateless_step(model, fn, state, _shard(_batch(0), rank))
+        for step in range(2):
+            _stateless_step(model, fn, state, _shard(_batch(1 + step), rank), opt)
+        what = "meta" if model is runs[0] else "checkpoint_fn"
+        for name, p in model.named_parameters():
+            assert torch.equal(_full(p), ref_params[name]), (recipe, what, name)
 
 
 # --- 7. checkpoints ----------------------------------------------------------------------------
@@ -811,6 +1095,50 @@ def dcp_save(rank):
     state = rank_step(model, fn, state, _shard(_batch(3), rank), opt)
     params = {k: _full(p) for k, p in model.named_parameters()}
     torch.save({"params": params, "state": state}, os.path.join(WORKDIR, f"truth{rank}.pt"))
+    for recipe in DCP_FINER:  # the finer recipes: resumed on 1 rank (`dcp_resume_one_rank`)
+        model = _gathered_model(seed=1)
+        fn = fp8fn.transform(model, recipe)
+        state = fn.init(_shard(_batch(0), rank))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        _stateless_step(model, fn, state, _shard(_batch(0), rank))
+        for step in range(2):
+            _stateless_step(model, fn, state, _shard(_batch(1 + step), rank), opt)
+        path = os.path.join(WORKDIR, f"ckpt_{type(recipe).__name__}")
+        dcp.save(_dcp_dict(model, opt, state), checkpoint_id=path)
+        _stateless_step(model, fn, state, _shard(_batch(3), rank), opt)
+        params = {k: _full(p) for k, p in model.named_parameters()}
+        torch.save(params, path + ".truth.pt")
+
+
+def dcp_resume_one_rank(rank):
+    """On ONE rank (another world size), for each finer recipe: a model built from other
+    weights loads the 2-rank checkpoint (float8_all_gather, FSDP2 over 1 rank, AdamW) and takes
+    the 3rd step on the global batch as the 2 ranks' rows (2 microbatches, gradients averaged
+    as FSDP2 averaged them over 2 ranks): parameters bit-identical to the uninterrupted 2-rank
+    run."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    assert torch.distributed.get_world_size() == 1
+    for recipe in DCP_FINER:
+        path = os.path.join(WORKDIR, f"ckpt_{type(recipe).__name__}")
+        model = _gathered_model(seed=7)
+        fn = fp8fn.transform(model, recipe)
+        state = fn.init(_batch(0))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        loaded = _dcp_dict(model, opt, state)
+        dcp.load(loaded, checkpoint_id=path)
+        set_state_dict(
+            model, opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"]
+        )
+        for part in _batch(3).chunk(WORLD):
+            _loss(fn.apply(dict(model.named_parameters()), state, part)).backward()
+        for p in model.parameters():
+            p.grad /= WORLD  # (exact: a power of two)
+        opt.step()
+        truth = torch.load(path + ".truth.pt", weights_only=True)
+        for name, p in model.named_parameters():
+            assert torch.equal(_full(p), truth[name]), (recipe, name)
 
 
 def dcp_resume(rank):
@@ -863,10 +1191,15 @@ SCENARIOS = [
     fp8_all_gather_sharded_classes,
     fsdp2_split_attention,
     fp8_all_gather_errors,
+    fp8_all_gather_finer_recipes,
+    fp8_all_gather_finer_bytes,
+    fp8_all_gather_finer_variants,
 ]
 
 
-CHECKPOINT = [dcp_save, dcp_resume]  # run by name: dcp_save after SCENARIOS, then a new spawn
+DCP_FINER = [fp8fn.RowwiseScaling(), fp8fn.MXScaling(), fp8fn.BlockwiseScaling()]
+# run by name: dcp_save after SCENARIOS, then new spawns (dcp_resume_one_rank: on 1 rank)
+CHECKPOINT = [dcp_save, dcp_resume, dcp_resume_one_rank]
 
 
 def main(rank: int, world_size: int, port: int, out_dir: str, names: list) -> None:

@@ -264,6 +264,25 @@ def e8m0_to_float32(exponent: torch.Tensor) -> torch.Tensor:
     return bits.view(torch.float32)
 
 
+def mx_exponent(amax: torch.Tensor, rounding: str) -> torch.Tensor:
+    """The biased E8M0 exponents (uint8) of blocks of float32 amaxes `amax`, under `rounding`
+    (`"rceil"` or `"floor"`). Never decreases as the amax grows (NaN gives 255, the largest)."""
+    return _mx_exponent_rceil(amax) if rounding == "rceil" else _mx_exponent_floor(amax)
+
+
+def mx_cast_factor(exponent: torch.Tensor, rounding: str) -> tuple[torch.Tensor, bool]:
+    """`(t, divide)`: a block of E8M0 `exponent` (uint8) is cast as `saturate(x * t)`, or
+    `saturate(x / t)` when `divide` (FLOOR), float32 `t` of `exponent`'s shape; torchao's
+    special cases kept (see `quantize_mx`), NaN (RCEIL) or inf (FLOOR) for 255."""
+    if rounding == "rceil":  # the inverse scale 2**(127 - e)
+        inverse = torch.exp2(_E8M0_BIAS - exponent.float())
+        inverse = torch.where(exponent == 0, 1.0, inverse)
+        inverse = torch.where(exponent == 254, 2.0**-127, inverse)
+        return torch.where(exponent == _E8M0_NAN, float("nan"), inverse), False
+    divisor = e8m0_to_float32(exponent).clamp(min=torch.finfo(torch.float32).tiny)
+    return torch.where(exponent == _E8M0_NAN, float("inf"), divisor), True
+
+
 def quantize_mx(
     hp: torch.Tensor, block_size: int = 32, rounding: str = "rceil"
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -285,21 +304,10 @@ def quantize_mx(
     """
     k = hp.shape[-1]
     blocks = pad_last(hp, block_size).unflatten(-1, (-1, block_size))
-    amax = blocks.abs().amax(-1).float()
-    data = blocks.float()
-    if rounding == "rceil":
-        exponent = _mx_exponent_rceil(amax)
-        # The inverse scale 2**(127 - e), with torchao's special cases for e = 0, 254, 255.
-        inverse = torch.exp2(_E8M0_BIAS - exponent.float())
-        inverse = torch.where(exponent == 0, 1.0, inverse)
-        inverse = torch.where(exponent == 254, 2.0**-127, inverse)
-        inverse = torch.where(exponent == _E8M0_NAN, amax, inverse)  # NaN stays NaN
-        scaled = data * inverse.unsqueeze(-1)
-    else:
-        exponent = _mx_exponent_floor(amax)
-        divisor = e8m0_to_float32(exponent).clamp(min=torch.finfo(torch.float32).tiny)
-        divisor = torch.where(exponent == _E8M0_NAN, float("inf"), divisor)
-        scaled = data / divisor.unsqueeze(-1)
+    exponent = mx_exponent(blocks.abs().amax(-1).float(), rounding)
+    factor, divide = mx_cast_factor(exponent, rounding)
+    data, factor = blocks.float(), factor.unsqueeze(-1)
+    scaled = data / factor if divide else data * factor
     fp8 = saturate(scaled, E4M3, keep_nonfinite=False).flatten(-2)[..., :k]
     return fp8, exponent
 

@@ -46,22 +46,28 @@ def _rowwise_mm(a_fp8, a_scale, b_fp8, b_scale, out_dtype, backend, fast_accum: 
     return torch.mm(a_hp, b_hp).to(out_dtype)
 
 
-def _rowwise_output(x, weight, recipe, backend):
+def _rowwise_weight(weight, recipe, gemm):
+    """The weight operand `(e4m3 (n, k), float32 scale)`: per row `(n, 1)` for the output GEMM,
+    per column `(1, k)` for grad_input (`hp_grad_weight`: per tensor, `()`)."""
+    if gemm == 0:
+        return q.quantize_rowwise(weight)
+    if recipe.hp_grad_weight:  # torchao "rowwise_with_gw_hp": the weight per tensor
+        w_scale = q.tensorwise_scale(weight)
+        return q.cast_to_fp8(weight, w_scale, keep_nonfinite=False), w_scale
+    w_fp8_t, w_scale_t = q.quantize_rowwise(weight.t())  # (k, n): rows along n
+    return w_fp8_t.t(), w_scale_t.t()
+
+
+def _rowwise_output(x, w, recipe, backend):
     x_fp8, x_scale = q.quantize_rowwise(x)
-    w_fp8, w_scale = q.quantize_rowwise(weight)
+    w_fp8, w_scale = w
     accum = recipe.fast_accum[0]
     return _rowwise_mm(x_fp8, x_scale, w_fp8.t(), w_scale.t(), x.dtype, backend, accum)
 
 
-def _rowwise_grad_input(g, weight, recipe, backend):
+def _rowwise_grad_input(g, w, recipe, backend):
     g_fp8, g_scale = q.quantize_rowwise(g)
-    if recipe.hp_grad_weight:  # torchao "rowwise_with_gw_hp": the weight per tensor
-        w_scale = q.tensorwise_scale(weight)
-        w_fp8 = q.cast_to_fp8(weight, w_scale, keep_nonfinite=False)
-    else:
-        w_fp8_t, w_scale_t = q.quantize_rowwise(weight.t())  # (k, n): rows along n
-        w_fp8, w_scale = w_fp8_t.t(), w_scale_t.t()
-    return _rowwise_mm(g_fp8, g_scale, w_fp8, w_scale, g.dtype, backend, recipe.fast_accum[1])
+    return _rowwise_mm(g_fp8, g_scale, *w, g.dtype, backend, recipe.fast_accum[1])
 
 
 def _rowwise_grad_weight(g, x, recipe, backend):
@@ -83,12 +89,25 @@ def _mx(hp, recipe, dtype):
     return q.dequantize_mx(fp8, exponent, dtype, recipe.block_size)
 
 
-def _mx_output(x, weight, recipe, backend):
-    return torch.mm(_mx(x, recipe, x.dtype), _mx(weight, recipe, x.dtype).t())
+def _mx_weight(weight, recipe, gemm):
+    """The weight operand `(e4m3, uint8 exponents)` in blocks along the GEMM's contraction dim:
+    `(n, k)`, `(n, k / 32)` for the output GEMM, `weight.T`'s `(k, n)`, `(k, n / 32)` for
+    grad_input."""
+    hp = weight if gemm == 0 else weight.t()
+    return q.quantize_mx(hp.contiguous(), recipe.block_size, recipe.scale_rounding)
 
 
-def _mx_grad_input(g, weight, recipe, backend):
-    return torch.mm(_mx(g, recipe, g.dtype), _mx(weight.t(), recipe, g.dtype).t())
+def _mx_values(w, recipe, dtype):
+    """The MX weight operand `w` dequantized in `dtype`."""
+    return q.dequantize_mx(*w, dtype, recipe.block_size)
+
+
+def _mx_output(x, w, recipe, backend):
+    return torch.mm(_mx(x, recipe, x.dtype), _mx_values(w, recipe, x.dtype).t())
+
+
+def _mx_grad_input(g, w, recipe, backend):
+    return torch.mm(_mx(g, recipe, g.dtype), _mx_values(w, recipe, g.dtype).t())
 
 
 def _mx_grad_weight(g, x, recipe, backend):
@@ -104,29 +123,62 @@ def _tiles(hp, recipe):
     return q.dequantize_tiles(fp8, inverse, recipe.block_size)
 
 
-def _blocks(weight, recipe):
-    """`weight` `(n, k)` quantized in block x block blocks, dequantized: float32 `(n, k)`."""
-    fp8, inverse = q.quantize_blocks(weight.contiguous(), recipe.block_size)
-    return q.dequantize_blocks(fp8, inverse, recipe.block_size)
+def _blockwise_weight(weight, recipe, gemm):
+    """The weight operand of both GEMMs: `(e4m3 (n, k), float32 inverse scale (n / 128,
+    k / 128))`, in block x block blocks."""
+    return q.quantize_blocks(weight.contiguous(), recipe.block_size)
 
 
-def _blockwise_output(x, weight, recipe, backend):
-    return torch.mm(_tiles(x, recipe), _blocks(weight, recipe).t()).to(x.dtype)
+def _blocks(w, recipe):
+    """The blockwise weight operand `w` dequantized: float32 `(n, k)`."""
+    return q.dequantize_blocks(*w, recipe.block_size)
 
 
-def _blockwise_grad_input(g, weight, recipe, backend):
-    return torch.mm(_tiles(g, recipe), _blocks(weight, recipe)).to(g.dtype)
+def _blockwise_output(x, w, recipe, backend):
+    return torch.mm(_tiles(x, recipe), _blocks(w, recipe).t()).to(x.dtype)
+
+
+def _blockwise_grad_input(g, w, recipe, backend):
+    return torch.mm(_tiles(g, recipe), _blocks(w, recipe)).to(g.dtype)
 
 
 def _blockwise_grad_weight(g, x, recipe, backend):
     return torch.mm(_tiles(g.t(), recipe), _tiles(x.t(), recipe).t()).to(g.dtype)
 
 
+# Per recipe: the output and grad_input GEMMs `(a, weight operand, recipe, backend)`, the
+# grad_weight GEMM `(g, x, recipe, backend)`, and the weight operand `(weight, recipe, gemm)`.
 _GEMMS = {
     RowwiseScaling: (_rowwise_output, _rowwise_grad_input, _rowwise_grad_weight),
     BlockwiseScaling: (_blockwise_output, _blockwise_grad_input, _blockwise_grad_weight),
     MXScaling: (_mx_output, _mx_grad_input, _mx_grad_weight),
 }
+_WEIGHTS = {
+    RowwiseScaling: _rowwise_weight,
+    BlockwiseScaling: _blockwise_weight,
+    MXScaling: _mx_weight,
+}
+
+
+def weight_operand(weight, recipe, gemm: int):
+    """The weight operand of the output (`gemm` 0) or grad_input (`gemm` 1) GEMM under a finer
+    recipe: quantized from `weight` `(n, k)` along that GEMM's contraction dim, or, for a weight
+    that comes quantized (FSDP2's float8 all-gather: a `fp8fn_finer_operand` method, duck-typed),
+    the plane it holds."""
+    own = getattr(type(weight), "fp8fn_finer_operand", None)
+    if own is not None:
+        return own(weight, recipe, gemm)
+    return _WEIGHTS[type(recipe)](weight, recipe, gemm)
+
+
+def weight_gemm(gemm: int, a, weight, recipe, backend, shape, dtype):
+    """The output (`gemm` 0, `a` = x `(m, k)`) or grad_input (`gemm` 1, `a` = the output
+    gradient `(m, n)`) GEMM with `weight` `(n, k)`: `(m, n)` or `(m, k)`; zeros of `shape` in
+    `dtype` for an empty operand (see `_gemm`)."""
+    if a.numel() == 0 or weight.numel() == 0:
+        return torch.zeros(shape, dtype=dtype, device=a.device)
+    fn = _GEMMS[type(recipe)][gemm]
+    return fn(a, weight_operand(weight, recipe, gemm), recipe, backend)
 
 
 # -- the op -------------------------------------------------------------------------------------
@@ -156,8 +208,7 @@ class _FinerLinear(torch.autograd.Function):
     @staticmethod
     def forward(x, weight, bias, recipe, backend):
         # (called by fp8fn.linear with autocast off, as the per-tensor op)
-        output = _GEMMS[type(recipe)][0]
-        out = _gemm(output, x, weight, recipe, backend, (x.shape[0], weight.shape[0]), x.dtype)
+        out = weight_gemm(0, x, weight, recipe, backend, (x.shape[0], weight.shape[0]), x.dtype)
         if bias is not None:
             out = out + bias.to(out.dtype)
         return out
@@ -172,14 +223,14 @@ class _FinerLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
-        _, grad_input, grad_weight = _GEMMS[type(ctx.recipe)]
+        grad_weight = _GEMMS[type(ctx.recipe)][2]
         x_dtype, w_dtype, b_dtype = ctx.dtypes
         needs = ctx.needs_input_grad
         grad_x = grad_w = grad_b = None
         with no_autocast(grad_out):
             g = grad_out.contiguous()
             if needs[0]:
-                grad_x = _gemm(grad_input, g, weight, ctx.recipe, ctx.backend, x.shape, g.dtype)
+                grad_x = weight_gemm(1, g, weight, ctx.recipe, ctx.backend, x.shape, g.dtype)
                 grad_x = grad_x.to(x_dtype)
             if needs[1]:
                 grad_w = _gemm(grad_weight, g, x, ctx.recipe, ctx.backend, weight.shape, g.dtype)

@@ -45,7 +45,7 @@ from .._core import keys
 from .._core.checks import no_autocast
 from .._core.recipes import BlockwiseScaling, MXScaling, NVFP4Scaling, RowwiseScaling
 from .._numerics.nvfp4 import dequantize_nvfp4
-from .block_scaled import _GEMMS, _gemm
+from .block_scaled import _GEMMS, _gemm, weight_gemm
 from .first_order import first_order_only
 from .grouped_gemm import bounds, custom_op_when_compiling
 from .nvfp4 import (
@@ -101,11 +101,11 @@ def _rows(
     gradient `(T, N)`) GEMM of each group's rows of `a` with `weight[e]` (`(E, N, K)`), as
     the dense op's: `(T, N)` or `(T, K)` in `a`'s dtype, rows past `offs[-1]` 0."""
     recipe = _recipe(kind, block_size, hp_grad_weight, scale_rounding, fast_accum)
-    fn, cols = _GEMMS[type(recipe)][gemm], weight.shape[2 if gemm else 1]
+    cols = weight.shape[2 if gemm else 1]
     out = a.new_zeros(a.shape[0], cols)
     for e, (s, t) in enumerate(bounds(offs)):
         if t > s:
-            out[s:t] = _gemm(fn, a[s:t], weight[e], recipe, backend, (t - s, cols), a.dtype)
+            out[s:t] = weight_gemm(gemm, a[s:t], weight[e], recipe, backend, (t - s, cols), a.dtype)
     return out
 
 

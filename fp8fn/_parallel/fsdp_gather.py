@@ -1,5 +1,6 @@
 """Float8 weight all-gather under FSDP2: `float8_all_gather`, the opt-in that makes FSDP2 gather
-the chosen weights as e4m3 bytes cast with fp8fn's scales.
+the chosen weights as e4m3 bytes cast with fp8fn's scales. (This module: the per-tensor recipes
+and the hooks; the finer recipes' planes: `fsdp_finer.py`.)
 
 FSDP2 (`fully_shard`) lets a parameter's local tensor choose what is all-gathered
 (`fsdp_pre_all_gather`) and what the gathered bytes become (`fsdp_post_all_gather`). fp8fn's
@@ -62,6 +63,7 @@ from .._torch_private import (
     tree_map_only,
 )
 from .dtensor import _AllGather
+from .fsdp_finer import FinerGatheredWeight, FinerScales, post_all_gather, pre_all_gather
 
 # The running `apply`'s `ScalesForCall` (None outside apply: FSDP2's backward re-gather).
 SCALES: contextvars.ContextVar = contextvars.ContextVar("fp8fn_gather_scales", default=None)
@@ -174,6 +176,8 @@ class Float8ShardWeight(torch.Tensor):
                 f"{self._path!r} was all-gathered outside fp8fn's apply before any apply: its "
                 "scale is not known. Run the model through `fn.apply(params, state, ...)`."
             )
+        if isinstance(scale, FinerScales):  # a finer recipe: one plane per phase
+            return pre_all_gather(self, scale, mesh, backward=scales is None)
         shard = self._tensor
         rows = ceil_div(outer_size[0], world)  # the padded shard's rows
         source = (self, mesh, outer_size[0])  # to gather again with another scale
@@ -196,6 +200,14 @@ class Float8ShardWeight(torch.Tensor):
 
     def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
         """The gathered weight: a new `Float8GatheredWeight`, or `out` refreshed in place."""
+        if isinstance(metadata[0], FinerScales):
+            return post_all_gather(outputs, metadata, param_dtype, out)
+        if isinstance(out, FinerGatheredWeight):
+            raise _api_error(
+                f"{self._path!r} was all-gathered for a finer recipe first and now for a "
+                "per-tensor one: a float8-gathered weight keeps the kind of recipe of its first "
+                "fn.apply or fn.init."
+            )
         scale, own_amax, source = metadata
         data = outputs[0].view(E4M3)
         whole_amax = own_amax
@@ -385,16 +397,21 @@ class ScalesForCall:
     pre-all-gather hook.
 
     Args:
-      scales: `{(module, attr): float32 scale}` (`()`, or `(E,)` for an experts weight); None
-        while `fn.init` discovers the sites (any scale does then: the results are not used,
-        and nothing is cached for a backward).
+      scales: `{(module, attr): float32 scale}` (`()`, or `(E,)` for an experts weight; a
+        `FinerScales` under a finer recipe); None while `fn.init` discovers the sites (any
+        scale does then: the results are not used, and nothing is cached for a backward).
+      discovering: the finer weights' `FinerScales` while `fn.init` discovers the sites (so
+        that FSDP2's first all-gather makes the unsharded weight of their kind).
     """
 
-    def __init__(self, scales: dict | None):
+    def __init__(self, scales: dict | None, discovering: dict | None = None):
         self.scales, self.discovering = scales, scales is None
+        self.finer = discovering or {}
 
     def scale_for(self, key, path: str, shape, device) -> torch.Tensor:
         if self.discovering:
+            if key in self.finer:
+                return self.finer[key]
             return torch.ones(shape[:1] if len(shape) >= 3 else (), device=device)
         scale = self.scales.get(key)
         if scale is None:
@@ -410,7 +427,8 @@ class ScalesForCall:
 
 def is_float8_gathered(weight) -> bool:
     """Whether `weight` is a `float8_all_gather` weight: sharded, or gathered by FSDP2."""
-    return shard_of(weight) is not None or isinstance(weight, Float8GatheredWeight)
+    gathered = (Float8GatheredWeight, FinerGatheredWeight)
+    return shard_of(weight) is not None or isinstance(weight, gathered)
 
 
 def shard_of(weight) -> Float8ShardWeight | None:
@@ -555,6 +573,13 @@ def float8_all_gather(model: nn.Module, filter_fn=None) -> nn.Module:
     scale of the first of them that FSDP2 names); a weight tied to any other module (an
     embedding) or to a layer `filter_fn` leaves out is refused: leave its layers out.
 
+    Under a finer recipe (`RowwiseScaling`, `BlockwiseScaling`, `MXScaling`) a linear weight is
+    gathered one float8 plane per phase: in the forward the plane the output GEMM reads, in
+    FSDP2's backward re-gather the plane the grad_input GEMM reads (blockwise: the same one),
+    each rank casting its shard with the whole weight's scales, which one all-gather per step
+    of the ranks' group statistics makes (`fp8fn/_parallel/fsdp_finer.py`); the gathered bytes
+    and scales are those of casting the whole weight, bit for bit.
+
     Weights are sharded along dim 0. One whose rows do not split evenly over the ranks is gathered
     padded, and its observation is the shard's amax (an experts weight's: 0 for the experts of
     other ranks) until `fp8fn.all_reduce` (the usual loop) takes the max over the ranks.
@@ -568,7 +593,8 @@ def float8_all_gather(model: nn.Module, filter_fn=None) -> nn.Module:
         layer's name) and the experts weights (asked with the weight's name,
         `model.layers.0.mlp.experts.gate_up_proj`, and the module holding it), as
         `fp8fn.transform` asks it (default: all). Every chosen one must run in float8 with
-        `DelayedScaling` or `CurrentScaling` under the transform (`fp8fn.transform` checks).
+        `DelayedScaling` or `CurrentScaling` under the transform, or, a linear weight, with
+        `RowwiseScaling`, `BlockwiseScaling` or `MXScaling` (`fp8fn.transform` checks).
 
     Returns:
       `model` itself, changed in place.

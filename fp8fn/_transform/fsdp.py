@@ -8,9 +8,16 @@ import dataclasses
 
 from torch import nn
 
-from .._core.recipes import CurrentScaling, DelayedScaling
+from .._core.recipes import (
+    BlockwiseScaling,
+    CurrentScaling,
+    DelayedScaling,
+    MXScaling,
+    RowwiseScaling,
+)
 from .._core.state import site_name
 from .._parallel.dtensor import sharded_operands
+from .._parallel.fsdp_finer import FinerGatheredWeight, finer_scales
 from .._parallel.fsdp_gather import (
     SCALES,
     Float8GatheredWeight,
@@ -100,15 +107,19 @@ class Fsdp2:
                 )
         for g in gathered:
             kind = "layer" if g.held().dim() < 3 else "experts weight"
-            if not isinstance(g.recipe, (DelayedScaling, CurrentScaling)):
+            allowed = (DelayedScaling, CurrentScaling) + (_FINER if kind == "layer" else ())
+            if not isinstance(g.recipe, allowed):
+                names = "DelayedScaling, CurrentScaling, " + ", ".join(f.__name__ for f in _FINER)
+                names = names if kind == "layer" else "DelayedScaling or CurrentScaling"
                 raise ValueError(
                     f"fp8fn.transform: expected {kind} {g.path!r}, whose weight is all-gathered "
-                    "in float8 (fp8fn.float8_all_gather), to use DelayedScaling or "
-                    f"CurrentScaling, got {type(g.recipe).__name__}. Leave it out of "
-                    "float8_all_gather."
+                    f"in float8 (fp8fn.float8_all_gather), to use {names}, got "
+                    f"{type(g.recipe).__name__} (not gathered in float8: {_NOT_GATHERED}). "
+                    "Leave it out of float8_all_gather."
                 )
             weight = g.held()
-            if not (sharded_operands(weight) or isinstance(weight, Float8GatheredWeight)):
+            gathered_now = isinstance(weight, (Float8GatheredWeight, FinerGatheredWeight))
+            if not (sharded_operands(weight) or gathered_now):
                 raise ValueError(
                     f"fp8fn.transform: expected the float8_all_gather weight of {kind} "
                     f"{g.path!r} to be sharded by FSDP2, got an unsharded weight. Call "
@@ -133,15 +144,20 @@ class Fsdp2:
         discovering); nothing without such all-gathers."""
         if not self.gathered:
             return contextlib.nullcontext()
-        scales = ScalesForCall(None) if state is None else self._weight_scales(state)
-        return _scales_for_call(scales)
+        if state is None:
+            _reshard_gathered(self.module, self.gathered)
+            finer = finer_scales(self._finer_entries(), discovering=True)
+            return _scales_for_call(ScalesForCall(None, discovering=finer))
+        return _scales_for_call(self._weight_scales(state))
+
+    def _finer_entries(self) -> list:
+        """`(module, attr, recipe)` of the float8-gathered weights under finer recipes."""
+        return [(g.module, g.attr, g.recipe) for g in self.gathered if isinstance(g.recipe, _FINER)]
 
     def _weight_scales(self, state) -> ScalesForCall:
-        """The weight scales of this call's float8 all-gathers (`_parallel/fsdp_gather.py`)."""
-        if any(not sharded_operands(g.held()) for g in self.gathered):
-            # A weight still gathered from an earlier forward without backward (FSDP2 keeps the
-            # root unsharded) holds that call's scale: reshard, so it is gathered again.
-            reshard_fsdp(self.module)
+        """The weight scales of this call's float8 all-gathers (`_parallel/fsdp_gather.py`,
+        `_parallel/fsdp_finer.py`)."""
+        _reshard_gathered(self.module, self.gathered)
         positions = state._positions()
 
         def row(g):  # the state row of its (first expert's) first site
@@ -153,9 +169,20 @@ class Fsdp2:
             return expert_rows("apply", positions, g.path, len(held), 0)
 
         entries = [
-            (g.module, g.attr, row(g), getattr(g.recipe, "margin", 0)) for g in self.gathered
+            (g.module, g.attr, row(g), getattr(g.recipe, "margin", 0))
+            for g in self.gathered
+            if not isinstance(g.recipe, _FINER)
         ]
-        return ScalesForCall(weight_scales(entries, state))
+        scales = weight_scales(entries, state) if entries else {}
+        finer = self._finer_entries()
+        return ScalesForCall({**scales, **(finer_scales(finer) if finer else {})})
+
+
+_FINER = (RowwiseScaling, BlockwiseScaling, MXScaling)  # gathered one plane per phase
+_NOT_GATHERED = (
+    "NVFP4Scaling, whose FP4 weight planes FSDP2 gathers in high precision; the finer recipes "
+    "for experts weights"
+)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -171,6 +198,13 @@ class _Gathered:
     def held(self):
         """The weight the module holds now (FSDP2 swaps its shard and the unsharded weight)."""
         return module_parameters(self.module).get(self.attr)
+
+
+def _reshard_gathered(module, gathered):
+    """A weight still gathered from an earlier forward without backward (FSDP2 keeps the root
+    unsharded) holds that call's scales: reshard `module`, so it is gathered again."""
+    if any(not sharded_operands(g.held()) for g in gathered):
+        reshard_fsdp(module)
 
 
 @contextlib.contextmanager
