@@ -23,6 +23,7 @@ WORLD = 2
 SHAPES = {"w": (37, 53), "e": (130, 70), "b": (53,)}  # rows of 53 and 70: cuts inside blocks
 STEPS = 3
 MEASURED: dict = {}
+WORKDIR = ""  # the spawn's directory (checkpoints), set by `main`
 
 
 def _params(dtype=torch.float32):
@@ -134,6 +135,78 @@ def non_finite_on_one_rank_skips_on_all(rank):
     assert int(plain[1].skipped) == 1 and int(plain[1].count) == STEPS - 1
 
 
+def _dcp_model(seed: int):
+    """Two linear layers (53 -> 130 -> 7) of `seed`'s weights, sharded by FSDP2 over the
+    ranks, with `fp8fn.optim.AdamW` (float8 moments)."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(53, 130), torch.nn.Linear(130, 7))
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    opt = fp8fn.optim.AdamW(model.parameters(), lr=1e-2, moments="fp8", min_size=64)
+    return model, opt
+
+
+def _dcp_step(model, opt, step: int) -> None:
+    """One optimizer step on fixed gradients (the same global tensors on every world size, so
+    that the optimizer alone decides the bits)."""
+    gen = torch.Generator().manual_seed(1000 + step)
+    for p in model.parameters():
+        full = torch.randn(p.shape, generator=gen)
+        p.grad = distribute_tensor(full, p.device_mesh, p.placements)
+    opt.step()
+    opt.zero_grad()
+
+
+def _dcp_dicts(model, opt) -> dict:
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+
+
+def dcp_save(rank):
+    """2 steps under FSDP2, `torch.distributed.checkpoint.save`, then the uninterrupted 3rd
+    step's full params kept for `dcp_resume` (in other processes, on another world size)."""
+    import os
+
+    import torch.distributed.checkpoint as dcp
+
+    model, opt = _dcp_model(seed=1)
+    for step in range(2):
+        _dcp_step(model, opt, step)
+    assert opt.state[next(model.parameters())]["exp_avg"].to_local().dtype == torch.float8_e4m3fn
+    dcp.save(_dcp_dicts(model, opt), checkpoint_id=os.path.join(WORKDIR, "ckpt"))
+    _dcp_step(model, opt, 2)
+    truth = {k: p.full_tensor() for k, p in model.named_parameters()}
+    if rank == 0:
+        torch.save(truth, os.path.join(WORKDIR, "truth.pt"))
+
+
+def dcp_resume(rank):
+    """On another world size: a model of other weights loads the checkpoint and takes the 3rd
+    step; its params equal the uninterrupted run's bit for bit."""
+    import os
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    model, opt = _dcp_model(seed=7)
+    loaded = _dcp_dicts(model, opt)
+    dcp.load(loaded, checkpoint_id=os.path.join(WORKDIR, "ckpt"))
+    set_state_dict(model, opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+    state = opt.state[next(model.parameters())]
+    assert state["exp_avg"].to_local().dtype == torch.float8_e4m3fn and int(state["step"]) == 2
+    _dcp_step(model, opt, 2)
+    truth = torch.load(os.path.join(WORKDIR, "truth.pt"))
+    for name, p in model.named_parameters():
+        assert torch.equal(bits(p.full_tensor()), bits(truth[name])), name
+
+
 SCENARIOS = [
     shard0_1d,
     meshes_2d,
@@ -145,5 +218,7 @@ SCENARIOS = [
 
 
 def main(rank: int, world_size: int, port: int, out_dir: str, names: list) -> None:
-    chosen = [s for s in SCENARIOS if s.__name__ in names]
+    global WORKDIR
+    WORKDIR = out_dir
+    chosen = [s for s in [*SCENARIOS, dcp_save, dcp_resume] if s.__name__ in names]
     run_scenarios(rank, world_size, port, out_dir, chosen, MEASURED, group_timeout_s=60)

@@ -354,3 +354,64 @@ def test_bad_input_raises_fp8fn_optim_errors():
     other = opt.init({**params, "b": torch.zeros(7)})
     with pytest.raises(ValueError, match=r"`state.mu` at \['b'\] to be block-scaled float8 of"):
         opt.update(grads, other, params)
+
+
+# ----------------------------------------------------------------------------- torch.optim
+
+
+def _module_run(opt_cls_kwargs, steps, model=None, opt=None):
+    torch.manual_seed(0)
+    model = model or torch.nn.Sequential(torch.nn.Linear(70, 90), torch.nn.Linear(90, 3))
+    opt = opt or fp8fn.optim.AdamW(model.parameters(), **opt_cls_kwargs)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        model(torch.randn(8, 70, generator=gen)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(moments="fp8", min_size=64),
+        dict(moments="bf16"),
+        dict(moments="fp32", weight_decay=0.0),
+    ],
+)
+def test_torch_optim_adapter_is_the_pure_update(kwargs):
+    model, opt = _module_run(dict(lr=1e-2, **kwargs), 3)
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(70, 90), torch.nn.Linear(90, 3))
+    params = {k: p.detach().clone() for k, p in ref.named_parameters()}
+    pure = fp8fn.optim.adamw(1e-2, **kwargs)
+    state = pure.init(params)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x = torch.randn(8, 70, generator=gen)
+        grads = torch.func.grad(lambda p: torch.func.functional_call(ref, p, (x,)).square().sum())(
+            params
+        )
+        params, state = pure.update(grads, state, params)
+    for k, p in model.named_parameters():
+        assert torch.equal(bits(p.detach()), bits(params[k])), k
+
+
+def test_torch_optim_state_dict_round_trips_bit_for_bit():
+    kwargs = dict(lr=1e-2, moments="fp8", min_size=64)
+    model, opt = _module_run(kwargs, 2)
+    saved = saved_and_loaded(opt.state_dict())
+    assert saved["state"][0]["exp_avg"].dtype == E4M3
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    _module_run(kwargs, 1, model, opt)  # the uninterrupted third step (on the first batch)
+    truth = {k: v.clone() for k, v in model.state_dict().items()}
+    model.load_state_dict(weights)
+    fresh = fp8fn.optim.AdamW(model.parameters(), **kwargs)
+    fresh.load_state_dict(saved)
+    for i, p in enumerate(model.parameters()):
+        assert fresh.state[p].keys() == saved["state"][i].keys()
+        for key, value in fresh.state[p].items():
+            assert torch.equal(bits(value), bits(saved["state"][i][key])), key
+    _module_run(kwargs, 1, model, fresh)
+    for k, v in model.state_dict().items():
+        assert torch.equal(bits(v), bits(truth[k])), k

@@ -4,8 +4,10 @@ whose bits do not depend on how the parameters are sharded (docs/optim.md)."""
 from ._adamw import PureOptimizer, adamw
 from ._clip import clip_by_global_norm
 from ._state import AdamWState, MomentConfig, QuantizedMoment
+from ._torch_optim import AdamW
 
 __all__ = [
+    "AdamW",
     "AdamWState",
     "MomentConfig",
     "PureOptimizer",
