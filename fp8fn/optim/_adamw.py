@@ -225,9 +225,16 @@ def adamw(
 
 
 def _select(ok: torch.Tensor, new, old):
-    """`new` where `ok`, else `old` (tensors or `QuantizedMoment`s, DTensors by their shards)."""
+    """`new` where `ok`, else `old` (tensors or `QuantizedMoment`s, DTensors by their shards;
+    float8 bytes selected as uint8, which inductor can select)."""
     if isinstance(new, QM):
-        return QM(_select(ok, new.data, old.data), torch.where(ok, new.scale, old.scale))
+        data = torch.where(
+            ok, local_of(new.data).view(torch.uint8), local_of(old.data).view(torch.uint8)
+        )
+        return QM(
+            shard_like(data.view(local_of(old.data).dtype), old.data),
+            torch.where(ok, new.scale, old.scale),
+        )
     return shard_like(torch.where(ok, local_of(new), local_of(old)), old)
 
 
