@@ -91,7 +91,7 @@ def _round_bf16_stochastic(x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     return (raw & ~0xFFFF).to(torch.int32).view(torch.float32).to(torch.bfloat16)
 
 
-def _all_finite(g_leaves: list) -> torch.Tensor:
+def all_finite(g_leaves: list) -> torch.Tensor:
     """bool `()`: every gradient element finite, over every rank when a gradient is a DTensor
     (one all-reduce over the default group, which every rank of an SPMD step is in)."""
     bad = torch.stack([(~torch.isfinite(local_of(g))).any() for g in g_leaves]).any()
@@ -180,7 +180,7 @@ def adamw(
         quantized = quantized_of(leaves)
         mu, nu = check_state("update", state, config, spec, leaves, names, quantized)
 
-        ok = _all_finite(g_leaves)
+        ok = all_finite(g_leaves)
         count = state.count + 1
         c1 = (1.0 - b1 ** count.double()).float()
         c2 = (1.0 - b2 ** count.double()).float()

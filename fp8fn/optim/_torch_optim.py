@@ -7,12 +7,12 @@ import itertools
 
 import torch
 
-from .._core.keys import initial_key
-from ._adamw import adamw
+from .._core.keys import fold_key, initial_key
+from ._adamw import adamw, all_finite
 from ._state import AdamWState, MomentConfig, QuantizedMoment
 
 # self.state[p]: the moments (float8 bytes and their block scales, or tensors), the step count,
-# the skipped count and, with master="bf16-sr", the group's random key.
+# the skipped count and, with master="bf16-sr", the parameter's random key.
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
@@ -26,12 +26,14 @@ class AdamW(torch.optim.Optimizer):
       moments, block, min_size, master: as in `fp8fn.optim.adamw`.
       seed: the initial random key of `master="bf16-sr"`.
 
-    Each step updates, per group, the parameters that have a gradient, with one call of the
-    pure update; a non-finite gradient in a group skips that group's step (its params and
-    moments unchanged). `self.state[p]` holds `exp_avg` and `exp_avg_sq` (float8 bytes, with
-    `exp_avg_scale` and `exp_avg_sq_scale`, for the block-scaled ones; DTensors for DTensor
-    params), `step`, `skipped` and, for "bf16-sr", `key`. `state_dict()` / `load_state_dict()`
-    round-trip them bit for bit (torch's loader would cast them to the parameter's dtype), and
+    Each step updates the parameters that have a gradient, each with the pure update (its own
+    step count; with "bf16-sr" its own key, the seed's folded with its position); a non-finite
+    gradient in a group skips that group's step (its params and moments unchanged).
+
+    `self.state[p]` holds `exp_avg` and `exp_avg_sq` (float8 bytes, with `exp_avg_scale` and
+    `exp_avg_sq_scale`, for the block-scaled ones; DTensors for DTensor params), `step`,
+    `skipped` and, for "bf16-sr", `key`. `state_dict()` / `load_state_dict()` round-trip them
+    bit for bit (torch's loader would cast them to the parameter's dtype), and
     torch.distributed.checkpoint saves and reshards them: the block scales are of the global
     blocks, the same on every world size.
 
@@ -71,59 +73,68 @@ class AdamW(torch.optim.Optimizer):
             group["lr"], group["betas"], group["eps"], group["weight_decay"], **self._statics
         )
 
-    def _state_of(self, opt, params: list) -> AdamWState:
-        """The pure state of `params` (one count): a new one, or read from `self.state`."""
-        if not self.state[params[0]]:
-            return opt.init(params, seed=self._seed)
+    def _state_of(self, opt, p, index: int) -> AdamWState:
+        """The pure state of the parameter `p` (the optimizer's `index`-th): read from
+        `self.state`, or a new one whose key (with "bf16-sr") is folded with `index`."""
+        s = self.state[p]
+        if not s:
+            state = opt.init([p], seed=self._seed)
+            key = None if state.key is None else fold_key(state.key, index)
+            return state._replace(key=key)
 
-        def moment(s: dict, name: str):
+        def moment(name: str):
             return QuantizedMoment(s[name], s[name + "_scale"]) if name + "_scale" in s else s[name]
 
-        first = self.state[params[0]]
+        config = MomentConfig(**self._statics)
         return AdamWState(
-            first["step"],
-            first["skipped"],
-            [moment(self.state[p], "exp_avg") for p in params],
-            [moment(self.state[p], "exp_avg_sq") for p in params],
-            MomentConfig(**self._statics),
-            first.get("key"),
+            s["step"],
+            s["skipped"],
+            [moment("exp_avg")],
+            [moment("exp_avg_sq")],
+            config,
+            s.get("key"),
         )
 
     @torch.no_grad()
     def step(self, closure=None):
-        """One update of every parameter that has a gradient; returns `closure()`'s loss."""
+        """One update of every parameter that has a gradient; returns `closure()`'s loss.
+
+        A group with a non-finite gradient is skipped (its counts `skipped` add one); else its
+        parameters are updated one at a time, in place, so that a step holds the transients of
+        one parameter (the pure update of a whole tree holds the old and the new of each)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        index = 0
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
-            by_count = itertools.groupby(
-                sorted(params, key=lambda p: self._count(p)), key=self._count
-            )
+            if params and not bool(all_finite([p.grad for p in params])):  # a host read
+                for p in params:
+                    if self.state[p]:
+                        self.state[p]["skipped"] = self.state[p]["skipped"] + 1
+                index += len(group["params"])
+                continue
             opt = self._pure(group)
-            for _, same in by_count:
-                same = list(same)
-                state = self._state_of(opt, same)
-                new, state = opt.update([p.grad for p in same], state, [p.detach() for p in same])
-                for p, value, m, v in zip(same, new, state.mu, state.nu):
-                    p.copy_(value)
-                    s = self.state[p]
-                    s.update(step=state.count, skipped=state.skipped)
-                    if state.key is not None:
-                        s["key"] = state.key
-                    for name, moment in zip(_MOMENTS, (m, v)):
-                        if isinstance(moment, QuantizedMoment):
-                            s[name], s[name + "_scale"] = moment
-                        else:
-                            s[name] = moment
+            for p in group["params"]:
+                if p.grad is not None:
+                    self._update(opt, p, index)
+                index += 1
         return loss
 
-    def _count(self, p) -> tuple[int, int]:
-        """Whether `p` has a state, and the steps it has taken: params that missed steps are
-        updated apart (a host read of the count)."""
+    def _update(self, opt, p, index: int) -> None:
+        state = self._state_of(opt, p, index)
+        (value,), state = opt.update([p.grad], state, [p.detach()])
+        p.copy_(value)
         s = self.state[p]
-        return (1, int(s["step"])) if s else (0, 0)
+        s.update(step=state.count, skipped=state.skipped)
+        if state.key is not None:
+            s["key"] = state.key
+        for name, (moment,) in zip(_MOMENTS, (state.mu, state.nu)):
+            if isinstance(moment, QuantizedMoment):
+                s[name], s[name + "_scale"] = moment
+            else:
+                s[name] = moment
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's loader, then every state tensor put back with its own dtype (float8 bytes,
