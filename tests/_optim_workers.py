@@ -207,6 +207,20 @@ def dcp_resume(rank):
         assert torch.equal(bits(p.full_tensor()), bits(truth[name])), name
 
 
+def dtensor_state_on_plain_params_is_refused(rank):
+    """A state made for DTensor params, given plain params: an fp8fn.optim error, nothing run."""
+    import pytest
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    opt = fp8fn.optim.adamw(1e-2, moments="fp8", min_size=64)
+    sharded = {k: distribute_tensor(p, mesh, [Shard(0)]) for k, p in _params().items()}
+    state = opt.init(sharded)
+    with pytest.raises(
+        TypeError, match=r"fp8fn\.optim\.update: expected `state.mu` at \['w'\] to be"
+    ):
+        opt.update(_grads(0), state, _params())
+
+
 SCENARIOS = [
     shard0_1d,
     meshes_2d,
@@ -214,6 +228,7 @@ SCENARIOS = [
     bf16_sr_master,
     fp32_and_bf16_moments,
     non_finite_on_one_rank_skips_on_all,
+    dtensor_state_on_plain_params_is_refused,
 ]
 
 

@@ -261,7 +261,7 @@ def test_non_finite_gradient_skips_the_step_and_never_reaches_the_moments():
     params, grads = _params(), _grads(2)
     opt = fp8fn.optim.adamw(1e-2, moments="fp8", min_size=64)
     p1, s1 = opt.update(grads[0], opt.init(params), params)
-    for bad in (float("nan"), float("inf")):
+    for bad in (float("nan"), float("inf"), 1e25):  # 1e25: (1 - b2) * g * g overflows
         g = {k: v.clone() for k, v in grads[1].items()}
         g["b"][3] = bad
         p2, s2 = opt.update(g, s1, p1)

@@ -91,15 +91,23 @@ def _round_bf16_stochastic(x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     return (raw & ~0xFFFF).to(torch.int32).view(torch.float32).to(torch.bfloat16)
 
 
-def all_finite(g_leaves: list) -> torch.Tensor:
-    """bool `()`: every gradient element finite, over every rank when a gradient is a DTensor
-    (one all-reduce over the default group, which every rank of an SPMD step is in)."""
-    bad = torch.stack([(~torch.isfinite(local_of(g))).any() for g in g_leaves]).any()
+def all_finite(g_leaves: list, b2: float) -> torch.Tensor:
+    """bool `()`: every gradient element finite, its `(1 - b2) * g * g` too (the second
+    moment's new term: a gradient beyond about 1.8e19 / sqrt(1 - b2) would make it inf), over
+    every rank when a gradient is a DTensor (one all-reduce over the default group, which every
+    rank of an SPMD step is in)."""
+    bad = torch.stack(
+        [(~torch.isfinite((1 - b2) * g * g)).any() for g in map(_float_local, g_leaves)]
+    ).any()
     if any(dtensor_local_or_none(g) is not None for g in g_leaves):
         flag = bad.to(torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         bad = flag > 0
     return ~bad
+
+
+def _float_local(g: torch.Tensor) -> torch.Tensor:
+    return local_of(g).float()
 
 
 def adamw(
@@ -134,8 +142,9 @@ def adamw(
 
     Returns:
       A `PureOptimizer`: `state = init(params, seed=0)`, `params, state = update(grads,
-      state, params)`. A step with a non-finite gradient anywhere is skipped: params and
-      moments come back unchanged, `state.count` stays, `state.skipped` adds one.
+      state, params)`. A step with a non-finite gradient anywhere (or one whose square
+      overflows float32) is skipped: params and moments come back unchanged, `state.count`
+      stays, `state.skipped` adds one.
 
     Example:
       >>> import torch, fp8fn
@@ -180,7 +189,7 @@ def adamw(
         quantized = quantized_of(leaves)
         mu, nu = check_state("update", state, config, spec, leaves, names, quantized)
 
-        ok = all_finite(g_leaves)
+        ok = all_finite(g_leaves, b2)
         count = state.count + 1
         c1 = (1.0 - b1 ** count.double()).float()
         c2 = (1.0 - b2 ** count.double()).float()

@@ -109,7 +109,7 @@ class AdamW(torch.optim.Optimizer):
         index = 0
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
-            if params and not bool(all_finite([p.grad for p in params])):  # a host read
+            if params and not bool(all_finite([p.grad for p in params], group["betas"][1])):
                 for p in params:
                     if self.state[p]:
                         self.state[p]["skipped"] = self.state[p]["skipped"] + 1
