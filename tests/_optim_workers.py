@@ -221,6 +221,20 @@ def dtensor_state_on_plain_params_is_refused(rank):
         opt.update(_grads(0), state, _params())
 
 
+def clip_by_global_norm_of_dtensors(rank):
+    """The global norm of sharded gradients is the whole tensors' (the shards' partial norms
+    reduced), so every rank scales by the plain factor (to float32 rounding: another order of
+    summation)."""
+    mesh = init_device_mesh("cpu", (1, WORLD))
+    grads = _grads(0)
+    plain, plain_norm = fp8fn.optim.clip_by_global_norm(grads, 0.05)
+    sharded = {k: _placed(mesh, [Shard(0), Shard(1)])(k, g) for k, g in grads.items()}
+    clipped, norm = fp8fn.optim.clip_by_global_norm(sharded, 0.05)
+    torch.testing.assert_close(norm, plain_norm, rtol=1e-6, atol=0)
+    for k, g in clipped.items():
+        torch.testing.assert_close(g.to_local(), _local_slice(plain[k], g), rtol=1e-6, atol=0)
+
+
 SCENARIOS = [
     shard0_1d,
     meshes_2d,
@@ -229,6 +243,7 @@ SCENARIOS = [
     fp32_and_bf16_moments,
     non_finite_on_one_rank_skips_on_all,
     dtensor_state_on_plain_params_is_refused,
+    clip_by_global_norm_of_dtensors,
 ]
 
 
