@@ -1,8 +1,9 @@
 """fp8fn.optim against torch's and torchao's AdamW: state bytes, peak memory, kernel bytes,
 time.
 
-Standalone: `python benchmarks/optim.py [--part bytes|memory|kernels|time|all] [--quick]`. The
-package never imports it. One thread (`torch.set_num_threads(1)`).
+Standalone: `python benchmarks/optim.py [--part bytes|memory|kernels|time|demo|all]
+[--quick]` (`--quick`: the bytes table only). The package never imports it. One thread
+(`torch.set_num_threads(1)`).
 
 * `bytes`: the optimizer state per parameter, exact (the sum of the state tensors' bytes over
   the parameter count): the demo's GPT (`fp8fn.demo.GPT`, default size; its LayerNorms and
@@ -21,6 +22,12 @@ package never imports it. One thread (`torch.set_num_threads(1)`).
   the weight.
 * `time`: one update of the 16 weights, the median of interleaved rounds, as a ratio to
   `torch.optim.AdamW(foreach=True)` timed in the same rounds.
+* `demo`: the demo's final validation loss (`python -m fp8fn.demo`'s float32 model, its data
+  and schedule; 400 steps, seeds 0, 1, 2) trained with each `--optim`, each run in its own
+  process, all at once: per seed, mean ± standard deviation, and the gap to `adamw` (float32
+  moments) paired by seed. Only the float32 model runs (the demo's fp8 run would double the
+  cost and add its own gap): the optimizer is the only difference. About 12 CPU-minutes per
+  run.
 """
 
 from __future__ import annotations
@@ -190,7 +197,7 @@ def kernels_table() -> None:
 # ----------------------------------------------------------------------------- time
 
 
-def time_table(quick: bool) -> None:
+def time_table() -> None:
     gen = torch.Generator().manual_seed(0)
     params = [torch.randn(SIDE, SIDE, generator=gen) for _ in range(N_WEIGHTS)]
     grads = [torch.randn(SIDE, SIDE, generator=gen) * 1e-3 for _ in range(N_WEIGHTS)]
@@ -212,27 +219,101 @@ def time_table(quick: bool) -> None:
 
         fns[f"{name} eager"] = eager
         fns[f"{name} compiled"] = fused
-    times = median_times(fns, 3 if quick else 15, warmup=2)
+    times = median_times(fns, 15, warmup=2)
     base = times["torch AdamW foreach"]
     rows = [(k, f"{1000 * t:.1f}", ratio(t, base)) for k, t in times.items()]
     print(f"one update of {N_WEIGHTS} x ({SIDE}, {SIDE}) float32 weights, 1 thread")
     print_table(("optimizer", "ms", "vs torch foreach"), rows)
 
 
+# ----------------------------------------------------------------------------- demo
+
+
+def _demo_child(optim: str, seed: int, steps: int) -> None:
+    """Runs in a fresh process: the demo's float32 run (no fp8 layers: the optimizer alone
+    differs) with `--optim optim --seed seed`; prints its final train and val losses."""
+    import json
+    import warnings
+
+    from fp8fn import demo
+
+    cfg = demo.parse_args(["--optim", optim, "--seed", str(seed), "--steps", str(steps), "--quiet"])
+    corpus = demo.Corpus.load()
+    torch.manual_seed(cfg.seed)
+    model = demo.GPT(len(corpus.chars), cfg.seq_len, cfg.d_model, cfg.layers, cfg.heads)
+    init = {k: v.detach().clone() for k, v in model.named_parameters()}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "fp8fn.transform: no layer was converted")
+        fn = fp8fn.transform(
+            model,
+            demo.RECIPES[cfg.recipe](),
+            filter_fn=lambda name, m: False,
+            checkpoint_fn=lambda name, m: isinstance(m, demo.Block),
+        )
+    x0, _ = next(demo.batches(corpus.train, 1, cfg.batch_size, cfg.seq_len, cfg.seed))
+    run = demo.Run("float32", fn, dict(init), x0, cfg)
+    out = demo.train([run], corpus, cfg, torch.device("cpu"))["float32"]
+    print(json.dumps({"train": out["train_loss"], "val": out["val_loss"]}))
+
+
+def demo_table(steps: int, seeds: int) -> None:
+    import json
+    import statistics
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    runs = {
+        (optim, seed): subprocess.Popen(
+            [sys.executable, __file__, "--demo-child", optim, str(seed), str(steps)],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )  # fmt: skip
+        for optim in ("adamw", "adamw-bf16", "adamw-fp8")
+        for seed in range(seeds)
+    }  # all at once, one thread each
+    val = {
+        k: json.loads(p.communicate()[0].strip().splitlines()[-1])["val"] for k, p in runs.items()
+    }
+    rows = []
+    for optim in ("adamw", "adamw-bf16", "adamw-fp8"):
+        losses = [val[optim, s] for s in range(seeds)]
+        gaps = [100 * (val[optim, s] - val["adamw", s]) / val["adamw", s] for s in range(seeds)]
+        spread = statistics.stdev(losses) if seeds > 1 else 0.0
+        gap_spread = statistics.stdev(gaps) if seeds > 1 else 0.0
+        rows.append(
+            (optim, " ".join(f"{v:.4f}" for v in losses),
+             f"{statistics.fmean(losses):.4f} ± {spread:.4f}",
+             f"{statistics.fmean(gaps):+.3f} ± {gap_spread:.3f}")
+        )  # fmt: skip
+    print(f"the demo's float32 model, {steps} steps, seeds 0..{seeds - 1}: val loss")
+    print_table(("optimizer", "per seed", "mean ± std", "gap vs adamw (%)"), rows)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(prog="python benchmarks/optim.py")
-    p.add_argument("--part", choices=("bytes", "memory", "kernels", "time", "all"), default="all")
-    p.add_argument("--quick", action="store_true", help="fewer timing rounds")
+    p.add_argument(
+        "--part", choices=("bytes", "memory", "kernels", "time", "demo", "all"), default="all"
+    )
+    p.add_argument("--steps", type=int, default=400, help="demo steps (default 400)")
+    p.add_argument("--seeds", type=int, default=3, help="demo seeds (default 3)")
+    p.add_argument("--demo-child", nargs=3, help=argparse.SUPPRESS)
+    p.add_argument("--quick", action="store_true", help="the bytes table only (seconds)")
     p.add_argument("--memory-child", help=argparse.SUPPRESS)
     args = p.parse_args()
     torch.set_num_threads(1)
+    if args.quick:
+        args.part = "bytes"
     if args.memory_child:
         return _memory_child(args.memory_child)
+    if args.demo_child:
+        optim, seed, steps = args.demo_child
+        return _demo_child(optim, int(seed), int(steps))
     for part, fn in (
         ("bytes", bytes_table),
         ("memory", memory_table),
         ("kernels", kernels_table),
-        ("time", lambda: time_table(args.quick)),
+        ("time", time_table),
+        ("demo", lambda: demo_table(args.steps, args.seeds)),
     ):
         if args.part in (part, "all"):
             fn()

@@ -1,6 +1,7 @@
 """The float8 moment formats of `fp8fn.optim`, measured on the demo's gradient stream.
 
-Standalone: `python benchmarks/optim_formats.py [--steps 200 --seed 0]`. The package never
+Standalone: `python benchmarks/optim_formats.py [--steps 200 --seed 0] [--quick]` (`--quick`:
+20 steps). The package never
 imports it. It trains the demo's GPT (`fp8fn.demo`, default size, float32, the demo's AdamW
 settings: betas (0.9, 0.95), lr 3e-3 with warmup and cosine, clip 1.0) with float32 moments,
 records the gradients of every parameter with >= 4096 elements, then replays that fixed stream
@@ -30,6 +31,7 @@ import argparse
 import math
 
 import torch
+from _common import print_table
 
 from fp8fn.optim._blocks import FORMATS, fp8_max
 
@@ -167,24 +169,27 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python benchmarks/optim_formats.py")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="20 steps")
     args = p.parse_args(argv)
+    if args.quick:
+        args.steps = 20
     torch.set_num_threads(1)
     stream = record_stream(args.steps, args.seed)
     n = sum(g.numel() for g in stream[0].values())
     print(f"{args.steps} steps of the demo's gradients, {len(stream[0])} tensors, {n:,} elements")
-    print("moment  candidate                     bytes   m dB    v dB  update dB  update mean dB")
     rows = [("m", c, replay(stream, m_fmt=c)) for c in CANDIDATES_M]
     rows += [("v", c, replay(stream, v_fmt=c)) for c in CANDIDATES_V]
     chosen = ("e4m3", "none", "exact", 128)
     rows += [("m+v", chosen, replay(stream, chosen, chosen))]
-    for which, c, r in rows:
-        name = " ".join(map(str, c)) if which != "m+v" else "chosen: both e4m3 exact 128"
-        size = bytes_per_param(c) if which != "m+v" else 2 + 8 / 128
-        print(
-            f"{which:6}  {name:28}  {size:5.3f}  {r['m']:6.1f}  {r['v']:6.1f}  {r['update']:9.1f}"
-            f"  {r['update mean']:14.1f}",
-            flush=True,
-        )
+    print_table(
+        ("moment", "format transform scale block", "bytes", "m dB", "v dB", "update dB",
+         "update mean dB"),
+        [
+            (which, " ".join(map(str, c)), f"{bytes_per_param(c) * (1 + (which == 'm+v')):.3f}",
+             *(f"{r[k]:.1f}" for k in ("m", "v", "update", "update mean")))
+            for which, c, r in rows
+        ],
+    )  # fmt: skip
 
 
 if __name__ == "__main__":
