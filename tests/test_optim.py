@@ -443,3 +443,17 @@ def test_first_step_moments_are_the_naive_quantizer_of_the_first_terms(
     assert torch.isfinite(params["w"]).all()
     for t in torch.utils._pytree.tree_leaves(state):
         assert torch.isfinite(t.float()).all()
+
+
+def test_bf16_sr_resumes_bit_identical_from_a_saved_state():
+    gen = torch.Generator().manual_seed(0)
+    params = {"w": torch.randn(64, 80, generator=gen).bfloat16()}
+    grads = [{"w": torch.randn(64, 80, generator=gen).bfloat16()} for _ in range(3)]
+    opt = fp8fn.optim.adamw(1e-2, moments="fp8", min_size=64, master="bf16-sr")
+    state = opt.init(params, seed=1)
+    for g in grads[:2]:
+        params, state = opt.update(g, state, params)
+    saved = saved_and_loaded((params, state))
+    truth = opt.update(grads[2], state, params)
+    assert_bit_identical(opt.update(grads[2], saved[1], saved[0]), truth)
+    assert float(saved[1].key) == float(opt.init(params, seed=1).key) + 2

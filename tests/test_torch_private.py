@@ -690,3 +690,8 @@ def test_is_convolution_is_every_torch_convolution_only():
     convs = (torch.nn.Conv1d(2, 2, 1), torch.nn.Conv2d(2, 2, 1), torch.nn.ConvTranspose3d(2, 2, 1))
     assert all(map(private.is_convolution, convs))
     assert not private.is_convolution(torch.nn.Linear(2, 2))
+
+
+def test_tree_flatten_with_path_and_keystr_name_the_leaves():
+    leaves, _ = private.tree_flatten_with_path({"a": [torch.zeros(1), torch.ones(1)]})
+    assert [private.keystr(path) for path, _ in leaves] == ["['a'][0]", "['a'][1]"]
