@@ -435,7 +435,11 @@ def test_first_step_moments_are_the_naive_quantizer_of_the_first_terms(
     params = {"w": torch.ones(rows, cols)}
     opt = fp8fn.optim.adamw(1e-3, moments="fp8", block=block, min_size=1)
     params, state = opt.update({"w": g}, opt.init(params), params)
-    for moment, first in ((state.mu["w"], (1 - 0.9) * g), (state.nu["w"], (1 - 0.999) * g * g)):
+    zero = torch.zeros_like(g)  # b * 0 + x: a -0.0 term becomes +0.0, as in the update
+    for moment, first in (
+        (state.mu["w"], 0.9 * zero + (1 - 0.9) * g),
+        (state.nu["w"], 0.999 * zero + (1 - 0.999) * g * g),
+    ):
         want_q, want_scale = naive_quantize(first, block)
         assert torch.equal(bits(moment.data), bits(want_q))
         assert torch.equal(bits(moment.scale), bits(want_scale))
