@@ -2,6 +2,7 @@
 
 __version__ = "0.4.0.dev0"  # the one place of the version (pyproject.toml reads it)
 
+from . import optim
 from ._core.observe import observations, observe, value_and_grad
 from ._core.recipes import (
     BlockwiseScaling,
@@ -55,6 +56,7 @@ __all__ = [
     "merge",
     "observations",
     "observe",
+    "optim",
     "stack_states",
     "transform",
     "unflatten_state",

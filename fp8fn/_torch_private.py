@@ -30,6 +30,8 @@ from torch.utils import _pytree
 tree_flatten = _pytree.tree_flatten  # (tree, is_leaf=None) -> (leaves, spec)
 tree_unflatten = _pytree.tree_unflatten  # (leaves, spec) -> tree
 tree_leaves = _pytree.tree_leaves  # (tree, is_leaf=None) -> leaves
+tree_flatten_with_path = _pytree.tree_flatten_with_path  # (tree) -> ([(path, leaf)], spec)
+keystr = _pytree.keystr  # (path) -> "['name']": a leaf's path as text
 tree_map = _pytree.tree_map  # (fn, tree) -> tree of fn(leaf)
 tree_map_only = _pytree.tree_map_only  # (type, fn, tree): fn on the leaves of that type only
 register_pytree_node = _pytree.register_pytree_node  # (cls, flatten, unflatten, ...)
@@ -472,3 +474,12 @@ def experts_gate(module: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
     `(rows, I)` (`act_fn(gate) * up`, or the model's own layout): the interface's
     `_apply_gate` hook, an underscored method of transformers (not torch), fenced here too."""
     return module._apply_gate(h)
+
+
+def dtensor_local_offset(d: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """`(local_shape, global_offset)` of this rank's shard of the DTensor `d`: where its local
+    tensor sits in the global tensor (`fp8fn.optim`'s blocks are on the global flat index)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    spec = d._spec
+    return compute_local_shape_and_global_offset(spec.shape, spec.mesh, spec.placements)

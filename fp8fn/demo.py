@@ -15,7 +15,9 @@ transformer blocks run in float8:
 * **float32**: the same transform and training loop with no fp8 layers (`filter_fn` rejects
   all), so the comparison isolates the cost and the effect of the fp8 casts.
 
-The optimizer is AdamW written as a pure function of `(params, grads, opt_state)`.
+The optimizer is `fp8fn.optim.adamw`, a pair of pure functions (`init`, `update`) of
+`{name: tensor}` dicts; `--optim` picks its moments for both runs: `adamw` (float32, the
+default), `adamw-bf16` or `adamw-fp8` (block-scaled float8, docs/optim.md).
 
 `--moe` gives each block a mixture of experts instead of its MLP (`MoE`: 4 experts, top 2, an
 `nn.Linear` router; the experts are two 3-D weights run by `F.grouped_mm`, as transformers'
@@ -41,7 +43,7 @@ by `fp8fn.all_reduce` (the max over the ranks) before `fp8fn.update`, so every r
 same parameters and scaling state. Only rank 0 prints (and saves `--plot`).
 
 FSDP2: `torchrun --nproc-per-node 2 -m fp8fn.demo --fsdp` shards each run's model with
-`fully_shard` (every `Block`, then the root) and trains it the usual way: `torch.optim.AdamW` on
+`fully_shard` (every `Block`, then the root) and trains it the usual way: `fp8fn.optim.AdamW` on
 the module's own (sharded) parameters, plain autograd (`fp8fn.observe`, `loss.backward()`,
 `fp8fn.observations`), `fp8fn.all_reduce` and `fp8fn.update`. FSDP2's hooks gather each block's
 parameters just in time and reshard them after. With `delayed` or `current` the fp8 run's
@@ -255,45 +257,30 @@ def batches(data: torch.Tensor, n: int, batch_size: int, seq_len: int, seed: int
 # ----------------------------------------------------------------------------- the optimizer
 
 
-def adamw_init(params: dict) -> dict:
-    """Zero first and second moments, step 0."""
-    zeros = {k: torch.zeros_like(v) for k, v in params.items()}
-    return {"step": 0, "m": zeros, "v": {k: z.clone() for k, z in zeros.items()}}
+ADAMW = dict(betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, decay_mask=lambda p: p.dim() >= 2)
+OPTIMIZERS = {"adamw": "fp32", "adamw-bf16": "bf16", "adamw-fp8": "fp8"}  # --optim: moments
 
 
-def adamw_update(params, grads, opt, lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1):
-    """One AdamW step as a pure function.
+def optimizer(lr, moments: str = "fp32") -> fp8fn.optim.PureOptimizer:
+    """The demo's AdamW, `fp8fn.optim.adamw`: betas (0.9, 0.95), eps 1e-8, weight decay 0.1 on
+    tensors of 2 or more dimensions only (weights and embeddings, not biases or norms).
 
     Args:
-      params: `{name: tensor}`, float32.
-      grads: gradients of the same keys and shapes.
-      opt: `{"step": int, "m": {...}, "v": {...}}` from `adamw_init` or a previous call.
-      lr: learning rate of this step.
-      betas, eps, weight_decay: as in `torch.optim.AdamW`; the (decoupled) weight decay applies
-        to tensors of 2 or more dimensions only (weights and embeddings, not biases or norms).
-
-    Returns:
-      `(new_params, new_opt)`; nothing passed in is modified.
+      lr: the learning rate: a float, or a schedule `lr(count)` of the steps taken.
+      moments: "fp32", "bf16" or "fp8" (`fp8fn.optim.adamw`'s `moments`).
     """
-    b1, b2 = betas
-    step = opt["step"] + 1
-    with torch.no_grad():
-        m = {k: b1 * opt["m"][k] + (1 - b1) * g for k, g in grads.items()}
-        v = {k: b2 * opt["v"][k] + (1 - b2) * g * g for k, g in grads.items()}
-        c1, c2 = 1 - b1**step, 1 - b2**step
-        new = {}
-        for k, p in params.items():
-            decay = weight_decay if p.dim() >= 2 else 0.0
-            update = (m[k] / c1) / ((v[k] / c2).sqrt() + eps) + decay * p
-            new[k] = p - lr * update
-    return new, {"step": step, "m": m, "v": v}
+    return fp8fn.optim.adamw(lr, moments=moments, **ADAMW)
 
 
-def clip_by_global_norm(grads: dict, max_norm: float) -> dict:
-    """`grads` scaled down so that their global L2 norm is at most `max_norm`."""
-    norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads.values()]))
-    factor = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-    return {k: g * factor for k, g in grads.items()}
+def adamw_init(params: dict, moments: str = "fp32") -> fp8fn.optim.AdamWState:
+    """The optimizer state of `params` (`{name: tensor}`): zero moments, step 0."""
+    return optimizer(0.0, moments).init(params)
+
+
+def adamw_update(params: dict, grads: dict, opt, lr: float):
+    """One step of the demo's AdamW with learning rate `lr`: `(new_params, new_opt)`, nothing
+    passed in modified (`fp8fn.optim.adamw`'s pure update)."""
+    return optimizer(lr, opt.config.moments).update(grads, opt, params)
 
 
 def learning_rate(step: int, steps: int, peak: float, warmup: int) -> float:
@@ -408,7 +395,9 @@ class Run:
     def __init__(self, name, fn, params, example, cfg, ranks=Ranks()):
         self.name, self.fn, self.cfg, self.ranks = name, fn, cfg, ranks
         self.params, self.state = params, fn.init(example, seed=cfg.seed)
-        self.opt = adamw_init(params)
+        schedule = lambda count: learning_rate(int(count), cfg.steps, cfg.lr, cfg.warmup)  # noqa: E731
+        self.optimizer = optimizer(schedule, OPTIMIZERS[cfg.optim])
+        self.opt = self.optimizer.init(params)
 
         def loss_fn(params, state, x, y):
             return fn.apply(params, state, x, y)  # the model's own loss (`GPT.forward`)
@@ -421,9 +410,8 @@ class Run:
         loss, (grads, obs) = self.value_and_grad(self.params, self.state, x, y)
         loss, grads = self.ranks.average(loss, grads)
         obs = self.ranks.combine(obs)
-        grads = clip_by_global_norm(grads, 1.0)
-        lr = learning_rate(step, self.cfg.steps, self.cfg.lr, self.cfg.warmup)
-        self.params, self.opt = adamw_update(self.params, grads, self.opt, lr)
+        grads, _ = fp8fn.optim.clip_by_global_norm(grads, 1.0)
+        self.params, self.opt = self.optimizer.update(grads, self.opt, self.params)
         self.state = fp8fn.update(self.state, obs)
         loss = loss.item()  # waits for the step (on CUDA)
         self.step_times.append(time.perf_counter() - start)
@@ -454,7 +442,7 @@ class Run:
 
 class FsdpRun(Run):
     """A `Run` on an FSDP2 model (`--fsdp`): the module's own sharded parameters, trained with
-    `torch.optim.AdamW` and plain autograd.
+    `fp8fn.optim.AdamW` (a torch.optim.Optimizer) and plain autograd.
 
     Args:
       name: "float32" or "fp8".
@@ -476,13 +464,14 @@ class FsdpRun(Run):
             warnings.filterwarnings("ignore", "fp8fn.transform: no layer was converted")
             self.fn = fp8fn.transform(model, recipe, filter_fn=filter_fn)
         self.state = self.fn.init(example)
-        decay = [p for p in model.parameters() if p.dim() >= 2]  # as adamw_update
+        decay = [p for p in model.parameters() if p.dim() >= 2]  # as `optimizer`
         rest = [p for p in model.parameters() if p.dim() < 2]
-        self.opt = torch.optim.AdamW(
+        self.opt = fp8fn.optim.AdamW(
             [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
             lr=cfg.lr,
-            betas=(0.9, 0.95),
-            eps=1e-8,
+            betas=ADAMW["betas"],
+            eps=ADAMW["eps"],
+            moments=OPTIMIZERS[cfg.optim],
         )
         self.train_curve, self.val_curve, self.step_times = [], [], []
 
@@ -609,6 +598,8 @@ def report(cfg, results) -> str:
     ]
     lines.insert(1, "-" * len(lines[0]))
     caption = f"{cfg.steps} steps of {cfg.batch_size} sequences x {cfg.seq_len} chars ({where})"
+    if cfg.optim != "adamw":
+        caption += f", optimizer {cfg.optim}"
     if len(per_seed) > 1:
         seeds = ", ".join(str(r["config"]["seed"]) for r in per_seed)
         caption += f"\nmean ± standard deviation over {len(per_seed)} seeds ({seeds})"
@@ -739,6 +730,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--plot", metavar="PATH", help="save the loss curves and the fp8 - float32 gap as a PNG"
+    )
+    p.add_argument(
+        "--optim",
+        choices=tuple(OPTIMIZERS),
+        default="adamw",
+        help="the optimizer of both runs, fp8fn.optim.adamw: adamw (float32 moments, default), "
+        "adamw-bf16 (bfloat16 moments) or adamw-fp8 (block-scaled float8 moments)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of weights, data and sampling")
     p.add_argument(

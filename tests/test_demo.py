@@ -93,7 +93,8 @@ def test_main_plot_is_a_png_with_the_gap_panel(tiny_results):
 def test_every_flag_has_help():
     actions = [a for a in demo.build_parser()._actions if a.dest != "help"]
     assert [a.dest for a in actions] == [
-        "steps", "recipe", "checkpoint", "compile", "fsdp", "device", "plot", "seed", "seeds",
+        "steps", "recipe", "checkpoint", "compile", "fsdp", "device", "plot", "optim", "seed",
+        "seeds",
         "threads",
         "d_model",
         "layers", "heads", "seq_len", "batch_size", "lr", "eval_batches", "sample_chars", "quiet",
@@ -352,6 +353,8 @@ FLAG_CASES = [  # each recipe with and without checkpointing, --compile with and
     ["--recipe", "blockwise", "--no-checkpoint"],
     ["--recipe", "mx"],
     ["--recipe", "mx", "--no-checkpoint", "--quiet", "--plot"],
+    ["--optim", "adamw-fp8", "--quiet"],  # fp8fn.optim's float8 moments, both runs
+    ["--optim", "adamw-bf16", "--recipe", "current"],
     ["--compile"],  # checkpointed blocks run eagerly, the rest compiled
     ["--compile", "--recipe", "current", "--seed", "5"],
 ]  # --compile --no-checkpoint: test_main_compile_matches_eager_on_the_first_steps

@@ -170,7 +170,14 @@ def _check_moe(namespace):
     assert namespace["expert_3"].input.amax_history.shape == (16,)
 
 
+def _check_optim(namespace):
+    moment, state = namespace["w_moment"], namespace["state"]
+    assert moment.data.dtype == torch.float8_e4m3fn and moment.scale.shape == (128,)
+    assert state.nu["b"].dtype == torch.float32 and int(state.count) == 1
+
+
 CHECKS = {"semantics.md": _check_semantics, "compile.md": _check_compile}
+CHECKS["optim.md"] = _check_optim
 CHECKS["recipes.md"] = _check_recipes
 CHECKS["moe.md"] = _check_moe
 

@@ -723,3 +723,8 @@ def test_experts_gate_is_transformers_gating_of_the_up_projection():
     h = torch.randn(5, 12)
     gate, up = h.chunk(2, dim=-1)
     assert torch.equal(private.experts_gate(experts, h), experts.act_fn(gate) * up)
+
+
+def test_tree_flatten_with_path_and_keystr_name_the_leaves():
+    leaves, _ = private.tree_flatten_with_path({"a": [torch.zeros(1), torch.ones(1)]})
+    assert [private.keystr(path) for path, _ in leaves] == ["['a'][0]", "['a'][1]"]

@@ -337,6 +337,7 @@ _register(
     lambda values, aux, key: State(*values, *aux.static, key=key, filled=aux.filled),
 )
 _register(SiteState, ("amax_history", "scale"), lambda s: s.static)
+register_state_class = _register  # fp8fn.optim registers its state the same way
 torch.serialization.add_safe_globals(
     [(State, "fp8fn._state.State"), (SiteState, "fp8fn._state.SiteState")]
 )

@@ -319,6 +319,7 @@ def random_bits(
     shape: Sequence[int],
     *,
     stream: int = 0,
+    index: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Deterministic random 32-bit integers, a pure function of `(key, site, role, stream)`.
 
@@ -333,6 +334,8 @@ def random_bits(
       role: the role's index (int or int64 tensor); low 32 bits used.
       shape: the result's shape.
       stream: separates independent uses at one `(key, site, role)` (`hadamard_signs` uses 1).
+      index: int64 of `shape`, each element's counter (its row-major index in a larger tensor,
+        e.g. a shard's global indices: `fp8fn.optim`); None: `arange` of the elements.
 
     Returns:
       `shape` int64 with values in `[0, 2**32)`, on `key`'s device.
@@ -345,8 +348,10 @@ def random_bits(
         lane_a = mix32(lane_a ^ word)
         lane_b = mix32(lane_b ^ word ^ 0x85A308D3)
     n = torch.Size(shape).numel()
-    index = torch.arange(n, device=key.device).view(shape)
-    if n <= 2**32:  # the same bits, without the high word's terms (0 below 2**32)
+    short = index is None and n <= 2**32  # given counters may lie anywhere: the full form
+    if index is None:
+        index = torch.arange(n, device=key.device).view(shape)
+    if short:  # the same bits, without the high word's terms (0 below 2**32)
         return mix32(mix32(lane_a ^ index) ^ lane_b)
     x = mix32(lane_a ^ (index & _MASK32))
     return mix32(x ^ lane_b ^ _mul32(index >> 32, 0x9E3779B9))
