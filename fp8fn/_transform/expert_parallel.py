@@ -72,27 +72,44 @@ class _ExpertParallelForward:
         ids = top_k_index.reshape(-1)
         order = torch.argsort(ids, stable=True)
         x = hidden_states.repeat_interleave(k, dim=0)[order]
-        ex = plan_exchange(ids[order], experts, self.group)
         call = _running_call()
         rows = None if call is None else call.expert_parallel_rows(m, self.attrs)
         if rows is None or call.state is None:
+            ex = plan_exchange(ids[order], experts, self.group)
             y = self._high_precision(x, ex, top_k_weights.dtype)
         else:
-            y = self._float8(x, ex, rows)
+            known, unknown = self._wires(rows, experts)
+            ex = plan_exchange(ids[order], experts, self.group, unknown)
+            y = self._float8(x, ex, rows, _wires_read(known, ex.flags, experts))
         y = y[torch.argsort(order)]
         out = (y * top_k_weights.reshape(-1, 1)).view(tokens, k, -1).sum(1)
         return out.to(hidden_states.dtype)
 
-    def _float8(self, x, ex, rows):
+    def _wires(self, rows, experts: int) -> tuple:
+        """`(known, unknown)`: for the input role of the first weight and the grad_output role
+        of the second, the experts whose rows travel in float8 (E bools), or None where the
+        state does not know which histories are filled (`State.filled`); `unknown`: a bool
+        tensor of those histories' `newest > 0`, read on the host with the counts, or None."""
+        known, unknown = [], []
+        for (_, newest, _, filled), role in zip(rows, (0, 2)):
+            if not self.float8_wire or newest is None:  # (CurrentScaling: never)
+                known.append((False,) * experts)
+            elif filled is not None:
+                known.append(filled[role::3])
+            else:
+                known.append(None)
+                unknown.append(newest[:, role] > 0)
+        return known, (torch.cat(unknown) if unknown else None)
+
+    def _float8(self, x, ex, rows, wires):
         m = self.module
         weights = [local_shard(getattr(m, a)) for a in self.attrs]
         if m.is_transposed:  # stored (E, K, N): the op takes (E, N, K)
             weights = [w.transpose(-2, -1) for w in weights]
-        (recipe, newest_1, stored_1), (_, newest_2, stored_2) = rows
+        (recipe, newest_1, stored_1, _), (_, newest_2, stored_2, _) = rows
         backend = resolve_backend(recipe, x.device)
         margin = getattr(recipe, "margin", 0)
-        wire_x = self.float8_wire and _filled(newest_1, 0)
-        wire_g = self.float8_wire and _filled(newest_2, 2)
+        wire_x, wire_g = wires
         h = dispatch_grouped_mm(x, weights[0], newest_1, stored_1, ex, margin, backend, wire_x)
         h = experts_gate(m, h) if m.has_gate else m.act_fn(h)
         return grouped_mm_combine(h, weights[1], newest_2, stored_2, ex, margin, backend, wire_g)
@@ -129,10 +146,13 @@ def refuse_compile() -> None:
         raise RuntimeError(_NO_COMPILE)
 
 
-def _filled(newest, role: int) -> bool:
-    """Whether every expert's `role` history holds an amax (a host read), False when
-    stateless: then the sender knows the expert's scale before the step."""
-    return newest is not None and bool((newest[:, role] > 0).all())
+def _wires_read(known: list, flags: list | None, experts: int) -> tuple:
+    """`known` (`_ExpertParallelForward._wires`) with each None replaced by the next E of the
+    host-read `flags`."""
+    flags = iter(flags or ())
+    return tuple(
+        tuple(w) if w is not None else tuple(next(flags) for _ in range(experts)) for w in known
+    )
 
 
 def _experts_modules(model) -> list:
