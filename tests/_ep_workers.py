@@ -252,6 +252,44 @@ def idle_experts(rank):
                 assert obs[site].input.amax_history[0] == 0, site
 
 
+def per_expert_wire(rank):
+    """The reference's first step routes every token to rank 0's experts (0, 1), so experts 2
+    and 3's input and grad_output histories stay empty; the next step, routed as the router
+    says, sends the rows of experts 0 and 1 as e4m3 / e5m2 bytes and those of 2 and 3 in
+    float32 (a second all-to-all in dispatch forward and in combine backward): bit-identical
+    to one process, the bytes of each all-to-all those of its rows."""
+    idle = [True]
+
+    def hook(module, args, output):
+        return _to_rank0(module, args, output) if idle[0] else output
+
+    run = _Run("mixtral", WORLD, rank, hook=hook)
+    idle[0] = False
+    for layer in range(2):
+        for e in range(4):
+            up = run.state[f"model.layers.{layer}.mlp.experts.gate_up_proj[{e}]"]
+            down = run.state[f"model.layers.{layer}.mlp.experts.down_proj[{e}]"]
+            for history in (up.input.amax_history, down.grad_output.amax_history):
+                assert (history[0] > 0) == (e < 2), (layer, e, history)
+    routed = []
+    for layer in run.model.model.layers:
+        layer.mlp.gate.register_forward_hook(lambda m, a, out: routed.append(out[2]))
+    ref_out, ref_grads, ref_obs = run.ref_step()
+    meter = WireMeter()
+    with meter:
+        out, grads, obs = run.step()
+    _check_step(run, out, grads, obs, ref_out, ref_grads, ref_obs, "per-expert wire")
+    sizes = [n for name, n in meter.calls if name != "allreduce_"]
+    assert len(sizes) == 2 * 4 + 2 * 3, meter.calls  # per layer: counts, 3 forward, 3 backward
+    for layer, idx in enumerate(routed):
+        on, off = int((idx < 2).sum()), int((idx >= 2).sum())
+        assert on and off, (on, off)
+        forward = sizes[4 * layer : 4 * layer + 4]
+        assert forward[1:3] == [32 * on, 4 * 32 * off], (layer, forward)
+        backward = sizes[8 + 3 * (1 - layer) : 8 + 3 * (2 - layer)]  # last layer first
+        assert backward[:2] == [32 * on, 4 * 32 * off], (layer, backward)
+
+
 def torch_func_route(rank):
     """Under torch.func.grad, a step is bit-identical to one process under torch.func.grad
     (plain autograd and torch.func differentiate `F.silu` differently in the last bit, as
@@ -497,6 +535,7 @@ SCENARIOS = [
     _bit_identical("qwen3_moe", WORLD),
     wire_bytes_halve,
     idle_experts,
+    per_expert_wire,
     torch_func_route,
     checkpointed_layers,
     loss_20_steps,
