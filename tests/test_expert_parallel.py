@@ -195,6 +195,100 @@ def test_one_rank_expert_parallel_mixtral_is_the_plain_model(one_rank_mesh, reci
     assert meter.bytes_by()["combine forward"] == 2 * 4 * rows_bytes
 
 
+class _Holder(torch.nn.Module):
+    """An experts module alone, called as a MoE block calls it."""
+
+    def __init__(self, experts):
+        super().__init__()
+        self.experts = experts
+
+    def forward(self, x, top_k_index, top_k_weights):
+        return self.experts(x, top_k_index, top_k_weights)
+
+
+def _experts(kind, seed=0):
+    """`_Holder` of one of transformers' experts classes in `kind`'s layout (batched_mm), 4
+    experts, hidden 32, random weights of `seed`."""
+    import types
+
+    from transformers.models.aria.modeling_aria import AriaExperts
+    from transformers.models.ergo.modeling_ergo import ErgoExpertProjections
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHExperts
+
+    config = types.SimpleNamespace(
+        _experts_implementation="batched_mm", hidden_size=32, intermediate_size=48,
+        moe_intermediate_size=48, num_experts=4, num_local_experts=4, moe_num_experts=4,
+        n_routed_experts=4, moe_latent_size=None, hidden_act="silu", mlp_hidden_act="relu2",
+    )  # fmt: skip
+    classes = {
+        "mixtral": MixtralExperts,
+        "aria_transposed": AriaExperts,
+        "nemotron_h_no_gate": NemotronHExperts,
+        "ergo_no_gate_transposed": ErgoExpertProjections,
+    }
+    experts = classes[kind](config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    return _Holder(experts)
+
+
+@pytest.mark.parametrize(
+    "kind, autocast",
+    [
+        ("aria_transposed", False),
+        ("nemotron_h_no_gate", False),
+        ("ergo_no_gate_transposed", False),
+        ("mixtral", True),
+        ("aria_transposed", True),
+    ],
+)
+def test_one_rank_expert_parallel_layouts_and_autocast(one_rank_mesh, kind, autocast):
+    """Experts stored transposed (`is_transposed`), without a gate (`up_proj`), and under
+    `torch.autocast` (bfloat16: the rows cast to it before the wire, as the grouped op casts
+    `x`): a step of the expert-parallel experts gives the bits of transformers' `batched_mm`
+    experts under the same transform (output, both weights' gradients, the input's gradient,
+    the observations), on a state whose histories are filled (float8 on the wire)."""
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(24, 32, generator=gen)
+    top_k = torch.randint(0, 4, (24, 2), generator=gen)
+    weights = torch.rand(24, 2, generator=gen)
+    ref, model = _experts(kind), fp8fn.expert_parallel(_experts(kind), one_rank_mesh)
+    rfn = fp8fn.transform(ref, fp8fn.DelayedScaling())
+    fn = fp8fn.transform(model, fp8fn.DelayedScaling())
+    g = torch.randn(24, 32, generator=gen)
+
+    def step(fn, module, state):
+        params = {n: p.detach().clone().requires_grad_() for n, p in module.named_parameters()}
+        xs = x.clone().requires_grad_()
+        observed = fp8fn.observe(state)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = fn.apply(params, observed, xs, top_k, weights)
+        (out.float() * g).sum().backward()
+        grads = [
+            p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params.values()
+        ]
+        return out, [xs.grad, *grads], fp8fn.observations(observed)
+
+    state = rfn.init(x, top_k, weights)
+    assert fn.init(x, top_k, weights).sites == state.sites
+    state = fp8fn.update(state, step(rfn, ref, state)[2])
+    meter = WireMeter()
+    with meter:
+        got = step(fn, model, state)
+    want = step(rfn, ref, state)
+    assert got[0].dtype == want[0].dtype == torch.float32  # (`batched_mm` casts back to x's)
+    assert torch.equal(got[0], want[0])
+    for a, b in zip(got[1], want[1]):
+        assert torch.equal(a, b)
+    assert torch.equal(got[2].amax_history, want[2].amax_history)
+    assert meter.bytes_by()["dispatch forward"] == 48 * 32  # e4m3: 1 byte an element
+    row_bytes = 2 if autocast else 4  # the rows that travel in high precision
+    assert meter.bytes_by()["combine forward"] == 48 * 32 * row_bytes
+
+
 def test_expert_parallel_refuses_bad_input(one_rank_mesh):
     def refused(model, match, mesh=one_rank_mesh, error=ValueError, **kwargs):
         before = dict(model.named_parameters())

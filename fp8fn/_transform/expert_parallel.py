@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .._core.checks import no_autocast
 from .._ops.gemm import resolve_backend
 from .._parallel.dtensor import as_dtensor, local_shard
 from .._parallel.expert_exchange import plan_exchange, send_rows
@@ -110,9 +111,16 @@ class _ExpertParallelForward:
         backend = resolve_backend(recipe, x.device)
         margin = getattr(recipe, "margin", 0)
         wire_x, wire_g = wires
-        h = dispatch_grouped_mm(x, weights[0], newest_1, stored_1, ex, margin, backend, wire_x)
+        device = x.device.type
+        if torch.is_autocast_enabled(device):  # as the grouped op: x in the autocast dtype,
+            x = x.to(torch.get_autocast_dtype(device))  # the GEMMs not autocast again
+        with no_autocast(x):
+            h = dispatch_grouped_mm(x, weights[0], newest_1, stored_1, ex, margin, backend, wire_x)
         h = experts_gate(m, h) if m.has_gate else m.act_fn(h)
-        return grouped_mm_combine(h, weights[1], newest_2, stored_2, ex, margin, backend, wire_g)
+        with no_autocast(h):
+            return grouped_mm_combine(
+                h, weights[1], newest_2, stored_2, ex, margin, backend, wire_g
+            )
 
     def _high_precision(self, x, ex, weight_dtype):
         """The module's own forward on this rank's rows, with its local experts."""
