@@ -217,12 +217,16 @@ def expert_parallel(model: nn.Module, mesh, *, mesh_dim=None, float8_wire: bool 
     replaced by DTensor `Shard(0)` parameters (rank r holds experts `r * E/world ...`: each
     rank's slice of the weight it holds now, which must be the same on every rank; DCP saves
     and loads them) and runs as dispatch -> this rank's experts -> combine, two
-    `all_to_all_single` each way plus one of the row counts per call. Under `fn.apply` of a
-    `fp8fn.transform` of the model with DelayedScaling for the experts, the tokens are sent as
-    e4m3 bytes cast by the sender with the destination expert's input scale, and the output
-    gradients as e5m2 with its grad_output scale (`float8_wire`); the GEMMs take the bytes as
-    they are. Every rank must hold the same state (`fp8fn.all_reduce` the observations over
-    the expert-parallel group, and any data-parallel one).
+    `all_to_all_single` each way plus one of the row counts per call (read on the host: one
+    read per call). Under `fn.apply` of a `fp8fn.transform` of the model with DelayedScaling
+    for the experts, the tokens of each expert whose input history holds an amax are sent as
+    e4m3 bytes cast by the sender with that expert's input scale, and the output gradients as
+    e5m2 with its grad_output scale (`float8_wire`); the GEMMs take the bytes as they are; an
+    expert whose history is still empty gets its rows in high precision (a second all-to-all
+    while some experts are filled and others not). Every rank must hold the same state
+    (`fp8fn.all_reduce` the observations over every rank: the expert-parallel group and any
+    data-parallel one). With FSDP2 over a data-parallel dim, shard each experts module over
+    it with `set_gradient_divide_factor(world)` (docs/moe.md, "With data parallelism").
 
     Args:
       model: an nn.Module holding experts modules.
