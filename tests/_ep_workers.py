@@ -411,6 +411,8 @@ def ep_x_dp_fsdp2(rank, steps=2):
     the replicas' runs (each replica's 2 sequences as one batch: its experts' rows in the
     order their ranks receive them); the states and the parameters after each SGD step
     bit-identical; the other gradients also within `1e-6` of the whole batch's (one GEMM).
+    (Observations all-reduced over "ep" alone are not the whole batch's: the group must span
+    every rank.)
     The wire is float8 (1 byte a row element) in dispatch forward and combine backward."""
     from torch.distributed.fsdp import fully_shard
 
@@ -440,6 +442,8 @@ def ep_x_dp_fsdp2(rank, steps=2):
             _sequence_loss(logits, ids).backward()
             obs = fp8fn.all_reduce(fp8fn.observations(observed))
         label = f"step {step}"
+        ep_only = fp8fn.all_reduce(fp8fn.observations(observed), mesh["ep"].get_group())
+        assert not torch.equal(ep_only.amax_history, ref_obs.amax_history)  # the group matters
         rows = 2 * ids.numel() * 32  # per layer: (token, k) rows x hidden, 1 byte each
         sent = meter.bytes_by()
         assert sent["dispatch forward"] == sent["combine backward"] == 2 * rows, sent
