@@ -42,7 +42,9 @@ class WireMeter(TorchDispatchMode):
 
     An `all_to_all_single` of int64 is the row counts (`"counts"`); the others are rows, named
     by their order: in a forward each MoE layer sends dispatch then combine, in a backward
-    combine then dispatch (without `checkpoint_fn`: a recompute adds forward ones).
+    combine then dispatch (without `checkpoint_fn`: a recompute adds forward ones; with every
+    expert's history filled or none: while only some are, dispatch forward and combine
+    backward take two all-to-alls each, float8 and high precision, and the names shift).
     """
 
     def __init__(self):

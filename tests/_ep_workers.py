@@ -51,7 +51,9 @@ class _Run:
     """A reference (one process, whole batch) and an expert-parallel model of `arch`, both
     from the reference's state after one step."""
 
-    def __init__(self, arch, world, rank, float8_wire=True, checkpoint_fn=None, hook=None):
+    def __init__(
+        self, arch, world, rank, float8_wire=True, checkpoint_fn=None, hook=None, mesh=None
+    ):
         self.world, self.rank, self.ids = world, rank, _ids(world)
         self.ref = build(arch, "batched_mm")
         self.model = build(arch, "grouped_mm")
@@ -60,7 +62,10 @@ class _Run:
             if hook is not None:
                 for layer in m.model.layers:
                     layer.mlp.gate.register_forward_hook(hook)
-        fp8fn.expert_parallel(self.model, _mesh(world), float8_wire=float8_wire)
+        if mesh is None:
+            fp8fn.expert_parallel(self.model, _mesh(world), float8_wire=float8_wire)
+        else:
+            fp8fn.expert_parallel(self.model, mesh, mesh_dim="ep", float8_wire=float8_wire)
         self.rfn = fp8fn.transform(self.ref, RECIPE)
         self.fn = fp8fn.transform(self.model, RECIPE, checkpoint_fn=checkpoint_fn)
         state = self.rfn.init(self.ids)
@@ -247,6 +252,44 @@ def idle_experts(rank):
                 assert obs[site].input.amax_history[0] == 0, site
 
 
+def per_expert_wire(rank):
+    """The reference's first step routes every token to rank 0's experts (0, 1), so experts 2
+    and 3's input and grad_output histories stay empty; the next step, routed as the router
+    says, sends the rows of experts 0 and 1 as e4m3 / e5m2 bytes and those of 2 and 3 in
+    float32 (a second all-to-all in dispatch forward and in combine backward): bit-identical
+    to one process, the bytes of each all-to-all those of its rows."""
+    idle = [True]
+
+    def hook(module, args, output):
+        return _to_rank0(module, args, output) if idle[0] else output
+
+    run = _Run("mixtral", WORLD, rank, hook=hook)
+    idle[0] = False
+    for layer in range(2):
+        for e in range(4):
+            up = run.state[f"model.layers.{layer}.mlp.experts.gate_up_proj[{e}]"]
+            down = run.state[f"model.layers.{layer}.mlp.experts.down_proj[{e}]"]
+            for history in (up.input.amax_history, down.grad_output.amax_history):
+                assert (history[0] > 0) == (e < 2), (layer, e, history)
+    routed = []
+    for layer in run.model.model.layers:
+        layer.mlp.gate.register_forward_hook(lambda m, a, out: routed.append(out[2]))
+    ref_out, ref_grads, ref_obs = run.ref_step()
+    meter = WireMeter()
+    with meter:
+        out, grads, obs = run.step()
+    _check_step(run, out, grads, obs, ref_out, ref_grads, ref_obs, "per-expert wire")
+    sizes = [n for name, n in meter.calls if name != "allreduce_"]
+    assert len(sizes) == 2 * 4 + 2 * 3, meter.calls  # per layer: counts, 3 forward, 3 backward
+    for layer, idx in enumerate(routed):
+        on, off = int((idx < 2).sum()), int((idx >= 2).sum())
+        assert on and off, (on, off)
+        forward = sizes[4 * layer : 4 * layer + 4]
+        assert forward[1:3] == [32 * on, 4 * 32 * off], (layer, forward)
+        backward = sizes[8 + 3 * (1 - layer) : 8 + 3 * (2 - layer)]  # last layer first
+        assert backward[:2] == [32 * on, 4 * 32 * off], (layer, backward)
+
+
 def torch_func_route(rank):
     """Under torch.func.grad, a step is bit-identical to one process under torch.func.grad
     (plain autograd and torch.func differentiate `F.silu` differently in the last bit, as
@@ -337,6 +380,105 @@ def fsdp2_beside_expert_parallel(rank):
         assert torch.equal(a, b)
 
 
+def _sequence_loss(logits, ids):
+    """Each sequence's next-token cross entropy (mean over its tokens), summed over the
+    sequences: a rank's loss is its one sequence's, as in a batch of several (the gradient of
+    each sequence's logits is its own)."""
+    return sum(
+        torch.nn.functional.cross_entropy(logits[j, :-1].float(), ids[j, 1:])
+        for j in range(ids.shape[0])
+    )
+
+
+def _ref_grads(run, ids):
+    """`({name: grad}, observation)` of the reference on `ids` under `_sequence_loss`."""
+    params = {n: p.detach().clone().requires_grad_() for n, p in run.ref.named_parameters()}
+    observed = fp8fn.observe(run.rstate)
+    logits = run.rfn.apply(params, observed, ids).logits
+    _sequence_loss(logits, ids).backward()
+    return logits, {n: p.grad for n, p in params.items()}, fp8fn.observations(observed)
+
+
+def ep_x_dp_fsdp2(rank, steps=2):
+    """A `(2, 2)` mesh ("dp", "ep") on 4 ranks, each rank its own sequence: `expert_parallel`
+    over "ep", FSDP2 `fully_shard` of each experts module over "dp" (their gradients divided
+    by the world, `set_gradient_divide_factor`: each expert's gradient already sums its
+    data-parallel replica's ranks) and HSDP (replicate over "dp", shard over "ep") of the
+    decoder layers and the root; `fp8fn.all_reduce` over every rank. Against one process:
+    logits and observations are those of the whole batch (4 sequences) bit for bit; every
+    gradient is, bit for bit, the reference's reduced as FSDP2 reduces it: a non-expert one
+    `((g0 + g1) + (g2 + g3)) / 4` of the one-sequence runs, an experts one `(G0 + G1) / 4` of
+    the replicas' runs (each replica's 2 sequences as one batch: its experts' rows in the
+    order their ranks receive them); the states and the parameters after each SGD step
+    bit-identical; the other gradients also within `1e-6` of the whole batch's (one GEMM).
+    (Observations all-reduced over "ep" alone are not the whole batch's: the group must span
+    every rank.)
+    The wire is float8 (1 byte a row element) in dispatch forward and combine backward."""
+    from torch.distributed.fsdp import fully_shard
+
+    world, dp = 4, 2
+    mesh = init_device_mesh("cpu", (dp, world // dp), mesh_dim_names=("dp", "ep"))
+    run = _Run("mixtral", world, rank, mesh=mesh)
+    model = run.model
+    for layer in model.model.layers:
+        experts = layer.mlp.experts
+        fully_shard(experts, mesh=mesh["dp"])
+        experts.set_gradient_divide_factor(float(world))
+        experts.set_force_sum_reduction_for_comms(True)  # (gloo has no PREMUL_SUM)
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    ids = run.ids[rank : rank + 1]
+    for step in range(steps):
+        ref_logits, whole, ref_obs = _ref_grads(run, run.ids)
+        per_rank = [_ref_grads(run, run.ids[r : r + 1])[1] for r in range(world)]
+        per_replica = [_ref_grads(run, run.ids[d * dp : (d + 1) * dp])[1] for d in range(dp)]
+        params = dict(model.named_parameters())
+        for p in params.values():
+            p.grad = None
+        observed = fp8fn.observe(run.state)
+        meter = WireMeter()
+        with meter:
+            logits = run.fn.apply(params, observed, ids).logits
+            _sequence_loss(logits, ids).backward()
+            obs = fp8fn.all_reduce(fp8fn.observations(observed))
+        label = f"step {step}"
+        ep_only = fp8fn.all_reduce(fp8fn.observations(observed), mesh["ep"].get_group())
+        assert not torch.equal(ep_only.amax_history, ref_obs.amax_history)  # the group matters
+        rows = 2 * ids.numel() * 32  # per layer: (token, k) rows x hidden, 1 byte each
+        sent = meter.bytes_by()
+        assert sent["dispatch forward"] == sent["combine backward"] == 2 * rows, sent
+        assert torch.equal(logits[0], ref_logits[rank]), f"{label}: logits differ"
+        assert torch.equal(obs.amax_history, ref_obs.amax_history), f"{label}: observations"
+        want, worst = {}, 0.0
+        for n, p in params.items():
+            got = p.grad.full_tensor()
+            if n.endswith(_EXPERTS):
+                want[n] = (per_replica[0][n] + per_replica[1][n]) / world
+            else:
+                g = per_rank
+                want[n] = ((g[0][n] + g[1][n]) + (g[2][n] + g[3][n])) / world
+                ref = whole[n] / world
+                worst = max(worst, ((got - ref).abs().max() / ref.abs().max()).item())
+            assert torch.equal(got, want[n]), f"{label}: {n} gradient differs"
+        assert worst < 1e-6, f"{label}: the whole batch's gradients differ by {worst:.2e}"
+        run.state = fp8fn.update(run.state, obs)
+        run.rstate = fp8fn.update(run.rstate, ref_obs)
+        with torch.no_grad():
+            for n, p in params.items():
+                p -= LR * p.grad
+                q = run.ref.get_parameter(n)
+                q -= LR * want[n]
+                assert torch.equal(p.full_tensor(), q), f"{label}: {n} after the step"
+        assert torch.equal(run.state.amax_history, run.rstate.amax_history)
+        assert torch.equal(run.state.scale, run.rstate.scale)
+    assert_state_same_on_all_ranks(run.state)
+    MEASURED["ep_x_dp_fsdp2"] = {
+        "whole_batch_rel": worst,
+        "collectives": meter.counts(),
+        "bytes": meter.bytes_by(),
+    }
+
+
 def dcp_round_trip(rank, out_dir):
     """DCP saves the experts' DTensor shards and loads them into another expert-parallel model."""
     import torch.distributed.checkpoint as dcp
@@ -397,6 +539,7 @@ SCENARIOS = [
     _bit_identical("qwen3_moe", WORLD),
     wire_bytes_halve,
     idle_experts,
+    per_expert_wire,
     torch_func_route,
     checkpointed_layers,
     loss_20_steps,
@@ -407,7 +550,7 @@ SCENARIOS = [
 
 def main(rank: int, world_size: int, port: int, out_dir: str) -> None:
     if world_size == 4:
-        scenarios = [_bit_identical("mixtral", 4)]
+        scenarios = [_bit_identical("mixtral", 4), ep_x_dp_fsdp2]
     else:
         scenarios = [*SCENARIOS, _with_dir(dcp_round_trip, out_dir)]
     run_scenarios(rank, world_size, port, out_dir, scenarios, MEASURED, group_timeout_s=120)

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from _moe_models import batch, build
 from torch.distributed.tensor import DTensor
+from torch.overrides import TorchFunctionMode
 
 import fp8fn
 from fp8fn._numerics.fp8 import E4M3, E5M2, cast_to_fp8
@@ -24,6 +25,27 @@ sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "benchmarks"))
 from expert_parallel import WireMeter  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
+
+
+class HostReads(TorchFunctionMode):
+    """Counts the reads of tensor values on the host (`tolist`, `item`, `bool(...)`) inside,
+    by the file that makes them."""
+
+    _READS = ("tolist", "item", "__bool__", "__int__", "__float__", "__index__")
+
+    def __init__(self):
+        super().__init__()
+        self.files = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in self._READS:
+            self.files.append(pathlib.Path(sys._getframe(1).f_code.co_filename).name)
+        return func(*args, **(kwargs or {}))
+
+    def by_expert_parallel(self) -> int:
+        """The reads made by expert parallel's modules."""
+        mine = ("expert_exchange.py", "expert_gemm.py", "expert_parallel.py")
+        return sum(f in mine for f in self.files)
 
 
 @pytest.fixture
@@ -60,26 +82,48 @@ def test_exchange_rows_sends_float8_as_bytes(one_rank_mesh):
     assert out.dtype == E4M3 and torch.equal(out.view(torch.uint8), x.view(torch.uint8))
 
 
-@pytest.mark.parametrize("filled", [False, True], ids=["first_step", "histories_filled"])
+_FILLED = {
+    "first_step": (False,) * 4,
+    "histories_filled": (True,) * 4,
+    "experts_0_and_2_filled": (True, False, True, False),
+    "expert_1_filled": (False, True, False, False),
+}
+
+
+@pytest.mark.parametrize("filled", list(_FILLED))
 @pytest.mark.parametrize("op", [dispatch_grouped_mm, grouped_mm_combine])
 def test_one_rank_fused_ops_are_the_grouped_op(one_rank_mesh, op, filled):
-    """Float8 on the wire (`filled`: every history holds an amax) or not, the fused op gives
-    the grouped op's bits: output, grad_input, grad_weight and observation."""
+    """Float8 on the wire for the experts whose histories hold an amax (`filled`), high
+    precision for the others (one all-to-all of each kind, two when mixed), the fused op
+    gives the grouped op's bits: output, grad_input, grad_weight and observation."""
     gen = torch.Generator().manual_seed(1)
-    experts = 4
+    experts, wire = 4, _FILLED[filled]
     ids = torch.sort(torch.randint(0, experts, (30,), generator=gen)).values
     ids[ids == 2] = 1  # an idle expert
     x = torch.randn(30, 16, generator=gen).requires_grad_()
     w = torch.randn(experts, 24, 16, generator=gen).requires_grad_()
-    newest = (torch.rand(experts, 3, generator=gen) * filled).requires_grad_()
+    newest = torch.rand(experts, 3, generator=gen) * torch.tensor(wire)[:, None]
+    newest.requires_grad_()
     stored = torch.rand(experts, 3, generator=gen) * 10
     ex = plan_exchange(ids, experts, one_rank_mesh.get_group())
-    out = op(x, w, newest, stored, ex, 0, "emulated", filled)
+    meter = WireMeter()
+    with meter:
+        out = op(x, w, newest, stored, ex, 0, "emulated", wire)
     offs = torch.bincount(ids, minlength=experts).cumsum(0).int()
     ref = grouped_mm(x, w, offs, newest, stored, 0, "emulated")
     g = torch.randn(out.shape, generator=gen)
-    got = torch.autograd.grad(out, (x, w, newest), g)
+    with meter:
+        got = torch.autograd.grad(out, (x, w, newest), g)
     want = torch.autograd.grad(ref, (x, w, newest), g)
+    width = 16 if op is dispatch_grouped_mm else 24  # x's rows, or the output gradient's
+    float8 = sum(int(ids.eq(e).sum()) for e in range(experts) if wire[e]) * width
+    high = (30 * width - float8) * 4  # float32
+    parts = [n for n in (float8, high) if n]  # float8 rows first, then high precision
+    sizes = [n for _, n in meter.calls]  # + dispatch backward (grad_x) or combine forward (y)
+    if op is dispatch_grouped_mm:
+        assert sizes == [*parts, 30 * 16 * 4], sizes
+    else:
+        assert sizes == [30 * 24 * 4, *parts], sizes
     assert torch.equal(out, ref)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
@@ -124,19 +168,125 @@ def test_one_rank_expert_parallel_mixtral_is_the_plain_model(one_rank_mesh, reci
     state = rfn.init(ids)
     assert fn.init(ids).sites == state.sites == made_before.sites  # rows per global expert
     state = fp8fn.update(state, _step(rfn, ref, state, ids)[2])
-    meter = WireMeter()
-    with meter:
+    assert state.filled is not None and all(state.filled)
+    meter, reads = WireMeter(), HostReads()
+    with meter, reads:
         got = _step(fn, model, state, ids)
     want = _step(rfn, ref, state, ids)
     assert torch.equal(got[0], want[0])
     assert torch.equal(got[2].amax_history, want[2].amax_history)
     for n in want[1]:
         assert torch.equal(got[1][n], want[1][n]), n
+    assert reads.by_expert_parallel() == 2  # one per MoE call: the counts (2 layers)
+    # a state whose `filled` is not known (`_replace` forgets it): the histories are read
+    # with the counts, in the same host read; the same bits
+    forgot = state._replace(amax_history=state.amax_history.clone())
+    assert forgot.filled is None
+    reads = HostReads()
+    with reads:
+        again = _step(fn, model, forgot, ids)
+    assert reads.by_expert_parallel() == 2
+    assert torch.equal(again[0], want[0])
+    assert torch.equal(again[2].amax_history, want[2].amax_history)
     rows_bytes = 2 * ids.numel() * 32  # (token, k) rows x hidden, one layer
     width = 1 if isinstance(recipe, fp8fn.DelayedScaling) else 4
     assert meter.bytes_by()["dispatch forward"] == 2 * width * rows_bytes  # 2 layers
     assert meter.bytes_by()["combine backward"] == 2 * width * rows_bytes
     assert meter.bytes_by()["combine forward"] == 2 * 4 * rows_bytes
+
+
+class _Holder(torch.nn.Module):
+    """An experts module alone, called as a MoE block calls it."""
+
+    def __init__(self, experts):
+        super().__init__()
+        self.experts = experts
+
+    def forward(self, x, top_k_index, top_k_weights):
+        return self.experts(x, top_k_index, top_k_weights)
+
+
+def _experts(kind, seed=0):
+    """`_Holder` of one of transformers' experts classes in `kind`'s layout (batched_mm), 4
+    experts, hidden 32, random weights of `seed`."""
+    import types
+
+    from transformers.models.aria.modeling_aria import AriaExperts
+    from transformers.models.ergo.modeling_ergo import ErgoExpertProjections
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHExperts
+
+    config = types.SimpleNamespace(
+        _experts_implementation="batched_mm", hidden_size=32, intermediate_size=48,
+        moe_intermediate_size=48, num_experts=4, num_local_experts=4, moe_num_experts=4,
+        n_routed_experts=4, moe_latent_size=None, hidden_act="silu", mlp_hidden_act="relu2",
+    )  # fmt: skip
+    classes = {
+        "mixtral": MixtralExperts,
+        "aria_transposed": AriaExperts,
+        "nemotron_h_no_gate": NemotronHExperts,
+        "ergo_no_gate_transposed": ErgoExpertProjections,
+    }
+    experts = classes[kind](config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    return _Holder(experts)
+
+
+@pytest.mark.parametrize(
+    "kind, autocast",
+    [
+        ("aria_transposed", False),
+        ("nemotron_h_no_gate", False),
+        ("ergo_no_gate_transposed", False),
+        ("mixtral", True),
+        ("aria_transposed", True),
+    ],
+)
+def test_one_rank_expert_parallel_layouts_and_autocast(one_rank_mesh, kind, autocast):
+    """Experts stored transposed (`is_transposed`), without a gate (`up_proj`), and under
+    `torch.autocast` (bfloat16: the rows cast to it before the wire, as the grouped op casts
+    `x`): a step of the expert-parallel experts gives the bits of transformers' `batched_mm`
+    experts under the same transform (output, both weights' gradients, the input's gradient,
+    the observations), on a state whose histories are filled (float8 on the wire)."""
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(24, 32, generator=gen)
+    top_k = torch.randint(0, 4, (24, 2), generator=gen)
+    weights = torch.rand(24, 2, generator=gen)
+    ref, model = _experts(kind), fp8fn.expert_parallel(_experts(kind), one_rank_mesh)
+    rfn = fp8fn.transform(ref, fp8fn.DelayedScaling())
+    fn = fp8fn.transform(model, fp8fn.DelayedScaling())
+    g = torch.randn(24, 32, generator=gen)
+
+    def step(fn, module, state):
+        params = {n: p.detach().clone().requires_grad_() for n, p in module.named_parameters()}
+        xs = x.clone().requires_grad_()
+        observed = fp8fn.observe(state)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = fn.apply(params, observed, xs, top_k, weights)
+        (out.float() * g).sum().backward()
+        grads = [
+            p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params.values()
+        ]
+        return out, [xs.grad, *grads], fp8fn.observations(observed)
+
+    state = rfn.init(x, top_k, weights)
+    assert fn.init(x, top_k, weights).sites == state.sites
+    state = fp8fn.update(state, step(rfn, ref, state)[2])
+    meter = WireMeter()
+    with meter:
+        got = step(fn, model, state)
+    want = step(rfn, ref, state)
+    assert got[0].dtype == want[0].dtype == torch.float32  # (`batched_mm` casts back to x's)
+    assert torch.equal(got[0], want[0])
+    for a, b in zip(got[1], want[1]):
+        assert torch.equal(a, b)
+    assert torch.equal(got[2].amax_history, want[2].amax_history)
+    assert meter.bytes_by()["dispatch forward"] == 48 * 32  # e4m3: 1 byte an element
+    row_bytes = 2 if autocast else 4  # the rows that travel in high precision
+    assert meter.bytes_by()["combine forward"] == 48 * 32 * row_bytes
 
 
 def test_expert_parallel_refuses_bad_input(one_rank_mesh):

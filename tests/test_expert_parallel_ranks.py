@@ -1,6 +1,7 @@
 """`fp8fn.expert_parallel` on gloo ranks on CPU (`_ep_workers`): tiny Mixtral and Qwen3-MoE,
-4 experts over 2 ranks (and Mixtral over 4), float8 on the wire, against one process; one spawn
-per rank count, every scenario within `_TIMEOUT_S` (a hung collective fails the run)."""
+4 experts over 2 ranks (and Mixtral over 4, alone and on a (2, 2) "dp" x "ep" mesh under FSDP2),
+float8 on the wire, against one process; one spawn per rank count, every scenario within
+`_TIMEOUT_S` (a hung collective fails the run)."""
 
 from __future__ import annotations
 
@@ -29,3 +30,4 @@ def test_expert_parallel_scenario(results, scenario):
 def test_expert_parallel_four_ranks(tmp_path):
     results = spawn_results(workers.main, 4, tmp_path, _TIMEOUT_S)
     assert_ok(results, "bit_identical_mixtral_4_ranks")
+    assert_ok(results, "ep_x_dp_fsdp2")

@@ -31,58 +31,88 @@ class Exchange:
       group: the expert-parallel process group.
       experts: E, the number of experts of the whole weight.
       first: the global index of this rank's first expert (`rank * El`).
+      counts: rows sent to each global expert (a list of E ints).
+      received: rows received from each source rank for each local expert (a list of `world`
+        lists of El ints).
       send, recv: rows sent to, received from, each rank (lists of ints, the splits).
       send_ids: int64 `(S,)`, the global expert of each sent row.
+      source_ids: int64 `(M,)`, the local expert of each received row, in received (source-
+        major) order.
       to_experts: int64 `(M,)`, received order -> expert-major (`x[to_experts]`).
       from_experts: int64 `(M,)`, its inverse.
       ids: int64 `(M,)`, the local expert of each expert-major row.
       offs: int32 `(El,)`, cumulative ends of the local experts' expert-major rows.
+      flags: the bools of `plan_exchange`'s `read`, read on the host with the counts (or None).
     """
 
     group: object
     experts: int
     first: int
+    counts: list
+    received: list
     send: list
     recv: list
     send_ids: torch.Tensor
+    source_ids: torch.Tensor
     to_experts: torch.Tensor
     from_experts: torch.Tensor
     ids: torch.Tensor
     offs: torch.Tensor
+    flags: list | None
 
     @property
     def local(self) -> int:
         """El, the number of experts on this rank."""
         return self.offs.shape[0]
 
+    def splits(self, chosen) -> tuple[list, list]:
+        """`(send, recv)`: the splits of the rows of the experts `chosen` (E bools) alone."""
+        el = self.local
+        send = [
+            sum(self.counts[e] for e in range(r * el, (r + 1) * el) if chosen[e])
+            for r in range(len(self.send))
+        ]
+        recv = [sum(row[j] for j in range(el) if chosen[self.first + j]) for row in self.received]
+        return send, recv
 
-def plan_exchange(send_ids: torch.Tensor, experts: int, group) -> Exchange:
+
+def plan_exchange(send_ids: torch.Tensor, experts: int, group, read=None) -> Exchange:
     """The `Exchange` of rows whose global experts are `send_ids` (int64 `(S,)`, sorted).
 
     One collective: an all-to-all of the per-expert row counts (int64, `E` per rank), read on
-    the host (the splits of the rows' all-to-all are host integers).
+    the host (the splits of the rows' all-to-all are host integers) in one transfer, with
+    `read` (a bool tensor, or None) beside them: `Exchange.flags`.
     """
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     local = experts // world
     counts = torch.bincount(send_ids, minlength=experts)
     received = torch.empty_like(counts)
     dist.all_to_all_single(received, counts, group=group)
-    received = received.view(world, local)  # [source, local expert]: rows
+    extra = [] if read is None else [read.to(counts.dtype)]
+    host = torch.cat([counts, received, *extra]).tolist()  # the one host read
+    sent, got = host[:experts], host[experts : 2 * experts]
+    rows = [got[s * local : (s + 1) * local] for s in range(world)]  # [source][local expert]
+    received = received.view(world, local)
     # received rows come source-major; each one's local expert, then a stable expert-major sort
     expert_of = torch.arange(local, device=counts.device).repeat(world)
-    to_experts = torch.argsort(expert_of.repeat_interleave(received.flatten()), stable=True)
+    source_ids = expert_of.repeat_interleave(received.flatten())
+    to_experts = torch.argsort(source_ids, stable=True)
     per_expert = received.sum(0)
     return Exchange(
         group=group,
         experts=experts,
         first=rank * local,
-        send=counts.view(world, local).sum(1).tolist(),
-        recv=received.sum(1).tolist(),
+        counts=sent,
+        received=rows,
+        send=[sum(sent[r * local : (r + 1) * local]) for r in range(world)],
+        recv=[sum(row) for row in rows],
         send_ids=send_ids,
+        source_ids=source_ids,
         to_experts=to_experts,
         from_experts=torch.argsort(to_experts),
         ids=torch.arange(local, device=counts.device).repeat_interleave(per_expert),
         offs=per_expert.cumsum(0).int(),
+        flags=None if read is None else [bool(v) for v in host[2 * experts :]],
     )
 
 

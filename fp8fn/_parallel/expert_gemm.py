@@ -1,18 +1,19 @@
 """Expert parallel's two float8 grouped GEMMs, each fused with the all-to-all on its operand's
 side (built from the grouped op's parts, `fp8fn/_ops/grouped.py`):
 
-* `dispatch_grouped_mm`: dispatch, then `out = x_e @ W[e].T` on the experts' ranks. With
-  `wire` (DelayedScaling, every expert's input history filled), the sender casts each row to
-  e4m3 with its destination expert's input scale (the state's, known on every rank) in the
-  pass that packs it, and sends only those bytes; the receiver's GEMM takes them as they are.
-  Its backward sends `grad_x` back in high precision.
+* `dispatch_grouped_mm`: dispatch, then `out = x_e @ W[e].T` on the experts' ranks. The
+  rows of each expert on the wire (`wire[e]`: DelayedScaling, its input history filled) are
+  cast by the sender to e4m3 with that expert's input scale (the state's, known on every rank)
+  in the pass that packs them, and only those bytes are sent; the receiver's GEMM takes them as
+  they are. Its backward sends `grad_x` back in high precision.
 * `grouped_mm_combine`: `y = h_e @ W[e].T` on the experts' ranks, then combine (the rows sent
-  back in high precision). Its backward with `wire` (every expert's grad_output history
-  filled): the sender casts each row of the output gradient to e5m2 with its expert's
-  grad_output scale and sends the bytes; the receiver's GEMMs take them as they are.
+  back in high precision). Its backward: the sender casts the output gradient's rows of each
+  expert on the wire (its grad_output history filled) to e5m2 with that expert's grad_output
+  scale and sends the bytes; the receiver's GEMMs take them as they are.
 
-Without `wire` (the first step, an expert whose history is still empty, CurrentScaling), the
-rows travel in high precision and the receiver casts them as the grouped op does (current
+The rows of the other experts (the first step, an expert whose history is still empty,
+CurrentScaling, `float8_wire=False`) travel in high precision, in a second all-to-all made only
+when some expert is off the wire, and the receiver casts them as the grouped op does (current
 scaling from the amax of all the rows the expert received, from every rank).
 
 Observations (the gradient with respect to `newest`, float32 `(E, 3)` for all E experts):
@@ -51,22 +52,45 @@ def _local(t, ex: Exchange):
     return None if t is None else t[ex.first : ex.first + ex.local]
 
 
-def _receive(rows, ex: Exchange, newest, stored, margin, role: int, wire: bool, back: bool):
+def _receive(rows, ex: Exchange, newest, stored, margin, role: int, wire, back: bool):
     """`(fp8, scale, observed)` of `rows` sent to the experts' ranks, cast to role `role`'s
-    format (0 input e4m3, 2 grad_output e5m2) with its experts' scales: on the sender, in the
-    pass that packs them (`wire`), else on the receiver. `fp8` `(M, K)` expert-major, `scale`
-    float32 `(El,)` (this rank's experts), `observed` float32 `(E,)` (0 where not observed
-    here). `back`: the rows go from the sender to the experts in a backward."""
+    format (0 input e4m3, 2 grad_output e5m2) with its experts' scales: the rows of the experts
+    `wire` (E bools: their `role` history holds an amax) on the sender, in the pass that packs
+    them, and sent as float8 bytes; the others' in high precision, cast on the receiver with the
+    amax of all the rows each expert received (one all-to-all of each kind that has rows on
+    some rank: `wire` is the same on every rank). `fp8` `(M, K)` expert-major, `scale` float32
+    `(El,)` (this rank's experts), `observed` float32 `(E,)` (the sender's amax of its rows for
+    an expert on the wire, the experts' rank's for the others, 0 where not observed here).
+    `back`: the rows go from the sender to the experts in a backward."""
     dtype = E4M3 if role == 0 else E5M2
     send = _Exchanged.apply if back else exchange_rows
-    if wire:
-        scale = stored[:, role]
-        fp8, observed = pack_rows(rows, ex.send_ids, scale, dtype)
-        return send(fp8, ex.send, ex.recv, ex.group)[ex.to_experts], _local(scale, ex), observed
-    hp = send(rows, ex.send, ex.recv, ex.group)[ex.to_experts]
-    amax = group_amax(hp, ex.ids, ex.local)
-    scale = scales_for(amax, _role(newest, ex, role), _role(stored, ex, role), margin, _MAX[dtype])
-    return cast_to_fp8(hp, scale[ex.ids][:, None], dtype), scale, _spread(amax, ex)
+    on_wire = torch.tensor(wire, device=rows.device)
+    local_wire = on_wire[ex.first : ex.first + ex.local]
+    parts, part_ids = [], []
+    if any(wire):
+        fp8, sent_amax = pack_rows(rows, ex.send_ids, stored[:, role], dtype)
+        if not all(wire):
+            fp8 = fp8[on_wire[ex.send_ids]]
+        parts.append(send(fp8, *ex.splits(wire), ex.group))
+        part_ids.append(ex.source_ids[local_wire[ex.source_ids]])
+    hp_scale = observed = None
+    if not all(wire):
+        off = [not w for w in wire]
+        hp = send(rows[~on_wire[ex.send_ids]] if any(wire) else rows, *ex.splits(off), ex.group)
+        ids = ex.source_ids[~local_wire[ex.source_ids]]
+        amax = group_amax(hp, ids, ex.local)
+        local_newest, local_stored = _role(newest, ex, role), _role(stored, ex, role)
+        hp_scale = scales_for(amax, local_newest, local_stored, margin, _MAX[dtype])
+        parts.append(cast_to_fp8(hp, hp_scale[ids][:, None], dtype))
+        part_ids.append(ids)
+        observed = _spread(amax, ex)
+    if hp_scale is None:
+        return parts[0][ex.to_experts], _local(stored[:, role], ex), sent_amax
+    if len(parts) == 1:
+        return parts[0][ex.to_experts], hp_scale, observed
+    order = torch.argsort(torch.cat(part_ids), stable=True)  # an expert's rows: one part
+    scale = torch.where(local_wire, _local(stored[:, role], ex), hp_scale)
+    return torch.cat(parts)[order], scale, torch.where(on_wire, sent_amax, observed)
 
 
 def _role(rows, ex, role):
@@ -179,7 +203,8 @@ class _GroupedMMCombine(torch.autograd.Function):
 def dispatch_grouped_mm(x, weight, newest, stored, ex, margin, backend, wire):
     """See the module docstring. x: `(S, K)` sorted by global expert (`ex.send_ids`); weight:
     `(El, N, K)`; newest, stored: float32 `(E, 3)` rows of the weight's experts, or None
-    (current scaling; then `wire` must be False); returns `(M, N)` of x's dtype."""
+    (current scaling; then `wire` must be all False); wire: E bools, the experts whose rows
+    travel in float8 (the same on every rank); returns `(M, N)` of x's dtype."""
     return _DispatchGroupedMM.apply(x, weight, newest, stored, ex, margin, backend, wire)[0]
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .._core.checks import no_autocast
 from .._ops.gemm import resolve_backend
 from .._parallel.dtensor import as_dtensor, local_shard
 from .._parallel.expert_exchange import plan_exchange, send_rows
@@ -72,30 +73,54 @@ class _ExpertParallelForward:
         ids = top_k_index.reshape(-1)
         order = torch.argsort(ids, stable=True)
         x = hidden_states.repeat_interleave(k, dim=0)[order]
-        ex = plan_exchange(ids[order], experts, self.group)
         call = _running_call()
         rows = None if call is None else call.expert_parallel_rows(m, self.attrs)
         if rows is None or call.state is None:
+            ex = plan_exchange(ids[order], experts, self.group)
             y = self._high_precision(x, ex, top_k_weights.dtype)
         else:
-            y = self._float8(x, ex, rows)
+            known, unknown = self._wires(rows, experts)
+            ex = plan_exchange(ids[order], experts, self.group, unknown)
+            y = self._float8(x, ex, rows, _wires_read(known, ex.flags, experts))
         y = y[torch.argsort(order)]
         out = (y * top_k_weights.reshape(-1, 1)).view(tokens, k, -1).sum(1)
         return out.to(hidden_states.dtype)
 
-    def _float8(self, x, ex, rows):
+    def _wires(self, rows, experts: int) -> tuple:
+        """`(known, unknown)`: for the input role of the first weight and the grad_output role
+        of the second, the experts whose rows travel in float8 (E bools), or None where the
+        state does not know which histories are filled (`State.filled`); `unknown`: a bool
+        tensor of those histories' `newest > 0`, read on the host with the counts, or None."""
+        known, unknown = [], []
+        for (_, newest, _, filled), role in zip(rows, (0, 2)):
+            if not self.float8_wire or newest is None:  # (CurrentScaling: never)
+                known.append((False,) * experts)
+            elif filled is not None:
+                known.append(filled[role::3])
+            else:
+                known.append(None)
+                unknown.append(newest[:, role] > 0)
+        return known, (torch.cat(unknown) if unknown else None)
+
+    def _float8(self, x, ex, rows, wires):
         m = self.module
         weights = [local_shard(getattr(m, a)) for a in self.attrs]
         if m.is_transposed:  # stored (E, K, N): the op takes (E, N, K)
             weights = [w.transpose(-2, -1) for w in weights]
-        (recipe, newest_1, stored_1), (_, newest_2, stored_2) = rows
+        (recipe, newest_1, stored_1, _), (_, newest_2, stored_2, _) = rows
         backend = resolve_backend(recipe, x.device)
         margin = getattr(recipe, "margin", 0)
-        wire_x = self.float8_wire and _filled(newest_1, 0)
-        wire_g = self.float8_wire and _filled(newest_2, 2)
-        h = dispatch_grouped_mm(x, weights[0], newest_1, stored_1, ex, margin, backend, wire_x)
+        wire_x, wire_g = wires
+        device = x.device.type
+        if torch.is_autocast_enabled(device):  # as the grouped op: x in the autocast dtype,
+            x = x.to(torch.get_autocast_dtype(device))  # the GEMMs not autocast again
+        with no_autocast(x):
+            h = dispatch_grouped_mm(x, weights[0], newest_1, stored_1, ex, margin, backend, wire_x)
         h = experts_gate(m, h) if m.has_gate else m.act_fn(h)
-        return grouped_mm_combine(h, weights[1], newest_2, stored_2, ex, margin, backend, wire_g)
+        with no_autocast(h):
+            return grouped_mm_combine(
+                h, weights[1], newest_2, stored_2, ex, margin, backend, wire_g
+            )
 
     def _high_precision(self, x, ex, weight_dtype):
         """The module's own forward on this rank's rows, with its local experts."""
@@ -129,10 +154,13 @@ def refuse_compile() -> None:
         raise RuntimeError(_NO_COMPILE)
 
 
-def _filled(newest, role: int) -> bool:
-    """Whether every expert's `role` history holds an amax (a host read), False when
-    stateless: then the sender knows the expert's scale before the step."""
-    return newest is not None and bool((newest[:, role] > 0).all())
+def _wires_read(known: list, flags: list | None, experts: int) -> tuple:
+    """`known` (`_ExpertParallelForward._wires`) with each None replaced by the next E of the
+    host-read `flags`."""
+    flags = iter(flags or ())
+    return tuple(
+        tuple(w) if w is not None else tuple(next(flags) for _ in range(experts)) for w in known
+    )
 
 
 def _experts_modules(model) -> list:
@@ -189,12 +217,16 @@ def expert_parallel(model: nn.Module, mesh, *, mesh_dim=None, float8_wire: bool 
     replaced by DTensor `Shard(0)` parameters (rank r holds experts `r * E/world ...`: each
     rank's slice of the weight it holds now, which must be the same on every rank; DCP saves
     and loads them) and runs as dispatch -> this rank's experts -> combine, two
-    `all_to_all_single` each way plus one of the row counts per call. Under `fn.apply` of a
-    `fp8fn.transform` of the model with DelayedScaling for the experts, the tokens are sent as
-    e4m3 bytes cast by the sender with the destination expert's input scale, and the output
-    gradients as e5m2 with its grad_output scale (`float8_wire`); the GEMMs take the bytes as
-    they are. Every rank must hold the same state (`fp8fn.all_reduce` the observations over
-    the expert-parallel group, and any data-parallel one).
+    `all_to_all_single` each way plus one of the row counts per call (read on the host: one
+    read per call). Under `fn.apply` of a `fp8fn.transform` of the model with DelayedScaling
+    for the experts, the tokens of each expert whose input history holds an amax are sent as
+    e4m3 bytes cast by the sender with that expert's input scale, and the output gradients as
+    e5m2 with its grad_output scale (`float8_wire`); the GEMMs take the bytes as they are; an
+    expert whose history is still empty gets its rows in high precision (a second all-to-all
+    while some experts are filled and others not). Every rank must hold the same state
+    (`fp8fn.all_reduce` the observations over every rank: the expert-parallel group and any
+    data-parallel one). With FSDP2 over a data-parallel dim, shard each experts module over
+    it with `set_gradient_divide_factor(world)` (docs/moe.md, "With data parallelism").
 
     Args:
       model: an nn.Module holding experts modules.

@@ -285,8 +285,10 @@ class _Call(TorchFunctionMode):
     def expert_parallel_rows(self, module, attrs) -> list | None:
         """For fp8fn's expert-parallel forward (`expert_parallel.py`): this call of the experts
         weights `attrs` of `module`, counted as one grouped call of all their experts, as
-        `[(recipe, newest, stored)]` (`newest`, `stored`: float32 `(E, 3)` state rows under
-        DelayedScaling, else None; None while discovering); None when fp8fn does not run them.
+        `[(recipe, newest, stored, filled)]` (`newest`, `stored`: float32 `(E, 3)` state rows
+        under DelayedScaling, else None; None while discovering; `filled`: `State.filled` of
+        those rows, `3 * E` bools expert-major, or None where not known); None when fp8fn does
+        not run them.
 
         Raises:
           ValueError: `fp8fn.apply: ...` (`fp8fn.init: ...`) for a recipe other than
@@ -314,15 +316,17 @@ class _Call(TorchFunctionMode):
             k = self._count_experts(entry)
             if self.state is None:
                 self.weights[entry.path] = None  # runs in float8 (`_note`)
-                out.append((entry.recipe, None, None))
+                out.append((entry.recipe, None, None, None))
                 continue
-            newest = stored = None
+            newest = stored = filled = None
             if isinstance(entry.recipe, DelayedScaling):
                 positions = self.state._positions()
                 first = expert_rows("apply", positions, entry.path, entry.experts, k)
                 newest = self._newest_rows()[first : first + entry.experts]
                 stored = self.state.scale[first : first + entry.experts]
-            out.append((entry.recipe, newest, stored))
+                if self.state.filled is not None:
+                    filled = self.state.filled[3 * first : 3 * (first + entry.experts)]
+            out.append((entry.recipe, newest, stored, filled))
         return out
 
     def _newest_rows(self):
