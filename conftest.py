@@ -1,6 +1,7 @@
 """pytest setup for the whole repository (tests and doctests), loaded before any module."""
 
 import importlib.util
+import logging
 import os
 
 import torch
@@ -18,3 +19,9 @@ collect_ignore = [] if importlib.util.find_spec("triton") else ["fp8fn/_kernels/
 # transformer case with 2 threads in a subprocess (inductor's CPU tile2d scatter-add bug, which
 # fp8fn's emulated GEMM avoids: see fp8fn/_ops/gemm.py, _widen_stored).
 torch.set_num_threads(int(os.environ.get("FP8FN_TEST_THREADS", "1")))
+
+# torchao 0.18 (the parity tests' pin; transformers imports it too) logs "Failed to load" for
+# each prebuilt extension it cannot load on this torch (CUDA, another Python), and torch 2.13
+# logs that its pytree registration of two Enums is deprecated: nothing a test run acts on.
+logging.getLogger("torchao").setLevel(logging.ERROR)
+logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)

@@ -68,6 +68,7 @@ def test_gpt2_trains_through_fp8fn_on_both_routes():
     assert torch.equal((state.amax_history[..., :3] > 0).all(), torch.tensor(True))
 
 
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing_:FutureWarning")  # the old name
 def test_hf_gradient_checkpointing_under_torch_func_is_refused_by_fp8fn():
     model = _gpt2().train()
     model.gradient_checkpointing_enable()

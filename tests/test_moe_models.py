@@ -29,8 +29,10 @@ def test_arch_trains_in_float8_on_both_routes(arch):
     model = build(arch)
     ref, ref_grads, _ = train(model)
     fn = fp8fn.transform(model, fp8fn.DelayedScaling())
-    with pytest.warns(UserWarning, match=r"high precision.*(gate|router)\.weight"):
+    with warnings.catch_warnings(record=True) as record:  # routers: high precision, unreported
+        warnings.simplefilter("always")
         losses, _, state = train(model, fn=fn)
+    assert not [w for w in record if str(w.message).startswith("fp8fn")]
     auto, _, _ = train(model, fn=fn, route="autograd")
     assert losses == pytest.approx(ref, rel=0.05)
     assert auto == pytest.approx(losses, rel=1e-6)
@@ -71,13 +73,36 @@ def test_summary_gives_each_weight_and_its_share():
     fn = fp8fn.transform(model, fp8fn.DelayedScaling())
     with pytest.raises(RuntimeError, match=r"expected `fn.init\(...\)` first"):
         fn.summary()
-    with pytest.warns(UserWarning, match="2 weight.*0.4%.*'model.layers.0.mlp.gate.weight'"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the routers are high precision by default: no warning
         fn.init(batch())
     lines = fn.summary().splitlines()
     assert lines[0] == "float8: 57,344 of 57,600 matmul weight elements (99.6%)"
     row = next(r for r in lines if r.startswith("model.layers.0.mlp.experts.gate_up_proj "))
     assert row.split()[1:] == ["16,384", "28.4%", "float8", "DelayedScaling,", "per", "expert"]
-    assert lines[-1].split()[-5:] == ["high", "precision", "(F.linear;", "not", "converted)"]
+    assert lines[-1] == (
+        "model.layers.1.mlp.gate.weight                    128    0.2%  "
+        "high precision (F.linear; router or gate, by default)"
+    )
+
+
+def test_summary_names_nvfp4_experts_as_they_are():
+    # 4-bit experts are NVFP4 in their rows and not counted in the float8 share
+    def recipe(name, module):
+        if "experts" in name:
+            return fp8fn.NVFP4Scaling()
+        return None if name.endswith(("gate.weight", "lm_head")) else fp8fn.DelayedScaling()
+
+    fn = fp8fn.transform(build("mixtral"), recipe)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the routers chosen out (asked with the weight's name)
+        fn.init(batch())
+    lines = fn.summary().splitlines()
+    assert lines[0] == (
+        "float8: 6,144 of 57,600 matmul weight elements (10.7%); NVFP4 (4-bit): 49,152 (85.3%)"
+    )
+    row = next(r for r in lines if r.startswith("model.layers.1.mlp.experts.down_proj "))
+    assert row.split()[1:] == ["8,192", "14.2%", "NVFP4", "NVFP4Scaling,", "per", "expert"]
 
 
 def test_routers_chosen_out_are_not_reported():
@@ -91,6 +116,17 @@ def test_routers_chosen_out_are_not_reported():
         warnings.simplefilter("error")
         fn.init(batch())
     assert "(F.linear; chosen)" in fn.summary()
+
+
+def test_no_converted_layer_names_experts_weights_and_what_filter_fn_is_asked():
+    # filter_fn rejecting the module path of the experts: their weights are asked by name
+    model = build("qwen3_moe")
+    with pytest.warns(
+        UserWarning,
+        match=r"no layer was converted.*experts weights \(3-D.*with the weight's name for an "
+        r"experts weight \(e.g. 'model.layers.0.mlp.experts.gate_up_proj'",
+    ):
+        fp8fn.transform(model, fp8fn.DelayedScaling(), filter_fn=lambda n, m: n.endswith("experts"))
 
 
 def test_flatten_names_experts_and_resume_is_bit_identical(tmp_path):
@@ -398,42 +434,36 @@ class _Routed(nn.Module):
 
 
 def test_routers_and_gates_next_to_experts_stay_in_high_precision():
-    """Qwen2-MoE's `shared_expert_gate` `nn.Linear(32, 1)` and a user router `nn.Linear(32, 4)`
-    next to 4 experts: high precision by default, listed as router or gate, not warned about; a
-    dense `nn.Linear(24, 1)` elsewhere runs in float8; reported with the routers that call
-    `F.linear` themselves; a recipe function chooses for them."""
+    """Qwen2-MoE's routers (`mlp.gate`, calling `F.linear` on their own weight) and
+    `shared_expert_gate` `nn.Linear(32, 1)`, and a user router `nn.Linear(32, 4)`, next to 4
+    experts: high precision by default, listed as router or gate, not warned about (nothing to
+    act on); a dense `nn.Linear(24, 1)` elsewhere runs in float8; `filter_fn` choosing them out
+    lists them as chosen; a recipe function chooses for them."""
     model = build("qwen2_moe")
     fn = fp8fn.transform(model, fp8fn.DelayedScaling())
-    with pytest.warns(UserWarning) as record:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         fn.init(batch())
-    (warned,) = [str(w.message) for w in record]
-    assert "4 weight(s)" in warned and "'model.layers.0.mlp.gate.weight' (F.linear)" in warned
-    assert "'model.layers.1.mlp.shared_expert_gate.weight' (F.linear; router or gate)" in warned
-    assert not any("shared_expert_gate" in n for n in fn.layers)
-    row = next(
-        r
-        for r in fn.summary().splitlines()
-        if r.startswith("model.layers.1.mlp.shared_expert_gate.weight ")
-    )
-    assert row.endswith("high precision (F.linear; router or gate; not converted)")
-    quiet = fp8fn.transform(
+    assert not any(n.endswith(("mlp.gate", "shared_expert_gate")) for n in fn.layers)
+    rows = {r.split()[0]: r for r in fn.summary().splitlines()[2:]}
+    for name in ("model.layers.1.mlp.shared_expert_gate.weight", "model.layers.0.mlp.gate.weight"):
+        assert rows[name].endswith("high precision (F.linear; router or gate, by default)")
+    chosen_out = fp8fn.transform(
         model,
         fp8fn.DelayedScaling(),
         filter_fn=lambda name, module: not name.endswith(("mlp.gate.weight", "shared_expert_gate")),
     )
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        quiet.init(batch())
+    chosen_out.init(batch())
+    rows = {r.split()[0]: r for r in chosen_out.summary().splitlines()[2:]}
+    for name in ("model.layers.1.mlp.shared_expert_gate.weight", "model.layers.0.mlp.gate.weight"):
+        assert rows[name].endswith("high precision (F.linear; chosen)")
     chosen = fp8fn.transform(model, lambda name, module: fp8fn.DelayedScaling())
     assert "model.layers.0.mlp.shared_expert_gate" in chosen.layers
 
     routed = _Routed()
     fn = fp8fn.transform(routed, fp8fn.CurrentScaling())
-    with pytest.warns(
-        UserWarning,
-        match=r"1 weight\(s\).*'block.router.weight' \(F.linear; "
-        r"router or gate\)",
-    ):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         fn.init(torch.randn(20, 32))
     assert fn.layers == ["head", "block.w"]
     x = torch.randn(20, 32)

@@ -120,7 +120,6 @@ def test_notebook_is_saved_with_its_outputs(path):
 def test_notebook_executes_from_a_clean_state_to_its_saved_outputs(path, monkeypatch):
     saved = _texts(nbformat.read(path, as_version=4))
     monkeypatch.setenv("MPLBACKEND", "Agg")  # no figures needed here
-    monkeypatch.setenv("OMP_NUM_THREADS", run.THREADS)  # execute sets it; this restores it
     nb = run.execute(path)
     errors = [o for c in _code_cells(nb) for o in c.outputs if o.output_type == "error"]
     assert not errors
@@ -128,6 +127,14 @@ def test_notebook_executes_from_a_clean_state_to_its_saved_outputs(path, monkeyp
         i: diff for i, (a, b) in enumerate(zip(saved, _texts(nb))) if (diff := _differences(a, b))
     }
     assert not drift, f"outputs differ from the saved ones by code cell: {drift}"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_first_cell_sets_what_its_numbers_depend_on(path):
+    # A reader's kernel, whatever its OMP_NUM_THREADS, prints the saved numbers.
+    first = _code_cells(nbformat.read(path, as_version=4))[0].source.splitlines()
+    assert "torch.manual_seed(0)" in [line.partition("  #")[0] for line in first]
+    assert "torch.set_num_threads(1)" in [line.partition("  #")[0] for line in first]
 
 
 def test_readme_quickstart_is_notebook_01s_first_cells():

@@ -53,7 +53,15 @@ def test_value_and_grad_has_aux_and_argnums():
     with pytest.raises(ValueError, match=want):
         fp8fn.value_and_grad(loss_of(fn), argnums=5)(params, state, x)
     with pytest.raises(ValueError, match=r"expected `f` to return a scalar tensor"):
-        fp8fn.value_and_grad(lambda p, s, x: fn.apply(p, s, x))(params, state, x)
+        fp8fn.value_and_grad(lambda p, s, x: fn.apply(p, s, x), argnums=0)(params, state, x)
+    # argnums left out with a state: refused, naming the order of what comes back
+    want = (
+        r"^fp8fn\.value_and_grad: expected `argnums` to include argument 1, an fp8fn\.State, .*"
+        r"`loss, \(grads, obs\) = fp8fn\.value_and_grad\(f, argnums=\(0, 1\)\)\(\.\.\.\)`: the "
+        r"value first, .*`\(\(grads, obs\), loss\)`"
+    )
+    with pytest.raises(ValueError, match=want):
+        fp8fn.value_and_grad(loss_of(fn))(params, state, x)
     with pytest.raises(TypeError, match=r"pytree of floating tensors, got a leaf torch.int64"):
         fp8fn.value_and_grad(lambda i: i.sum())(torch.arange(3))
 

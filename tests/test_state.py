@@ -121,6 +121,25 @@ def test_dropping_the_result_of_update_warns():
         fn.apply(params, new, x)
 
 
+def test_two_runs_from_one_initial_state_do_not_warn():
+    # an A/B comparison (or a re-run notebook cell): each run keeps its updates
+    fn, params, x = _setup()
+    finals = []
+    for initial in (fn.init(x), _warm(fn, params, x)):  # fresh from init, or updated once
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for scale in (1.0, 2.0):  # two experiments from `initial`, from other weights
+                state, weights = initial, {k: v * scale for k, v in params.items()}
+                for _ in range(3):
+                    obs = torch.func.grad(loss_of(fn), argnums=1)(weights, state, x)
+                    state = fp8fn.update(state, obs)
+                finals.append(state)
+    assert not torch.equal(finals[0].scale, finals[1].scale)
+    fp8fn.update(finals[-1], obs)  # a dropped result still warns
+    with pytest.warns(UserWarning, match=r"fp8fn.apply: this state was already updated"):
+        fn.apply(params, finals[-1], x)
+
+
 def test_site_order_follows_the_module_tree_not_the_example():
     class Experts(nn.Module):
         """An MoE-like model: which experts run depends on the data."""

@@ -72,7 +72,7 @@ def observations(state: State) -> State:
     return state._replace(amax_history=grad, scale=torch.zeros_like(state.scale), key=key)
 
 
-def value_and_grad(f, argnums=0, has_aux=False):
+def value_and_grad(f, argnums=None, has_aux=False):
     """`f`'s value and its gradient with respect to the arguments `argnums`, JAX style.
 
     Like `torch.func.grad_and_value` (value first, as in `jax.value_and_grad`), but built on
@@ -83,7 +83,9 @@ def value_and_grad(f, argnums=0, has_aux=False):
     Args:
       f: a function returning a scalar tensor (or `(scalar, aux)` with `has_aux=True`).
       argnums: an int or a tuple of ints: the arguments (pytrees of floating tensors) to
-        differentiate.
+        differentiate. Left out: 0, unless another positional argument is an `fp8fn.State` with
+        sites, which is refused (its gradient is the observation `fp8fn.update` needs: pass
+        `argnums=(0, 1)`; `argnums=0` differentiates the parameters only).
       has_aux: whether `f` returns `(value, aux)`.
 
     Returns:
@@ -101,7 +103,8 @@ def value_and_grad(f, argnums=0, has_aux=False):
       >>> value, (grads, obs) = fp8fn.value_and_grad(loss, argnums=(0, 1))(params, state, x)
       >>> state = fp8fn.update(state, obs)
     """
-    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    single = argnums is None or isinstance(argnums, int)
+    nums = (0,) if argnums is None else (argnums,) if single else tuple(argnums)
     if not nums or not all(isinstance(i, int) and not isinstance(i, bool) for i in nums):
         raise TypeError(
             f"fp8fn.value_and_grad: expected `argnums` an int or a tuple of ints, got {argnums!r}."
@@ -124,6 +127,8 @@ def value_and_grad(f, argnums=0, has_aux=False):
                 "call the function itself under torch.no_grad()."
             )
         args = list(args)
+        if argnums is None:
+            _refuse_undifferentiated_state(args)
         specs = []
         for i in nums:
             if not -len(args) <= i < len(args):
@@ -162,8 +167,24 @@ def value_and_grad(f, argnums=0, has_aux=False):
         flat = [t for leaves, _ in specs for t in leaves]
         grads = iter(torch.autograd.grad(value, flat, allow_unused=True, materialize_grads=True))
         trees = tuple(tree_unflatten([next(grads) for _ in ls], sp) for ls, sp in specs)
-        result = trees[0] if isinstance(argnums, int) else trees
+        result = trees[0] if single else trees
         value = value.detach()
         return ((value, aux) if has_aux else value), result
 
     return wrapped
+
+
+def _refuse_undifferentiated_state(args: list) -> None:
+    """`fp8fn.value_and_grad` with `argnums` left out: refuse an `fp8fn.State` (with sites) among
+    the positional arguments after the first, whose observation would not be computed."""
+    for i, arg in enumerate(args[1:], start=1):
+        if isinstance(arg, State) and len(arg):
+            raise ValueError(
+                f"fp8fn.value_and_grad: expected `argnums` to include argument {i}, an "
+                "fp8fn.State, got `argnums` left out (0: the first argument only), so its "
+                "observation, the gradient that fp8fn.update needs, is not computed. Use "
+                f"`loss, (grads, obs) = fp8fn.value_and_grad(f, argnums=(0, {i}))(...)`: the "
+                "value first, as jax.value_and_grad (torch.func.grad_and_value returns "
+                "`((grads, obs), loss)`). To differentiate the parameters only, pass "
+                "`argnums=0`."
+            )

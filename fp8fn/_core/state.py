@@ -566,19 +566,33 @@ def check_scales(api: str, scale: torch.Tensor, name: str = "state") -> None:
     mark_valid(base)
 
 
-# History tensors of states that `update` has made a newer state from.
+# History tensors of states that `update` has made a newer state from: True once a newer
+# state was used (`observe`, `apply`), False while none was.
 _SUPERSEDED = WeakIdKeyDictionary()
+# The history tensor of the state each `update` result was made from (a weak reference).
+_PREDECESSOR = WeakIdKeyDictionary()
 
 
-def supersede(state: State) -> None:
-    """Note that `fp8fn.update` made a newer state from `state` (see `warn_if_superseded`)."""
-    _SUPERSEDED[unwrapped(state.amax_history)] = True
+def supersede(state: State, new: State) -> None:
+    """Note that `fp8fn.update` made `new` from `state` (see `warn_if_superseded`)."""
+    old = unwrapped(state.amax_history)
+    if old not in _SUPERSEDED:
+        _SUPERSEDED[old] = False
+    _PREDECESSOR[unwrapped(new.amax_history)] = weakref.ref(old)
 
 
 def warn_if_superseded(api: str, state: State) -> None:
-    """Warn when `state` was already updated: the loop kept the old state and dropped the
-    result of `fp8fn.update`, so its scales never move (the classic slip)."""
-    if not torch.compiler.is_compiling() and unwrapped(state.amax_history) in _SUPERSEDED:
+    """Warn when `state` was already updated and no state that `update` made from it was used:
+    the loop kept the old state and dropped the result of `fp8fn.update`, so its scales never
+    move (the classic slip). Two experiments from one initial state (an A/B comparison, a
+    re-run notebook cell) are not warned about: the first one used the result of its update."""
+    if torch.compiler.is_compiling():
+        return
+    history = unwrapped(state.amax_history)
+    old = _PREDECESSOR.get(history)
+    if old is not None and old() is not None:
+        _SUPERSEDED[old()] = True  # its update's result was kept and used
+    if _SUPERSEDED.get(history) is False:
         warnings.warn(
             f"fp8fn.{api}: this state was already updated by fp8fn.update, which returned a new "
             "state, and is used again: its scales never move. Keep the result: "
@@ -599,7 +613,8 @@ def warn_if_never_updated(api: str, state: State, params: dict) -> None:
     A step is told from the next by the values of the parameters (the first 64 of the first
     one, a plain tensor): microbatches of one step, or two routes compared on the same
     parameters, see the same values and are not warned about. Only a state fresh from `init`
-    is checked (a host read from its second observation on), and each warns once.
+    that `update` never advanced is checked (a host read from its second observation on; a
+    second experiment from an updated initial state is not), and each warns once.
     """
     history = state.amax_history
     if torch.compiler.is_compiling() or not (torch.is_grad_enabled() and params):
@@ -608,6 +623,8 @@ def warn_if_never_updated(api: str, state: State, params: dict) -> None:
     record = _NEVER_UPDATED.get(unwrapped(source))
     if record is None or record.get("warned") or not differentiated(history):
         return
+    if unwrapped(source) in _SUPERSEDED:
+        return  # `update` advanced it: a second run from one initial state
     param = unwrapped(next(iter(params.values())))
     if type(param) not in (torch.Tensor, torch.nn.Parameter) or param.device.type == "meta":
         return  # (a DTensor shard, a subclass: not worth a collective)

@@ -127,7 +127,7 @@ def update(state: State, obs: State) -> State:
         mark_valid(scale)
         if key is not None:
             mark_key_valid(key)
-        supersede(state)
+        supersede(state, new)
     return new
 
 

@@ -1,37 +1,48 @@
 """What runs in float8: the model's matmul weights (every weight of 2 or more dims that a GEMM
-used while `fn.init` ran, and every chosen layer's), each in float8 or not, with its share;
-the report of the weights that stay in high precision though nothing chose so."""
+used while `fn.init` ran, and every chosen layer's), each in its format (float8, NVFP4) or
+high precision, with its share; the report of the weights that stay in high precision though
+nothing chose so (routers and gates next to experts are high precision by default: not
+reported)."""
 
 from __future__ import annotations
 
 import warnings
 
+from torch import nn
+
+from .._core.recipes import NVFP4Scaling
 from .experts import owner_of
 from .layers import _is_linear_weight, _linear_base
 
+LOW = ("float8", "NVFP4")  # the formats a converted weight's GEMMs run in, as the rows name them
+ROUTER = "router or gate, by default"
+
+
+def _format(recipe) -> str:
+    """How a weight converted with `recipe` runs: "NVFP4" (4-bit E2M1 blocks) or "float8"."""
+    return "NVFP4" if isinstance(recipe, NVFP4Scaling) else "float8"
+
 
 def _rows(transformed, weights: dict) -> list[tuple[str, int, str]]:
-    """`[(weight name, elements, how it runs)]`, float8 first, in module order."""
+    """`[(weight name, elements, how it runs)]`, float8 and NVFP4 first, in module order."""
     params = dict(transformed.module.named_parameters())
-    how = {m.weight: f"float8 {type(m.recipe).__name__}" for m in transformed._layers}
+    how = {m.weight: f"{_format(m.recipe)} {type(m.recipe).__name__}" for m in transformed._layers}
     for entry in transformed._experts:
         if entry.path in transformed._confirmed:
-            how[entry.path] = f"float8 {type(entry.recipe).__name__}, per expert"
+            recipe = entry.recipe
+            how[entry.path] = f"{_format(recipe)} {type(recipe).__name__}, per expert"
     for name, op in weights.items():
         if name not in how and name in params:
             chosen = "chosen" if _chosen_out(transformed, name) else "not converted"
             layer = name.rpartition(".")[0]
             if layer in transformed._gates:  # left out by default: reported as the routers
                 sub = transformed.module.get_submodule(layer)
-                chosen = (
-                    "chosen"
-                    if transformed._chosen(layer, sub) is None
-                    else ("router or gate; not converted")
-                )
+                asked = layer if isinstance(sub, nn.Linear) else name  # as `filter_fn` is asked
+                chosen = "chosen" if transformed._chosen(asked, sub) is None else ROUTER
             how[name] = "float8" if op is None else f"high precision ({op}; {chosen})"
     order = {n: i for i, n in enumerate(params)}
     rows = [(n, params[n].numel(), h) for n, h in how.items() if n in params]
-    return sorted(rows, key=lambda r: (not r[2].startswith("float8"), order[r[0]]))
+    return sorted(rows, key=lambda r: (not r[2].startswith(LOW), order[r[0]]))
 
 
 def _chosen_out(transformed, name: str) -> bool:
@@ -55,18 +66,20 @@ def summarize(transformed, weights: dict) -> str:
     rows = _rows(transformed, weights)
     total = sum(n for _, n, _ in rows)
     fp8 = sum(n for _, n, h in rows if h.startswith("float8"))
+    fp4 = sum(n for _, n, h in rows if h.startswith("NVFP4"))
+    head = f"float8: {fp8:,} of {total:,} matmul weight elements ({_share(fp8, total)})"
+    if fp4:  # 4-bit weights are not counted as float8
+        head += f"; NVFP4 (4-bit): {fp4:,} ({_share(fp4, total)})"
     width = max([len(n) for n, _, _ in rows] + [6])
-    lines = [
-        f"float8: {fp8:,} of {total:,} matmul weight elements ({_share(fp8, total)})",
-        f"{'weight':<{width}}  {'elements':>12}  {'share':>6}  runs",
-    ]
+    lines = [head, f"{'weight':<{width}}  {'elements':>12}  {'share':>6}  runs"]
     lines += [f"{n:<{width}}  {k:>12,}  {_share(k, total):>6}  {h}" for n, k, h in rows]
     return "\n".join(lines)
 
 
 def report_high_precision(transformed, weights: dict) -> bool:
     """Warn (once: returns True when it did) about the weights whose GEMMs ran in high
-    precision during `init` though neither `filter_fn` nor a recipe of None chose so."""
+    precision during `init` though neither `filter_fn` nor a recipe of None chose so, and that
+    are not routers or gates next to experts (high precision by default, nothing to act on)."""
     rows = _rows(transformed, weights)
     total = sum(n for _, n, _ in rows)
     silent = [(n, k, h) for n, k, h in rows if h.endswith("not converted)")]
@@ -80,7 +93,7 @@ def report_high_precision(transformed, weights: dict) -> bool:
         f"fp8fn.init: {len(silent)} weight(s) run their GEMMs in high precision, {share} of the "
         f"model's matmul weights: {named}. fp8fn converts nn.Linear, HF Conv1D, "
         "nn.MultiheadAttention and experts weights (3-D, in F.linear, matmul, bmm and "
-        "grouped_mm forms); a module that calls F.linear itself (a router) is not converted. "
+        "grouped_mm forms); a module that calls F.linear on its own weight is not converted. "
         "`fn.summary()` lists them all. To keep them in high precision without this warning, "
         "have `filter_fn` return False (or the recipe function None) for these names.",
         stacklevel=3,

@@ -128,26 +128,28 @@ def find_experts(module, choose) -> list[_Experts]:
 
 
 def find_gates(module, experts: list[_Experts]) -> set[str]:
-    """The paths of the routers and gates next to `experts`: the `nn.Linear` (or subclass)
-    direct children of the module holding an experts weight, or, when it has none, of that
-    module's parent (transformers' `mlp` holding `experts`, `gate`, `shared_expert_gate`), with
-    `out_features` at most that weight's number of experts E (a router scores the E experts; a
-    gate such as Qwen2-MoE's `shared_expert_gate` gives 1 output). Their GEMMs are tiny and
-    decide which experts run, so they stay in high precision by default."""
+    """The paths of the routers and gates next to `experts`: the direct children with a 2-D
+    `weight` (an `nn.Linear`, or a router that calls `F.linear` on its own weight, as
+    transformers' `*TopKRouter`) of the module holding an experts weight, or, when it has none,
+    of that module's parent (transformers' `mlp` holding `experts`, `gate`,
+    `shared_expert_gate`), with at most that weight's number of experts E outputs (rows of
+    `weight`: a router scores the E experts; a gate such as Qwen2-MoE's `shared_expert_gate`
+    gives 1 output). Their GEMMs are tiny and decide which experts run, so they stay in high
+    precision by default."""
     gates = set()
 
-    def linear_children(path):
+    def weighted_children(path):
         prefix = f"{path}." if path else ""
         return [
             (prefix + n, c)
             for n, c in module.get_submodule(path).named_children()
-            if isinstance(c, nn.Linear)
+            if isinstance(getattr(c, "weight", None), torch.Tensor) and c.weight.dim() == 2
         ]
 
     for entry in experts:
         owner_path = entry.path.rpartition(".")[0]
-        near = linear_children(owner_path) or linear_children(owner_path.rpartition(".")[0])
-        gates.update(n for n, c in near if c.out_features <= entry.experts)
+        near = weighted_children(owner_path) or weighted_children(owner_path.rpartition(".")[0])
+        gates.update(n for n, c in near if c.weight.shape[0] <= entry.experts)
     return gates
 
 

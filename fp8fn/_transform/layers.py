@@ -162,8 +162,12 @@ def _find_layers(module, recipe, filter_fn, warn=True, gates=frozenset()) -> lis
     if not layers and warn:
         warnings.warn(
             "fp8fn.transform: no layer was converted to float8, so the model runs entirely in "
-            "high precision. fp8fn converts nn.Linear, HF Conv1D and nn.MultiheadAttention's "
-            "projections, chosen by `filter_fn` and given a recipe.",
+            "high precision. fp8fn converts nn.Linear, HF Conv1D, nn.MultiheadAttention's "
+            "projections and experts weights (3-D parameters that reach a GEMM), chosen by "
+            "`filter_fn` and given a recipe. `filter_fn(name, module)` is asked with a layer's "
+            "path for a layer (e.g. 'model.layers.0.mlp.down_proj') and with the weight's name "
+            "for an experts weight (e.g. 'model.layers.0.mlp.experts.gate_up_proj', `module` "
+            "its owner).",
             stacklevel=4,
         )
     return layers
