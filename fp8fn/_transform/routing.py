@@ -10,7 +10,7 @@ from torch.overrides import TorchFunctionMode
 
 from .._core.checks import check_dtypes, check_operands
 from .._core.recipes import DelayedScaling, NVFP4Scaling
-from .._core.state import site_name
+from .._core.state import known_filled, site_name
 from .._ops.gemm import resolve_backend
 from .._ops.grouped import grouped_mm
 from .._ops.linear import fp8_linear
@@ -378,9 +378,10 @@ class _Call(TorchFunctionMode):
                     "that call it as often."
                 )
             if self._rows is None:  # split once: the backward gathers all sites in one stack
-                self._rows = (self._newest_rows().unbind(0), self.state.scale.unbind(0))
-            newest, stored = self._rows[0][i], self._rows[1][i]
-            filled = self.state.site_filled(i)
+                filled = known_filled(self.state)
+                self._rows = (self._newest_rows().unbind(0), self.state.scale.unbind(0), filled)
+            newest, stored, filled = self._rows[0][i], self._rows[1][i], self._rows[2]
+            filled = None if filled is None else filled[3 * i : 3 * i + 3]
         check_operands(api, x, weight, bias)
         check_dtypes(api, x, weight, bias)  # the module's rules
         if sharded_operands(x, weight):  # functional FSDP, tensor parallel
