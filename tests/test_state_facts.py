@@ -156,3 +156,57 @@ def test_a_key_changed_in_place_after_update_is_checked_again(change):
         fp8fn.update(state, obs)
     with pytest.raises(ValueError, match=message.format("fold_in")):
         fp8fn.fold_in(state, 1)
+
+
+def _optim_step(fn, state, x, params):
+    observed = fp8fn.observe(state)
+    _loss(fn)(params, observed, x).backward()
+    return observed
+
+
+@pytest.mark.parametrize(
+    "detached",
+    [
+        lambda m: {k: v.detach() for k, v in m.named_parameters()},
+        lambda m: m.state_dict(),
+        lambda m: {**dict(m.named_parameters()), "2.weight": m[2].weight.detach()},
+    ],
+    ids=["detach", "state_dict", "one_detached"],
+)
+def test_the_torch_optim_loop_refuses_detached_parameters(detached):
+    """Detached copies of trainable parameters in a plain autograd loop: `backward()` would
+    succeed on the observed state alone and the optimizer get no gradient (0.4: silently)."""
+    fn, _, x = _mlp()
+    model = fn.module
+    state = fn.init(x)
+    with pytest.raises(ValueError, match=r"^fp8fn\.apply: `loss\.backward\(\)` of a forward on"):
+        _optim_step(fn, state, x, detached(model))
+    observed = _optim_step(fn, state, x, dict(model.named_parameters()))  # the fix
+    assert all(p.grad is not None for p in model.parameters())
+    fp8fn.update(state, fp8fn.observations(observed))
+
+
+def test_observations_alone_may_be_taken_with_detached_parameters():
+    """`torch.autograd.grad` of the observed history (no `.grad` for an optimizer), or a
+    frozen model (calibration): nothing to train, nothing refused; the same observation."""
+    fn, params, x = _mlp()
+    state = fn.init(x)
+    want = _func_route(fn, params, state, x)[2]
+    observed = fp8fn.observe(state)
+    detached = {k: v.detach() for k, v in params.items()}
+    (got,) = torch.autograd.grad(_loss(fn)(detached, observed, x), observed.amax_history)
+    assert torch.equal(got, want.amax_history)
+    fn.module.requires_grad_(False)
+    observed = _optim_step(fn, state, x, fn.module.state_dict())
+    assert torch.equal(fp8fn.observations(observed).amax_history, want.amax_history)
+
+
+def test_update_refuses_the_observed_state_for_its_observation():
+    """`fp8fn.update(state, observed)`: the observed copy holds the state's values, so 0.4 took
+    it as an observation of nothing and delayed scaling never started (0 of 1,200 entries)."""
+    fn, params, x = _mlp()
+    state = fn.init(x)
+    observed = _optim_step(fn, state, x, params)
+    with pytest.raises(ValueError, match=r"fp8fn\.observations\(observed\)\)`\.$"):
+        fp8fn.update(state, observed)
+    assert fp8fn.update(state, fp8fn.observations(observed)).filled == (True,) * 6

@@ -104,6 +104,14 @@ def update(state: State, obs: State) -> State:
             "`grads, obs = torch.func.grad(loss_fn, argnums=(0, 1))(params, state, ...)`."
         )
     _check_pair("update", state, obs, "state", "obs")
+    observed = obs.amax_history.requires_grad and obs.amax_history.is_leaf
+    if observed and functorch_level() is None:
+        raise ValueError(
+            "fp8fn.update: expected `obs` an observation, got a state whose `amax_history` is "
+            "a leaf that requires grad: the observed state that fp8fn.observe made for the "
+            "forward, whose values are the state's (delayed scaling would never start). Pass "
+            "its observation: `state = fp8fn.update(state, fp8fn.observations(observed))`."
+        )
     check_scales("update", state.scale)
     if state.key is not None:
         check_key("update", state.key)

@@ -25,6 +25,7 @@ from torch import nn
 
 from .._core.checks import check_function, init_error
 from .._core.keys import initial_key, seed_key
+from .._core.observe import refuse_untrained_backward
 from .._core.recipes import RECIPES, DelayedScaling, NVFP4Scaling
 from .._core.state import (
     State,
@@ -504,6 +505,7 @@ class Transformed:
         check_scales("apply", state.scale)
         warn_if_superseded("apply", state)
         warn_if_never_updated("apply", state, params)
+        refuse_untrained_backward(params, self._slots.held, state)
         if self._ddp_param is not None and torch.is_grad_enabled():
             name, own = self._ddp_param
             if params.get(name, own) is not own:
