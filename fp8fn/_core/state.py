@@ -26,6 +26,7 @@ from .._torch_private import (
 )
 from .keys import check_key
 from .marks import FILLED, VALID_SCALES
+from .moved import register_moved
 from .recipes import RECIPES, DelayedScaling
 
 ROLES = ("input", "weight", "grad_output")
@@ -304,9 +305,8 @@ def _register(cls, leaves, static, make_from=None):
 
 # The public types pickle as `fp8fn.State` (not this module's path), so that a saved state
 # survives a reorganisation of the private modules; states saved by 0.3 name them by the module
-# they then lived in, and load through these aliases.
-for _cls in (ScaleState, SiteState, State):
-    _cls.__module__ = "fp8fn"
+# they then lived in, and load through its alias on both load paths.
+register_moved("fp8fn._state", (ScaleState, SiteState, State))
 
 
 class _TreeContext:
@@ -336,9 +336,6 @@ _register(
     lambda values, aux, key: State(*values, *aux.static, key=key, filled=aux.filled),
 )
 _register(SiteState, ("amax_history", "scale"), lambda s: s.static)
-torch.serialization.add_safe_globals(
-    [(State, "fp8fn._state.State"), (SiteState, "fp8fn._state.SiteState")]
-)
 
 
 def site_name(path: str, k: int) -> str:
