@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.parameter import is_lazy
 from torch.overrides import TorchFunctionMode
 
 from .._core.checks import check_dtypes, check_operands
@@ -120,7 +121,7 @@ class _Call(TorchFunctionMode):
         self._names = None
         if state is None:  # discovering: every weight that may reach a GEMM, by identity
             given = {**dict(transformed.module.named_parameters()), **tensors}
-            self._names = {id(t): n for n, t in given.items() if t.dim() >= 2}
+            self._names = {id(t): n for n, t in given.items() if is_lazy(t) or t.dim() >= 2}
         # (layer, weight, bias): what each layer runs with
         self._entries = [(layer, *layer.own(tensors)) for layer in transformed._layers]
         self._by_weight = None  # {id(weight): entries}; None while compiling (see _layer_of)
