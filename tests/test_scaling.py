@@ -598,9 +598,9 @@ def test_a_steady_state_step_reads_no_tensor_value_on_the_host(step):
 
 class _IdleExpertMoE(torch.nn.Module):
     """A Linear(16, 32), then 3 experts `(3, 16, 32)` with fixed routing: the first half of the
-    rows to expert 0, the second to expert 2; expert 1 never receives a token (its input and grad_output histories
-    stay empty). `form`: F.linear on `W[e]`, `torch.bmm` over all experts (the idle one on zero
-    rows), or `torch._grouped_mm` with offsets."""
+    rows to expert 0, the second to expert 2; expert 1 never receives a token (its input and
+    grad_output histories stay empty). `form`: F.linear on `W[e]`, `torch.bmm` over all
+    experts (the idle one on zero rows), or `torch._grouped_mm` with offsets."""
 
     def __init__(self, form):
         super().__init__()
