@@ -63,6 +63,20 @@ _TRANSPOSES = (
     torch.swapdims,
 )
 _FLIPS = (torch.Tensor.t, torch.t, torch.Tensor.T.__get__, torch.Tensor.mT.__get__)
+# Copies of a tensor, whatever their dtype, device or layout: a copy of a weight is the weight.
+COPIES = (
+    torch.Tensor.to,
+    torch.Tensor.type,
+    torch.Tensor.float,
+    torch.Tensor.double,
+    torch.Tensor.bfloat16,
+    torch.Tensor.half,
+    torch.Tensor.clone,
+    torch.clone,
+    torch.Tensor.contiguous,
+    torch.Tensor.detach,
+    torch.detach,
+)
 DERIVING = (
     torch.Tensor.__getitem__,
     torch.Tensor.select,
