@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .._torch_private import tracked_below
+from .._torch_private import functorch_level, tracked_below
 from .first_order import HIGHER_ORDER, BackwardOnly, refuse
 
 SHARED_STATE = (
@@ -57,5 +57,8 @@ _EachMember.vmap = vmap_per_member(_EachMember)
 
 
 def each_member(fn, *tensors):
-    """`fn(*tensors)` (a tuple of tensors and Nones), run once per member under vmap."""
+    """`fn(*tensors)` (a tuple of tensors and Nones), run once per member under vmap (outside
+    torch.func's transforms a plain call: what torch.compile traces)."""
+    if functorch_level() is None:
+        return fn(*tensors)
     return _EachMember.apply(fn, *tensors)

@@ -270,7 +270,9 @@ class Transformed:
         swaps in its own tensors for its forward (FSDP2's unsharded weights). None if none."""
         if not isinstance(weight, torch.Tensor):
             return None
-        held = self._held.get(id(weight))
+        # (compiling: no lookup by `id`, on which dynamo would guard: a recompile per step of
+        # new weights; the layers are compared with `is`)
+        held = None if torch.compiler.is_compiling() else self._held.get(id(weight))
         if held is not None and held[0]() is weight and held[1].holds(weight):
             layer = held[1]
         else:
