@@ -210,3 +210,15 @@ def test_update_refuses_the_observed_state_for_its_observation():
     with pytest.raises(ValueError, match=r"fp8fn\.observations\(observed\)\)`\.$"):
         fp8fn.update(state, observed)
     assert fp8fn.update(state, fp8fn.observations(observed)).filled == (True,) * 6
+
+
+def test_update_refuses_the_state_itself_as_its_observation_even_when_empty():
+    """`update(state, state)` on a state fresh from `init`: its histories are zeros, so the
+    in-graph check of older entries passes; the identity check must refuse it (a surviving
+    mutant of the audit: nothing else sees it)."""
+    fn, params, x = _mlp()
+    state = fn.init(x)
+    with pytest.raises(ValueError, match=r"^fp8fn\.update: expected `obs` an observation"):
+        fp8fn.update(state, state)
+    with pytest.raises(ValueError, match=r"^fp8fn\.update: expected `obs` an observation"):
+        fp8fn.update(state, state._replace(scale=state.scale.clone()))  # its history, other scales

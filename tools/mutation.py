@@ -513,6 +513,28 @@ MUTATIONS += [
 # Issue 38: the grouped (experts) op, the filled fast path and its marks, copies of weights.
 MUTATIONS += [
     Mutation(
+        "amax-large-positive-only",
+        "the large-tensor amax takes the max, not the larger magnitude of min and max",
+        "_numerics/fp8.py",
+        (
+            (
+                "return torch.maximum(high, low.neg()).abs().float()",
+                "return high.abs().float()",
+            ),
+        ),
+    ),
+    Mutation(
+        "inplace-cast-inf-saturates",
+        "the in-place cast (64K elements and more) clamps inf to +-max",
+        "_numerics/fp8.py",
+        (
+            (
+                "hp32.nan_to_num_(nan=nan, posinf=nan, neginf=nan).clamp_(",
+                "hp32.nan_to_num_(nan=nan).clamp_(",
+            ),
+        ),
+    ),
+    Mutation(
         "grouped-e4m3-grad-output",
         "the grouped op casts the output gradient to e4m3",
         "_ops/grouped.py",
