@@ -106,15 +106,23 @@ def _lm_loss(apply):
     return lambda p, s, ids: apply(p, s, ids, labels=ids).loss
 
 
+# Compiled, transformers' "eager" experts implementation raises torch's TypeError ("arange()
+# received ... device=torch.Size": `inputs_embeds.device` read as a shape in the model's
+# forward) with fp8fn 0.4 as now, whatever the backend (seen on Mixtral): not fixed here.
+EAGER_EXPERTS_BUG = pytest.mark.xfail(
+    raises=TypeError, strict=True, reason="compiled eager experts: TypeError (0.4 too)"
+)
 MOE = [
-    (arch, impl)
+    pytest.param(
+        arch, impl, marks=EAGER_EXPERTS_BUG if impl == "eager" else (), id=f"{arch}-{impl}"
+    )
     for arch in ("mixtral", "qwen3_moe", "olmoe", "gpt_oss", "qwen2_moe", "deepseek_v3")
     for impl in ("eager", "batched_mm", "grouped_mm")
-] + [("llama4", "bmm")]
+] + [pytest.param("llama4", "bmm", id="llama4-bmm")]
 
 
 @pytest.mark.parametrize("route", list(ROUTES))
-@pytest.mark.parametrize(("arch", "impl"), MOE, ids=[f"{a}-{i}" for a, i in MOE])
+@pytest.mark.parametrize(("arch", "impl"), MOE)
 def test_a_transformers_moe_model_compiles_twice(arch, impl, route):
     from _moe_models import batch, build
 
