@@ -133,7 +133,9 @@ def test_benchmark_quick_run_prints_its_table(script, quick_runs):
 def test_traffic_counts_on_the_linear(quick_runs):
     """`traffic.py --quick`'s counts are deterministic: the linear's kernels and MB as measured.
     Issue 28's targets hold: delayed <= 0.75x torchao's bytes (0.67x), <= 0.85x fp8fn current's
-    (0.67x), and no more kernels than torchao (10 against 12)."""
+    (0.67x), and no more kernels than torchao (12 against 12: 0.4's 10, plus the reduction and
+    the assert that check the state's "filled" structure against its values, issue 38.1, with
+    no change in the megabytes)."""
     result = quick_runs(ROOT / "benchmarks" / "traffic.py")
     rows = {
         " ".join(line.split()[2:-4]): line.split()[-4:-2]
@@ -143,7 +145,7 @@ def test_traffic_counts_on_the_linear(quick_runs):
     assert rows == {
         "torchao tensorwise": ["12", "5.51"],
         "fp8fn current": ["14", "5.51"],
-        "fp8fn delayed": ["10", "3.67"],
+        "fp8fn delayed": ["12", "3.67"],
     }, result.stdout
 
 

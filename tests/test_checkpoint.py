@@ -525,3 +525,63 @@ def test_transform_checkpoint_under_compiled_value_and_grad_runs_blocks_eagerly(
     assert_bit_identical(got[1][1], want[1][1])  # observations: the blocks' casts ran eagerly
     for k in want[1][0]:  # the compiled head and embeddings round differently
         torch.testing.assert_close(got[1][0][k], want[1][0][k], rtol=1e-4, atol=1e-6)
+
+
+class _TopOneBlock(nn.Module):
+    """A hard top-1 router over two experts (the router's weight gets no gradient: argmax),
+    an expert no token of the batch picks, and a layer the forward never calls."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.router = nn.Linear(16, 2, bias=False)
+        self.experts = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
+        self.unused = nn.Linear(16, 16)
+
+    def forward(self, x):
+        pick = self.router(x).argmax(-1, keepdim=True)
+        pick = torch.zeros_like(pick)  # every token to expert 0: expert 1 not reached
+        return torch.where(pick == 0, self.experts[0](x), self.experts[1](x).detach())
+
+
+@pytest.mark.parametrize(
+    "recipe", [fp8fn.DelayedScaling(), fp8fn.CurrentScaling()], ids=["delayed", "current"]
+)
+def test_checkpoint_fn_gives_the_gradients_of_the_model_without_it_none_included(recipe):
+    """Plain autograd: `.grad` of every parameter exactly as without `checkpoint_fn`, None
+    where the loss does not reach it (0.4 gave zeros, and AdamW's weight decay then moved the
+    router by 2.5e-4 in one step)."""
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    grads, weights = [], []
+    for checkpoint_fn in (None, lambda name, m: isinstance(m, _TopOneBlock)):
+        model = nn.Sequential(_TopOneBlock(), nn.Linear(16, 16))
+        fn = fp8fn.transform(model, recipe, checkpoint_fn=checkpoint_fn)
+        state = fn.init(x)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        fn.apply(dict(model.named_parameters()), fp8fn.observe(state), x).square().sum().backward()
+        grads.append({k: p.grad for k, p in model.named_parameters()})
+        opt.step()
+        weights.append({k: p.detach().clone() for k, p in model.named_parameters()})
+    unreached = {"0.router.weight", "0.experts.1.weight", "0.experts.1.bias"}
+    unreached |= {"0.unused.weight", "0.unused.bias"}
+    for got in grads:  # (assert_bit_identical takes None for zeros)
+        assert {k for k, g in got.items() if g is None} == unreached
+    assert_bit_identical(grads[1], grads[0])
+    assert_bit_identical(weights[1], weights[0])
+
+
+def test_checkpoint_leaves_the_gradient_of_an_unreached_argument_none():
+    """`fp8fn.checkpoint` under `loss.backward()`: an argument the output does not reach keeps
+    `.grad` None, as without the checkpoint (0.4: zeros)."""
+    p = {k: torch.randn(4, 4).requires_grad_() for k in ("used", "unused", "argmax")}
+    x = torch.randn(2, 4)
+
+    def f(p, x):
+        pick = (x @ p["argmax"]).argmax(-1, keepdim=True).float()
+        return (torch.tanh(x @ p["used"]) * (pick + 1)).sum()
+
+    fp8fn.checkpoint(f, p, x).backward()
+    assert p["unused"].grad is None and p["argmax"].grad is None
+    want = {k: t.detach().requires_grad_() for k, t in p.items()}
+    f(want, x).backward()
+    assert torch.equal(p["used"].grad, want["used"].grad)

@@ -177,7 +177,7 @@ def test_apply_leaves_the_module_as_it_was_even_when_it_raises():
     model[0].register_forward_hook(lambda m, args, out: out)
     fn = fp8fn.transform(model, DELAYED, checkpoint_fn=lambda name, m: name == "3")
     x = torch.randn(8, 16)
-    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    params = {k: v.detach().clone().requires_grad_() for k, v in model.named_parameters()}
     state = fn.init(x)
     snapshot = _snapshot(model)
     loss_of(fn)(params, fp8fn.observe(state), x).backward()

@@ -72,8 +72,8 @@ def test_public_api_is_exactly_all():
         "checkpoint", "compute_scale", "expert_parallel", "flatten_state", "float8_all_gather",
         "fold_in",
         "init_state", "linear", "merge",
-        "observations", "observe", "optim", "stack_states", "transform", "unflatten_state", "update",
-        "value_and_grad",
+        "observations", "observe", "optim", "stack_states", "transform", "unflatten_state",
+        "update", "value_and_grad",
     ]  # fmt: skip
     assert fp8fn.__all__ == want  # sorted, no duplicates
     assert all(hasattr(fp8fn, name) for name in want)

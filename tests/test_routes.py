@@ -75,8 +75,14 @@ def test_observations_without_a_backward_names_the_fix():
         fp8fn.observations(state)  # not made with observe
 
 
+def _trainable(params):
+    """Leaves that `backward()` trains (detached copies would train nothing: refused)."""
+    return {k: v.clone().requires_grad_() for k, v in params.items()}
+
+
 def test_observe_once_before_the_loop_names_the_loop_fix():
     fn, params, state, x = _setup()
+    params = _trainable(params)
     observed = fp8fn.observe(state)  # the mistake: once, outside the loop
     loss_of(fn)(params, observed, x).backward()
     with pytest.raises(RuntimeError, match=r"Call `observed = fp8fn.observe\(state\)` inside the"):
@@ -85,6 +91,7 @@ def test_observe_once_before_the_loop_names_the_loop_fix():
 
 def test_two_backwards_of_one_forward_are_refused():
     fn, params, state, x = _setup()
+    params = _trainable(params)
     observed = fp8fn.observe(state)
     out = fn.apply(params, observed, x)
     l1, l2 = out.square().mean(), out.abs().mean()

@@ -5,6 +5,7 @@ import sys
 import optree
 import pytest
 import torch
+import torch.nn.functional as F
 from _helpers import (
     F32_MAX,
     FP8_MAX,
@@ -593,6 +594,59 @@ def test_a_steady_state_step_reads_no_tensor_value_on_the_host(step):
         new = step(fn, params, state, x)
     assert c.reads == []
     assert torch.equal(new.amax_history[..., 1:], state.amax_history[..., :-1])  # it stepped
+
+
+class _IdleExpertMoE(torch.nn.Module):
+    """A Linear(16, 32), then 3 experts `(3, 16, 32)` with fixed routing: the first half of the
+    rows to expert 0, the second to expert 2; expert 1 never receives a token (its input and
+    grad_output histories stay empty). `form`: F.linear on `W[e]`, `torch.bmm` over all
+    experts (the idle one on zero rows), or `torch._grouped_mm` with offsets."""
+
+    def __init__(self, form):
+        super().__init__()
+        torch.manual_seed(0)
+        self.form = form
+        self.proj = torch.nn.Linear(16, 32)
+        self.experts = torch.nn.Parameter(torch.randn(3, 16, 32) / 6)
+
+    def forward(self, x):
+        h, w, n = self.proj(x), self.experts, len(x) // 2
+        if self.form == "linear":
+            return torch.cat([F.linear(h[:n], w[0]), F.linear(h[n:], w[2])])
+        if self.form == "bmm":
+            rows = torch.stack([h[:n], torch.zeros_like(h[:n]), h[n:]])
+            return torch.bmm(rows, w.transpose(1, 2))[[0, 2]].flatten(0, 1)
+        offs = torch.tensor([n, n, 2 * n], dtype=torch.int32)
+        return torch._grouped_mm(h, w.transpose(-2, -1), offs=offs)
+
+
+@pytest.mark.parametrize("step", [_func_step, _autograd_step, _value_and_grad_merge_step])
+@pytest.mark.parametrize("form", ["linear", "bmm", "grouped_mm"])
+def test_a_steady_step_with_an_idle_expert_reads_nothing_from_update(form, step):
+    """An expert that never receives a token keeps empty histories: 0.4's `update` then read
+    which histories are filled at every step (one `tolist`). Now only its first
+    `FILLED_READS` updates do; the idle roles stay decided in the graph (the same bits). The
+    emulated grouped GEMM (bmm and grouped_mm forms) reads its offsets on the host (forward,
+    grad input, grad weight; `grouped_gemm.bounds`): those 3 per pass only."""
+    from fp8fn._core.update import FILLED_READS
+
+    model = _IdleExpertMoE(form)
+    fn, params = fp8fn.transform(model, fp8fn.DelayedScaling()), dict(model.named_parameters())
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    state = fn.init(x)
+    assert list(state) == ["proj", "experts[0]", "experts[1]", "experts[2]"]
+    for _ in range(FILLED_READS):
+        state = step(fn, params, state, x)
+    with CountHostReads() as c:
+        new = step(fn, params, state, x)
+    passes = 2 if step is _value_and_grad_merge_step else 1
+    offsets = 3 * passes if form != "linear" else 0  # bmm runs as the grouped op too
+    assert c.reads == ["tolist"] * offsets
+    idle = [False, form != "linear", False]  # expert 1: its weight cast unless never called
+    assert new.filled == (True,) * 3 + (True,) * 3 + tuple(idle) + (True,) * 3
+    ran = [0, 1, 3]  # every role of these rows observed: their histories moved
+    assert torch.equal(new.amax_history[ran, :, 1:], state.amax_history[ran, :, :-1])
+    assert not new.amax_history[2, [0, 2]].any()  # the idle expert's histories stay empty
 
 
 class _CastScales:

@@ -191,10 +191,14 @@ def test_observation_helper_builds_what_update_takes():
     assert new["a"].weight.amax_history.tolist() == [0.0] * 4
 
 
-def test_a_state_saved_by_0_3_loads_and_keeps_its_values():
+@pytest.mark.parametrize("weights_only", [True, False])
+def test_a_state_saved_by_0_3_loads_and_keeps_its_values(weights_only):
     """tests/data/state_v0_3.pt was written by fp8fn 0.3, whose types lived in `fp8fn._state`:
-    the private modules moved, the saved names did not, and the values come back bit for bit."""
-    saved = torch.load(Path(__file__).parent / "data" / "state_v0_3.pt", weights_only=True)
+    the private modules moved, the saved names did not, and the values come back bit for bit,
+    on both load paths (0.4: `weights_only=False`, needed by any checkpoint that also holds
+    non-tensor objects, raised ModuleNotFoundError: No module named 'fp8fn._state')."""
+    path = Path(__file__).parent / "data" / "state_v0_3.pt"
+    saved = torch.load(path, weights_only=weights_only)
     state, site, flat, nvfp4 = saved["state"], saved["site"], saved["flat"], saved["nvfp4"]
     assert type(state) is fp8fn.State and type(site) is fp8fn.SiteState
     assert list(state) == ["0", "2"] and state.static == (("0", "2"), "max", 1)
@@ -277,3 +281,32 @@ def test_init_state_takes_a_list_of_sites_not_a_str():
     with pytest.raises(TypeError, match=r"`sites` a list of str site names, got int 3\."):
         fp8fn.init_state(DELAYED, 3)
     assert fp8fn.init_state(DELAYED, ("fc" for _ in range(1))).sites == ("fc",)
+
+
+@pytest.mark.parametrize("weights_only", [True, False])
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        fp8fn.DelayedScaling(history_len=4, amax_compute="most_recent", margin=1),
+        fp8fn.CurrentScaling(),
+        fp8fn.RowwiseScaling(hp_grad_weight=True),
+        fp8fn.BlockwiseScaling(),
+        fp8fn.MXScaling(scale_rounding="floor"),
+        fp8fn.NVFP4Scaling(hadamard=False),
+    ],
+    ids=lambda r: type(r).__name__,
+)
+def test_a_recipe_saved_by_0_3_or_now_loads_on_both_paths(recipe, weights_only, monkeypatch):
+    """A checkpoint holding the recipe beside the state: 0.3 pickled recipes as
+    `fp8fn._recipe.<Name>`, now they pickle as `fp8fn.<Name>`; both load, both ways."""
+    now = io.BytesIO()
+    torch.save({"recipe": recipe}, now)
+    assert f"fp8fn\n{type(recipe).__name__}".encode() in now.getvalue()
+    monkeypatch.setattr(type(recipe), "__module__", "fp8fn._recipe")  # as 0.3 saved it
+    old = io.BytesIO()
+    torch.save({"recipe": recipe}, old)
+    monkeypatch.undo()
+    assert b"fp8fn._recipe\n" in old.getvalue()
+    for buffer in (now, old):
+        buffer.seek(0)
+        assert torch.load(buffer, weights_only=weights_only)["recipe"] == recipe

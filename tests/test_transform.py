@@ -354,6 +354,7 @@ def test_reusing_one_observed_state_is_refused_and_copies_merge_by_max():
     fn = fp8fn.transform(model, DELAYED)
     x1, x2 = torch.randn(8, 16), 3 * torch.randn(8, 16)
     params, state = _params(model), fn.init(x1)
+    params = {k: v.requires_grad_() for k, v in params.items()}  # backward() trains them
     state = _stepped(fn, params, state, x1)
 
     def two_views(p, s, x1, x2):

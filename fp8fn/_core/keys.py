@@ -8,18 +8,19 @@ all `2**52` values before one repeats. Each cast draws its bits from `(key, site
 (`_numerics.nvfp4.random_bits`); `site` is `site_id` of the call's name.
 
 A key that enters from outside (a loaded or unflattened state, a key given to `fp8fn.linear`)
-is checked once per tensor (`check_key`: a host read); keys that fp8fn makes (`fn.init`,
-`update`, `fold_in`) are valid by construction and never read.
+is checked once per tensor and version (`check_key`: a host read); keys that fp8fn makes
+(`fn.init`, `update`, `fold_in`) are valid by construction and never read, until changed in
+place (`marks.VALID_KEYS`).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.utils.weak import WeakIdKeyDictionary
 
 from .._numerics.nvfp4 import make_key, mix32
 from .._torch_private import unwrapped
+from .marks import VALID_KEYS
 
 KEY_BITS = 52  # keys are integers in [0, 2**52): float64 holds each, and each plus one, exactly
 _MASK32 = 0xFFFFFFFF
@@ -76,14 +77,10 @@ def fold_key(key: torch.Tensor, data: int) -> torch.Tensor:
     return ((lane_a << 20) | (lane_b >> 12)).to(torch.float64)
 
 
-# Key tensors known to hold valid keys (made by fp8fn, or checked once).
-_VALID_KEYS = WeakIdKeyDictionary()
-
-
 def mark_key_valid(key: torch.Tensor) -> torch.Tensor:
     """Record that `key` (made by fp8fn from valid keys) holds valid keys; returns it."""
     if not torch.compiler.is_compiling():
-        _VALID_KEYS[unwrapped(key)] = True
+        VALID_KEYS.mark(key)
     return key
 
 
@@ -97,7 +94,7 @@ def check_key(api: str, key: torch.Tensor, name: str = "`state.key`") -> None:
     if torch.compiler.is_compiling():
         return
     base = unwrapped(key)
-    if base.device.type == "meta" or base in _VALID_KEYS:
+    if base.device.type == "meta" or VALID_KEYS.get(base) is not None:
         return
     valid = (base >= 0) & (base < 2.0**KEY_BITS) & (base == base.floor())
     if not bool(valid.all()):
@@ -107,4 +104,4 @@ def check_key(api: str, key: torch.Tensor, name: str = "`state.key`") -> None:
             f"{', '.join(map(repr, bad))}. Make keys with fn.init(..., seed=...) and advance them "
             "with fp8fn.update (fp8fn.fold_in derives one per microbatch)."
         )
-    _VALID_KEYS[base] = True
+    VALID_KEYS.mark(base)

@@ -72,6 +72,43 @@ def observations(state: State) -> State:
     return state._replace(amax_history=grad, scale=torch.zeros_like(state.scale), key=key)
 
 
+def refuse_untrained_backward(params: dict, held, state: State) -> None:
+    """In a plain autograd loop (`state` from `fp8fn.observe`), make `backward()` raise when
+    `params` holds tensors that autograd does not track where the module's own (`held(name)`,
+    the tensor the module holds) require grad (`{k: v.detach()}`, `model.state_dict()`): it
+    would succeed on the observed state alone (plain PyTorch raises there) and the optimizer
+    get no gradient. `torch.autograd.grad` of the observed history alone (observations only)
+    stays allowed: it accumulates no `.grad`. Eager, outside torch.func only."""
+    if (
+        torch.compiler.is_compiling()
+        or not torch.is_grad_enabled()
+        or functorch_level() is not None
+        or state.amax_history not in OBSERVED
+    ):
+        return
+    detached = [
+        name
+        for name, t in params.items()
+        if isinstance(t, torch.Tensor) and not t.requires_grad and held(name).requires_grad
+    ]
+    if not detached:
+        return
+    message = (
+        "fp8fn.apply: `loss.backward()` of a forward on parameters that autograd does not "
+        f"differentiate, where the module's parameters require grad ({len(detached)}: "
+        f"{', '.join(map(repr, detached[:3]))}{', ...' if len(detached) > 3 else ''}): only "
+        "the observed state got a gradient, the optimizer none; this loop would train "
+        "nothing. Pass the module's own parameters: `fn.apply(dict(model.named_parameters()), "
+        "observed, x)`, not `.detach()` copies or `model.state_dict()` (for observations "
+        "only, `torch.autograd.grad(loss, observed.amax_history)`)."
+    )
+
+    def refuse(_):
+        raise ValueError(message)
+
+    state.amax_history.register_post_accumulate_grad_hook(refuse)
+
+
 def value_and_grad(f, argnums=None, has_aux=False):
     """`f`'s value and its gradient with respect to the arguments `argnums`, JAX style.
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 
+from .moved import register_moved
+
 _BACKENDS = ("auto", "emulated", "scaled_mm")
 _TENSORWISE_BACKENDS = (*_BACKENDS, "triton")  # fused Triton casts: per-tensor recipes only
 _AMAX_COMPUTE = ("max", "most_recent")
@@ -317,3 +319,5 @@ Recipe = (
 )
 """Any recipe: the type of `transform`'s `recipe` (or of what a recipe function returns)."""
 RECIPES = Recipe.__args__  # the same classes, as a tuple (for isinstance and issubclass)
+
+register_moved("fp8fn._recipe", RECIPES)  # fp8fn 0.3's module: see moved.py

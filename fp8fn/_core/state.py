@@ -20,13 +20,14 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .._torch_private import (
     GetAttrKey,
+    assert_in_graph,
     differentiated,
     register_pytree_node,
-    tensor_version,
     unwrapped,
-    view_base,
 )
 from .keys import check_key
+from .marks import FILLED, VALID_SCALES
+from .moved import register_moved
 from .recipes import RECIPES, DelayedScaling
 
 ROLES = ("input", "weight", "grad_output")
@@ -152,8 +153,9 @@ class State(_Frozen):
         `static`: states and observations of other `filled` still pair). A filled history casts
         with its stored scale alone, so the cast needs no amax first (one pass over the tensor);
         an unknown or empty one decides in the graph (empty: current scaling). `init_state`
-        sets all False, `update` keeps it (a host read only while some history is empty),
-        `_replace(amax_history=...)` forgets it.
+        sets all False, `update` sets it from the values it makes, `_replace(amax_history=...)`
+        forgets it. A fact about values kept in the structure outlives them (`tree_map`,
+        `tree_unflatten`, `copy_`): the ops trust it only through `known_filled`.
 
     Example:
       >>> import fp8fn
@@ -206,14 +208,13 @@ class State(_Frozen):
         kept)."""
         return State(amax_history, self.scale, *self.static, key=self.key, filled=self.filled)
 
-    def site_filled(self, i: int) -> tuple[bool, bool, bool] | None:
-        """`filled` of the site at row `i` (its three roles), or None when not known."""
-        return None if self.filled is None else self.filled[3 * i : 3 * i + 3]
-
     def to(self, device) -> State:
         """The same state with its tensors on `device` (e.g. `"cuda"`, `torch.device`)."""
         key = None if self.key is None else self.key.to(device)
         history, scale = self.amax_history.to(device), self.scale.to(device)
+        known = filled_mark(self.amax_history)
+        if known[0] is not None and history is not self.amax_history:
+            mark_filled(history, *known)  # the same values
         return State(history, scale, *self.static, key=key, filled=self.filled)
 
     def __len__(self) -> int:
@@ -305,9 +306,8 @@ def _register(cls, leaves, static, make_from=None):
 
 # The public types pickle as `fp8fn.State` (not this module's path), so that a saved state
 # survives a reorganisation of the private modules; states saved by 0.3 name them by the module
-# they then lived in, and load through these aliases.
-for _cls in (ScaleState, SiteState, State):
-    _cls.__module__ = "fp8fn"
+# they then lived in, and load through its alias on both load paths.
+register_moved("fp8fn._state", (ScaleState, SiteState, State))
 
 
 class _TreeContext:
@@ -338,9 +338,6 @@ _register(
 )
 _register(SiteState, ("amax_history", "scale"), lambda s: s.static)
 register_state_class = _register  # fp8fn.optim registers its state the same way
-torch.serialization.add_safe_globals(
-    [(State, "fp8fn._state.State"), (SiteState, "fp8fn._state.SiteState")]
-)
 
 
 def site_name(path: str, k: int) -> str:
@@ -504,43 +501,55 @@ def check_state(api: str, state, name: str = "state", batch_dims: int | None = 0
         )
 
 
-# Scale tensors known to be finite and > 0 (made by `init_state` and `update`, or checked once),
-# each with its version then: an in-place change since (`state.scale.zero_()`) makes it unknown.
-# Also by memory (address, shape, strides, dtype, device), while the marked tensor lives (so the
-# memory is not reused): its `detach()` copies (`fp8fn.value_and_grad`'s leaves) share memory and
-# version counter.
-_VALID_SCALES = WeakIdKeyDictionary()
-_VALID_MEMORY: dict[tuple, tuple] = {}
-
-
-def _memory(t: torch.Tensor) -> tuple:
-    return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device)
-
-
 def mark_valid(scale: torch.Tensor) -> torch.Tensor:
     """Record that `scale` (made by fp8fn from valid scales) is finite and > 0; returns it."""
-    version, key = tensor_version(scale), _memory(scale)
-    _VALID_SCALES[scale] = version
-
-    def forget(ref):
-        if _VALID_MEMORY.get(key, (None,))[0] is ref:
-            del _VALID_MEMORY[key]
-
-    _VALID_MEMORY[key] = (weakref.ref(scale, forget), version)
-    return scale
+    return VALID_SCALES.mark(scale)
 
 
 def known_valid(scale: torch.Tensor) -> bool:
     """Whether `scale` (or the tensor it views, or one whose memory it shares) holds scales known
     to be finite and > 0, unchanged since they were checked (no host read)."""
-    base = unwrapped(scale)
-    for t in (base, view_base(base)):
-        if t is not None and _VALID_SCALES.get(t) == tensor_version(t):
-            return True
-    if not base.numel():  # (empty tensors share the address 0)
-        return False
-    ref, version = _VALID_MEMORY.get(_memory(base), (None, None))
-    return ref is not None and ref() is not None and version == tensor_version(base)
+    return VALID_SCALES.get(scale) is not None
+
+
+def known_filled(state: State, api: str = "apply") -> tuple[bool, ...] | None:
+    """`state.filled` where it is known true of `state`'s values, else None (decide in the graph).
+
+    `filled` rides in the tree structure, which outlives the values (`tree_map`, `tree_unflatten`
+    with an old structure, `copy_` into the tensors): a role that casts with its stored scale
+    alone must know its history filled *for these values*. Eager: by `update`'s mark on the
+    history (identity and version, no host read). Compiled: the structure's `filled`, checked by
+    an assert in the graph (no host read), which refuses a state whose values contradict it.
+    """
+    filled = state.filled
+    if filled is None or not any(filled):
+        return filled  # an empty or unknown history decides in the graph: nothing to trust
+    if not torch.compiler.is_compiling():
+        return filled_mark(state.amax_history)[0]
+    held = state.amax_history[..., 0] > 0  # (one reduction and the assert: 2 kernels)
+    if not all(filled):
+        held = held | ~torch.tensor(filled, device=held.device).reshape(-1, 3)
+    assert_in_graph(
+        held.all(),
+        f"fp8fn.{api}: `state` says (in its tree structure) that its amax histories are "
+        "filled, but its values hold an empty history: a state rebuilt on another's structure "
+        "(`tree_map`, `tree_unflatten` with an old structure, `copy_` into its tensors) keeps "
+        "what the structure says of the old values. Make states with fn.init, fp8fn.update or "
+        "fp8fn.unflatten_state.",
+    )
+    return filled
+
+
+def filled_mark(history: torch.Tensor) -> tuple[tuple[bool, ...] | None, int]:
+    """`(filled, reads)` that `update` marked on `history` (`reads`: how many updates of its
+    line read the values), or `(None, 0)` where no mark holds (another tensor, changed since)."""
+    return FILLED.get(history) or (None, 0)
+
+
+def mark_filled(history: torch.Tensor, filled: tuple[bool, ...], reads: int) -> None:
+    """Record that `filled` is true of `history`'s values (made by `update`, outside
+    torch.compile and torch.func), after `reads` updates of its line that read values."""
+    FILLED.mark(history, (filled, reads))
 
 
 def check_scales(api: str, scale: torch.Tensor, name: str = "state") -> None:

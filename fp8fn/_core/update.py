@@ -13,7 +13,16 @@ import torch
 from .._numerics.fp8 import ROLE_FP8_MAX, scale_from_amax
 from .._torch_private import assert_in_graph, functorch_level
 from .keys import advance_key, check_key, fold_key, mark_key_valid
-from .state import State, check_scales, check_state, known_valid, mark_valid, supersede
+from .state import (
+    State,
+    check_scales,
+    check_state,
+    filled_mark,
+    known_valid,
+    mark_filled,
+    mark_valid,
+    supersede,
+)
 
 
 def _check_pair(api: str, a, b, a_name: str, b_name: str) -> None:
@@ -95,6 +104,14 @@ def update(state: State, obs: State) -> State:
             "`grads, obs = torch.func.grad(loss_fn, argnums=(0, 1))(params, state, ...)`."
         )
     _check_pair("update", state, obs, "state", "obs")
+    observed = obs.amax_history.requires_grad and obs.amax_history.is_leaf
+    if observed and functorch_level() is None:
+        raise ValueError(
+            "fp8fn.update: expected `obs` an observation, got a state whose `amax_history` is "
+            "a leaf that requires grad: the observed state that fp8fn.observe made for the "
+            "forward, whose values are the state's (delayed scaling would never start). Pass "
+            "its observation: `state = fp8fn.update(state, fp8fn.observations(observed))`."
+        )
     check_scales("update", state.scale)
     if state.key is not None:
         check_key("update", state.key)
@@ -131,19 +148,31 @@ def update(state: State, obs: State) -> State:
     return new
 
 
+# The updates of a state's line that read which histories are filled (one host read each):
+# afterwards a history still empty (a layer or an expert that has not run) is left to the graph
+# (correct, two passes over its tensor), so that a steady step reads nothing.
+FILLED_READS = 2
+
+
 def _filled(state: State, history: torch.Tensor) -> tuple[bool, ...] | None:
-    """`filled` of the state after `update` (`history`, its new histories): one host read while
-    some history is empty (warm-up, or a site that has not run), none once all are filled.
-    Unknown (`state.filled`) where values cannot be read: compiled, or inside torch.func."""
-    if state.filled is not None and all(state.filled):
-        return state.filled  # a filled history stays filled: update pushes amaxes > 0 only
+    """`filled` of the state after `update` (`history`, its new histories), marked on `history`
+    (`known_filled` trusts the mark only). No host read once all are filled (update pushes
+    amaxes > 0 only: a filled history stays filled) or after the first `FILLED_READS` updates
+    of a state's line; one before (warm-up), and for a state fp8fn did not mark (loaded,
+    rebuilt, changed in place). Where values cannot be read (compiled, inside torch.func) the
+    structure's, which the ops check against the values (`known_filled`)."""
     if torch.compiler.is_compiling() or functorch_level() is not None:
         return state.filled
-    n = len(state.sites)
-    if not n:
-        return ()
-    newest = (history[..., 0] > 0).reshape(-1, 3 * n).all(0)
-    return tuple(newest.tolist())
+    known, reads = filled_mark(state.amax_history)
+    if known is not None and (all(known) or reads >= FILLED_READS):
+        filled = known
+    else:
+        filled, reads = (), reads + 1
+        if state.sites:
+            newest = (history[..., 0] > 0).reshape(-1, 3 * len(state.sites))
+            filled = tuple(newest.all(0).tolist())
+    mark_filled(history, filled, reads)
+    return filled
 
 
 def merge(obs_a: State, obs_b: State) -> State:

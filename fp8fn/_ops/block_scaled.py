@@ -16,6 +16,7 @@ from .._core.checks import no_autocast
 from .._core.device import cuda_capability
 from .._core.recipes import BlockwiseScaling, MXScaling, RowwiseScaling
 from .._numerics import fp8 as q
+from .first_order import first_order_only
 from .gemm import scaled_mm
 
 FINER = (RowwiseScaling, BlockwiseScaling, MXScaling)
@@ -237,6 +238,7 @@ class _FinerLinear(torch.autograd.Function):
                 grad_w = grad_w.to(w_dtype)
             if needs[2]:
                 grad_b = g.float().sum(0).to(b_dtype)
+        grad_x, grad_w = first_order_only((grad_x, grad_w), grad_out, x, weight)
         return grad_x, grad_w, grad_b, None, None
 
 

@@ -21,6 +21,12 @@ HIGHER_ORDER = (
     "casts have no scales of their own). Differentiate fp8fn once; for a Hessian or "
     "gradient penalty, run that part in high precision (filter_fn, or a recipe of None)."
 )
+HIGHER_ORDER_EXPERTS = (
+    "fp8fn.apply: higher-order derivatives through an experts weight's float8 GEMMs are not "
+    "defined (the backward's casts have no scales of their own). Differentiate fp8fn once; "
+    "for a Hessian or gradient penalty, run the experts in high precision (filter_fn, or a "
+    "recipe of None for the experts weight)."
+)
 HIGHER_ORDER_SHARDED = (
     "fp8fn.apply: higher-order derivatives over sharded (DTensor) parameters are not "
     "supported: the gradient's collectives are differentiated once. Differentiate once, or "
@@ -64,10 +70,20 @@ class _FirstOrderOnly(BackwardOnly):
     backward = refuse(HIGHER_ORDER)
 
 
-def first_order_only(grads, anchor: torch.Tensor) -> tuple:
+class _FirstOrderOnlyExperts(_FirstOrderOnly):
+    """`_FirstOrderOnly` of the grouped ops (experts weights): raises `HIGHER_ORDER_EXPERTS`."""
+
+    backward = refuse(HIGHER_ORDER_EXPERTS)
+
+
+def first_order_only(grads, *anchors: torch.Tensor, experts: bool = False) -> tuple:
     """`grads` (a backward's results; None where not needed), made to raise when differentiated
-    again where an outer differentiation records this backward (it tracks `anchor`, a float32
-    `()` output of the op's forward); else `grads` as they are."""
-    if torch.is_grad_enabled() and tracked_by_outer_differentiation(anchor):
-        return _FirstOrderOnly.apply(anchor, *grads)
+    again where an outer differentiation records this backward (it tracks one of `anchors`: a
+    float32 `()` output of the op's forward, or the saved inputs the backward differentiates);
+    else `grads` as they are. `experts`: the grouped ops' message (`HIGHER_ORDER_EXPERTS`)."""
+    if torch.is_grad_enabled():
+        for anchor in anchors:
+            if anchor is not None and tracked_by_outer_differentiation(anchor):
+                function = _FirstOrderOnlyExperts if experts else _FirstOrderOnly
+                return function.apply(anchor, *grads)
     return tuple(grads)

@@ -35,6 +35,7 @@ from .first_order import first_order_only
 from .gemm import resolve_backend
 from .grouped_block_scaled import finer_grouped_mm, nvfp4_grouped_mm
 from .grouped_gemm import rows_mm, weight_mm
+from .member_loop import each_member, vmap_per_member
 from .nvfp4 import check_random
 from .tensorwise import _scales, placement_of
 
@@ -163,16 +164,28 @@ class _Fp8GroupedMM(torch.autograd.Function):
             g_rows = torch.cat([g_scale, g_scale.new_ones(1)])[ids]
             g_fp8 = cast_to_fp8(grad_out, g_rows[:, None], E5M2)
             g_inv = g_scale.reciprocal()
-            needs = ctx.needs_input_grad
+            needs, backend = ctx.needs_input_grad, ctx.backend
             grads = [None] * 8
             if needs[0]:
                 w_fp8 = ctx.place.weight_again(w_fp8)
-                grads[0] = rows_mm(g_fp8, w_fp8, g_inv, w_inv, offs, x_dtype, ctx.backend, True)
-            if needs[1]:
-                grads[1] = weight_mm(g_fp8, x_fp8, g_inv, x_inv, offs, w_dtype, ctx.backend)
+
+            def gemms(g_fp8, w_fp8, x_fp8, g_inv, w_inv, x_inv, offs):
+                return (
+                    rows_mm(g_fp8, w_fp8, g_inv, w_inv, offs, x_dtype, backend, True)
+                    if needs[0]
+                    else None,
+                    weight_mm(g_fp8, x_fp8, g_inv, x_inv, offs, w_dtype, backend)
+                    if needs[1]
+                    else None,
+                )
+
+            grads[:2] = each_member(gemms, g_fp8, w_fp8, x_fp8, g_inv, w_inv, x_inv, offs)
             if needs[3]:
                 grads[3] = torch.stack([x_amax, w_amax, g_amax], 1)
-        return tuple(first_order_only(grads, x_amax))
+        return tuple(first_order_only(grads, x_amax, experts=True))
+
+
+_Fp8GroupedMM.vmap = vmap_per_member(_Fp8GroupedMM, state=3)
 
 
 def grouped_mm(

@@ -48,6 +48,7 @@ from .._numerics.nvfp4 import dequantize_nvfp4
 from .block_scaled import _GEMMS, _gemm, weight_gemm
 from .first_order import first_order_only
 from .grouped_gemm import bounds, custom_op_when_compiling
+from .member_loop import each_member, vmap_per_member
 from .nvfp4 import (
     grad_input_gemm,
     grad_weight_gemm,
@@ -168,13 +169,16 @@ class _FinerGroupedMM(torch.autograd.Function):
     def backward(ctx, grad_out):
         x, weight, offs = ctx.saved_tensors
         args, needs = (*_recipe_args(ctx.recipe), ctx.backend), ctx.needs_input_grad
-        grad_x = grad_w = None
+
+        def gemms(g, x, weight, offs):
+            return (
+                rows(g, weight, offs, 1, *args).to(x.dtype) if needs[0] else None,
+                weights(g, x, offs, *args).to(weight.dtype) if needs[1] else None,
+            )
+
         with no_autocast(grad_out):
-            g = grad_out.contiguous()
-            if needs[0]:
-                grad_x = rows(g, weight, offs, 1, *args).to(x.dtype)
-            if needs[1]:
-                grad_w = weights(g, x, offs, *args).to(weight.dtype)
+            grad_x, grad_w = each_member(gemms, grad_out.contiguous(), x, weight, offs)
+        grad_x, grad_w = first_order_only((grad_x, grad_w), grad_out, x, weight, experts=True)
         return grad_x, grad_w, None, None, None
 
 
@@ -267,6 +271,9 @@ nvfp4_weights = custom_op_when_compiling(
 )
 
 
+_FinerGroupedMM.vmap = vmap_per_member(_FinerGroupedMM)
+
+
 class _NVFP4GroupedMM(torch.autograd.Function):
     """out = concat_e(x[s_e:t_e] @ weight[e].T) under NVFP4, expert e drawing with its key.
 
@@ -293,16 +300,31 @@ class _NVFP4GroupedMM(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, _):
         x, weight, offs, expert_keys, anchor = ctx.saved_tensors
-        needs = ctx.needs_input_grad
-        grad_x = grad_w = None
+        needs, args = ctx.needs_input_grad, ctx.args
+
+        def gemms(grad_out, x, weight, offs, expert_keys):
+            return (
+                nvfp4_rows(grad_out, weight, offs, expert_keys, 1, *args).to(x.dtype)
+                if needs[0]
+                else None,
+                nvfp4_weights(grad_out, x, offs, expert_keys, *args).to(weight.dtype)
+                if needs[1]
+                else None,
+            )
+
         with no_autocast(grad_out):
-            if needs[0]:
-                grad_x = nvfp4_rows(grad_out, weight, offs, expert_keys, 1, *ctx.args)
-                grad_x = grad_x.to(x.dtype)
-            if needs[1]:
-                grad_w = nvfp4_weights(grad_out, x, offs, expert_keys, *ctx.args)
-                grad_w = grad_w.to(weight.dtype)
-        return (*first_order_only((grad_x, grad_w), anchor), None, None, None, None, None)
+            grad_x, grad_w = each_member(gemms, grad_out, x, weight, offs, expert_keys)
+        return (
+            *first_order_only((grad_x, grad_w), anchor, experts=True),
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
+
+
+_NVFP4GroupedMM.vmap = vmap_per_member(_NVFP4GroupedMM)
 
 
 def nvfp4_grouped_mm(x, weight, offs, recipe, random):

@@ -102,7 +102,8 @@ def fp8_linear(
 ):
     """`linear` on checked operands: `newest`, `stored` float32 `(3,)` or None; `random`
     `(key, site)` (NVFP4) or None; `filled` the roles whose histories are known non-empty
-    (`State.site_filled`) or None; `api` what the user called, for errors (`fp8fn.{api}:`)."""
+    (the site's three of `known_filled`) or None; `api` what the user called, for errors
+    (`fp8fn.{api}:`)."""
     refuse_compile_under_func(api)
     if newest is not None and newest.device != x.device:
         raise ValueError(

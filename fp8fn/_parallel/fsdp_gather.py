@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .._core.state import known_filled
 from .._numerics.fp8 import E4M3, FP8_MAX, amax, cast_to_fp8, ceil_div, scale_from_amax
 from .._ops.grouped import expert_amax
 from .._ops.tensorwise import Local
@@ -456,7 +457,7 @@ def weight_scales(entries, state) -> dict:
     only extra collective; none once every history holds an amax). An experts weight takes
     this per expert, as the grouped op does (`where(newest > 0, stored, current)`), each
     expert's amax from the rank that holds it. Which histories hold one is read from
-    `state.filled` (static: no host read), from the values where it is not known (an experts
+    `known_filled(state)` (no host read), from the values where it is not known (an experts
     weight then takes the amaxes, without a host read). The sharded parameters are read from
     the modules (FSDP2 holds them there between forward passes).
     """
@@ -467,8 +468,9 @@ def weight_scales(entries, state) -> dict:
         for w, (_, _, r, _) in zip(weights, entries)
         if r is not None
     ]
-    if state.filled is not None:  # static: whether each weight history holds an amax
-        empty = [not all(state.filled[3 * r + 1] for r in range(*span)) for span in spans]
+    filled = known_filled(state)  # whether each weight history holds an amax, if known
+    if filled is not None:  # static: no host read
+        empty = [not all(filled[3 * r + 1] for r in range(*span)) for span in spans]
     else:  # not known (a state made by hand): read the values (a device sync; not for experts)
         newest = (state.amax_history[..., 1, 0] == 0).tolist() if spans else []
         empty = [b - a > 1 or newest[a] for a, b in spans]

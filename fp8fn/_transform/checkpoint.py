@@ -131,10 +131,11 @@ def _refuse_outside_input(names) -> None:
 
 
 def _autograd_vjp(ctx, run_diff, tensors, diff, grad_outputs) -> list:
-    """`_Checkpoint.backward`'s gradients of the inputs (None where not differentiated) by
-    plain autograd on the recompute, as the same backward without recompute would take them,
-    bit for bit. A recompute reaching a leaf that requires grad other than its inputs is
-    refused (its gradient would be lost)."""
+    """`_Checkpoint.backward`'s gradients of the inputs by plain autograd on the recompute, as
+    the same backward without recompute would take them, bit for bit: None where not
+    differentiated or not reached (a parameter the loss does not reach keeps `.grad` None). A
+    recompute reaching a leaf that requires grad other than its inputs is refused (its
+    gradient would be lost)."""
     inputs = [tensors[i].detach().requires_grad_() for i in diff]
     with _restored_rng(ctx.run.rng_state), torch.enable_grad():
         outputs = run_diff(*inputs)
@@ -150,8 +151,7 @@ def _autograd_vjp(ctx, run_diff, tensors, diff, grad_outputs) -> list:
             [o for o, _ in pairs],
             inputs,
             [g for _, g in pairs],
-            allow_unused=True,
-            materialize_grads=True,
+            allow_unused=True,  # None for an input the recompute does not reach, as autograd
         )
     grads = [None] * len(tensors)
     for i, g in zip(diff, diff_grads):

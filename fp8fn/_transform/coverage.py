@@ -32,11 +32,15 @@ def _rows(transformed, weights: dict) -> list[tuple[str, int, str]]:
             recipe = entry.recipe
             how[entry.path] = f"{_format(recipe)} {type(recipe).__name__}, per expert"
     for name, op in weights.items():
-        if name not in how and name in params:
+        if op is not None and name in how and name in params:  # a converted layer's weight,
+            how[name] = f"high precision ({op}; not converted)"  # in a form not followed only
+        elif name not in how and name in params:
             chosen = "chosen" if _chosen_out(transformed, name) else "not converted"
             layer = name.rpartition(".")[0]
-            if layer in transformed._gates:  # left out by default: reported as the routers
-                sub = transformed.module.get_submodule(layer)
+            sub = transformed.module.get_submodule(layer)
+            every = transformed.module.named_modules(remove_duplicate=False)
+            paths = {n for n, m in every if m is sub}  # a router shared by blocks: any of them
+            if transformed._gates & paths:  # left out by default: reported as the routers
                 asked = layer if isinstance(sub, nn.Linear) else name  # as `filter_fn` is asked
                 chosen = "chosen" if transformed._chosen(asked, sub) is None else ROUTER
             how[name] = "float8" if op is None else f"high precision ({op}; {chosen})"

@@ -22,6 +22,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from .._core.state import site_name
 from .._torch_private import is_convolution, private_grouped_mm
@@ -62,6 +63,20 @@ _TRANSPOSES = (
     torch.swapdims,
 )
 _FLIPS = (torch.Tensor.t, torch.t, torch.Tensor.T.__get__, torch.Tensor.mT.__get__)
+# Copies of a tensor, whatever their dtype, device or layout: a copy of a weight is the weight.
+COPIES = (
+    torch.Tensor.to,
+    torch.Tensor.type,
+    torch.Tensor.float,
+    torch.Tensor.double,
+    torch.Tensor.bfloat16,
+    torch.Tensor.half,
+    torch.Tensor.clone,
+    torch.clone,
+    torch.Tensor.contiguous,
+    torch.Tensor.detach,
+    torch.detach,
+)
 DERIVING = (
     torch.Tensor.__getitem__,
     torch.Tensor.select,
@@ -113,11 +128,12 @@ def owner_of(module: nn.Module, name: str) -> tuple[nn.Module, str]:
 
 def find_experts(module, choose) -> list[_Experts]:
     """The 3-D floating parameters of `module` that `choose(name, owner)` gives a recipe
-    (torch's convolutions' weights are not asked about: their op is a convolution)."""
+    (torch's convolutions' weights are not asked about: their op is a convolution; nor are
+    uninitialized parameters of lazy modules: torch's are linear or convolution weights)."""
     found = []
     for name, p in module.named_parameters():
-        if p.dim() != 3 or not p.is_floating_point():
-            continue
+        if is_lazy(p) or p.dim() != 3 or not p.is_floating_point():
+            continue  # (a lazy module's parameter has no shape before its first forward)
         owner, attr = owner_of(module, name)
         if is_convolution(owner):
             continue

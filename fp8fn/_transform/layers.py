@@ -108,8 +108,9 @@ def _computed_attribute(layer, attrs=("weight", "bias")) -> str | None:
 def _find_layers(module, recipe, filter_fn, warn=True, gates=frozenset()) -> list[_Layer]:
     """The linear layers that run in float8, in module order: nn.Linear (and subclasses that
     keep its forward), HF Conv1D, and nn.MultiheadAttention's projections (`<path>.in_proj`, or
-    `q_proj`/`k_proj`/`v_proj`, and its `out_proj`), but not the paths in `gates` (routers and
-    gates: high precision). Warns when there are none and `warn`.
+    `q_proj`/`k_proj`/`v_proj`, and its `out_proj`), but not the modules with a path in `gates`
+    (routers and gates: high precision; under any of its paths, for a module shared by blocks).
+    Warns when there are none and `warn`.
 
     A subclass with its own forward (Llama 4's router) is not converted: what it computes
     with its weight is its own; `fn.init` reports its GEMMs that run in high precision."""
@@ -117,8 +118,18 @@ def _find_layers(module, recipe, filter_fn, warn=True, gates=frozenset()) -> lis
     names = {id(t): n for n, t in named}  # tied: the first name (a frozen bias may be a buffer)
     layers = []
 
+    paths = {}  # every path of each submodule: a router shared by blocks is a gate by any
+    for name, sub in module.named_modules(remove_duplicate=False):
+        paths.setdefault(id(sub), []).append(name)
+
     def add(name, sub, attrs, transposed):
-        if name in gates or filter_fn is not None and not filter_fn(name, sub):
+        if (
+            name in gates
+            or not isinstance(sub, nn.MultiheadAttention)
+            and gates & {*paths[id(sub)]}
+        ):
+            return
+        if filter_fn is not None and not filter_fn(name, sub):
             return
         chosen = _recipe_for(recipe, name, sub)
         if chosen is None:

@@ -6,11 +6,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.parameter import is_lazy
 from torch.overrides import TorchFunctionMode
 
 from .._core.checks import check_dtypes, check_operands
 from .._core.recipes import DelayedScaling, NVFP4Scaling
-from .._core.state import site_name
+from .._core.state import known_filled, site_name
 from .._ops.gemm import resolve_backend
 from .._ops.grouped import grouped_mm
 from .._ops.linear import fp8_linear
@@ -24,6 +25,7 @@ from .._torch_private import (
     view_base,
 )
 from .experts import (
+    COPIES,
     DERIVING,
     GEMMS,
     GROUPED_MM,
@@ -120,7 +122,8 @@ class _Call(TorchFunctionMode):
         self._names = None
         if state is None:  # discovering: every weight that may reach a GEMM, by identity
             given = {**dict(transformed.module.named_parameters()), **tensors}
-            self._names = {id(t): n for n, t in given.items() if t.dim() >= 2}
+            self._names = {id(t): n for n, t in given.items() if is_lazy(t) or t.dim() >= 2}
+        self._kept = []  # the copies `_names` knows by id
         # (layer, weight, bias): what each layer runs with
         self._entries = [(layer, *layer.own(tensors)) for layer in transformed._layers]
         self._by_weight = None  # {id(weight): entries}; None while compiling (see _layer_of)
@@ -143,6 +146,8 @@ class _Call(TorchFunctionMode):
                 return attention_forward(*args, **kwargs)
         if func in _SPLITS:  # the packed in_proj weight, split into q, k, v
             return self._split(func, args, kwargs)
+        if func in COPIES and args and isinstance(args[0], torch.Tensor):
+            return self._copy(func, args, kwargs)
         if func in DERIVING and args and self._derived_of(args[0]) is not None:
             return self._derive(func, args, kwargs)
         if func is F.linear or func is torch.addmm or func is torch.Tensor.addmm:
@@ -223,6 +228,32 @@ class _Call(TorchFunctionMode):
         elif derived is not None:
             self._track(result, derived)
             self.touched.add(derived.entry.path)
+        return result
+
+    def _copy(self, func, args, kwargs):
+        """A copy of a tensor (`.to`, `.clone`, `.detach`, ...): a copy of a layer's weight is
+        that layer's weight in the calls it reaches (the gradient flows back through the copy
+        as autograd takes it), one of an experts weight (or of a tensor made from one) is
+        followed like it, one of any other weight is noted under its name (`fn.summary()`)."""
+        source, result = args[0], func(*args, **kwargs)
+        if result is source or not isinstance(result, torch.Tensor):
+            return result
+        derived = self._derived_of(source)
+        if derived is not None:
+            copied = derived if derived.expert is not None else Derived(derived.entry, result)
+            self._track(result, copied)
+        for layer, _, bias in self._given(source):
+            entry = (layer, result, bias)
+            self._entries.append(entry)
+            if self._by_weight is not None:
+                self._by_weight.setdefault(id(result), []).append(entry)
+        if self._names is not None:
+            name = self._names.get(id(source))
+            if name is None and view_base(source) is not None:
+                name = self._names.get(id(view_base(source)))
+            if name is not None:
+                self._names[id(result)] = name
+                self._kept.append(result)  # (alive for the call: its id stays its own)
         return result
 
     def _note(self, t, op):
@@ -425,9 +456,10 @@ class _Call(TorchFunctionMode):
                     "that call it as often."
                 )
             if self._rows is None:  # split once: the backward gathers all sites in one stack
-                self._rows = (self._newest_rows().unbind(0), self.state.scale.unbind(0))
-            newest, stored = self._rows[0][i], self._rows[1][i]
-            filled = self.state.site_filled(i)
+                filled = known_filled(self.state)
+                self._rows = (self._newest_rows().unbind(0), self.state.scale.unbind(0), filled)
+            newest, stored, filled = self._rows[0][i], self._rows[1][i], self._rows[2]
+            filled = None if filled is None else filled[3 * i : 3 * i + 3]
         check_operands(api, x, weight, bias)
         check_dtypes(api, x, weight, bias)  # the module's rules
         if sharded_operands(x, weight):  # functional FSDP, tensor parallel

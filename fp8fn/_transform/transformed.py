@@ -25,6 +25,7 @@ from torch import nn
 
 from .._core.checks import check_function, init_error
 from .._core.keys import initial_key, seed_key
+from .._core.observe import refuse_untrained_backward
 from .._core.recipes import RECIPES, DelayedScaling, NVFP4Scaling
 from .._core.state import (
     State,
@@ -272,7 +273,9 @@ class Transformed:
         swaps in its own tensors for its forward (FSDP2's unsharded weights). None if none."""
         if not isinstance(weight, torch.Tensor):
             return None
-        held = self._held.get(id(weight))
+        # (compiling: no lookup by `id`, on which dynamo would guard: a recompile per step of
+        # new weights; the layers are compared with `is`)
+        held = None if torch.compiler.is_compiling() else self._held.get(id(weight))
         if held is not None and held[0]() is weight and held[1].holds(weight):
             layer = held[1]
         else:
@@ -509,6 +512,7 @@ class Transformed:
         check_scales("apply", state.scale)
         warn_if_superseded("apply", state)
         warn_if_never_updated("apply", state, params)
+        refuse_untrained_backward(params, self._slots.held, state)
         if self._ddp_param is not None and torch.is_grad_enabled():
             name, own = self._ddp_param
             if params.get(name, own) is not own:
