@@ -104,7 +104,9 @@ class Float8ShardWeight(torch.Tensor):
     tensor. `_path` names the layer (an experts weight: the weight) for messages, `_attr` is the
     weight's name on its module; `_scale` is the scale of the last forward all-gather (float32
     `()`; an experts weight `(E, A, B)`: `(E,)`, one per expert), reused by the backward
-    re-gather.
+    re-gather. `_flipped`, an experts weight's under a finer recipe: whether its GEMMs read each
+    expert matrix transposed (None until `fn.init` sees a GEMM read it: `FinerGatheredWeight.
+    note_orientation`), which decides the planes its all-gathers cast.
     """
 
     __torch_function__ = disabled_torch_function
@@ -120,6 +122,7 @@ class Float8ShardWeight(torch.Tensor):
 
     def __init__(self, tensor: torch.Tensor, path: str, attr: str = "weight"):
         self._tensor, self._path, self._attr, self._scale = tensor, path, attr, None
+        self._flipped = None
 
     def __repr__(self):
         return f"Float8ShardWeight({self._tensor!r}, path={self._path!r})"

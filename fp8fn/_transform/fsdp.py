@@ -107,10 +107,8 @@ class Fsdp2:
                 )
         for g in gathered:
             kind = "layer" if g.held().dim() < 3 else "experts weight"
-            allowed = (DelayedScaling, CurrentScaling) + (_FINER if kind == "layer" else ())
-            if not isinstance(g.recipe, allowed):
+            if not isinstance(g.recipe, (DelayedScaling, CurrentScaling, *_FINER)):
                 names = "DelayedScaling, CurrentScaling, " + ", ".join(f.__name__ for f in _FINER)
-                names = names if kind == "layer" else "DelayedScaling or CurrentScaling"
                 raise ValueError(
                     f"fp8fn.transform: expected {kind} {g.path!r}, whose weight is all-gathered "
                     f"in float8 (fp8fn.float8_all_gather), to use {names}, got "
@@ -179,10 +177,7 @@ class Fsdp2:
 
 
 _FINER = (RowwiseScaling, BlockwiseScaling, MXScaling)  # gathered one plane per phase
-_NOT_GATHERED = (
-    "NVFP4Scaling, whose FP4 weight planes FSDP2 gathers in high precision; the finer recipes "
-    "for experts weights"
-)
+_NOT_GATHERED = "NVFP4Scaling, whose FP4 weight planes FSDP2 gathers in high precision"
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
