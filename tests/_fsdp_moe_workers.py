@@ -14,6 +14,7 @@ import torch
 from _helpers import assert_bit_identical
 from _moe_models import batch, build
 from _spawn import assert_state_same_on_all_ranks, run_scenarios
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 import fp8fn
@@ -291,6 +292,100 @@ def experts_gathered_pass_the_cuda_rules(rank):
             assert (ops["_scaled_grouped_mm"] == 4) == (capability == (9, 0)), (arch, ops)
 
 
+# --- the finer recipes: one plane per phase, per expert -----------------------------------------
+
+FINER = [
+    fp8fn.RowwiseScaling(),
+    fp8fn.RowwiseScaling(hp_grad_weight=True),
+    fp8fn.MXScaling(),
+    fp8fn.MXScaling(scale_rounding="floor"),
+    fp8fn.BlockwiseScaling(),
+]
+EXPERTS = 3  # odd: FSDP2 gives rank 0 experts 0 and 1, rank 1 expert 2 and a padded row
+
+
+def _finer_reference(implementation, recipe, arch, steps, experts):
+    """The params of one process after each of `steps` SGD steps on the global batch, as
+    `WORLD` microbatches (the ranks' shards; gradients summed, divided by `WORLD`)."""
+    model = build(arch, implementation, experts=experts)
+    fn = fp8fn.transform(model, recipe)
+    ids = batch()
+    state = fn.init(ids)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for _ in range(steps):
+        for part in ids.chunk(WORLD):
+            _loss(fn, model, state, part).backward()
+        for p in model.parameters():
+            p.grad /= WORLD
+        opt.step()
+        model.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _finer_experts_under_fsdp2(implementation, rank, recipe, arch="mixtral", steps=2):
+    """`arch` with `EXPERTS` experts (an odd count: a padded shard) under FSDP2 with every
+    linear and experts weight all-gathered in float8 under `recipe`: each experts forward finds
+    the output GEMM's per-expert plane, each backward the grad_input GEMM's (blockwise: the
+    same), each expert's bytes those of its whole matrix's plane as the GEMMs read it; the
+    params after `steps` SGD steps bit-identical to one process on every rank."""
+    from fp8fn._numerics import planes
+    from fp8fn._parallel.fsdp_finer import FinerGatheredWeight
+
+    ref = _finer_reference(implementation, recipe, arch, steps, EXPERTS)
+    model = build(arch, implementation, experts=EXPERTS)
+    model = fp8fn.float8_all_gather(model)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    seen = {0: [], 1: []}  # gemm -> [(plane, bytes, whole weight)] of layer 0's experts
+
+    def record(gemm):
+        def hook(module, *args):
+            for attr in ("gate_up_proj", "down_proj"):
+                w = getattr(module, attr)
+                assert type(w) is FinerGatheredWeight, (attr, type(w))
+                seen[gemm].append((w._plane, w._data.view(torch.uint8).clone(), w._plan))
+
+        return hook
+
+    experts = _experts(model.model.layers[0])
+    experts.register_forward_pre_hook(record(0))
+    experts.register_full_backward_pre_hook(record(1))
+    fn = fp8fn.transform(model, recipe)
+    ids = batch().chunk(WORLD)[rank]
+    state = fn.init(ids)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for _ in range(steps):
+        whole = [experts.gate_up_proj.full_tensor(), experts.down_proj.full_tensor()]
+        seen[0].clear(), seen[1].clear()
+        _loss(fn, model, state, ids).backward()
+        opt.step()
+        model.zero_grad()
+        for gemm in (0, 1):
+            assert len(seen[gemm]) == 2, (gemm, len(seen[gemm]))
+            for (plane, data, plan), w in zip(seen[gemm], whole):
+                assert plane == planes.stored_plane(recipe, gemm, plan.flipped), (gemm, plane)
+                assert plan.flipped == (arch != "mixtral"), (arch, plan.flipped)
+                want = torch.stack([planes.quantize(plane, m)[0] for m in w])
+                assert torch.equal(data, want.view(torch.uint8)), (recipe, gemm)
+    for name, p in model.named_parameters():
+        assert torch.equal(p.full_tensor(), ref[name]), (recipe, implementation, arch, name)
+
+
+def experts_finer_recipes(rank):
+    """Every finer recipe on Mixtral's grouped_mm experts, and rowwise, MX and blockwise on
+    its eager loop and batched_mm, GPT-OSS's transposed experts (grouped_mm, eager) and Llama 4's
+    bmm: 3 experts (a padded shard); params bit-identical to one process after 2 steps."""
+    for recipe in FINER:
+        _finer_experts_under_fsdp2("grouped_mm", rank, recipe)
+    for recipe in (FINER[0], FINER[2], FINER[4]):
+        for implementation in ("eager", "batched_mm"):
+            _finer_experts_under_fsdp2(implementation, rank, recipe)
+        for implementation in ("grouped_mm", "eager"):
+            _finer_experts_under_fsdp2(implementation, rank, recipe, arch="gpt_oss")
+        _finer_experts_under_fsdp2("grouped_mm", rank, recipe, arch="llama4")
+
+
 SCENARIOS = [
     experts_grouped_mm,
     experts_eager,
@@ -302,6 +397,7 @@ SCENARIOS = [
     experts_bf16_param_dtype,
     init_refuses_a_gathered_3d_weight_outside_gemms,
     experts_gathered_pass_the_cuda_rules,
+    experts_finer_recipes,
 ]
 
 
