@@ -386,6 +386,67 @@ def experts_finer_recipes(rank):
         _finer_experts_under_fsdp2("grouped_mm", rank, recipe, arch="llama4")
 
 
+def experts_finer_bytes(rank):
+    """Per rank and steady step of the tiny Mixtral (4 experts, grouped_mm) under FSDP2, each
+    finer recipe against float32 FSDP2: FSDP2's all-gathers (as many as float32's) carry one
+    plane's e4m3 bytes of each linear and experts weight and the other parameters' float32; one
+    more all-gather (in apply) carries both planes' statistics of every weight; the root's
+    `lm_head`, which FSDP2 keeps gathered, all-gathers its grad_input plane in the backward
+    (rowwise, MX). All-gathered bytes, scales included, recorded beside a both-planes gather
+    (each FSDP2 all-gather carrying both planes, no own all-gather) and asserted <= 0.30x
+    float32's."""
+    from _fsdp_workers import CommCounter
+
+    ids = batch().chunk(WORLD)[rank]
+
+    def steps(model, fn=None):
+        state = None if fn is None else fn.init(ids)
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        for _ in range(2):
+            with CommCounter() as comm:
+                if fn is None:
+                    model(ids, labels=ids).loss.backward()
+                else:
+                    _loss(fn, model, state, ids).backward()
+                opt.step()
+                model.zero_grad()
+        return comm
+
+    plain = build("mixtral", "grouped_mm")
+    for layer in plain.model.layers:
+        fully_shard(layer)
+    fp32 = steps(fully_shard(plain)).summary()["_allgather_base_"]
+    for recipe in FINER:
+        model = _sharded("grouped_mm")
+        comm = steps(model, fp8fn.transform(model, recipe))
+        got = comm.summary()
+        own = 0 if isinstance(recipe, fp8fn.BlockwiseScaling) else 1  # the lm_head's
+        assert got["_allgather_base_"][0] == fp32[0] + 1 + own, (recipe, got, fp32)
+        sizes = [b for n, b in comm.log if n == "_allgather_base_"]
+        layer_weights = sum(
+            p.numel() // WORLD
+            for layer in model.model.layers
+            for n, p in layer.named_parameters()
+            if p.dim() >= 2 and ".gate." not in f".{n}"
+        )
+        head = model.lm_head.weight.numel() // WORLD
+        one_plane = sum(sizes)
+        other = 2 * layer_weights + head  # the other plane: layers forward and backward
+        both_planes = one_plane + own * (other - head)  # (blockwise: one plane serves both)
+        ratio = one_plane / fp32[1]
+        MEASURED.setdefault("finer_moe_bytes_per_step", {})[repr(recipe)] = {
+            "fp32_all_gather": fp32[1],
+            "one_plane": one_plane,
+            "statistics": sizes[0],
+            "both_planes": both_planes,
+            "ratio_one_plane": ratio,
+            "ratio_both_planes": both_planes / fp32[1],
+            "all_gathers": got["_allgather_base_"][0],
+            "all_gathers_fp32": fp32[0],
+        }
+        assert ratio <= 0.30, (recipe, ratio, MEASURED["finer_moe_bytes_per_step"])
+
+
 SCENARIOS = [
     experts_grouped_mm,
     experts_eager,
@@ -398,6 +459,7 @@ SCENARIOS = [
     init_refuses_a_gathered_3d_weight_outside_gemms,
     experts_gathered_pass_the_cuda_rules,
     experts_finer_recipes,
+    experts_finer_bytes,
 ]
 
 
