@@ -386,6 +386,33 @@ def experts_finer_recipes(rank):
         _finer_experts_under_fsdp2("grouped_mm", rank, recipe, arch="llama4")
 
 
+def experts_finer_backward_after_another_forward(rank):
+    """Under MX and rowwise (hp_grad_weight) with 3 experts: an evaluation under no_grad
+    between a training forward and its backward (FSDP2 gathers the forward plane again, with
+    the evaluation's statistics, and re-gathers the grad_input plane with them) leaves the
+    gradients bit-identical to a step without it (grouped_mm; the eager loop)."""
+    ids = batch().chunk(WORLD)[rank]
+    for recipe in (FINER[1], FINER[2]):
+        for implementation in ("grouped_mm", "eager"):
+            runs = []
+            for between in (False, True):
+                model = build("mixtral", implementation, experts=EXPERTS)
+                model = fp8fn.float8_all_gather(model)
+                for layer in model.model.layers:
+                    fully_shard(layer)
+                fully_shard(model)
+                fn = fp8fn.transform(model, recipe)
+                state = fn.init(ids)
+                loss = _loss(fn, model, state, ids)
+                if between:
+                    with torch.no_grad():
+                        _loss(fn, model, state, ids.flip(1))
+                loss.backward()
+                runs.append({k: p.grad.to_local().clone() for k, p in model.named_parameters()})
+            for k, g in runs[1].items():
+                assert torch.equal(g, runs[0][k]), (recipe, implementation, k)
+
+
 def experts_finer_bytes(rank):
     """Per rank and steady step of the tiny Mixtral (4 experts, grouped_mm) under FSDP2, each
     finer recipe against float32 FSDP2: FSDP2's all-gathers (as many as float32's) carry one
@@ -459,6 +486,7 @@ SCENARIOS = [
     init_refuses_a_gathered_3d_weight_outside_gemms,
     experts_gathered_pass_the_cuda_rules,
     experts_finer_recipes,
+    experts_finer_backward_after_another_forward,
     experts_finer_bytes,
 ]
 
