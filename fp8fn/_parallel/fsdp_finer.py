@@ -18,6 +18,12 @@ blockwise's 128 x 128 blocks serve both. FSDP2 shards dim 0 (n). The pieces:
   one input of the padded shard's shape: in the forward the output GEMM's plane, in the
   backward re-gather (after `reshard_after_forward`, outside `fn.apply`) the grad_input GEMM's
   (blockwise: the one plane again).
+* Experts weights `(E, a, b)`: each expert's planes its own (the grouped op quantizes each
+  expert matrix alone), in the coordinates of the weight as stored: where the GEMMs read each
+  expert transposed (`(E, K, N)`, `FinerScales.flipped`, seen at `fn.init`), the transposed
+  planes (`planes.stored_plane`). FSDP2 shards the experts, so no group spans two ranks: each
+  rank's experts' grids travel in the same one statistics all-gather, and the whole grid is
+  the gathered rows reshaped.
 * `FinerGatheredWeight`: FSDP2's unsharded parameter, a tensor of the weight's dtype and shape
   holding the gathered bytes of one plane. The op (`_ops/block_scaled.py`) takes the operand of
   the plane its GEMM reads from it (`fp8fn_finer_operand`); where it holds the other plane (a

@@ -581,7 +581,10 @@ def float8_all_gather(model: nn.Module, filter_fn=None) -> nn.Module:
     FSDP2's backward re-gather the plane the grad_input GEMM reads (blockwise: the same one),
     each rank casting its shard with the whole weight's scales, which one all-gather per step
     of the ranks' group statistics makes (`fp8fn/_parallel/fsdp_finer.py`); the gathered bytes
-    and scales are those of casting the whole weight, bit for bit.
+    and scales are those of casting the whole weight, bit for bit. An experts weight likewise,
+    each expert's planes its own, in the coordinates of the weight as stored (where its GEMMs
+    read each expert transposed, GPT-OSS's and Llama 4's `(E, K, N)`, the transposed planes:
+    which way is seen at `fn.init`).
 
     Weights are sharded along dim 0. One whose rows do not split evenly over the ranks is gathered
     padded, and its observation is the shard's amax (an experts weight's: 0 for the experts of
@@ -596,8 +599,8 @@ def float8_all_gather(model: nn.Module, filter_fn=None) -> nn.Module:
         layer's name) and the experts weights (asked with the weight's name,
         `model.layers.0.mlp.experts.gate_up_proj`, and the module holding it), as
         `fp8fn.transform` asks it (default: all). Every chosen one must run in float8 with
-        `DelayedScaling` or `CurrentScaling` under the transform, or, a linear weight, with
-        `RowwiseScaling`, `BlockwiseScaling` or `MXScaling` (`fp8fn.transform` checks).
+        `DelayedScaling`, `CurrentScaling`, `RowwiseScaling`, `BlockwiseScaling` or
+        `MXScaling` under the transform (`fp8fn.transform` checks; NVFP4 is refused).
 
     Returns:
       `model` itself, changed in place.

@@ -91,8 +91,8 @@ class Fsdp2:
 
     def _float8_gathered(self, layers, experts) -> list:
         """The layers and experts weights whose weights FSDP2 all-gathers in float8
-        (`fp8fn.float8_all_gather`); raises unless each runs in float8 with a per-tensor recipe
-        and is sharded."""
+        (`fp8fn.float8_all_gather`); raises unless each runs in float8 with a per-tensor or
+        finer recipe (not NVFP4) and is sharded."""
         gathered = [_Gathered(m.path, m.module, m.attrs[0], m.recipe, m.path) for m in layers]
         gathered += [_Gathered(e.path, e.module, e.attr, e.recipe, e.expert(0)) for e in experts]
         gathered = [g for g in gathered if is_float8_gathered(g.held())]
