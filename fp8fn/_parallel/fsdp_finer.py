@@ -110,7 +110,9 @@ def finer_scales(entries, discovering: bool = False) -> dict:
     weight (padded to the most pieces any rank has); no host read. Where no group spans two
     ranks and each rank's groups start at a multiple of that count (rowwise and MX rows,
     aligned cuts), a weight's grid is the gathered statistics reshaped (one op); else each
-    rank's pieces are placed in turn and max-combined.
+    rank's pieces are placed in turn and max-combined. An experts weight `(E, a, b)` (whole
+    experts per rank) sends its experts' grids, in the planes of its stored coordinates
+    (`Float8ShardWeight._flipped`); its `(E, gn, gk)` grid is the gathered rows reshaped.
     """
     from .fsdp_gather import shard_of  # (the module that imports this one)
 
@@ -129,10 +131,8 @@ def finer_scales(entries, discovering: bool = False) -> dict:
             for plane in dict.fromkeys(planes.stored_plane(recipe, g, flipped) for g in (0, 1)):
                 if len(shape) == 3:  # whole experts per rank: each expert's own grid
                     own = planes.expert_stats(plane, shard)
-                    chunk, first = (
-                        ceil_div(shape[0], world),
-                        min(rank * ceil_div(shape[0], world), shape[0]),
-                    )
+                    chunk = ceil_div(shape[0], world)
+                    first = min(rank * chunk, shape[0])
                     if discovering or world == 1:
                         grid = own.new_zeros(shape[0], *own.shape[1:])
                         grid[first : first + len(own)] = own
