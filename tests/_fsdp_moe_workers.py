@@ -322,12 +322,16 @@ def _finer_reference(implementation, recipe, arch, steps, experts):
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _finer_experts_under_fsdp2(implementation, rank, recipe, arch="mixtral", steps=2):
+def _finer_experts_under_fsdp2(
+    implementation, rank, recipe, arch="mixtral", steps=2, reshard_after_forward=True
+):
     """`arch` with `EXPERTS` experts (an odd count: a padded shard) under FSDP2 with every
     linear and experts weight all-gathered in float8 under `recipe`: each experts forward finds
     the output GEMM's per-expert plane, each backward the grad_input GEMM's (blockwise: the
-    same), each expert's bytes those of its whole matrix's plane as the GEMMs read it; the
-    params after `steps` SGD steps bit-identical to one process on every rank."""
+    same; without `reshard_after_forward`, the forward's still, and the op all-gathers the
+    grad_input plane itself), each expert's bytes those of its whole matrix's plane as the
+    GEMMs read it; the params after `steps` SGD steps bit-identical to one process on every
+    rank."""
     from fp8fn._numerics import planes
     from fp8fn._parallel.fsdp_finer import FinerGatheredWeight
 
@@ -335,7 +339,7 @@ def _finer_experts_under_fsdp2(implementation, rank, recipe, arch="mixtral", ste
     model = build(arch, implementation, experts=EXPERTS)
     model = fp8fn.float8_all_gather(model)
     for layer in model.model.layers:
-        fully_shard(layer)
+        fully_shard(layer, reshard_after_forward=reshard_after_forward)
     fully_shard(model)
     seen = {0: [], 1: []}  # gemm -> [(plane, bytes, whole weight)] of layer 0's experts
 
@@ -363,8 +367,9 @@ def _finer_experts_under_fsdp2(implementation, rank, recipe, arch="mixtral", ste
         model.zero_grad()
         for gemm in (0, 1):
             assert len(seen[gemm]) == 2, (gemm, len(seen[gemm]))
+            held = gemm if reshard_after_forward else 0  # the plane FSDP2 gathered
             for (plane, data, plan), w in zip(seen[gemm], whole):
-                assert plane == planes.stored_plane(recipe, gemm, plan.flipped), (gemm, plane)
+                assert plane == planes.stored_plane(recipe, held, plan.flipped), (gemm, plane)
                 assert plan.flipped == (arch != "mixtral"), (arch, plan.flipped)
                 want = torch.stack([planes.quantize(plane, m)[0] for m in w])
                 assert torch.equal(data, want.view(torch.uint8)), (recipe, gemm)
@@ -384,6 +389,20 @@ def experts_finer_recipes(rank):
         for implementation in ("grouped_mm", "eager"):
             _finer_experts_under_fsdp2(implementation, rank, recipe, arch="gpt_oss")
         _finer_experts_under_fsdp2("grouped_mm", rank, recipe, arch="llama4")
+
+
+def experts_finer_not_resharded(rank):
+    """Decoder layers with `reshard_after_forward=False` (FSDP2 gathers each weight once, for
+    the forward): the backward's grad_input GEMMs all-gather their plane themselves, once per
+    experts weight, also in the eager loop where each rank runs only the experts its tokens
+    reached (MX, rowwise; grouped_mm, eager, GPT-OSS's transposed grouped_mm); params
+    bit-identical to one process after 2 steps."""
+    for recipe in (FINER[0], FINER[2]):
+        for implementation in ("grouped_mm", "eager"):
+            _finer_experts_under_fsdp2(implementation, rank, recipe, reshard_after_forward=False)
+        _finer_experts_under_fsdp2(
+            "grouped_mm", rank, recipe, arch="gpt_oss", reshard_after_forward=False
+        )
 
 
 def experts_finer_backward_after_another_forward(rank):
@@ -486,6 +505,7 @@ SCENARIOS = [
     init_refuses_a_gathered_3d_weight_outside_gemms,
     experts_gathered_pass_the_cuda_rules,
     experts_finer_recipes,
+    experts_finer_not_resharded,
     experts_finer_backward_after_another_forward,
     experts_finer_bytes,
 ]
