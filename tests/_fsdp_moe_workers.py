@@ -304,26 +304,34 @@ FINER = [
 EXPERTS = 3  # odd: FSDP2 gives rank 0 experts 0 and 1, rank 1 expert 2 and a padded row
 
 
-def _finer_reference(implementation, recipe, arch, steps, experts):
-    """The params of one process after each of `steps` SGD steps on the global batch, as
-    `WORLD` microbatches (the ranks' shards; gradients summed, divided by `WORLD`)."""
+def _finer_reference(implementation, recipe, arch, steps, experts, bf16=False):
+    """The params of one process after `steps` SGD steps on the global batch, as `WORLD`
+    microbatches (the ranks' shards; gradients summed, divided by `WORLD`); `bf16`: as
+    `_reference`'s (bfloat16 copies of the params on the bfloat16 grid)."""
     model = build(arch, implementation, experts=experts)
+    if bf16:
+        _bf16_grid(model.parameters())
     fn = fp8fn.transform(model, recipe)
     ids = batch()
     state = fn.init(ids)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     for _ in range(steps):
+        params = dict(model.named_parameters())
+        if bf16:
+            params = {n: p.detach().to(torch.bfloat16).requires_grad_() for n, p in params.items()}
         for part in ids.chunk(WORLD):
-            _loss(fn, model, state, part).backward()
-        for p in model.parameters():
-            p.grad /= WORLD
+            fn.apply(params, state, part, labels=part).loss.backward()
+        for n, p in model.named_parameters():
+            p.grad = params[n].grad.float() / WORLD
         opt.step()
         model.zero_grad()
+        if bf16:
+            _bf16_grid(model.parameters())
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def _finer_experts_under_fsdp2(
-    implementation, rank, recipe, arch="mixtral", steps=2, reshard_after_forward=True
+    implementation, rank, recipe, arch="mixtral", steps=2, reshard_after_forward=True, bf16=False
 ):
     """`arch` with `EXPERTS` experts (an odd count: a padded shard) under FSDP2 with every
     linear and experts weight all-gathered in float8 under `recipe`: each experts forward finds
@@ -331,16 +339,22 @@ def _finer_experts_under_fsdp2(
     same; without `reshard_after_forward`, the forward's still, and the op all-gathers the
     grad_input plane itself), each expert's bytes those of its whole matrix's plane as the
     GEMMs read it; the params after `steps` SGD steps bit-identical to one process on every
-    rank."""
+    rank. `bf16`: under `MixedPrecisionPolicy(param_dtype=torch.bfloat16)`, the params on the
+    bfloat16 grid (`experts_bf16_param_dtype`)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
     from fp8fn._numerics import planes
     from fp8fn._parallel.fsdp_finer import FinerGatheredWeight
 
-    ref = _finer_reference(implementation, recipe, arch, steps, EXPERTS)
+    ref = _finer_reference(implementation, recipe, arch, steps, EXPERTS, bf16)
     model = build(arch, implementation, experts=EXPERTS)
+    if bf16:
+        _bf16_grid(model.parameters())
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None)
     model = fp8fn.float8_all_gather(model)
     for layer in model.model.layers:
-        fully_shard(layer, reshard_after_forward=reshard_after_forward)
-    fully_shard(model)
+        fully_shard(layer, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
     seen = {0: [], 1: []}  # gemm -> [(plane, bytes, whole weight)] of layer 0's experts
 
     def record(gemm):
@@ -348,6 +362,7 @@ def _finer_experts_under_fsdp2(
             for attr in ("gate_up_proj", "down_proj"):
                 w = getattr(module, attr)
                 assert type(w) is FinerGatheredWeight, (attr, type(w))
+                assert w.dtype == (torch.bfloat16 if bf16 else torch.float32), w.dtype
                 seen[gemm].append((w._plane, w._data.view(torch.uint8).clone(), w._plan))
 
         return hook
@@ -365,6 +380,8 @@ def _finer_experts_under_fsdp2(
         _loss(fn, model, state, ids).backward()
         opt.step()
         model.zero_grad()
+        if bf16:
+            _bf16_grid(model.parameters())
         for gemm in (0, 1):
             assert len(seen[gemm]) == 2, (gemm, len(seen[gemm]))
             held = gemm if reshard_after_forward else 0  # the plane FSDP2 gathered
@@ -389,6 +406,16 @@ def experts_finer_recipes(rank):
         for implementation in ("grouped_mm", "eager"):
             _finer_experts_under_fsdp2(implementation, rank, recipe, arch="gpt_oss")
         _finer_experts_under_fsdp2("grouped_mm", rank, recipe, arch="llama4")
+
+
+def experts_finer_bf16_param_dtype(rank):
+    """Under FSDP2's `MixedPrecisionPolicy(param_dtype=torch.bfloat16)`, params on the bfloat16
+    grid (rowwise, MX, blockwise; Mixtral's grouped_mm, GPT-OSS's transposed grouped_mm): the
+    gathered experts weights are e4m3 planes and, to autograd, bfloat16; params bit-identical
+    to one process running bfloat16 copies after 2 steps."""
+    for recipe in (FINER[0], FINER[2], FINER[4]):
+        for arch in ("mixtral", "gpt_oss"):
+            _finer_experts_under_fsdp2("grouped_mm", rank, recipe, arch=arch, bf16=True)
 
 
 def experts_finer_not_resharded(rank):
@@ -506,6 +533,7 @@ SCENARIOS = [
     experts_gathered_pass_the_cuda_rules,
     experts_finer_recipes,
     experts_finer_not_resharded,
+    experts_finer_bf16_param_dtype,
     experts_finer_backward_after_another_forward,
     experts_finer_bytes,
 ]
