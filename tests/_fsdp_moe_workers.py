@@ -459,6 +459,41 @@ def experts_finer_backward_after_another_forward(rank):
                 assert torch.equal(g, runs[0][k]), (recipe, implementation, k)
 
 
+def experts_finer_gradient_accumulation(rank):
+    """Gradient accumulation over 2 microbatches per rank (each rank's sequence halves; rowwise,
+    MX; grouped_mm, eager; 3 experts): each rank's gradient shards are, bit for bit, one
+    process's per-microbatch gradients averaged over the ranks and summed over the
+    microbatches, as FSDP2 reduces and accumulates them."""
+    ids = batch()
+    parts = [[r[:, :8], r[:, 8:]] for r in ids.chunk(WORLD)]  # [rank][microbatch]
+    for recipe in (FINER[0], FINER[2]):
+        for implementation in ("grouped_mm", "eager"):
+            model = build("mixtral", implementation, experts=EXPERTS)
+            model = fp8fn.float8_all_gather(model)
+            for layer in model.model.layers:
+                fully_shard(layer)
+            fully_shard(model)
+            fn = fp8fn.transform(model, recipe)
+            state = fn.init(parts[rank][0])
+            for part in parts[rank]:
+                _loss(fn, model, state, part).backward()
+            grads = {k: p.grad.to_local() for k, p in model.named_parameters()}
+            ref = build("mixtral", implementation, experts=EXPERTS)
+            ref_fn = fp8fn.transform(ref, recipe)
+            ref_state = ref_fn.init(parts[0][0])
+            per = [[None, None] for _ in range(WORLD)]
+            for r in range(WORLD):
+                for j in range(2):
+                    _loss(ref_fn, ref, ref_state, parts[r][j]).backward()
+                    per[r][j] = {k: p.grad.clone() for k, p in ref.named_parameters()}
+                    ref.zero_grad()
+            for name, got in grads.items():
+                want = sum(per[r][0][name] for r in range(WORLD)) / WORLD
+                want = want + sum(per[r][1][name] for r in range(WORLD)) / WORLD
+                want = want.chunk(WORLD)[rank]
+                assert torch.equal(got, want), (recipe, implementation, name)
+
+
 def experts_finer_bytes(rank):
     """Per rank and steady step of the tiny Mixtral (4 experts, grouped_mm) under FSDP2, each
     finer recipe against float32 FSDP2: FSDP2's all-gathers (as many as float32's) carry one
@@ -535,6 +570,7 @@ SCENARIOS = [
     experts_finer_not_resharded,
     experts_finer_bf16_param_dtype,
     experts_finer_backward_after_another_forward,
+    experts_finer_gradient_accumulation,
     experts_finer_bytes,
 ]
 
