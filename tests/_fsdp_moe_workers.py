@@ -304,14 +304,20 @@ FINER = [
 EXPERTS = 3  # odd: FSDP2 gives rank 0 experts 0 and 1, rank 1 expert 2 and a padded row
 
 
-def _finer_reference(implementation, recipe, arch, steps, experts, bf16=False):
+def _decoder_layers(name, module):
+    """`checkpoint_fn` choosing the decoder layers (`model.layers.0`)."""
+    return name.count(".") == 2 and name.startswith("model.layers.")
+
+
+def _finer_reference(implementation, recipe, arch, steps, experts, bf16=False, recompute=False):
     """The params of one process after `steps` SGD steps on the global batch, as `WORLD`
     microbatches (the ranks' shards; gradients summed, divided by `WORLD`); `bf16`: as
     `_reference`'s (bfloat16 copies of the params on the bfloat16 grid)."""
     model = build(arch, implementation, experts=experts)
+    model.config.use_cache = not recompute  # (a recompute refuses a KV cache)
     if bf16:
         _bf16_grid(model.parameters())
-    fn = fp8fn.transform(model, recipe)
+    fn = fp8fn.transform(model, recipe, checkpoint_fn=_decoder_layers if recompute else None)
     ids = batch()
     state = fn.init(ids)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
@@ -331,7 +337,14 @@ def _finer_reference(implementation, recipe, arch, steps, experts, bf16=False):
 
 
 def _finer_experts_under_fsdp2(
-    implementation, rank, recipe, arch="mixtral", steps=2, reshard_after_forward=True, bf16=False
+    implementation,
+    rank,
+    recipe,
+    arch="mixtral",
+    steps=2,
+    reshard_after_forward=True,
+    bf16=False,
+    recompute=False,
 ):
     """`arch` with `EXPERTS` experts (an odd count: a padded shard) under FSDP2 with every
     linear and experts weight all-gathered in float8 under `recipe`: each experts forward finds
@@ -340,14 +353,18 @@ def _finer_experts_under_fsdp2(
     grad_input plane itself), each expert's bytes those of its whole matrix's plane as the
     GEMMs read it; the params after `steps` SGD steps bit-identical to one process on every
     rank. `bf16`: under `MixedPrecisionPolicy(param_dtype=torch.bfloat16)`, the params on the
-    bfloat16 grid (`experts_bf16_param_dtype`)."""
+    bfloat16 grid (`experts_bf16_param_dtype`). `recompute`: `checkpoint_fn` recomputing the
+    decoder layers in the backward (whose forward then runs on the grad_input plane FSDP2
+    re-gathered: the op all-gathers the output plane itself; the planes seen are not
+    checked)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     from fp8fn._numerics import planes
     from fp8fn._parallel.fsdp_finer import FinerGatheredWeight
 
-    ref = _finer_reference(implementation, recipe, arch, steps, EXPERTS, bf16)
+    ref = _finer_reference(implementation, recipe, arch, steps, EXPERTS, bf16, recompute)
     model = build(arch, implementation, experts=EXPERTS)
+    model.config.use_cache = not recompute
     if bf16:
         _bf16_grid(model.parameters())
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None)
@@ -370,7 +387,7 @@ def _finer_experts_under_fsdp2(
     experts = _experts(model.model.layers[0])
     experts.register_forward_pre_hook(record(0))
     experts.register_full_backward_pre_hook(record(1))
-    fn = fp8fn.transform(model, recipe)
+    fn = fp8fn.transform(model, recipe, checkpoint_fn=_decoder_layers if recompute else None)
     ids = batch().chunk(WORLD)[rank]
     state = fn.init(ids)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
@@ -382,7 +399,7 @@ def _finer_experts_under_fsdp2(
         model.zero_grad()
         if bf16:
             _bf16_grid(model.parameters())
-        for gemm in (0, 1):
+        for gemm in () if recompute else (0, 1):
             assert len(seen[gemm]) == 2, (gemm, len(seen[gemm]))
             held = gemm if reshard_after_forward else 0  # the plane FSDP2 gathered
             for (plane, data, plan), w in zip(seen[gemm], whole):
@@ -416,6 +433,16 @@ def experts_finer_bf16_param_dtype(rank):
     for recipe in (FINER[0], FINER[2], FINER[4]):
         for arch in ("mixtral", "gpt_oss"):
             _finer_experts_under_fsdp2("grouped_mm", rank, recipe, arch=arch, bf16=True)
+
+
+def experts_finer_checkpoint_fn(rank):
+    """`checkpoint_fn` recomputing the decoder layers (rowwise, MX; grouped_mm, eager): the
+    recomputed forward finds the grad_input plane FSDP2 re-gathered and all-gathers the output
+    plane itself, once per weight; params bit-identical to one process recomputing the same
+    layers after 2 steps."""
+    for recipe in (FINER[0], FINER[2]):
+        for implementation in ("grouped_mm", "eager"):
+            _finer_experts_under_fsdp2(implementation, rank, recipe, recompute=True)
 
 
 def experts_finer_not_resharded(rank):
@@ -568,6 +595,7 @@ SCENARIOS = [
     experts_gathered_pass_the_cuda_rules,
     experts_finer_recipes,
     experts_finer_not_resharded,
+    experts_finer_checkpoint_fn,
     experts_finer_bf16_param_dtype,
     experts_finer_backward_after_another_forward,
     experts_finer_gradient_accumulation,
