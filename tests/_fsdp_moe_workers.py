@@ -345,6 +345,7 @@ def _finer_experts_under_fsdp2(
     reshard_after_forward=True,
     bf16=False,
     recompute=False,
+    meta=False,
 ):
     """`arch` with `EXPERTS` experts (an odd count: a padded shard) under FSDP2 with every
     linear and experts weight all-gathered in float8 under `recipe`: each experts forward finds
@@ -356,14 +357,17 @@ def _finer_experts_under_fsdp2(
     bfloat16 grid (`experts_bf16_param_dtype`). `recompute`: `checkpoint_fn` recomputing the
     decoder layers in the backward (whose forward then runs on the grad_input plane FSDP2
     re-gathered: the op all-gathers the output plane itself; the planes seen are not
-    checked)."""
+    checked). `meta`: the model made on the meta device, `float8_all_gather` and `fully_shard`
+    there, then `to_empty` and filled with one process's initial weights (this rank's rows)
+    and buffers."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     from fp8fn._numerics import planes
     from fp8fn._parallel.fsdp_finer import FinerGatheredWeight
 
     ref = _finer_reference(implementation, recipe, arch, steps, EXPERTS, bf16, recompute)
-    model = build(arch, implementation, experts=EXPERTS)
+    with torch.device("meta" if meta else "cpu"):
+        model = build(arch, implementation, experts=EXPERTS)
     model.config.use_cache = not recompute
     if bf16:
         _bf16_grid(model.parameters())
@@ -372,6 +376,14 @@ def _finer_experts_under_fsdp2(
     for layer in model.model.layers:
         fully_shard(layer, reshard_after_forward=reshard_after_forward, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
+    if meta:
+        model.to_empty(device="cpu")
+        source = build(arch, implementation, experts=EXPERTS)
+        with torch.no_grad():
+            for name, p in source.named_parameters():
+                model.get_parameter(name).to_local().copy_(p.chunk(WORLD)[rank])
+            for name, b in source.named_buffers():
+                model.get_buffer(name).copy_(b)
     seen = {0: [], 1: []}  # gemm -> [(plane, bytes, whole weight)] of layer 0's experts
 
     def record(gemm):
@@ -443,6 +455,15 @@ def experts_finer_checkpoint_fn(rank):
     for recipe in (FINER[0], FINER[2]):
         for implementation in ("grouped_mm", "eager"):
             _finer_experts_under_fsdp2(implementation, rank, recipe, recompute=True)
+
+
+def experts_finer_meta_init(rank):
+    """A model made on the meta device (rowwise, MX; Mixtral's grouped_mm, GPT-OSS's eager),
+    float8_all_gather and fully_shard there, `to_empty` and filled: params bit-identical to one
+    process after 2 steps."""
+    for recipe in (FINER[0], FINER[2]):
+        _finer_experts_under_fsdp2("grouped_mm", rank, recipe, meta=True)
+        _finer_experts_under_fsdp2("eager", rank, recipe, arch="gpt_oss", meta=True)
 
 
 def experts_finer_not_resharded(rank):
@@ -595,6 +616,7 @@ SCENARIOS = [
     experts_gathered_pass_the_cuda_rules,
     experts_finer_recipes,
     experts_finer_not_resharded,
+    experts_finer_meta_init,
     experts_finer_checkpoint_fn,
     experts_finer_bf16_param_dtype,
     experts_finer_backward_after_another_forward,
