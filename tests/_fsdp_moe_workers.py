@@ -542,6 +542,46 @@ def experts_finer_gradient_accumulation(rank):
                 assert torch.equal(got, want), (recipe, implementation, name)
 
 
+def experts_finer_dcp_resume(rank):
+    """MX on GPT-OSS's transposed experts (3: a padded shard): one step, a DCP save, a fresh
+    model (its own `fn.init`, which sees the experts read transposed) loading it and taking the
+    second step: params bit-identical to 2 uninterrupted steps."""
+    import tempfile
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    path = [tempfile.mkdtemp(prefix="fp8fn_dcp_") if rank == 0 else None]
+    dist.broadcast_object_list(path, src=0)
+    ids = batch().chunk(WORLD)[rank]
+
+    def run(steps, load=False, save=False):
+        model = fp8fn.float8_all_gather(build("gpt_oss", "grouped_mm", experts=EXPERTS))
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        fn = fp8fn.transform(model, FINER[2])
+        state = fn.init(ids)
+        if load:
+            loaded = {"model": model.state_dict()}
+            dcp.load(loaded, checkpoint_id=path[0])
+            model.load_state_dict(loaded["model"])
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        for _ in range(steps):
+            _loss(fn, model, state, ids).backward()
+            opt.step()
+            model.zero_grad()
+        if save:
+            dcp.save({"model": model.state_dict()}, checkpoint_id=path[0])
+        return {n: p.full_tensor() for n, p in model.named_parameters()}
+
+    want = run(2)
+    run(1, save=True)
+    got = run(1, load=True)
+    for name, p in got.items():
+        assert torch.equal(p, want[name]), name
+
+
 def experts_finer_bytes(rank):
     """Per rank and steady step of the tiny Mixtral (4 experts, grouped_mm) under FSDP2, each
     finer recipe against float32 FSDP2: FSDP2's all-gathers (as many as float32's) carry one
@@ -621,6 +661,7 @@ SCENARIOS = [
     experts_finer_bf16_param_dtype,
     experts_finer_backward_after_another_forward,
     experts_finer_gradient_accumulation,
+    experts_finer_dcp_resume,
     experts_finer_bytes,
 ]
 

@@ -131,11 +131,13 @@ class Float8ShardWeight(torch.Tensor):
         return self._tensor.__reduce_ex__(protocol)
 
     def __tensor_flatten__(self):
-        return ["_tensor"], {"path": self._path, "attr": self._attr}
+        return ["_tensor"], {"path": self._path, "attr": self._attr, "flipped": self._flipped}
 
     @staticmethod
     def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
-        return Float8ShardWeight(inner["_tensor"], meta["path"], meta["attr"])
+        out = Float8ShardWeight(inner["_tensor"], meta["path"], meta["attr"])
+        out._flipped = meta["flipped"]
+        return out
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -147,8 +149,14 @@ class Float8ShardWeight(torch.Tensor):
             return tree_map_only(torch.Tensor, lambda t: outer.get(id(t), t), out)
         if func not in _KEEP:
             return out
-        path, attr = wrapped[0]._path, wrapped[0]._attr
-        return tree_map_only(torch.Tensor, lambda t: cls(t, path, attr), out)
+        return tree_map_only(torch.Tensor, lambda t: wrapped[0]._like(t), out)
+
+    def _like(self, tensor: torch.Tensor) -> Float8ShardWeight:
+        """`tensor` as a piece of this weight: its names and orientation kept (FSDP2 makes new
+        shards of it, e.g. when it loads a state dict)."""
+        out = Float8ShardWeight(tensor, self._path, self._attr)
+        out._flipped = self._flipped
+        return out
 
     # -- FSDP2's all-gather extension --------------------------------------------------------
 
