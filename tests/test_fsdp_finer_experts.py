@@ -167,3 +167,18 @@ def test_gathered_experts_refuse_another_orientation():
         RuntimeError, match=r"^fp8fn\.float8_all_gather: expected experts weight 'fc' to be read"
     ):
         gathered.transpose(-2, -1)[1].note_orientation()
+
+
+def test_pieces_of_a_shard_keep_its_orientation():
+    """FSDP2 makes new shard tensors of a weight (its `load_state_dict` pads a new one and
+    narrows it): they keep the orientation `fn.init` saw, so the next all-gather casts the
+    same planes."""
+    from fp8fn._parallel.fsdp_gather import Float8ShardWeight
+
+    shard = Float8ShardWeight(_experts(2, seed=2), "fc", "gate_up_proj")
+    shard._flipped = True
+    padded = shard.new_zeros(3, _A, _B)
+    for piece in (padded, padded.narrow(0, 0, 2), shard.detach(), shard[:1]):
+        assert type(piece) is Float8ShardWeight and piece._flipped is True
+        assert (piece._path, piece._attr) == ("fc", "gate_up_proj")
+    assert type(shard + 0) is torch.Tensor  # (any other op: plain)
