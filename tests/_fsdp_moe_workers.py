@@ -14,6 +14,7 @@ import torch
 from _helpers import assert_bit_identical
 from _moe_models import batch, build
 from _spawn import assert_state_same_on_all_ranks, run_scenarios
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 import fp8fn
@@ -291,6 +292,357 @@ def experts_gathered_pass_the_cuda_rules(rank):
             assert (ops["_scaled_grouped_mm"] == 4) == (capability == (9, 0)), (arch, ops)
 
 
+# --- the finer recipes: one plane per phase, per expert -----------------------------------------
+
+FINER = [
+    fp8fn.RowwiseScaling(),
+    fp8fn.RowwiseScaling(hp_grad_weight=True),
+    fp8fn.MXScaling(),
+    fp8fn.MXScaling(scale_rounding="floor"),
+    fp8fn.BlockwiseScaling(),
+]
+EXPERTS = 3  # odd: FSDP2 gives rank 0 experts 0 and 1, rank 1 expert 2 and a padded row
+
+
+def _decoder_layers(name, module):
+    """`checkpoint_fn` choosing the decoder layers (`model.layers.0`)."""
+    return name.count(".") == 2 and name.startswith("model.layers.")
+
+
+def _finer_reference(implementation, recipe, arch, steps, experts, bf16=False, recompute=False):
+    """The params of one process after `steps` SGD steps on the global batch, as `WORLD`
+    microbatches (the ranks' shards; gradients summed, divided by `WORLD`); `bf16`: as
+    `_reference`'s (bfloat16 copies of the params on the bfloat16 grid)."""
+    model = build(arch, implementation, experts=experts)
+    model.config.use_cache = not recompute  # (a recompute refuses a KV cache)
+    if bf16:
+        _bf16_grid(model.parameters())
+    fn = fp8fn.transform(model, recipe, checkpoint_fn=_decoder_layers if recompute else None)
+    ids = batch()
+    state = fn.init(ids)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for _ in range(steps):
+        params = dict(model.named_parameters())
+        if bf16:
+            params = {n: p.detach().to(torch.bfloat16).requires_grad_() for n, p in params.items()}
+        for part in ids.chunk(WORLD):
+            fn.apply(params, state, part, labels=part).loss.backward()
+        for n, p in model.named_parameters():
+            p.grad = params[n].grad.float() / WORLD
+        opt.step()
+        model.zero_grad()
+        if bf16:
+            _bf16_grid(model.parameters())
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _finer_experts_under_fsdp2(
+    implementation,
+    rank,
+    recipe,
+    arch="mixtral",
+    steps=2,
+    reshard_after_forward=True,
+    bf16=False,
+    recompute=False,
+    meta=False,
+):
+    """`arch` with `EXPERTS` experts (an odd count: a padded shard) under FSDP2 with every
+    linear and experts weight all-gathered in float8 under `recipe`: each experts forward finds
+    the output GEMM's per-expert plane, each backward the grad_input GEMM's (blockwise: the
+    same; without `reshard_after_forward`, the forward's still, and the op all-gathers the
+    grad_input plane itself), each expert's bytes those of its whole matrix's plane as the
+    GEMMs read it; the params after `steps` SGD steps bit-identical to one process on every
+    rank. `bf16`: under `MixedPrecisionPolicy(param_dtype=torch.bfloat16)`, the params on the
+    bfloat16 grid (`experts_bf16_param_dtype`). `recompute`: `checkpoint_fn` recomputing the
+    decoder layers in the backward (whose forward then runs on the grad_input plane FSDP2
+    re-gathered: the op all-gathers the output plane itself; the planes seen are not
+    checked). `meta`: the model made on the meta device, `float8_all_gather` and `fully_shard`
+    there, then `to_empty` and filled with one process's initial weights (this rank's rows)
+    and buffers."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from fp8fn._numerics import planes
+    from fp8fn._parallel.fsdp_finer import FinerGatheredWeight
+
+    ref = _finer_reference(implementation, recipe, arch, steps, EXPERTS, bf16, recompute)
+    with torch.device("meta" if meta else "cpu"):
+        model = build(arch, implementation, experts=EXPERTS)
+    model.config.use_cache = not recompute
+    if bf16:
+        _bf16_grid(model.parameters())
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None)
+    model = fp8fn.float8_all_gather(model)
+    for layer in model.model.layers:
+        fully_shard(layer, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    if meta:
+        model.to_empty(device="cpu")
+        source = build(arch, implementation, experts=EXPERTS)
+        with torch.no_grad():
+            for name, p in source.named_parameters():
+                model.get_parameter(name).to_local().copy_(p.chunk(WORLD)[rank])
+            for name, b in source.named_buffers():
+                model.get_buffer(name).copy_(b)
+    seen = {0: [], 1: []}  # gemm -> [(plane, bytes, whole weight)] of layer 0's experts
+
+    def record(gemm):
+        def hook(module, *args):
+            for attr in ("gate_up_proj", "down_proj"):
+                w = getattr(module, attr)
+                assert type(w) is FinerGatheredWeight, (attr, type(w))
+                assert w.dtype == (torch.bfloat16 if bf16 else torch.float32), w.dtype
+                seen[gemm].append((w._plane, w._data.view(torch.uint8).clone(), w._plan))
+
+        return hook
+
+    experts = _experts(model.model.layers[0])
+    experts.register_forward_pre_hook(record(0))
+    experts.register_full_backward_pre_hook(record(1))
+    fn = fp8fn.transform(model, recipe, checkpoint_fn=_decoder_layers if recompute else None)
+    ids = batch().chunk(WORLD)[rank]
+    state = fn.init(ids)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for _ in range(steps):
+        whole = [experts.gate_up_proj.full_tensor(), experts.down_proj.full_tensor()]
+        seen[0].clear(), seen[1].clear()
+        _loss(fn, model, state, ids).backward()
+        opt.step()
+        model.zero_grad()
+        if bf16:
+            _bf16_grid(model.parameters())
+        for gemm in () if recompute else (0, 1):
+            assert len(seen[gemm]) == 2, (gemm, len(seen[gemm]))
+            held = gemm if reshard_after_forward else 0  # the plane FSDP2 gathered
+            for (plane, data, plan), w in zip(seen[gemm], whole):
+                assert plane == planes.stored_plane(recipe, held, plan.flipped), (gemm, plane)
+                assert plan.flipped == (arch != "mixtral"), (arch, plan.flipped)
+                want = torch.stack([planes.quantize(plane, m)[0] for m in w])
+                assert torch.equal(data, want.view(torch.uint8)), (recipe, gemm)
+    for name, p in model.named_parameters():
+        assert torch.equal(p.full_tensor(), ref[name]), (recipe, implementation, arch, name)
+
+
+def experts_finer_recipes(rank):
+    """Every finer recipe on Mixtral's grouped_mm experts, and rowwise, MX and blockwise on
+    its eager loop and batched_mm, GPT-OSS's transposed experts (grouped_mm, eager) and Llama 4's
+    bmm: 3 experts (a padded shard); params bit-identical to one process after 2 steps."""
+    for recipe in FINER:
+        _finer_experts_under_fsdp2("grouped_mm", rank, recipe)
+    for recipe in (FINER[0], FINER[2], FINER[4]):
+        for implementation in ("eager", "batched_mm"):
+            _finer_experts_under_fsdp2(implementation, rank, recipe)
+        for implementation in ("grouped_mm", "eager"):
+            _finer_experts_under_fsdp2(implementation, rank, recipe, arch="gpt_oss")
+        _finer_experts_under_fsdp2("grouped_mm", rank, recipe, arch="llama4")
+
+
+def experts_finer_bf16_param_dtype(rank):
+    """Under FSDP2's `MixedPrecisionPolicy(param_dtype=torch.bfloat16)`, params on the bfloat16
+    grid (rowwise, MX, blockwise; Mixtral's grouped_mm, GPT-OSS's transposed grouped_mm): the
+    gathered experts weights are e4m3 planes and, to autograd, bfloat16; params bit-identical
+    to one process running bfloat16 copies after 2 steps."""
+    for recipe in (FINER[0], FINER[2], FINER[4]):
+        for arch in ("mixtral", "gpt_oss"):
+            _finer_experts_under_fsdp2("grouped_mm", rank, recipe, arch=arch, bf16=True)
+
+
+def experts_finer_checkpoint_fn(rank):
+    """`checkpoint_fn` recomputing the decoder layers (rowwise, MX; grouped_mm, eager): the
+    recomputed forward finds the grad_input plane FSDP2 re-gathered and all-gathers the output
+    plane itself, once per weight; params bit-identical to one process recomputing the same
+    layers after 2 steps."""
+    for recipe in (FINER[0], FINER[2]):
+        for implementation in ("grouped_mm", "eager"):
+            _finer_experts_under_fsdp2(implementation, rank, recipe, recompute=True)
+
+
+def experts_finer_meta_init(rank):
+    """A model made on the meta device (rowwise, MX; Mixtral's grouped_mm, GPT-OSS's eager),
+    float8_all_gather and fully_shard there, `to_empty` and filled: params bit-identical to one
+    process after 2 steps."""
+    for recipe in (FINER[0], FINER[2]):
+        _finer_experts_under_fsdp2("grouped_mm", rank, recipe, meta=True)
+        _finer_experts_under_fsdp2("eager", rank, recipe, arch="gpt_oss", meta=True)
+
+
+def experts_finer_not_resharded(rank):
+    """Decoder layers with `reshard_after_forward=False` (FSDP2 gathers each weight once, for
+    the forward): the backward's grad_input GEMMs all-gather their plane themselves, once per
+    experts weight, also in the eager loop where each rank runs only the experts its tokens
+    reached (MX, rowwise; grouped_mm, eager, GPT-OSS's transposed grouped_mm); params
+    bit-identical to one process after 2 steps."""
+    for recipe in (FINER[0], FINER[2]):
+        for implementation in ("grouped_mm", "eager"):
+            _finer_experts_under_fsdp2(implementation, rank, recipe, reshard_after_forward=False)
+        _finer_experts_under_fsdp2(
+            "grouped_mm", rank, recipe, arch="gpt_oss", reshard_after_forward=False
+        )
+
+
+def experts_finer_backward_after_another_forward(rank):
+    """Under MX and rowwise (hp_grad_weight) with 3 experts: an evaluation under no_grad
+    between a training forward and its backward (FSDP2 gathers the forward plane again, with
+    the evaluation's statistics, and re-gathers the grad_input plane with them) leaves the
+    gradients bit-identical to a step without it (grouped_mm; the eager loop)."""
+    ids = batch().chunk(WORLD)[rank]
+    for recipe in (FINER[1], FINER[2]):
+        for implementation in ("grouped_mm", "eager"):
+            runs = []
+            for between in (False, True):
+                model = build("mixtral", implementation, experts=EXPERTS)
+                model = fp8fn.float8_all_gather(model)
+                for layer in model.model.layers:
+                    fully_shard(layer)
+                fully_shard(model)
+                fn = fp8fn.transform(model, recipe)
+                state = fn.init(ids)
+                loss = _loss(fn, model, state, ids)
+                if between:
+                    with torch.no_grad():
+                        _loss(fn, model, state, ids.flip(1))
+                loss.backward()
+                runs.append({k: p.grad.to_local().clone() for k, p in model.named_parameters()})
+            for k, g in runs[1].items():
+                assert torch.equal(g, runs[0][k]), (recipe, implementation, k)
+
+
+def experts_finer_gradient_accumulation(rank):
+    """Gradient accumulation over 2 microbatches per rank (each rank's sequence halves; rowwise,
+    MX; grouped_mm, eager; 3 experts): each rank's gradient shards are, bit for bit, one
+    process's per-microbatch gradients averaged over the ranks and summed over the
+    microbatches, as FSDP2 reduces and accumulates them."""
+    ids = batch()
+    parts = [[r[:, :8], r[:, 8:]] for r in ids.chunk(WORLD)]  # [rank][microbatch]
+    for recipe in (FINER[0], FINER[2]):
+        for implementation in ("grouped_mm", "eager"):
+            model = build("mixtral", implementation, experts=EXPERTS)
+            model = fp8fn.float8_all_gather(model)
+            for layer in model.model.layers:
+                fully_shard(layer)
+            fully_shard(model)
+            fn = fp8fn.transform(model, recipe)
+            state = fn.init(parts[rank][0])
+            for part in parts[rank]:
+                _loss(fn, model, state, part).backward()
+            grads = {k: p.grad.to_local() for k, p in model.named_parameters()}
+            ref = build("mixtral", implementation, experts=EXPERTS)
+            ref_fn = fp8fn.transform(ref, recipe)
+            ref_state = ref_fn.init(parts[0][0])
+            per = [[None, None] for _ in range(WORLD)]
+            for r in range(WORLD):
+                for j in range(2):
+                    _loss(ref_fn, ref, ref_state, parts[r][j]).backward()
+                    per[r][j] = {k: p.grad.clone() for k, p in ref.named_parameters()}
+                    ref.zero_grad()
+            for name, got in grads.items():
+                want = sum(per[r][0][name] for r in range(WORLD)) / WORLD
+                want = want + sum(per[r][1][name] for r in range(WORLD)) / WORLD
+                want = want.chunk(WORLD)[rank]
+                assert torch.equal(got, want), (recipe, implementation, name)
+
+
+def experts_finer_dcp_resume(rank):
+    """MX on GPT-OSS's transposed experts (3: a padded shard): one step, a DCP save, a fresh
+    model (its own `fn.init`, which sees the experts read transposed) loading it and taking the
+    second step: params bit-identical to 2 uninterrupted steps."""
+    import tempfile
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    path = [tempfile.mkdtemp(prefix="fp8fn_dcp_") if rank == 0 else None]
+    dist.broadcast_object_list(path, src=0)
+    ids = batch().chunk(WORLD)[rank]
+
+    def run(steps, load=False, save=False):
+        model = fp8fn.float8_all_gather(build("gpt_oss", "grouped_mm", experts=EXPERTS))
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        fn = fp8fn.transform(model, FINER[2])
+        state = fn.init(ids)
+        if load:
+            loaded = {"model": model.state_dict()}
+            dcp.load(loaded, checkpoint_id=path[0])
+            model.load_state_dict(loaded["model"])
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        for _ in range(steps):
+            _loss(fn, model, state, ids).backward()
+            opt.step()
+            model.zero_grad()
+        if save:
+            dcp.save({"model": model.state_dict()}, checkpoint_id=path[0])
+        return {n: p.full_tensor() for n, p in model.named_parameters()}
+
+    want = run(2)
+    run(1, save=True)
+    got = run(1, load=True)
+    for name, p in got.items():
+        assert torch.equal(p, want[name]), name
+
+
+def experts_finer_bytes(rank):
+    """Per rank and steady step of the tiny Mixtral (4 experts, grouped_mm) under FSDP2, each
+    finer recipe against float32 FSDP2: FSDP2's all-gathers (as many as float32's) carry one
+    plane's e4m3 bytes of each linear and experts weight and the other parameters' float32; one
+    more all-gather (in apply) carries both planes' statistics of every weight; the root's
+    `lm_head`, which FSDP2 keeps gathered, all-gathers its grad_input plane in the backward
+    (rowwise, MX). All-gathered bytes, scales included, recorded beside a both-planes gather
+    (each FSDP2 all-gather carrying both planes, no own all-gather) and asserted <= 0.30x
+    float32's."""
+    from _fsdp_workers import CommCounter
+
+    ids = batch().chunk(WORLD)[rank]
+
+    def steps(model, fn=None):
+        state = None if fn is None else fn.init(ids)
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        for _ in range(2):
+            with CommCounter() as comm:
+                if fn is None:
+                    model(ids, labels=ids).loss.backward()
+                else:
+                    _loss(fn, model, state, ids).backward()
+                opt.step()
+                model.zero_grad()
+        return comm
+
+    plain = build("mixtral", "grouped_mm")
+    for layer in plain.model.layers:
+        fully_shard(layer)
+    fp32 = steps(fully_shard(plain)).summary()["_allgather_base_"]
+    for recipe in FINER:
+        model = _sharded("grouped_mm")
+        comm = steps(model, fp8fn.transform(model, recipe))
+        got = comm.summary()
+        own = 0 if isinstance(recipe, fp8fn.BlockwiseScaling) else 1  # the lm_head's
+        assert got["_allgather_base_"][0] == fp32[0] + 1 + own, (recipe, got, fp32)
+        sizes = [b for n, b in comm.log if n == "_allgather_base_"]
+        layer_weights = sum(
+            p.numel() // WORLD
+            for layer in model.model.layers
+            for n, p in layer.named_parameters()
+            if p.dim() >= 2 and ".gate." not in f".{n}"
+        )
+        head = model.lm_head.weight.numel() // WORLD
+        one_plane = sum(sizes)
+        other = 2 * layer_weights + head  # the other plane: layers forward and backward
+        both_planes = one_plane + own * (other - head)  # (blockwise: one plane serves both)
+        ratio = one_plane / fp32[1]
+        MEASURED.setdefault("finer_moe_bytes_per_step", {})[repr(recipe)] = {
+            "fp32_all_gather": fp32[1],
+            "one_plane": one_plane,
+            "statistics": sizes[0],
+            "both_planes": both_planes,
+            "ratio_one_plane": ratio,
+            "ratio_both_planes": both_planes / fp32[1],
+            "all_gathers": got["_allgather_base_"][0],
+            "all_gathers_fp32": fp32[0],
+        }
+        assert ratio <= 0.30, (recipe, ratio, MEASURED["finer_moe_bytes_per_step"])
+
+
 SCENARIOS = [
     experts_grouped_mm,
     experts_eager,
@@ -302,6 +654,15 @@ SCENARIOS = [
     experts_bf16_param_dtype,
     init_refuses_a_gathered_3d_weight_outside_gemms,
     experts_gathered_pass_the_cuda_rules,
+    experts_finer_recipes,
+    experts_finer_not_resharded,
+    experts_finer_meta_init,
+    experts_finer_checkpoint_fn,
+    experts_finer_bf16_param_dtype,
+    experts_finer_backward_after_another_forward,
+    experts_finer_gradient_accumulation,
+    experts_finer_dcp_resume,
+    experts_finer_bytes,
 ]
 
 

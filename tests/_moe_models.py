@@ -88,11 +88,15 @@ def _config(arch: str):
 ARCHS = ("mixtral", "qwen3_moe", "olmoe", "gpt_oss", "qwen2_moe", "deepseek_v3", "llama4")
 
 
-def build(arch: str, implementation: str = "grouped_mm", seed: int = 0):
-    """A tiny float32 causal LM of `arch` with its experts run by `implementation`."""
+def build(arch: str, implementation: str = "grouped_mm", seed: int = 0, experts: int = 4):
+    """A tiny float32 causal LM of `arch` with `experts` experts per layer run by
+    `implementation`."""
     import transformers as tf
 
     config = _config(arch)
+    for field in ("num_local_experts", "num_experts", "n_routed_experts"):
+        if hasattr(config, field):
+            setattr(config, field, experts)
     torch.manual_seed(seed)
     cls = tf.Llama4ForCausalLM if arch == "llama4" else tf.AutoModelForCausalLM
     model = cls.from_config(config) if cls is tf.AutoModelForCausalLM else cls(config)

@@ -367,14 +367,15 @@ def test_transform_refuses_a_float8_gathered_experts_weight_with_another_recipe(
     model = fp8fn.float8_all_gather(_GroupedExperts())
 
     def recipe(name, module):
-        return fp8fn.RowwiseScaling() if name == "w" else fp8fn.DelayedScaling()
+        return fp8fn.NVFP4Scaling() if name == "w" else fp8fn.DelayedScaling()
 
     with pytest.raises(
         ValueError,
         match=r"^fp8fn\.transform: expected experts weight 'w', whose "
         r"weight is all-gathered in float8 \(fp8fn\.float8_all_gather\), to use "
-        r"DelayedScaling or CurrentScaling, got RowwiseScaling \(not gathered in float8: "
-        r"NVFP4Scaling, .*; the finer recipes for experts weights\)\. Leave it out",
+        r"DelayedScaling, CurrentScaling, RowwiseScaling, BlockwiseScaling, MXScaling, got "
+        r"NVFP4Scaling \(not gathered in float8: NVFP4Scaling, whose FP4 weight planes FSDP2 "
+        r"gathers in high precision\)\. Leave it out",
     ):
         fp8fn.transform(model, recipe)
     with pytest.raises(

@@ -131,14 +131,15 @@ class _FakeFsdp2:
     rank's pre-all-gather hook (in `apply`'s forward: `plan` in `SCALES`; outside: the
     backward re-gather), the all-gather (a concatenation), the post-all-gather hook (a new
     unsharded weight, or `out` refilled: its bytes rewritten in place), and the unpadding
-    view. `inputs` records each all-gather's inputs."""
+    view. `inputs` records each all-gather's inputs. (An experts weight `(E, a, b)`: the same,
+    along its experts.)"""
 
     def __init__(self, weight, world):
-        n, k = weight.shape
+        n = weight.shape[0]
         rows = ceil_div(n, world)
         self.shards = [Float8ShardWeight(t, "fc") for t in weight.split(rows)]
         self.shards += [Float8ShardWeight(weight[n:], "fc")] * (world - len(self.shards))
-        self.shape, self.world, self.inputs = (n, k), world, []
+        self.shape, self.world, self.inputs = tuple(weight.shape), world, []
 
     def gather(self, plan=None, out=None):
         token = SCALES.set(None if plan is None else ScalesForCall({(None, "weight"): plan}))

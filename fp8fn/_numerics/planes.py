@@ -76,6 +76,21 @@ def plane_of(recipe, gemm: int) -> Plane:
     return Plane(recipe, "tensor" if hp else "columns")
 
 
+def swapped(plane: Plane) -> Plane:
+    """The same groups seen in the transposed weight `(k, n)`: `"rows"` and `"columns"` trade
+    places (`"tensor"` and 128 x 128 `"blocks"` are their own transposes)."""
+    kind = {"rows": "columns", "columns": "rows"}.get(plane.kind, plane.kind)
+    return Plane(plane.recipe, kind)
+
+
+def stored_plane(recipe, gemm: int, flipped: bool) -> Plane:
+    """The plane of a GEMM in the coordinates of the weight as it is stored: `plane_of`'s, or
+    for a weight the GEMM reads transposed (`flipped`: an experts weight stored `(E, K, N)`),
+    its `swapped` plane."""
+    plane = plane_of(recipe, gemm)
+    return swapped(plane) if flipped else plane
+
+
 def touched(plane: Plane, first: int, rows: int, n: int, k: int) -> tuple[int, int]:
     """`(g0, g1)`: the group rows that rows `[first, first + rows)` of the weight touch."""
     bn, _ = plane.groups(n, k)
@@ -189,6 +204,25 @@ def quantize(plane: Plane, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     n, k = weight.shape
     grid = assemble(plane, [(0, piece_stats(plane, weight, 0, n))], n, k)
     return cast_rows(plane, weight, 0, n, grid), grid
+
+
+def expert_stats(plane: Plane, shard: torch.Tensor) -> torch.Tensor:
+    """The statistics of each whole expert matrix of `shard` `(r, a, b)`: `(r, gn, gk)`, each
+    expert's own grid (an experts weight is sharded along its experts: no group spans two
+    ranks)."""
+    r, a, b = shard.shape
+    if r == 0:
+        return torch.zeros(0, *plane.grid(a, b), dtype=plane.stat_dtype, device=shard.device)
+    return torch.stack([assemble(plane, [(0, piece_stats(plane, w, 0, a))], a, b) for w in shard])
+
+
+def cast_experts(plane: Plane, shard: torch.Tensor, grids: torch.Tensor) -> torch.Tensor:
+    """Each expert matrix of `shard` `(r, a, b)` cast with its grid (`grids` `(r, gn, gk)`):
+    e4m3 `(r, a, b)`, bit for bit each expert's whole plane."""
+    r, a, b = shard.shape
+    if r == 0:
+        return torch.empty(0, a, b, dtype=q.E4M3, device=shard.device)
+    return torch.stack([cast_rows(plane, w, 0, a, g) for w, g in zip(shard, grids)])
 
 
 # -- the GEMMs' operand -------------------------------------------------------------------------

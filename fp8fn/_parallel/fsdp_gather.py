@@ -105,7 +105,9 @@ class Float8ShardWeight(torch.Tensor):
     tensor. `_path` names the layer (an experts weight: the weight) for messages, `_attr` is the
     weight's name on its module; `_scale` is the scale of the last forward all-gather (float32
     `()`; an experts weight `(E, A, B)`: `(E,)`, one per expert), reused by the backward
-    re-gather.
+    re-gather. `_flipped`, an experts weight's under a finer recipe: whether its GEMMs read each
+    expert matrix transposed (None until `fn.init` sees a GEMM read it: `FinerGatheredWeight.
+    note_orientation`), which decides the planes its all-gathers cast.
     """
 
     __torch_function__ = disabled_torch_function
@@ -121,6 +123,7 @@ class Float8ShardWeight(torch.Tensor):
 
     def __init__(self, tensor: torch.Tensor, path: str, attr: str = "weight"):
         self._tensor, self._path, self._attr, self._scale = tensor, path, attr, None
+        self._flipped = None
 
     def __repr__(self):
         return f"Float8ShardWeight({self._tensor!r}, path={self._path!r})"
@@ -129,11 +132,13 @@ class Float8ShardWeight(torch.Tensor):
         return self._tensor.__reduce_ex__(protocol)
 
     def __tensor_flatten__(self):
-        return ["_tensor"], {"path": self._path, "attr": self._attr}
+        return ["_tensor"], {"path": self._path, "attr": self._attr, "flipped": self._flipped}
 
     @staticmethod
     def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
-        return Float8ShardWeight(inner["_tensor"], meta["path"], meta["attr"])
+        out = Float8ShardWeight(inner["_tensor"], meta["path"], meta["attr"])
+        out._flipped = meta["flipped"]
+        return out
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -145,8 +150,14 @@ class Float8ShardWeight(torch.Tensor):
             return tree_map_only(torch.Tensor, lambda t: outer.get(id(t), t), out)
         if func not in _KEEP:
             return out
-        path, attr = wrapped[0]._path, wrapped[0]._attr
-        return tree_map_only(torch.Tensor, lambda t: cls(t, path, attr), out)
+        return tree_map_only(torch.Tensor, lambda t: wrapped[0]._like(t), out)
+
+    def _like(self, tensor: torch.Tensor) -> Float8ShardWeight:
+        """`tensor` as a piece of this weight: its names and orientation kept (FSDP2 makes new
+        shards of it, e.g. when it loads a state dict)."""
+        out = Float8ShardWeight(tensor, self._path, self._attr)
+        out._flipped = self._flipped
+        return out
 
     # -- FSDP2's all-gather extension --------------------------------------------------------
 
@@ -580,7 +591,10 @@ def float8_all_gather(model: nn.Module, filter_fn=None) -> nn.Module:
     FSDP2's backward re-gather the plane the grad_input GEMM reads (blockwise: the same one),
     each rank casting its shard with the whole weight's scales, which one all-gather per step
     of the ranks' group statistics makes (`fp8fn/_parallel/fsdp_finer.py`); the gathered bytes
-    and scales are those of casting the whole weight, bit for bit.
+    and scales are those of casting the whole weight, bit for bit. An experts weight likewise,
+    each expert's planes its own, in the coordinates of the weight as stored (where its GEMMs
+    read each expert transposed, GPT-OSS's and Llama 4's `(E, K, N)`, the transposed planes:
+    which way is seen at `fn.init`).
 
     Weights are sharded along dim 0. One whose rows do not split evenly over the ranks is gathered
     padded, and its observation is the shard's amax (an experts weight's: 0 for the experts of
@@ -595,8 +609,8 @@ def float8_all_gather(model: nn.Module, filter_fn=None) -> nn.Module:
         layer's name) and the experts weights (asked with the weight's name,
         `model.layers.0.mlp.experts.gate_up_proj`, and the module holding it), as
         `fp8fn.transform` asks it (default: all). Every chosen one must run in float8 with
-        `DelayedScaling` or `CurrentScaling` under the transform, or, a linear weight, with
-        `RowwiseScaling`, `BlockwiseScaling` or `MXScaling` (`fp8fn.transform` checks).
+        `DelayedScaling`, `CurrentScaling`, `RowwiseScaling`, `BlockwiseScaling` or
+        `MXScaling` under the transform (`fp8fn.transform` checks; NVFP4 is refused).
 
     Returns:
       `model` itself, changed in place.

@@ -91,8 +91,8 @@ class Fsdp2:
 
     def _float8_gathered(self, layers, experts) -> list:
         """The layers and experts weights whose weights FSDP2 all-gathers in float8
-        (`fp8fn.float8_all_gather`); raises unless each runs in float8 with a per-tensor recipe
-        and is sharded."""
+        (`fp8fn.float8_all_gather`); raises unless each runs in float8 with a per-tensor or
+        finer recipe (not NVFP4) and is sharded."""
         gathered = [_Gathered(m.path, m.module, m.attrs[0], m.recipe, m.path) for m in layers]
         gathered += [_Gathered(e.path, e.module, e.attr, e.recipe, e.expert(0)) for e in experts]
         gathered = [g for g in gathered if is_float8_gathered(g.held())]
@@ -107,10 +107,8 @@ class Fsdp2:
                 )
         for g in gathered:
             kind = "layer" if g.held().dim() < 3 else "experts weight"
-            allowed = (DelayedScaling, CurrentScaling) + (_FINER if kind == "layer" else ())
-            if not isinstance(g.recipe, allowed):
+            if not isinstance(g.recipe, (DelayedScaling, CurrentScaling, *_FINER)):
                 names = "DelayedScaling, CurrentScaling, " + ", ".join(f.__name__ for f in _FINER)
-                names = names if kind == "layer" else "DelayedScaling or CurrentScaling"
                 raise ValueError(
                     f"fp8fn.transform: expected {kind} {g.path!r}, whose weight is all-gathered "
                     f"in float8 (fp8fn.float8_all_gather), to use {names}, got "
@@ -179,10 +177,7 @@ class Fsdp2:
 
 
 _FINER = (RowwiseScaling, BlockwiseScaling, MXScaling)  # gathered one plane per phase
-_NOT_GATHERED = (
-    "NVFP4Scaling, whose FP4 weight planes FSDP2 gathers in high precision; the finer recipes "
-    "for experts weights"
-)
+_NOT_GATHERED = "NVFP4Scaling, whose FP4 weight planes FSDP2 gathers in high precision"
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -167,6 +167,8 @@ class _Call(TorchFunctionMode):
                     if self.state is None:
                         self._count(layer)
                         self._note(weight, None)
+                        if derived is not None:
+                            _note_orientation(weight)
                         return func(*args, **kwargs)
                     return self._linear(layer, x, weight.t() if transposed else weight, bias)
         if func in GEMMS or any(func is op for op in self.transformed._grouped_ops):
@@ -178,6 +180,7 @@ class _Call(TorchFunctionMode):
                     if func in GROUPED_MM:
                         self.torch_grouped.add(gemm.derived.entry.path)
                     self._note(gemm.derived.source, None)
+                    _note_orientation(gemm.weight)
                     return func(*args, **kwargs)
                 if single:
                     return self._linear(single, gemm.x, gemm.weight, None)
@@ -466,3 +469,12 @@ class _Call(TorchFunctionMode):
             return sharded_linear(self, layer, name, x, weight, bias, newest, stored)
         random = (self.state.key, name) if isinstance(layer.recipe, NVFP4Scaling) else None
         return fp8_linear(x, weight, bias, newest, stored, layer.recipe, random, filled, api)
+
+
+def _note_orientation(weight) -> None:
+    """While discovering: an experts weight gathered in float8 under a finer recipe learns how
+    its GEMMs read it, as `weight` (the GEMM's `(N, K)` or `(E, N, K)`) stands to it
+    (`note_orientation`, duck-typed)."""
+    note = getattr(type(weight), "note_orientation", None)
+    if note is not None:
+        note(weight)
