@@ -188,6 +188,17 @@ def test_one_rank_expert_parallel_mixtral_is_the_plain_model(one_rank_mesh, reci
     assert reads.by_expert_parallel() == 2
     assert torch.equal(again[0], want[0])
     assert torch.equal(again[2].amax_history, want[2].amax_history)
+    # a state rebuilt on the warmed state's structure with init's values (`tree_unflatten`
+    # with an old structure): its structure says "filled", its histories are empty; it casts
+    # as the fresh state does (from the rows themselves), never with the stored scale 1
+    fresh = rfn.init(ids)
+    pytree = torch.utils._pytree
+    leaves = [t.clone() for t in pytree.tree_leaves(fresh)]
+    reset = pytree.tree_unflatten(leaves, pytree.tree_structure(state))
+    assert reset.filled == state.filled and all(reset.filled)
+    got, want = _step(fn, model, reset, ids), _step(rfn, ref, fresh, ids)
+    assert torch.equal(got[0], want[0])
+    assert torch.equal(got[2].amax_history, want[2].amax_history)
     rows_bytes = 2 * ids.numel() * 32  # (token, k) rows x hidden, one layer
     width = 1 if isinstance(recipe, fp8fn.DelayedScaling) else 4
     assert meter.bytes_by()["dispatch forward"] == 2 * width * rows_bytes  # 2 layers

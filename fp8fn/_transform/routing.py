@@ -321,8 +321,8 @@ class _Call(TorchFunctionMode):
         weights `attrs` of `module`, counted as one grouped call of all their experts, as
         `[(recipe, newest, stored, filled)]` (`newest`, `stored`: float32 `(E, 3)` state rows
         under DelayedScaling, else None; None while discovering; `filled`: `State.filled` of
-        those rows, `3 * E` bools expert-major, or None where not known); None when fp8fn does
-        not run them.
+        those rows, `3 * E` bools expert-major, where `known_filled` knows them, else None); None
+        when fp8fn does not run them.
 
         Raises:
           ValueError: `fp8fn.apply: ...` (`fp8fn.init: ...`) for a recipe other than
@@ -358,8 +358,9 @@ class _Call(TorchFunctionMode):
                 first = expert_rows("apply", positions, entry.path, entry.experts, k)
                 newest = self._newest_rows()[first : first + entry.experts]
                 stored = self.state.scale[first : first + entry.experts]
-                if self.state.filled is not None:
-                    filled = self.state.filled[3 * first : 3 * (first + entry.experts)]
+                known = known_filled(self.state)  # never the structure's word alone
+                if known is not None:
+                    filled = known[3 * first : 3 * (first + entry.experts)]
             out.append((entry.recipe, newest, stored, filled))
         return out
 
