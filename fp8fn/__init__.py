@@ -1,6 +1,6 @@
 """fp8fn: float8 training with delayed scaling as a pure, functional transform for PyTorch."""
 
-__version__ = "0.4.0.dev0"  # the one place of the version (pyproject.toml reads it)
+__version__ = "0.5.0.dev0"  # the one place of the version (pyproject.toml reads it)
 
 from . import optim
 from ._core.observe import observations, observe, value_and_grad

@@ -91,7 +91,7 @@ def test_version_is_the_package_metadata_one():
     pyproject = tomllib.loads((Path(fp8fn.__file__).parents[1] / "pyproject.toml").read_text())
     assert "version" not in pyproject["project"] and "version" in pyproject["project"]["dynamic"]
     assert pyproject["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "fp8fn.__version__"}
-    assert fp8fn.__version__ == "0.4.0.dev0"
+    assert fp8fn.__version__ == "0.5.0.dev0"
 
 
 def test_recipe_alias_is_the_union_of_the_recipes():
