@@ -1,6 +1,6 @@
 """The finer recipes' float8 all-gather in one process: each rank's shard cast with the whole
 weight's scales gives, bit for bit, the bytes and scales of casting the whole weight
-(`fp8fn/_numerics/planes.py`), whatever the shard cut splits; and the plane's operand is the
+(`fp8fn/_parallel/planes.py`), whatever the shard cut splits; and the plane's operand is the
 one the op's own quantizers make (those are torchao's, `tests/test_reference.py`)."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 from test_fsdp import _Mesh
 
 import fp8fn
-from fp8fn._numerics import planes
 from fp8fn._numerics.fp8 import ceil_div
 from fp8fn._ops.block_scaled import _WEIGHTS
+from fp8fn._parallel import planes
 from fp8fn._parallel.fsdp_finer import FinerGatheredWeight, FinerScales
 from fp8fn._parallel.fsdp_gather import SCALES, Float8ShardWeight, ScalesForCall
 

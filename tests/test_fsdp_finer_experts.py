@@ -19,10 +19,10 @@ from test_fsdp_finer import (
 )
 
 import fp8fn
-from fp8fn._numerics import planes
 from fp8fn._numerics.fp8 import ceil_div
 from fp8fn._ops.block_scaled import _WEIGHTS
 from fp8fn._ops.grouped_block_scaled import finer_grouped_mm
+from fp8fn._parallel import planes
 from fp8fn._parallel.fsdp_finer import FinerGatheredWeight, FinerScales
 
 _A, _B = 40, 64  # each expert matrix as stored

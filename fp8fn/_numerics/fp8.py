@@ -25,7 +25,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .._core.recipes import check_margin
 from .._torch_private import functorch_level
 
 E4M3 = torch.float8_e4m3fn
@@ -42,6 +41,17 @@ _E8M0_NAN = 255
 # `lift_tracked_freevar_to_input should not be called on root SubgraphTracer`.
 
 # -- per tensor ---------------------------------------------------------------------------------
+
+
+def check_margin(api: str, margin) -> None:
+    """The one check of a margin: an int (TypeError otherwise) from 0 to 64 (ValueError)."""
+    if isinstance(margin, bool) or not isinstance(margin, int):
+        raise TypeError(
+            f"fp8fn.{api}: expected `margin` an int from 0 to 64, got "
+            f"{type(margin).__name__} {margin!r}."
+        )
+    if not 0 <= margin <= 64:
+        raise ValueError(f"fp8fn.{api}: expected `margin` an int from 0 to 64, got {margin}.")
 
 
 def amax(hp: torch.Tensor) -> torch.Tensor:

@@ -46,7 +46,9 @@ from .._numerics.fp8 import FP8_DTYPES, ceil_div
 from .._ops.first_order import BackwardOnly
 from .._ops.gemm import resolve_backend
 from .._ops.tensorwise import Local, tensorwise_linear
+from .._torch_errors import FSDP_HOWTO, TP_UNDER_FUNC
 from .._torch_private import (
+    as_dtensor,
     dtensor_local,
     dtensor_spec,
     functorch_level,
@@ -56,12 +58,6 @@ from .._torch_private import (
 )
 
 _TENSORWISE = (DelayedScaling, CurrentScaling)
-_FSDP_HOWTO = (
-    "Functional FSDP takes `params` as `distribute_tensor(p, mesh, [Shard(0)])` on a 1-D mesh, "
-    "for a module whose own parameters are plain; tensor parallel takes the module made by "
-    "parallelize_module (ColwiseParallel / RowwiseParallel), with "
-    "`params = dict(model.named_parameters())`."
-)
 _VMAP_STATE = (
     "fp8fn.apply: expected an unbatched state for DTensor operands, got a stacked or vmapped one "
     "(vmap over sharded models is not supported)."
@@ -72,18 +68,6 @@ _VMAP_OPERANDS = (
 )
 
 # -- DTensors under torch.func's wrappers -------------------------------------------------------
-
-
-def as_dtensor(t):
-    """The DTensor that `t` is (under torch.func's wrappers), or None for any other value.
-
-    A dict lookup while `torch.distributed.tensor` has not been imported: no DTensor exists then.
-    """
-    module = sys.modules.get("torch.distributed.tensor")
-    if module is None or not isinstance(t, torch.Tensor):
-        return None
-    t = unwrapped(t)
-    return t if isinstance(t, module.DTensor) else None
 
 
 def sharded_operands(*tensors) -> bool:
@@ -375,7 +359,7 @@ def _fsdp_linear(api, x, weight, wd, bias, bd, scaling, unobserved):
         raise ValueError(
             f"{api}: expected a weight sharded as `Shard(0)` on a 1-D mesh and a plain bias "
             f"next to a plain input, got the weight {_layout(wd)} and the bias {_layout(bd)}. "
-            f"{_FSDP_HOWTO}"
+            f"{FSDP_HOWTO}"
         )
     whole = (False, unobserved[1], False)
     place = _FsdpShard(spec=dtensor_spec(wd), group=wd.device_mesh.get_group(), whole=whole)
@@ -407,7 +391,7 @@ def _tp_plan(api, xd, wd, bias, bd, unobserved) -> _TPPlan:
             "Replicate, weight Shard(0), bias Shard(0)) or RowwiseParallel (input Shard(-1), "
             "weight Shard(1), bias Replicate), on one 1-D mesh; got the input "
             f"{_layout(xd)}, the weight {_layout(wd)} and the bias {_layout(bd)}. "
-            f"{_FSDP_HOWTO}"
+            f"{FSDP_HOWTO}"
         )
     mesh = wd.device_mesh
     out_shape = (*xd.shape[:-1], wd.shape[0])
@@ -431,7 +415,7 @@ def _tp_plan(api, xd, wd, bias, bd, unobserved) -> _TPPlan:
 
 def _tp_linear(api, x, xd, weight, wd, bias, bd, scaling, unobserved):
     if functorch_level() is not None:
-        raise RuntimeError(_TP_UNDER_FUNC)
+        raise RuntimeError(TP_UNDER_FUNC)
     plan = _tp_plan(api, xd, wd, bias, bd, unobserved)
     return tensorwise_linear(x, weight, bias, place=plan, **scaling)
 
@@ -476,12 +460,12 @@ def gather_params(transformed, params: dict, state):
             # Refused here, before the model runs: under checkpoint_fn the forward would pass
             # and torch.func raise its own error in the backward's recompute.
             if functorch_level() is not None:
-                raise RuntimeError(_TP_UNDER_FUNC)
+                raise RuntimeError(TP_UNDER_FUNC)
             continue
         if d.device_mesh.ndim != 1 or tuple(d.placements) != (_placements().Shard(0),):
             raise ValueError(
                 f"fp8fn.apply: expected `params[{name!r}]` sharded as `Shard(0)` on a 1-D mesh "
-                f"(the module holds a plain tensor there), got {_layout(d)}. {_FSDP_HOWTO}"
+                f"(the module holds a plain tensor there), got {_layout(d)}. {FSDP_HOWTO}"
             )
         out[name] = _GatherParam.apply(t, dtensor_spec(d), d.device_mesh.get_group())
         if name in buffers:
@@ -524,14 +508,6 @@ def gathered_for_split(weight, held):
     if d is None or as_dtensor(held) is not None:
         return weight
     return _GatherParam.apply(weight, dtensor_spec(d), d.device_mesh.get_group())
-
-
-_TP_UNDER_FUNC = (
-    "fp8fn.apply: expected plain autograd for a tensor-parallel model, got a torch.func "
-    "transform: torch's parallel styles convert with DTensor.from_local, an autograd.Function "
-    "without setup_context, which torch.func refuses. Differentiate with fp8fn.value_and_grad, "
-    "or fp8fn.observe and loss.backward()."
-)
 
 
 class _LocalShard(torch.autograd.Function):

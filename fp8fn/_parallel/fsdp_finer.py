@@ -2,7 +2,7 @@
 `MXScaling`): one weight plane per phase, cast shard by shard with the whole weight's scales.
 
 A linear weight `(n, k)` under a finer recipe is read by two GEMMs, each quantizing it along its
-own contraction dim (`_numerics/planes.py`): the output GEMM along k (rowwise: a scale per row;
+own contraction dim (`_parallel/planes.py`): the output GEMM along k (rowwise: a scale per row;
 MX: per 1 x 32 block), the grad_input GEMM along n (rowwise: per column; MX: per 32 x 1 block);
 blockwise's 128 x 128 blocks serve both. FSDP2 shards dim 0 (n). The pieces:
 
@@ -38,7 +38,6 @@ import dataclasses
 
 import torch
 
-from .._numerics import planes
 from .._numerics.fp8 import (
     E4M3,
     ceil_div,
@@ -52,6 +51,7 @@ from .._torch_private import (
     op_mutates,
     tree_map_only,
 )
+from . import planes
 from .dtensor import _all_gather_rows, _AllGather
 
 _aten = torch.ops.aten

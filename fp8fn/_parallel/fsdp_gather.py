@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .._core.experts import find_experts, find_gates
 from .._core.state import known_filled
 from .._numerics.fp8 import E4M3, FP8_MAX, amax, cast_to_fp8, ceil_div, scale_from_amax
 from .._ops.grouped import expert_amax
@@ -628,8 +629,6 @@ def float8_all_gather(model: nn.Module, filter_fn=None) -> nn.Module:
       fully_shard(model)
       fn = fp8fn.transform(model, fp8fn.DelayedScaling())
     """
-    from .._transform.experts import find_experts, find_gates  # (a leaf module: transform's)
-
     if not isinstance(model, nn.Module):
         raise TypeError(
             f"fp8fn.float8_all_gather: expected `model` to be an nn.Module, got "

@@ -10,8 +10,8 @@ import warnings
 
 from torch import nn
 
+from .._core.experts import owner_of
 from .._core.recipes import NVFP4Scaling
-from .experts import owner_of
 from .layers import _is_linear_weight, _linear_base
 
 LOW = ("float8", "NVFP4")  # the formats a converted weight's GEMMs run in, as the rows name them

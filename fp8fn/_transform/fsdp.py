@@ -36,7 +36,7 @@ class Fsdp2:
     Args:
       module: the transformed module.
       layers: its `_Layer`s that run in float8.
-      experts: its `_Experts` (the candidates `fn.init` confirms).
+      experts: its `Experts` (the candidates `fn.init` confirms).
 
     Attributes:
       managed: `{name: (submodule, attribute, sharded parameter)}` of the parameters FSDP2

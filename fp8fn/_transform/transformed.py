@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from .._core.checks import check_function, init_error
+from .._core.experts import find_experts, find_gates
 from .._core.keys import initial_key, seed_key
 from .._core.observe import refuse_untrained_backward
 from .._core.recipes import RECIPES, DelayedScaling, NVFP4Scaling
@@ -54,7 +55,7 @@ from .checkpoint import refuse_compile
 from .coverage import report_high_precision, summarize
 from .expert_parallel import expert_parallel_in
 from .expert_parallel import refuse_compile as refuse_expert_parallel_compile
-from .experts import find_experts, find_gates, grouped_ops
+from .experts import grouped_ops
 from .fsdp import Fsdp2
 from .layers import _find_layers, _is_linear_weight, _recipe_for
 from .recompute import recomputing

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from .._core.recipes import BlockwiseScaling, MXScaling, RowwiseScaling
-from . import fp8 as q
+from .._numerics import fp8 as q
 
 
 @dataclasses.dataclass(frozen=True)
