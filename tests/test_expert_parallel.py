@@ -206,7 +206,7 @@ def test_one_rank_expert_parallel_mixtral_is_the_plain_model(one_rank_mesh, reci
     assert meter.bytes_by()["combine forward"] == 2 * 4 * rows_bytes
 
 
-class _Holder(torch.nn.Module):
+class Holder(torch.nn.Module):
     """An experts module alone, called as a MoE block calls it."""
 
     def __init__(self, experts):
@@ -218,7 +218,7 @@ class _Holder(torch.nn.Module):
 
 
 def _experts(kind, seed=0):
-    """`_Holder` of one of transformers' experts classes in `kind`'s layout (batched_mm), 4
+    """`Holder` of one of transformers' experts classes in `kind`'s layout (batched_mm), 4
     experts, hidden 32, random weights of `seed`."""
     import types
 
@@ -243,7 +243,7 @@ def _experts(kind, seed=0):
     with torch.no_grad():
         for p in experts.parameters():
             p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
-    return _Holder(experts)
+    return Holder(experts)
 
 
 @pytest.mark.parametrize(

@@ -95,7 +95,7 @@ def _padded(t: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros((rows - t.shape[0], *t.shape[1:]))])
 
 
-def _all_gather_rows(local: torch.Tensor, group, rows: int) -> torch.Tensor:
+def all_gather_rows(local: torch.Tensor, group, rows: int) -> torch.Tensor:
     """The whole `(rows, ...)` tensor from each rank's dim-0 shard. Float8 goes over the wire
     as its bytes (gloo has no float8)."""
     world = dist.get_world_size(group)
@@ -126,12 +126,12 @@ def _max_over(t: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
-class _AllGather(BackwardOnly):
+class AllGather(BackwardOnly):
     """A dim-0 shard -> the whole tensor of `rows` rows (inside a backward)."""
 
     @staticmethod
     def forward(local, group, rows):
-        return _all_gather_rows(local, group, rows)
+        return all_gather_rows(local, group, rows)
 
 
 class _ReduceScatter(BackwardOnly):
@@ -160,7 +160,7 @@ class _GatherParam(torch.autograd.Function):
 
     @staticmethod
     def forward(p, spec, group):
-        return _all_gather_rows(dtensor_local(p), group, spec.shape[0])
+        return all_gather_rows(dtensor_local(p), group, spec.shape[0])
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -214,10 +214,10 @@ class _FsdpShard(_Sharded):
         return x, dtensor_local(weight)
 
     def gemm_weight(self, w_fp8):
-        return _all_gather_rows(w_fp8, self.group, self.spec.shape[0])  # 1 byte per element
+        return all_gather_rows(w_fp8, self.group, self.spec.shape[0])  # 1 byte per element
 
     def weight_again(self, w_fp8):
-        return _AllGather.apply(w_fp8, self.group, self.spec.shape[0])
+        return AllGather.apply(w_fp8, self.group, self.spec.shape[0])
 
     def place_grads(self, grads: list) -> list:
         grad_input, grad_weight, grad_bias = grads
@@ -298,7 +298,7 @@ def sharded_linear(call, layer, site, x, weight, bias, newest, stored):
     """`fp8fn.linear` of one call of `layer` whose input or weight is a DTensor.
 
     Args:
-      call: the running `_Call` (its state, for which roles are still unobserved).
+      call: the running `Call` (its state, for which roles are still unobserved).
       layer: the `_Layer`; site: this call's site name.
       x, weight, bias: what `F.linear` received (DTensors, possibly under torch.func's
         wrappers, or plain tensors), checked for shapes and dtypes.

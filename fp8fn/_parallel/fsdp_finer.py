@@ -52,7 +52,7 @@ from .._torch_private import (
     tree_map_only,
 )
 from . import planes
-from .dtensor import _all_gather_rows, _AllGather
+from .dtensor import AllGather, all_gather_rows
 
 _aten = torch.ops.aten
 _VIEWS = {_aten.alias.default, _aten.as_strided.default, _aten.detach.default, _aten.view.default}
@@ -154,7 +154,7 @@ def finer_scales(entries, discovering: bool = False) -> dict:
         for group, items in parts.items():
             local = torch.cat([b for *_, b in items])
             world = items[0][4]
-            wire = _all_gather_rows(local.unsqueeze(0), group, world)  # (world, bytes)
+            wire = all_gather_rows(local.unsqueeze(0), group, world)  # (world, bytes)
             offset = 0
             for key, plane, layout, shape, _, own in items:
                 size = plane.stat_dtype.itemsize
@@ -302,7 +302,7 @@ class FinerGatheredWeight(torch.Tensor):
         if self._again is None or self._again[:2] != (self._plan, plane):
             shard, mesh, first = self._source
             local = _cast_shard(self._plan, plane, shard._tensor, first)
-            whole = _AllGather.apply(local, mesh.get_group(), self._plan.shape[0])
+            whole = AllGather.apply(local, mesh.get_group(), self._plan.shape[0])
             self._again = (self._plan, plane, whole)
         return self._again[2]
 

@@ -64,7 +64,7 @@ from .._torch_private import (
     tree_leaves,
     tree_map_only,
 )
-from .dtensor import _AllGather
+from .dtensor import AllGather
 from .fsdp_finer import FinerGatheredWeight, FinerScales, post_all_gather, pre_all_gather
 
 # The running `apply`'s `ScalesForCall` (None outside apply: FSDP2's backward re-gather).
@@ -294,7 +294,7 @@ class Float8GatheredWeight(torch.Tensor):
         if self._again is None or self._again[0] is not scale:
             shard, mesh, rows = self._source
             local = cast_to_fp8(shard._tensor, _shard_scale(scale, mesh, rows, shard._tensor), E4M3)
-            self._again = (scale, _AllGather.apply(local, mesh.get_group(), rows))
+            self._again = (scale, AllGather.apply(local, mesh.get_group(), rows))
         return self._again[1]
 
     def __tensor_flatten__(self):

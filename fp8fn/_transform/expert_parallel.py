@@ -30,7 +30,7 @@ from .._torch_private import (
     module_parameters,
     refuse_fullgraph_trace,
 )
-from .routing import _Call
+from .routing import Call
 
 _NO_COMPILE = (
     "fp8fn.expert_parallel: expected an eager forward of expert-parallel experts, got "
@@ -45,9 +45,9 @@ _CONTRACT = (
 
 
 def _running_call():
-    """The `_Call` of the `fn.apply` (or `fn.init`) running this forward, or None."""
+    """The `Call` of the `fn.apply` (or `fn.init`) running this forward, or None."""
     return next(
-        (m for m in reversed(function_modes()) if isinstance(m, _Call) and not m.passive), None
+        (m for m in reversed(function_modes()) if isinstance(m, Call) and not m.passive), None
     )
 
 

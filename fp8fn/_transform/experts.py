@@ -88,8 +88,8 @@ DERIVING = (
 
 
 @dataclasses.dataclass(frozen=True)
-class _ExpertLayer:
-    """One expert of an `Experts`, called alone (`F.linear(x, W[e])`): a layer for `_Call`."""
+class ExpertLayer:
+    """One expert of an `Experts`, called alone (`F.linear(x, W[e])`): a layer for `Call`."""
 
     path: str
     recipe: object
@@ -201,7 +201,7 @@ def _grouped_by_ids(d: Derived, a: torch.Tensor, weight: torch.Tensor, left: boo
 
 def read_gemm(func, args, kwargs, derived_of, grouped=GROUPED_MM) -> Gemm | None:
     """The `Gemm` of a call that multiplies an experts weight in a form fp8fn converts, or
-    None (`F.linear` is read by `_Call`, as for linear layers). `derived_of(t)` is the `Derived`
+    None (`F.linear` is read by `Call`, as for linear layers). `derived_of(t)` is the `Derived`
     of a tensor, or None; `grouped` the grouped GEMM ops (`grouped_ops()`)."""
     if any(func is op for op in grouped):  # (by identity: an OpOverloadPacket's `==` is not)
         if func is getattr(F, "grouped_mm", None):

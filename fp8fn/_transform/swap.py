@@ -1,7 +1,7 @@
 """Tensor swapping: a module run with given tensors in place of its own, for one call.
 
 `functional_call` puts the tensors into the module and takes them out after, so the module is
-locked for the call (`exclusive`), and ties are handled here (`_Slots`).
+locked for the call (`exclusive`), and ties are handled here (`Slots`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from torch import nn
 from .._torch_private import differentiated, module_buffers, module_parameters
 
 
-class _Slots:
+class Slots:
     """Where a module holds its tensors, for swapping them in safely.
 
     `torch.func.functional_call` with `tie_weights=True` swaps a submodule registered under two
@@ -100,9 +100,9 @@ class _Slots:
         return params, {n: t for n, t in tensors.items() if n not in params}, layout
 
 
-def _functional_call(module, slots: _Slots | None, tensors: dict, args, kwargs, prefix=""):
-    """`module(*args, **kwargs)` with `tensors` swapped in for the call (see `_Slots`; `slots`
-    None: `tensors` as `_Slots.expand` made them, every slot's name given)."""
+def swapped_call(module, slots: Slots | None, tensors: dict, args, kwargs, prefix=""):
+    """`module(*args, **kwargs)` with `tensors` swapped in for the call (see `Slots`; `slots`
+    None: `tensors` as `Slots.expand` made them, every slot's name given)."""
     if slots is not None:
         tensors = slots.expand(tensors, prefix=prefix)
     return torch.func.functional_call(
@@ -110,7 +110,7 @@ def _functional_call(module, slots: _Slots | None, tensors: dict, args, kwargs, 
     )
 
 
-class _Holder(nn.Module):
+class Holder(nn.Module):
     """`call` (a module, or a bound method of one) as a module holding `module` under `m.`:
     `functional_call` on it swaps in the tensors of `module` without running `module`'s hooks a
     second time."""
@@ -123,11 +123,11 @@ class _Holder(nn.Module):
         return self._call[0](*args, **kwargs)
 
 
-def _module_tensors(module):
-    """`module`'s tensors, for `_functional_call`: its `_Slots`; the parameters and the buffers
+def module_tensors(module):
+    """`module`'s tensors, for `swapped_call`: its `Slots`; the parameters and the buffers
     a differentiation tracks, `{first: t}`; the other buffers, `{first: t}` (constants). `first`
     is the first name of a tensor (tied tensors are one)."""
-    slots, params, buffers = _Slots(module), {}, {}
+    slots, params, buffers = Slots(module), {}, {}
     named = [(n, t, True) for n, t in module.named_parameters()]
     named += [(n, t, False) for n, t in module.named_buffers()]
     for name, t, is_parameter in named:
