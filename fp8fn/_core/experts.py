@@ -14,6 +14,7 @@ from torch import nn
 from torch.nn.parameter import is_lazy
 
 from .._torch_private import is_convolution
+from .owners import owner_of
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -37,12 +38,6 @@ class Experts:
     def expert(self, e: int) -> str:
         """The layer path of expert `e` (its sites are `site_name(path, k)`)."""
         return f"{self.path}[{e}]"
-
-
-def owner_of(module: nn.Module, name: str) -> tuple[nn.Module, str]:
-    """`(module holding the tensor `name`, its attribute name)`."""
-    path, _, attr = name.rpartition(".")
-    return module.get_submodule(path), attr
 
 
 def find_experts(module, choose) -> list[Experts]:

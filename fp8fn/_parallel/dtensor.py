@@ -40,11 +40,11 @@ import sys
 import torch
 import torch.distributed as dist
 
-from .._core.device import scaled_mm_supported
+from .._core.owners import owner_of
 from .._core.recipes import CurrentScaling, DelayedScaling
 from .._numerics.fp8 import FP8_DTYPES, ceil_div
 from .._ops.first_order import BackwardOnly
-from .._ops.gemm import resolve_backend
+from .._ops.gemm import matmul_backend, resolve_backend
 from .._ops.tensorwise import Local, tensorwise_linear
 from .._torch_errors import FSDP_HOWTO, TP_UNDER_FUNC
 from .._torch_private import (
@@ -326,7 +326,7 @@ def sharded_linear(call, layer, site, x, weight, bias, newest, stored):
     device = (wd if wd is not None else xd).device
     backend = resolve_backend(recipe, device, "apply")
     if backend == "triton":  # fused casts are for plain tensors; the matmul as "auto"
-        backend = "scaled_mm" if scaled_mm_supported(device) else "emulated"
+        backend = matmul_backend(device)
     unobserved = [True] * 3 if newest is None else _unobserved(call, site)
     if torch.is_autocast_enabled(device.type):
         x = x.to(torch.get_autocast_dtype(device.type))
@@ -424,8 +424,7 @@ def _tp_linear(api, x, xd, weight, wd, bias, bd, scaling, unobserved):
 
 
 def _own_tensor(module, name: str):
-    path, _, attr = name.rpartition(".")
-    return getattr(module.get_submodule(path), attr, None)
+    return getattr(*owner_of(module, name), None)
 
 
 def gather_params(transformed, params: dict, state):

@@ -10,7 +10,7 @@ import warnings
 
 from torch import nn
 
-from .._core.experts import owner_of
+from .._core.owners import owner_of
 from .._core.recipes import NVFP4Scaling
 from .layers import is_linear_weight, linear_base
 

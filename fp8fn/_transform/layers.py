@@ -8,6 +8,7 @@ import warnings
 import torch
 from torch import nn
 
+from .._core.owners import held, owner_of
 from .._core.recipes import RECIPES
 from .._torch_private import module_buffers, module_parameters
 
@@ -27,7 +28,7 @@ class _Layer:
 
     def held(self):
         """The weight the module holds now (FSDP2 swaps its shard and the unsharded weight)."""
-        return module_parameters(self.module).get(self.attrs[0])
+        return held(self.module, self.attrs[0])
 
     def holds(self, weight) -> bool:
         """Whether `weight` is what the module holds now."""
@@ -187,8 +188,7 @@ def find_layers(module, recipe, filter_fn, warn=True, gates=frozenset()) -> list
 def is_linear_weight(module, name: str) -> bool:
     """Whether the tensor `name` of `module` is the weight of a linear layer fp8fn converts
     (chosen or not): an nn.Linear's or HF Conv1D's, or an nn.MultiheadAttention projection's."""
-    path, _, attr = name.rpartition(".")
-    sub = module.get_submodule(path)
+    sub, attr = owner_of(module, name)
     if isinstance(sub, nn.MultiheadAttention):
         return attr.endswith("proj_weight")
     return attr == "weight" and linear_base(sub) is not None

@@ -13,7 +13,8 @@ import weakref
 import torch
 from torch import nn
 
-from .._torch_private import differentiated, module_buffers, module_parameters
+from .._core.owners import held, owner_of
+from .._torch_private import differentiated
 
 
 class Slots:
@@ -41,9 +42,9 @@ class Slots:
             *module.named_buffers(remove_duplicate=False),
         )
         for name, t in named:
-            path, _, attr = name.rpartition(".")
+            owner, attr = owner_of(module, name)
             first = self.first[name] = seen.setdefault(id(t), name)
-            slot = (id(module.get_submodule(path)), attr)
+            slot = (id(owner), attr)
             if slot not in slots:
                 slots.add(slot)
                 self.names.append(name)
@@ -53,13 +54,6 @@ class Slots:
         self.parameters = {n for n, _ in module.named_parameters(remove_duplicate=False)}
         tied = {*self.others, *(n for names in self.others.values() for n in names)}
         self.own = [n for n in own if n in tied]
-
-    def held(self, name: str):
-        """The tensor the module holds under `name` now."""
-        path, _, attr = name.rpartition(".")
-        sub = self.module.get_submodule(path)
-        held = module_parameters(sub).get(attr)
-        return module_buffers(sub).get(attr) if held is None else held
 
     def expand(self, tensors: dict, api: str = "apply", prefix: str = "") -> dict:
         """`tensors` (`{name: tensor}`) for `functional_call(..., tie_weights=False)`, each name
@@ -83,7 +77,7 @@ class Slots:
                 out.update((prefix + n, t) for n in names)
         for name in self.own:
             t = out.get(prefix + name)
-            t = self.held(self.first[name]) if t is None else t
+            t = held(self.module, self.first[name]) if t is None else t
             out[prefix + name] = t.view_as(t)
         return out
 
@@ -92,7 +86,7 @@ class Slots:
         once, under the first slot holding it, and `layout` `{slot name: that name}`."""
         layout, tensors, seen = {}, {}, {}
         for name in self.names:
-            t = self.held(name)
+            t = held(self.module, name)
             if t is not None:
                 layout[name] = first = seen.setdefault(id(t), name)
                 tensors.setdefault(first, t)

@@ -18,6 +18,7 @@ recompute, `recompute.py`), then calls the module.
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 
 import torch
@@ -27,6 +28,7 @@ from .._core.checks import check_function, init_error
 from .._core.experts import find_experts, find_gates
 from .._core.keys import initial_key, seed_key
 from .._core.observe import refuse_untrained_backward
+from .._core.owners import held
 from .._core.recipes import RECIPES, DelayedScaling, NVFP4Scaling
 from .._core.state import (
     State,
@@ -276,9 +278,9 @@ class Transformed:
             return None
         # (compiling: no lookup by `id`, on which dynamo would guard: a recompile per step of
         # new weights; the layers are compared with `is`)
-        held = None if torch.compiler.is_compiling() else self._held.get(id(weight))
-        if held is not None and held[0]() is weight and held[1].holds(weight):
-            layer = held[1]
+        known = None if torch.compiler.is_compiling() else self._held.get(id(weight))
+        if known is not None and known[0]() is weight and known[1].holds(weight):
+            layer = known[1]
         else:
             layer = next((m for m in self._layers if m.holds(weight)), None)
             if layer is None:
@@ -513,7 +515,7 @@ class Transformed:
         check_scales("apply", state.scale)
         warn_if_superseded("apply", state)
         warn_if_never_updated("apply", state, params)
-        refuse_untrained_backward(params, self._slots.held, state)
+        refuse_untrained_backward(params, functools.partial(held, self.module), state)
         if self._ddp_param is not None and torch.is_grad_enabled():
             name, own = self._ddp_param
             if params.get(name, own) is not own:
