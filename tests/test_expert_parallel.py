@@ -10,7 +10,6 @@ import sys
 
 import pytest
 import torch
-import torch.distributed as dist
 from _moe_models import batch, build
 from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
@@ -46,18 +45,6 @@ class HostReads(TorchFunctionMode):
         """The reads made by expert parallel's modules."""
         mine = ("expert_exchange.py", "expert_gemm.py", "expert_parallel.py")
         return sum(f in mine for f in self.files)
-
-
-@pytest.fixture
-def one_rank_mesh():
-    """A one-rank gloo process group and its CPU device mesh, torn down after the test."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("dtype", [E4M3, E5M2])
