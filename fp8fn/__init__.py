@@ -1,4 +1,21 @@
-"""fp8fn: float8 training with delayed scaling as a pure, functional transform for PyTorch."""
+"""fp8fn: float8 training with delayed scaling as a pure, functional transform for PyTorch.
+
+Layers, lowest first. A module imports from its own layer and the layers below it, never from
+one above (`tests/test_layers.py` walks every import, also those inside functions):
+
+    _torch_private  every private torch API fp8fn uses (the fence, scanned by a test)
+    _torch_errors   torch's own error wording, matched and told as fp8fn errors
+    _numerics       float8 and NVFP4 formats, scales, amaxes and casts: tensors in, tensors out
+    _core           recipes, state, observations, update, keys, validity marks, checks
+    _kernels        the fused Triton casts
+    _ops            the float8 autograd ops: per-tensor, block-scaled, NVFP4, grouped
+    _parallel       DTensor, FSDP2's float8 all-gather, all_reduce, the experts' exchange
+    _transform      transform, Transformed, checkpoint, expert_parallel: the user's module
+    optim           fp8fn.optim, the pure AdamW with quantized moments
+    testing         fp8fn.testing, the CUDA contract checked on CPU
+    fp8fn           this file: the public names
+    demo            the demo model and its training loop, run by `python -m fp8fn.demo`
+"""
 
 __version__ = "0.5.0.dev0"  # the one place of the version (pyproject.toml reads it)
 

@@ -10,8 +10,12 @@ import contextlib
 
 import torch
 
-from ._parallel.dtensor import _FSDP_HOWTO, _TP_UNDER_FUNC, as_dtensor
-from ._torch_private import functorch_level, has_backward_hooks, raised_by_backward_hook
+from ._torch_private import (
+    as_dtensor,
+    functorch_level,
+    has_backward_hooks,
+    raised_by_backward_hook,
+)
 
 # What torch raises when the model's own torch.utils.checkpoint runs under torch.func.
 _TORCH_CHECKPOINT_UNDER_FUNC = ("saved tensor hooks", "must override the setup_context")
@@ -23,6 +27,20 @@ _TORCH_REQUIRES_GRAD_UNDER_FUNC = "call Tensor.requires_grad_() (or perhaps usin
 _MIXED = "got mixed torch.Tensor and DTensor"
 # What torch.func raises for an autograd.Function without `setup_context` (DTensor.from_local).
 _NO_SETUP_CONTEXT = "must override the setup_context"
+# How a sharded model is given to `fn.apply` (said by the errors of a wrongly sharded one).
+FSDP_HOWTO = (
+    "Functional FSDP takes `params` as `distribute_tensor(p, mesh, [Shard(0)])` on a 1-D mesh, "
+    "for a module whose own parameters are plain; tensor parallel takes the module made by "
+    "parallelize_module (ColwiseParallel / RowwiseParallel), with "
+    "`params = dict(model.named_parameters())`."
+)
+# Why a tensor-parallel model cannot run under a torch.func transform.
+TP_UNDER_FUNC = (
+    "fp8fn.apply: expected plain autograd for a tensor-parallel model, got a torch.func "
+    "transform: torch's parallel styles convert with DTensor.from_local, an autograd.Function "
+    "without setup_context, which torch.func refuses. Differentiate with fp8fn.value_and_grad, "
+    "or fp8fn.observe and loss.backward()."
+)
 USE_CHECKPOINT_FN = (
     "Turn the model's own checkpointing off (HF: `model.gradient_checkpointing_disable()`) and "
     "pass `checkpoint_fn=lambda name, module: ...` to fp8fn.transform."
@@ -83,7 +101,7 @@ def explain_error(error: Exception, module) -> Exception | None:
     if _MIXED in message:
         return RuntimeError(
             "fp8fn.apply: expected the model's DTensors to meet only DTensors, got a torch op "
-            f"mixing them with plain tensors ({message.splitlines()[0]}). {_FSDP_HOWTO} "
+            f"mixing them with plain tensors ({message.splitlines()[0]}). {FSDP_HOWTO} "
             "fp8fn looks at the first entry of `params` to know whether they are DTensors: "
             "give them all as DTensors, or none."
         )
@@ -92,5 +110,5 @@ def explain_error(error: Exception, module) -> Exception | None:
         and functorch_level() is not None
         and any(as_dtensor(p) is not None for p in module.parameters())
     ):
-        return RuntimeError(_TP_UNDER_FUNC)
+        return RuntimeError(TP_UNDER_FUNC)
     return None

@@ -394,6 +394,18 @@ attention_forward = _attention_forward()
 # torch.func refuses; these are what they do underneath.
 
 
+def as_dtensor(t):
+    """The DTensor that `t` is (under torch.func's wrappers), or None for any other value.
+
+    A dict lookup while `torch.distributed.tensor` has not been imported: no DTensor exists then.
+    """
+    module = sys.modules.get("torch.distributed.tensor")
+    if module is None or not isinstance(t, torch.Tensor):
+        return None
+    t = unwrapped(t)
+    return t if isinstance(t, module.DTensor) else None
+
+
 def dtensor_local(d: torch.Tensor) -> torch.Tensor:
     """The local shard of the DTensor `d` (not a differentiable view: no autograd node)."""
     return d._local_tensor

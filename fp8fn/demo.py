@@ -82,6 +82,8 @@ from tqdm import tqdm
 
 import fp8fn
 
+FORWARDS_THE_MODEL = True  # an error raised here is the demo's model's (`fp8fn.init` says so)
+
 # ----------------------------------------------------------------------------- the model
 
 

@@ -362,7 +362,7 @@ def _finer_experts_under_fsdp2(
     and buffers."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from fp8fn._numerics import planes
+    from fp8fn._parallel import planes
     from fp8fn._parallel.fsdp_finer import FinerGatheredWeight
 
     ref = _finer_reference(implementation, recipe, arch, steps, EXPERTS, bf16, recompute)

@@ -841,7 +841,7 @@ def fp8_all_gather_finer_recipes(rank):
     every rank; a steady step reads no value on the host."""
     from _helpers import CountHostReads
 
-    from fp8fn._numerics import planes
+    from fp8fn._parallel import planes
 
     for recipe in FINER:
         ref_params, _ = _reference(3, recipe=recipe, out=7)

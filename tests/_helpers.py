@@ -6,12 +6,15 @@ import io
 
 import torch
 import torch.nn.functional as F
+from _reference import ROLES  # noqa: F401 (defined once, with the float64 reference)
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fp8fn
 
-ROLES = ("input", "weight", "grad_output")
 DELAYED = fp8fn.DelayedScaling(history_len=4, backend="emulated")  # the tests' delayed recipe
+DELAYED_AUTO = fp8fn.DelayedScaling(history_len=4)  # backend "auto": the device's own path
+CURRENT = fp8fn.CurrentScaling(backend="emulated")
+CURRENT_AUTO = fp8fn.CurrentScaling()
 FP8_MAX = {"input": 448.0, "weight": 448.0, "grad_output": 57344.0}
 F32_MAX = torch.finfo(torch.float32).max
 

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from _helpers import DELAYED, assert_bit_identical
+from _helpers import CURRENT, DELAYED, assert_bit_identical
 from _models import MLP, Transformer
 from torch import nn
 from torch._dynamo.utils import counters
@@ -23,7 +23,6 @@ from fp8fn._numerics.fp8 import amax, cast_to_fp8
 from fp8fn._ops.tensorwise import LOCAL, _after_gemm, _Fp8Linear
 
 pytestmark = pytest.mark.slow  # torch.compile: tens of seconds a test on 2 cores
-CURRENT = fp8fn.CurrentScaling(backend="emulated")
 RECIPES = pytest.mark.parametrize("recipe", [DELAYED, CURRENT], ids=["delayed", "current"])
 
 

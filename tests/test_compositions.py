@@ -9,12 +9,10 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from _helpers import DELAYED, CountOps, assert_bit_identical
+from _helpers import CURRENT, DELAYED, CountOps, assert_bit_identical
 
 import fp8fn
 from fp8fn._parallel.fsdp_gather import Float8ShardWeight
-
-CURRENT = fp8fn.CurrentScaling(backend="emulated")
 
 
 def _data(seed=0, batch=(4, 6)):

@@ -10,7 +10,6 @@ import sys
 
 import pytest
 import torch
-import torch.distributed as dist
 from _moe_models import batch, build
 from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
@@ -46,18 +45,6 @@ class HostReads(TorchFunctionMode):
         """The reads made by expert parallel's modules."""
         mine = ("expert_exchange.py", "expert_gemm.py", "expert_parallel.py")
         return sum(f in mine for f in self.files)
-
-
-@pytest.fixture
-def one_rank_mesh():
-    """A one-rank gloo process group and its CPU device mesh, torn down after the test."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("dtype", [E4M3, E5M2])
@@ -206,7 +193,7 @@ def test_one_rank_expert_parallel_mixtral_is_the_plain_model(one_rank_mesh, reci
     assert meter.bytes_by()["combine forward"] == 2 * 4 * rows_bytes
 
 
-class _Holder(torch.nn.Module):
+class Holder(torch.nn.Module):
     """An experts module alone, called as a MoE block calls it."""
 
     def __init__(self, experts):
@@ -218,7 +205,7 @@ class _Holder(torch.nn.Module):
 
 
 def _experts(kind, seed=0):
-    """`_Holder` of one of transformers' experts classes in `kind`'s layout (batched_mm), 4
+    """`Holder` of one of transformers' experts classes in `kind`'s layout (batched_mm), 4
     experts, hidden 32, random weights of `seed`."""
     import types
 
@@ -243,7 +230,7 @@ def _experts(kind, seed=0):
     with torch.no_grad():
         for p in experts.parameters():
             p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
-    return _Holder(experts)
+    return Holder(experts)
 
 
 @pytest.mark.parametrize(

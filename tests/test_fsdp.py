@@ -430,13 +430,13 @@ def test_experts_backward_regathers_once_whichever_experts_received_tokens(monke
     recipe, state, scale = _experts_state(4)
     gathers = []
 
-    class _AllGather:  # one process: the whole weight, cast with the forward's scale
+    class AllGather:  # one process: the whole weight, cast with the forward's scale
         @staticmethod
         def apply(local, group, rows):
             gathers.append(rows)
             return cast_to_fp8(data, scale[:, None, None])
 
-    monkeypatch.setattr(fsdp_gather, "_AllGather", _AllGather)
+    monkeypatch.setattr(fsdp_gather, "AllGather", AllGather)
     x = torch.randn(5, 16, generator=g)
     for hit in ([0, 1, 2, 3], [1, 3]):
         grads = []

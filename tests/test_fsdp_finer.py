@@ -1,6 +1,6 @@
 """The finer recipes' float8 all-gather in one process: each rank's shard cast with the whole
 weight's scales gives, bit for bit, the bytes and scales of casting the whole weight
-(`fp8fn/_numerics/planes.py`), whatever the shard cut splits; and the plane's operand is the
+(`fp8fn/_parallel/planes.py`), whatever the shard cut splits; and the plane's operand is the
 one the op's own quantizers make (those are torchao's, `tests/test_reference.py`)."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 from test_fsdp import _Mesh
 
 import fp8fn
-from fp8fn._numerics import planes
 from fp8fn._numerics.fp8 import ceil_div
 from fp8fn._ops.block_scaled import _WEIGHTS
+from fp8fn._parallel import planes
 from fp8fn._parallel.fsdp_finer import FinerGatheredWeight, FinerScales
 from fp8fn._parallel.fsdp_gather import SCALES, Float8ShardWeight, ScalesForCall
 
@@ -181,7 +181,7 @@ def test_gathered_weight_runs_the_op_as_the_weight_does(recipe, n, regather, mon
     fsdp2 = _FakeFsdp2(weight, world)
     own = []
 
-    class _AllGather:  # the op's own all-gather: every rank's shard cast to the plane it needs
+    class AllGather:  # the op's own all-gather: every rank's shard cast to the plane it needs
         @staticmethod
         def apply(local, group, rows):
             plane = planes.plane_of(recipe, 1)
@@ -193,7 +193,7 @@ def test_gathered_weight_runs_the_op_as_the_weight_does(recipe, n, regather, mon
             assert torch.equal(casts[0].view(torch.uint8), local.view(torch.uint8))
             return torch.cat(casts)[:rows]
 
-    monkeypatch.setattr(fsdp_finer, "_AllGather", _AllGather)
+    monkeypatch.setattr(fsdp_finer, "AllGather", AllGather)
     plan = _plan(recipe, weight)
     gathered = fsdp2.gather(plan)
     assert type(gathered) is FinerGatheredWeight and gathered.dtype == torch.float32
@@ -287,7 +287,7 @@ def test_finer_scales_on_every_rank_are_the_whole_weights(recipes, shapes, world
 
     patch = pytest.MonkeyPatch()  # (not the fixture: hypothesis reruns the function body)
     patch.setattr(fsdp_gather, "shard_of", lambda p: p.local)
-    patch.setattr(fsdp_finer, "_all_gather_rows", all_gather_rows)
+    patch.setattr(fsdp_finer, "all_gather_rows", all_gather_rows)
     try:
         for rank[0] in list(range(world)) * 2:  # the 1st pass records every rank's bytes
             modules = [torch.nn.Module() for _ in weights]

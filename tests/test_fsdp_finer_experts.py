@@ -19,10 +19,10 @@ from test_fsdp_finer import (
 )
 
 import fp8fn
-from fp8fn._numerics import planes
 from fp8fn._numerics.fp8 import ceil_div
 from fp8fn._ops.block_scaled import _WEIGHTS
 from fp8fn._ops.grouped_block_scaled import finer_grouped_mm
+from fp8fn._parallel import planes
 from fp8fn._parallel.fsdp_finer import FinerGatheredWeight, FinerScales
 
 _A, _B = 40, 64  # each expert matrix as stored
@@ -57,7 +57,7 @@ def test_finer_scales_of_experts_are_each_experts_whole_grid(recipe, experts, fl
 
     patch = pytest.MonkeyPatch()
     patch.setattr(fsdp_gather, "shard_of", lambda p: p.local)
-    patch.setattr(fsdp_finer, "_all_gather_rows", all_gather_rows)
+    patch.setattr(fsdp_finer, "all_gather_rows", all_gather_rows)
     try:
         for rank in [0, 1, 0, 1]:  # the 1st pass records every rank's bytes
             module = torch.nn.Module()
@@ -103,7 +103,7 @@ def test_gathered_experts_run_the_grouped_op_as_the_weight_does(
     fsdp2 = _FakeFsdp2(weight, world)
     plan, own = _plan(recipe, weight, flipped), []
 
-    class _AllGather:  # the op's own all-gather: every rank's experts cast to the plane
+    class AllGather:  # the op's own all-gather: every rank's experts cast to the plane
         @staticmethod
         def apply(local, group, rows):
             plane = planes.stored_plane(recipe, 1, flipped)
@@ -116,7 +116,7 @@ def test_gathered_experts_run_the_grouped_op_as_the_weight_does(
             _assert_same_bits(casts[0].view(torch.uint8), local.view(torch.uint8))
             return torch.cat(casts)[:rows]
 
-    monkeypatch.setattr(fsdp_finer, "_AllGather", _AllGather)
+    monkeypatch.setattr(fsdp_finer, "AllGather", AllGather)
     gathered = fsdp2.gather(plan)
     assert type(gathered) is FinerGatheredWeight and gathered.shape == weight.shape
     forward_plane = planes.stored_plane(recipe, 0, flipped)

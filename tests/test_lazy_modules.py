@@ -8,12 +8,10 @@ parameter" from `fp8fn.transform`. Every walk over the module in `transform`, `i
 
 import pytest
 import torch
-from _helpers import assert_bit_identical
+from _helpers import DELAYED_AUTO, assert_bit_identical
 from torch import nn
 
 import fp8fn
-
-DELAYED = fp8fn.DelayedScaling(history_len=4)
 
 
 class _Experts(nn.Module):
@@ -63,7 +61,7 @@ def test_a_model_with_lazy_layers_transforms_inits_and_trains_as_when_initialize
     results = []
     lazy, eager = _models()
     for model in (lazy, eager):
-        fn = fp8fn.transform(model, DELAYED, **kwargs)
+        fn = fp8fn.transform(model, DELAYED_AUTO, **kwargs)
         state = fn.init(x)  # initializes the lazy layers
         with torch.no_grad():
             model.load_state_dict(eager.state_dict())  # (they drew other random numbers)
@@ -80,6 +78,6 @@ def test_a_lazy_model_before_init_gets_fp8fn_errors_not_torch_s():
     """Before `fn.init`, `summary()` raises fp8fn's "init first", not torch's error about an
     uninitialized parameter."""
     lazy, _ = _models()
-    fn = fp8fn.transform(lazy, DELAYED)
+    fn = fp8fn.transform(lazy, DELAYED_AUTO)
     with pytest.raises(RuntimeError, match=r"^fp8fn\.Transformed\.summary: expected `fn\.init"):
         fn.summary()

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from _helpers import ROLES, assert_bit_identical, bits, expected_scale, sqnr
+from _helpers import CURRENT, DELAYED, ROLES, assert_bit_identical, bits, expected_scale, sqnr
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
@@ -19,8 +19,6 @@ def dequantize(fp8, scale, dtype):
     return (fp8.float() / scale).to(dtype)
 
 
-DELAYED = fp8fn.DelayedScaling(history_len=HISTORY_LEN, backend="emulated")
-CURRENT = fp8fn.CurrentScaling(backend="emulated")
 SETTINGS = settings(max_examples=40, deadline=None)
 tree_map = torch.utils._pytree.tree_map
 

@@ -10,15 +10,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
-from _helpers import assert_bit_identical
+from _helpers import CURRENT_AUTO, DELAYED_AUTO, assert_bit_identical
 from _models import _seeded
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
 import fp8fn
-
-DELAYED = fp8fn.DelayedScaling(history_len=4)
-CURRENT = fp8fn.CurrentScaling()
 
 
 def _grads(f, *args):
@@ -29,7 +26,7 @@ def _grads(f, *args):
 def _warmed(model, *shape, **transform_kwargs):
     """`(fn, x, params, state)`: `model`'s transform, a random input of `shape` (seed 1), the
     module's own parameters and a state warmed on `x`."""
-    fn = fp8fn.transform(model, DELAYED, **transform_kwargs)
+    fn = fp8fn.transform(model, DELAYED_AUTO, **transform_kwargs)
     x = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
     params = dict(model.named_parameters())
     return fn, x, params, _warm(fn, params, x)
@@ -65,7 +62,7 @@ def _tied_reference(recipe_b):
 
     def f(params, state, x):
         w = params["a.weight"]
-        h = F.relu(fp8fn.linear(x, w, None, state["a"], DELAYED))
+        h = F.relu(fp8fn.linear(x, w, None, state["a"], DELAYED_AUTO))
         if recipe_b is None:
             return F.linear(h, w)
         site = state["b"] if isinstance(recipe_b, fp8fn.DelayedScaling) else None
@@ -81,16 +78,16 @@ def _tied_reference(recipe_b):
 def test_a_tied_layer_runs_with_its_own_choice(how):
     model = _TiedPair()
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
-    recipe_b = {"recipe Current for b": CURRENT, "both delayed": DELAYED}.get(how)
+    recipe_b = {"recipe Current for b": CURRENT_AUTO, "both delayed": DELAYED_AUTO}.get(how)
     if how == "filter_fn leaves b out":
-        fn = fp8fn.transform(model, DELAYED, filter_fn=lambda name, m: name == "a")
+        fn = fp8fn.transform(model, DELAYED_AUTO, filter_fn=lambda name, m: name == "a")
     else:
-        fn = fp8fn.transform(model, lambda name, m: DELAYED if name == "a" else recipe_b)
+        fn = fp8fn.transform(model, lambda name, m: DELAYED_AUTO if name == "a" else recipe_b)
     params = dict(model.named_parameters())
     state = _warm(fn, params, x)
-    sites = ["a", "b"] if recipe_b is DELAYED else ["a"]  # never `a#1`: b is not a's call
+    sites = ["a", "b"] if recipe_b is DELAYED_AUTO else ["a"]  # never `a#1`: b is not a's call
     assert list(state) == sites
-    want_state = fp8fn.init_state(DELAYED, sites)._replace(
+    want_state = fp8fn.init_state(DELAYED_AUTO, sites)._replace(
         amax_history=state.amax_history, scale=state.scale
     )
     ref = _tied_reference(recipe_b)
@@ -123,11 +120,11 @@ def test_a_head_tied_to_a_converted_layer_kept_in_high_precision_is():
 
     model = Model()
     x = torch.randn(4, 16, generator=torch.Generator().manual_seed(3))
-    fn = fp8fn.transform(model, DELAYED, filter_fn=lambda name, m: name != "head")
+    fn = fp8fn.transform(model, DELAYED_AUTO, filter_fn=lambda name, m: name != "head")
     params = dict(model.named_parameters())
     state = _warm(fn, params, x)
     w = params["proj.weight"]
-    h = torch.tanh(fp8fn.linear(x, w, None, state["proj"], DELAYED))
+    h = torch.tanh(fp8fn.linear(x, w, None, state["proj"], DELAYED_AUTO))
     assert_bit_identical(fn.apply(params, state, x), F.linear(h, w) + F.linear(h, w))
 
 
@@ -146,13 +143,13 @@ class _TiedAcrossABlock(nn.Module):
 
 
 @pytest.mark.parametrize("route", ["func", "autograd"])
-@pytest.mark.parametrize("b_recipe", [DELAYED, None], ids=["b delayed", "b high precision"])
+@pytest.mark.parametrize("b_recipe", [DELAYED_AUTO, None], ids=["b delayed", "b high precision"])
 def test_tied_layers_in_a_checkpointed_block_recompute_bit_for_bit(b_recipe, route):
     model = _TiedAcrossABlock()
     x = torch.randn(4, 16, generator=torch.Generator().manual_seed(14))
 
     def recipe(name, m):
-        return b_recipe if name == "blk.b" else DELAYED
+        return b_recipe if name == "blk.b" else DELAYED_AUTO
 
     plain = fp8fn.transform(model, recipe)
     recomputed = fp8fn.transform(model, recipe, checkpoint_fn=lambda name, m: name == "blk")
@@ -182,7 +179,7 @@ def _mlp(seed=0):
 
 def test_a_layer_replaced_after_transform_runs_in_fp8_with_frozen_params_left_out():
     model = _mlp()
-    fn = fp8fn.transform(model, DELAYED)
+    fn = fp8fn.transform(model, DELAYED_AUTO)
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
     state = _warm(fn, dict(model.named_parameters()), x)
     model[2] = _mlp(1)[2]  # replaced: the new layer must run in fp8 too
@@ -192,9 +189,11 @@ def test_a_layer_replaced_after_transform_runs_in_fp8_with_frozen_params_left_ou
         return lambda p, s: f(p, s, x).square().sum()
 
     got = _grads(loss(fn.apply), trainable, state)
-    assert_bit_identical(got, _grads(loss(fp8fn.transform(model, DELAYED).apply), trainable, state))
-    hidden = F.relu(fp8fn.linear(x, model[0].weight, model[0].bias, state["0"], DELAYED))
-    want = fp8fn.linear(hidden, model[2].weight, model[2].bias, state["2"], DELAYED)
+    assert_bit_identical(
+        got, _grads(loss(fp8fn.transform(model, DELAYED_AUTO).apply), trainable, state)
+    )
+    hidden = F.relu(fp8fn.linear(x, model[0].weight, model[0].bias, state["0"], DELAYED_AUTO))
+    want = fp8fn.linear(hidden, model[2].weight, model[2].bias, state["2"], DELAYED_AUTO)
     assert_bit_identical(fn.apply(trainable, state, x), want)
 
 
@@ -215,7 +214,7 @@ class _EmbedHead(nn.Module):
 def test_weights_tied_after_transform_get_both_gradients_under_torch_func():
     model = _EmbedHead()
     ids = torch.randint(0, 16, (8,), generator=torch.Generator().manual_seed(5))
-    fn = fp8fn.transform(model, DELAYED)
+    fn = fp8fn.transform(model, DELAYED_AUTO)
     state = _warm(fn, dict(model.named_parameters()), ids)
     model.head.weight = model.emb.weight  # what HF's tie_weights does
     params = dict(model.named_parameters())
@@ -224,9 +223,11 @@ def test_weights_tied_after_transform_get_both_gradients_under_torch_func():
     def ref(p, s):
         e = p["emb.weight"]
         h = F.relu(
-            fp8fn.linear(F.embedding(ids, e), p["mid.weight"], p["mid.bias"], s["mid"], DELAYED)
+            fp8fn.linear(
+                F.embedding(ids, e), p["mid.weight"], p["mid.bias"], s["mid"], DELAYED_AUTO
+            )
         )
-        return fp8fn.linear(h, e, None, s["head"], DELAYED).square().sum()
+        return fp8fn.linear(h, e, None, s["head"], DELAYED_AUTO).square().sum()
 
     got = _grads(lambda p, s: fn.apply(p, s, ids).square().sum(), params, state)
     assert_bit_identical(got, _grads(ref, params, state))
@@ -234,7 +235,7 @@ def test_weights_tied_after_transform_get_both_gradients_under_torch_func():
 
 def test_a_change_that_removes_a_site_is_refused_clearly():
     model = _mlp()
-    fn = fp8fn.transform(model, DELAYED)
+    fn = fp8fn.transform(model, DELAYED_AUTO)
     x = torch.randn(8, 16)
     state = fn.init(x)
     model[2] = nn.Identity()
@@ -251,24 +252,24 @@ def test_a_change_that_removes_a_site_is_refused_clearly():
 @pytest.mark.slow  # torch.compile
 def test_a_compiled_apply_follows_a_replaced_layer_and_a_tie():
     model = _mlp()
-    fn = fp8fn.transform(model, DELAYED)
+    fn = fp8fn.transform(model, DELAYED_AUTO)
     compiled = torch.compile(fn.apply, fullgraph=True)
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
     state = _warm(fn, dict(model.named_parameters()), x)
     trainable = {k: v for k, v in model.named_parameters() if k.startswith("0.")}
     compiled(trainable, state, x)
     model[2] = _mlp(1)[2]
-    fresh = torch.compile(fp8fn.transform(model, DELAYED).apply, fullgraph=True)
+    fresh = torch.compile(fp8fn.transform(model, DELAYED_AUTO).apply, fullgraph=True)
     assert_bit_identical(compiled(trainable, state, x), fresh(trainable, state, x))
 
     tied = _EmbedHead()
     ids = torch.randint(0, 16, (8,), generator=torch.Generator().manual_seed(5))
-    fn = fp8fn.transform(tied, DELAYED)
+    fn = fp8fn.transform(tied, DELAYED_AUTO)
     compiled = torch.compile(fn.apply, fullgraph=True)
     state = _warm(fn, dict(tied.named_parameters()), ids)
     compiled(dict(tied.named_parameters()), state, ids)
     tied.head.weight = tied.emb.weight
-    fresh = torch.compile(fp8fn.transform(tied, DELAYED).apply, fullgraph=True)
+    fresh = torch.compile(fp8fn.transform(tied, DELAYED_AUTO).apply, fullgraph=True)
 
     def grads(apply):
         params = {k: v.detach().requires_grad_() for k, v in tied.named_parameters()}
@@ -316,14 +317,14 @@ def test_a_weight_made_at_each_call_is_refused_naming_filter_fn(make):
         match=rf"fp8fn\.transform: layer '0' has its {attr} (parametrized|made by a forward).*"
         r"`filter_fn=lambda name, module: name != '0'`",
     ):
-        fp8fn.transform(model, DELAYED)
-    fn = fp8fn.transform(model, DELAYED, filter_fn=lambda name, module: name != "0")
+        fp8fn.transform(model, DELAYED_AUTO)
+    fn = fp8fn.transform(model, DELAYED_AUTO, filter_fn=lambda name, module: name != "0")
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
     params = dict(model.named_parameters())
     state = _warm(fn, params, x)
     with torch.no_grad():
         hidden = F.relu(model[0](x))  # as the module computes its weight
-    want = fp8fn.linear(hidden, params["2.weight"], params["2.bias"], state["2"], DELAYED)
+    want = fp8fn.linear(hidden, params["2.weight"], params["2.bias"], state["2"], DELAYED_AUTO)
     with torch.no_grad():
         assert_bit_identical(fn.apply(params, state, x), want)
 
@@ -349,14 +350,14 @@ def test_attention_projections_made_at_each_call_are_refused(case):
     else:
         torch.nn.utils.parametrize.register_parametrization(holder, attr, _Double())
     with pytest.raises(TypeError, match=rf"layer '{path}' has its {attr} .*name != '{path}'"):
-        fp8fn.transform(attention, DELAYED)
-    fn = fp8fn.transform(attention, DELAYED, filter_fn=lambda name, m: name != path)
+        fp8fn.transform(attention, DELAYED_AUTO)
+    fn = fp8fn.transform(attention, DELAYED_AUTO, filter_fn=lambda name, m: name != path)
     assert path not in fn.layers
 
 
 def test_pruning_after_transform_is_refused_at_apply():
     model = _mlp()
-    fn = fp8fn.transform(model, DELAYED)
+    fn = fp8fn.transform(model, DELAYED_AUTO)
     x = torch.randn(8, 16)
     state = fn.init(x)
     _pruned("weight")(model[2])
@@ -399,8 +400,10 @@ def test_f_linear_by_keyword_runs_in_fp8_with_its_bias(form):
     assert list(state) == ["fc", "out"]
 
     def ref(p, s):
-        h = F.relu(fp8fn.linear(x, p["fc.weight"], p["fc.bias"], s["fc"], DELAYED))
-        return fp8fn.linear(h, p["out.weight"], p["out.bias"], s["out"], DELAYED).square().sum()
+        h = F.relu(fp8fn.linear(x, p["fc.weight"], p["fc.bias"], s["fc"], DELAYED_AUTO))
+        return (
+            fp8fn.linear(h, p["out.weight"], p["out.bias"], s["out"], DELAYED_AUTO).square().sum()
+        )
 
     got = _grads(lambda p, s: fn.apply(p, s, x).square().sum(), params, state)
     assert_bit_identical(got, _grads(ref, params, state))
@@ -435,7 +438,7 @@ ADDMM_CALLS = {
 def test_addmm_of_a_conv1d_weight_in_every_form_runs_in_fp8(form):
     model = _calling_conv1d(ADDMM_CALLS[form])
     fn, x, params, state = _warmed(model, 4, 16)
-    want = fp8fn.linear(x, params["c.weight"].t(), params["c.bias"], state["c"], DELAYED)
+    want = fp8fn.linear(x, params["c.weight"].t(), params["c.bias"], state["c"], DELAYED_AUTO)
     assert_bit_identical(fn.apply(params, state, x), want)
 
 
@@ -455,21 +458,21 @@ REFUSED_ADDMM = {
 @pytest.mark.parametrize("form", list(REFUSED_ADDMM))
 def test_addmm_of_a_layer_weight_in_a_form_fp8fn_does_not_convert_is_refused(form):
     model = _calling_conv1d(REFUSED_ADDMM[form])
-    fn = fp8fn.transform(model, DELAYED)
+    fn = fp8fn.transform(model, DELAYED_AUTO)
     x = torch.randn(4, 16)
     options = form.startswith(("beta", "alpha"))
     what = f"calls torch\\.addmm with {form}" if options else "passes its weight to torch\\.addmm"
     with pytest.raises(ValueError, match=rf"fp8fn\.init: layer 'c' {what}.*filter_fn"):
         fn.init(x)
-    state = fp8fn.init_state(DELAYED, ["c"])
+    state = fp8fn.init_state(DELAYED_AUTO, ["c"])
     with pytest.raises(ValueError, match=rf"fp8fn\.apply: layer 'c' {what}"):
         fn.apply(dict(model.named_parameters()), state, x)
 
 
 def test_addmm_into_out_on_a_layer_weight_is_refused():
     model = _calling_conv1d(lambda c, x: torch.addmm(c.bias, x, c.weight, out=torch.empty(4, 8)))
-    state = fp8fn.init_state(DELAYED, ["c"])
-    fn = fp8fn.transform(model, DELAYED)
+    state = fp8fn.init_state(DELAYED_AUTO, ["c"])
+    fn = fp8fn.transform(model, DELAYED_AUTO)
     with torch.no_grad(), pytest.raises(ValueError, match=r"calls torch\.addmm with out=a tensor"):
         fn.apply(dict(model.named_parameters()), state, torch.randn(4, 16))
 
@@ -490,21 +493,21 @@ class _Seen(TorchFunctionMode):
 
 def test_a_users_function_mode_around_apply_sees_the_fp8_layers_calls():
     model = _mlp()
-    fn = fp8fn.transform(model, DELAYED, filter_fn=lambda name, m: name == "0")
+    fn = fp8fn.transform(model, DELAYED_AUTO, filter_fn=lambda name, m: name == "0")
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
     params = dict(model.named_parameters())
     state = _warm(fn, params, x)
     with _Seen() as seen:
         out = fn.apply(params, state, x)
     assert [w is params[n] for w, n in zip(seen.linears, ["0.weight", "2.weight"])] == [True] * 2
-    hidden = F.relu(fp8fn.linear(x, params["0.weight"], params["0.bias"], state["0"], DELAYED))
+    hidden = F.relu(fp8fn.linear(x, params["0.weight"], params["0.bias"], state["0"], DELAYED_AUTO))
     assert_bit_identical(out, F.linear(hidden, params["2.weight"], params["2.bias"]))
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_torch_checkpoint_around_apply_is_bit_identical_under_plain_autograd(reentrant):
     model = _mlp()
-    fn = fp8fn.transform(model, DELAYED)
+    fn = fp8fn.transform(model, DELAYED_AUTO)
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1)).requires_grad_()
     params = dict(model.named_parameters())
     state = _warm(fn, params, x.detach())
@@ -550,7 +553,7 @@ def test_transformer_encoder_fast_path_differs_only_at_masked_positions():
 def test_a_full_backward_hook_under_torch_func_is_named():
     model = _mlp()
     model[2].register_full_backward_hook(lambda m, gi, go: None)
-    fn = fp8fn.transform(model, DELAYED)
+    fn = fp8fn.transform(model, DELAYED_AUTO)
     x = torch.randn(8, 16)
     state = fn.init(x)
     with pytest.raises(
@@ -564,7 +567,7 @@ def test_apply_owns_the_module_while_it_runs():
     holds apply's tensors (functional_call swaps them into the one module), so a plain
     `model(x)` overlapping it in another thread would see them; after apply it holds its own."""
     model = _mlp()
-    fn = fp8fn.transform(model, DELAYED)
+    fn = fp8fn.transform(model, DELAYED_AUTO)
     x = torch.randn(8, 16)
     params = dict(model.named_parameters())
     other = {k: v.detach() * 2 for k, v in params.items()}
@@ -611,9 +614,9 @@ def test_checkpoint_fn_tells_blocks_1_from_blocks_10():
     runs = []
     model = _Blocks(runs)
     chosen = {"blocks.1", "blocks.10"}
-    fn = fp8fn.transform(model, DELAYED, checkpoint_fn=lambda name, m: name in chosen)
+    fn = fp8fn.transform(model, DELAYED_AUTO, checkpoint_fn=lambda name, m: name in chosen)
     assert fn.checkpointed == ["blocks.1", "blocks.10"]
-    plain = fp8fn.transform(model, DELAYED)
+    plain = fp8fn.transform(model, DELAYED_AUTO)
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
     params = dict(model.named_parameters())
     state = _warm(plain, params, x)
@@ -633,13 +636,13 @@ def test_autocast_of_another_device_type_leaves_the_op_alone():
     torch.set_autocast_enabled("cuda", True)
     try:
         got = fn.apply(params, state, x)
-        direct = fp8fn.linear(x, params["0.weight"], params["0.bias"], state["0"], DELAYED)
+        direct = fp8fn.linear(x, params["0.weight"], params["0.bias"], state["0"], DELAYED_AUTO)
     finally:
         torch.set_autocast_enabled("cuda", False)
     assert got.dtype == torch.float32
     assert_bit_identical(got, want)
     assert_bit_identical(
-        direct, fp8fn.linear(x, params["0.weight"], params["0.bias"], state["0"], DELAYED)
+        direct, fp8fn.linear(x, params["0.weight"], params["0.bias"], state["0"], DELAYED_AUTO)
     )
 
 
@@ -648,7 +651,7 @@ def test_the_observation_is_first_order_only_too(route):
     """Differentiating the observation again (not only the gradients) is refused: one layer,
     so that no other layer's guarded gradient stands between the observation and `x`."""
     model = _mlp()[0]
-    fn = fp8fn.transform(model, DELAYED)
+    fn = fp8fn.transform(model, DELAYED_AUTO)
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
     params = {k: v.detach() for k, v in model.named_parameters()}
     state = fn.init(x)
@@ -691,7 +694,7 @@ def _cross_attention_under_functional_fsdp(rank):
     model = _CrossAttention()
     gen = torch.Generator().manual_seed(10)
     q, kv = torch.randn(2, 4, 16, generator=gen), torch.randn(2, 6, 16, generator=gen)
-    fn = fp8fn.transform(model, DELAYED)
+    fn = fp8fn.transform(model, DELAYED_AUTO)
     plain = {k: v.detach() for k, v in model.named_parameters()}
     sharded = {k: distribute_tensor(v.clone(), mesh, [Shard(0)]) for k, v in plain.items()}
 
@@ -716,9 +719,9 @@ def _fsdp2_tied_layers_with_two_choices_refused(rank):
     model = _TiedPair()
     fully_shard(model)
     with pytest.raises(ValueError, match=r"fp8fn\.transform: expected the layers sharing one "):
-        fp8fn.transform(model, DELAYED, filter_fn=lambda name, m: name == "a")
+        fp8fn.transform(model, DELAYED_AUTO, filter_fn=lambda name, m: name == "a")
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
-    fn = fp8fn.transform(model, DELAYED)  # one choice: runs
+    fn = fp8fn.transform(model, DELAYED_AUTO)  # one choice: runs
     fn.apply(dict(model.named_parameters()), fn.init(x), x)
 
 

@@ -17,6 +17,7 @@ from _helpers import (
     assert_bit_identical,
     bits,
     expected_scale,
+    loss_of,
     observation,
     saved_and_loaded,
 )
@@ -527,14 +528,10 @@ def _mlp_fn(recipe=None):
     return fn, dict(model.named_parameters()), torch.randn(8, 32)
 
 
-def _loss_of(fn):
-    return lambda p, s, x: fn.apply(p, s, x).square().mean()
-
-
 def test_scales_changed_in_place_after_update_are_checked_again():
     fn, params, x = _mlp_fn()
     state = fn.init(x)
-    obs = torch.func.grad(_loss_of(fn), argnums=1)(params, state, x)
+    obs = torch.func.grad(loss_of(fn), argnums=1)(params, state, x)
     new = fp8fn.update(state, obs)
     fn.apply(params, new, x)  # known valid: no check
     new.scale.zero_()  # the same tensor, changed in place
@@ -550,7 +547,7 @@ def test_update_refuses_a_state_it_does_not_know_in_the_graph():
     fn, params, x = _mlp_fn()
     state = fn.init(x)
     for _ in range(2):
-        state = fp8fn.update(state, torch.func.grad(_loss_of(fn), argnums=1)(params, state, x))
+        state = fp8fn.update(state, torch.func.grad(loss_of(fn), argnums=1)(params, state, x))
     loaded = saved_and_loaded(state)
     with pytest.raises(RuntimeError, match=r"^fp8fn\.update: expected `obs` an observation"):
         fp8fn.update(state, loaded)
@@ -565,19 +562,19 @@ def test_count_host_reads_sees_each_kind():
 
 
 def _func_step(fn, params, state, x):
-    _, obs = torch.func.grad(_loss_of(fn), argnums=(0, 1))(params, state, x)
+    _, obs = torch.func.grad(loss_of(fn), argnums=(0, 1))(params, state, x)
     return fp8fn.update(state, obs)
 
 
 def _autograd_step(fn, params, state, x):
     observed = fp8fn.observe(state)
     leaves = {k: v.detach().requires_grad_() for k, v in params.items()}
-    _loss_of(fn)(leaves, observed, x).backward()
+    loss_of(fn)(leaves, observed, x).backward()
     return fp8fn.update(state, fp8fn.observations(observed))
 
 
 def _value_and_grad_merge_step(fn, params, state, x):
-    grad = fp8fn.value_and_grad(_loss_of(fn), argnums=(0, 1))
+    grad = fp8fn.value_and_grad(loss_of(fn), argnums=(0, 1))
     _, (_, obs_a) = grad(params, state, x[:4])
     _, (_, obs_b) = grad(params, state, x[4:])
     return fp8fn.update(state, fp8fn.merge(obs_a, obs_b))
@@ -675,7 +672,7 @@ def test_filled_histories_cast_with_the_stored_scales_themselves(monkeypatch):
     assert state.filled == (False,) * 6
     stored = state.scale.untyped_storage().data_ptr()
     seen = _CastScales(monkeypatch)
-    torch.func.grad(_loss_of(fn), argnums=1)(params, state, x)
+    torch.func.grad(loss_of(fn), argnums=1)(params, state, x)
     assert len(seen.scales) == 6 and stored not in seen.scales  # 2 sites x (x, W, dY)
     state = _func_step(fn, params, state, x)
     assert state.filled == (True,) * 6

@@ -13,11 +13,9 @@ import optree
 import pytest
 import torch
 import torch.utils._pytree as pytree
-from _helpers import CountHostReads, assert_bit_identical
+from _helpers import DELAYED_AUTO, CountHostReads, assert_bit_identical, loss_of
 
 import fp8fn
-
-DELAYED = fp8fn.DelayedScaling(history_len=4)
 
 
 def _mlp():
@@ -25,16 +23,12 @@ def _mlp():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 16))
     x = torch.randn(8, 32, generator=torch.Generator().manual_seed(1)) * 1000
-    return fp8fn.transform(model, DELAYED), dict(model.named_parameters()), x
-
-
-def _loss(fn):
-    return lambda p, s, x: fn.apply(p, s, x).square().mean()
+    return fp8fn.transform(model, DELAYED_AUTO), dict(model.named_parameters()), x
 
 
 def _func_route(fn, params, state, x):
     """`(loss, param grads, obs)` by torch.func."""
-    (grads, obs), loss = torch.func.grad_and_value(_loss(fn), argnums=(0, 1))(params, state, x)
+    (grads, obs), loss = torch.func.grad_and_value(loss_of(fn), argnums=(0, 1))(params, state, x)
     return loss, grads, obs
 
 
@@ -42,7 +36,7 @@ def _autograd_route(fn, params, state, x):
     """`(loss, param grads, obs)` by plain autograd on observed leaves."""
     observed = fp8fn.observe(state)
     leaves = {k: v.detach().requires_grad_() for k, v in params.items()}
-    loss = _loss(fn)(leaves, observed, x)
+    loss = loss_of(fn)(leaves, observed, x)
     loss.backward()
     return loss, {k: v.grad for k, v in leaves.items()}, fp8fn.observations(observed)
 
@@ -141,7 +135,7 @@ def test_a_key_changed_in_place_after_update_is_checked_again(change):
     `update` and `fold_in` read it again and refuse it (0.4 accepted `fill_(nan)`)."""
     fn, params, x = _nvfp4()
     state = fn.init(x, seed=0)
-    obs = torch.func.grad(_loss(fn), argnums=1)(params, state, x)
+    obs = torch.func.grad(loss_of(fn), argnums=1)(params, state, x)
     state = fp8fn.update(state, obs)
     fn.apply(params, state, x)  # known valid
     {
@@ -160,7 +154,7 @@ def test_a_key_changed_in_place_after_update_is_checked_again(change):
 
 def _optim_step(fn, state, x, params):
     observed = fp8fn.observe(state)
-    _loss(fn)(params, observed, x).backward()
+    loss_of(fn)(params, observed, x).backward()
     return observed
 
 
@@ -194,7 +188,7 @@ def test_observations_alone_may_be_taken_with_detached_parameters():
     want = _func_route(fn, params, state, x)[2]
     observed = fp8fn.observe(state)
     detached = {k: v.detach() for k, v in params.items()}
-    (got,) = torch.autograd.grad(_loss(fn)(detached, observed, x), observed.amax_history)
+    (got,) = torch.autograd.grad(loss_of(fn)(detached, observed, x), observed.amax_history)
     assert torch.equal(got, want.amax_history)
     fn.module.requires_grad_(False)
     observed = _optim_step(fn, state, x, fn.module.state_dict())

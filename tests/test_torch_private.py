@@ -398,18 +398,6 @@ def test_scaled_mm_multiplies_with_dequantizing_scales():
     torch.testing.assert_close(out.double(), want, rtol=1e-6, atol=1e-6)
 
 
-@pytest.fixture
-def one_rank_mesh():
-    """A one-rank gloo process group and its CPU device mesh, torn down after the test."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
-
-
 def test_dtensor_helpers_read_and_build_dtensors_without_collectives(one_rank_mesh):
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 

@@ -7,15 +7,20 @@ import optree
 import pytest
 import torch
 import torch.nn.functional as F
-from _helpers import DELAYED, assert_bit_identical, loss_of, saved_and_loaded, sqnr
+from _helpers import (
+    CURRENT_AUTO,
+    DELAYED,
+    ROLES,
+    assert_bit_identical,
+    loss_of,
+    saved_and_loaded,
+    sqnr,
+)
 from _models import Branchy, ReusedLayer, Tied, Transformer
 from torch import nn
 from torch.utils import _pytree as pytree
 
 import fp8fn
-
-CURRENT = fp8fn.CurrentScaling()
-ROLES = ("input", "weight", "grad_output")
 
 
 def _mlp():
@@ -169,7 +174,7 @@ def test_init_state_layout():
     assert other.amax_history.shape == (3, 3, 2)
     assert pytree.tree_structure(other) != pytree.tree_structure(state)
     # A stateless recipe: a State without sites.
-    current = fp8fn.transform(_mlp(), CURRENT).init(torch.randn(4, 16))
+    current = fp8fn.transform(_mlp(), CURRENT_AUTO).init(torch.randn(4, 16))
     assert type(current) is fp8fn.State and len(current) == 0 and list(current) == []
     assert current.amax_history.shape[:2] == (0, 3) and current.scale.shape == (0, 3)
 
@@ -221,7 +226,7 @@ def test_apply_is_pure():
     assert_bit_identical((params, state, x), snapshot)
 
 
-@pytest.mark.parametrize("recipe", [DELAYED, CURRENT])
+@pytest.mark.parametrize("recipe", [DELAYED, CURRENT_AUTO])
 @pytest.mark.parametrize(
     "make, x",
     [
@@ -314,7 +319,7 @@ def test_observations_of_a_state_without_sites_is_the_empty_observation():
     x = torch.randn(8, 16)
     params = _params(model)
     for checkpoint_fn in (lambda name, m: name == "", None):
-        fn = fp8fn.transform(model, CURRENT, checkpoint_fn=checkpoint_fn)
+        fn = fp8fn.transform(model, CURRENT_AUTO, checkpoint_fn=checkpoint_fn)
         state = fn.init(x)
         s = fp8fn.observe(state)
         p = {k: v.clone().requires_grad_() for k, v in params.items()}
@@ -513,7 +518,7 @@ def test_state_round_trips_through_torch_save_and_flat_dicts():
     with pytest.raises(ValueError, match=r"fp8fn.unflatten_state: missing keys \['2.input.scale"):
         fp8fn.unflatten_state({k: v for k, v in flat.items() if k != "2.input.scale"}, DELAYED)
     with pytest.raises(ValueError, match="fp8fn.unflatten_state: expected no sites under Cur"):
-        fp8fn.unflatten_state(flat, CURRENT)
+        fp8fn.unflatten_state(flat, CURRENT_AUTO)
 
 
 @pytest.mark.parametrize("n_sites", [1, 64])
@@ -545,7 +550,7 @@ def test_state_is_two_leaves_under_torch_pytree_and_optree_whatever_the_sites(n_
 
 def test_two_transforms_of_one_module_run_concurrently():
     model = _mlp()
-    fns = [fp8fn.transform(model, DELAYED), fp8fn.transform(model, CURRENT)]
+    fns = [fp8fn.transform(model, DELAYED), fp8fn.transform(model, CURRENT_AUTO)]
     x = torch.randn(8, 16)
     inputs = [(fn, _params(model), fn.init(x)) for fn in fns]
     expected = [torch.func.grad(loss_of(fn), argnums=(0, 1))(p, s, x) for fn, p, s in inputs]
@@ -583,19 +588,19 @@ def test_recipe_function_picks_a_recipe_per_layer():
 
     def recipe(name, module):
         seen.append((name, module))
-        return {"0": DELAYED, "2": CURRENT}.get(name)  # "4": None, high precision
+        return {"0": DELAYED, "2": CURRENT_AUTO}.get(name)  # "4": None, high precision
 
     fn = fp8fn.transform(model, recipe)
     assert [n for n, _ in seen] == ["0", "2", "4"]
     assert all(m is model[int(n)] for n, m in seen)  # the user's layers, not the copies
-    assert fn.layers == ["0", "2"] and fn.recipes == {"0": DELAYED, "2": CURRENT}
+    assert fn.layers == ["0", "2"] and fn.recipes == {"0": DELAYED, "2": CURRENT_AUTO}
     x = torch.randn(8, 16)
     params, state = _params(model), fn.init(x)
     assert list(state) == ["0"] and state.static == (("0",), "max", 0)  # stateful layers only
 
     def by_hand(p, s, x):
         h = F.gelu(fp8fn.linear(x, p["0.weight"], p["0.bias"], s["0"], DELAYED))
-        h = F.gelu(fp8fn.linear(h, p["2.weight"], p["2.bias"], None, CURRENT))
+        h = F.gelu(fp8fn.linear(h, p["2.weight"], p["2.bias"], None, CURRENT_AUTO))
         return F.linear(h, p["4.weight"], p["4.bias"])
 
     for _ in range(3):
@@ -648,7 +653,7 @@ def test_recipe_function_errors_name_the_problem():
     with pytest.raises(TypeError, match="fp8fn.transform: expected the recipe of layer '0'"):
         fp8fn.transform(model, lambda name, m: "delayed")
     # The same config in several layers (one packed state) is fine, CurrentScaling alongside.
-    fn = fp8fn.transform(model, lambda name, m: CURRENT if name == "2" else DELAYED)
+    fn = fp8fn.transform(model, lambda name, m: CURRENT_AUTO if name == "2" else DELAYED)
     assert list(fn.init(torch.randn(2, 16))) == ["0", "4"]
 
 
@@ -816,7 +821,7 @@ def _with_child(name, child):
     return parent
 
 
-@pytest.mark.parametrize("recipe", [DELAYED, CURRENT])
+@pytest.mark.parametrize("recipe", [DELAYED, CURRENT_AUTO])
 def test_transformer_matches_float32_and_routes_agree(recipe):
     model = Transformer(vocab=64, d_model=32, n_heads=4, n_blocks=2, seq=16)
     fn = fp8fn.transform(model, recipe)
@@ -850,7 +855,7 @@ def test_transformer_matches_float32_and_routes_agree(recipe):
 
 def test_apply_follows_train_and_eval_of_the_module():
     model = nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.5))
-    fn = fp8fn.transform(model, CURRENT)
+    fn = fp8fn.transform(model, CURRENT_AUTO)
     x = torch.randn(64, 16)
     params, state = _params(model), fn.init(x)
     model.eval()

@@ -16,12 +16,11 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from _helpers import assert_bit_identical
+from _helpers import DELAYED_AUTO, assert_bit_identical
 from torch import nn
 
 import fp8fn
 
-DELAYED = fp8fn.DelayedScaling(history_len=4)
 BF16 = torch.bfloat16
 
 COPIES = {  # (copy of weight w for activations x; the dtype of x)
@@ -101,13 +100,13 @@ def test_a_weight_reached_through_a_copy_runs_at_its_site(make, copy):
     torch.manual_seed(0)
     model = make(fn_copy)
     x = (torch.randn(8, 16, generator=torch.Generator().manual_seed(1)) * 3).to(dtype)
-    fn = fp8fn.transform(model, DELAYED)
+    fn = fp8fn.transform(model, DELAYED_AUTO)
     state = fn.init(x)
     sites = ["w[0]", "w[1]"] if make is _Experts else ["lin"]
     assert list(state) == sites
     assert fn.summary().splitlines()[0].endswith("(100.0%)")
     got = _run(model, x, fn.apply)
-    want = _run(model, x, lambda p, s, x: model.reference(p, s, x, DELAYED))
+    want = _run(model, x, lambda p, s, x: model.reference(p, s, x, DELAYED_AUTO))
     for _ in range(2):  # step 1 (current scaling) and a step with stored scales
         (got_grads, got_obs), got_loss = got(state)
         (want_grads, want_obs), want_loss = want(state)
@@ -135,7 +134,7 @@ def test_another_weight_reached_through_a_copy_is_reported_as_high_precision(cop
     torch.manual_seed(0)
     model = _Proj(fn_copy).to(dtype if dtype != torch.float32 else torch.float32)
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1)).to(dtype)
-    fn = fp8fn.transform(model, DELAYED)
+    fn = fp8fn.transform(model, DELAYED_AUTO)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         fn.init(x)
@@ -180,7 +179,7 @@ def test_a_router_shared_by_two_moe_blocks_stays_high_precision_under_every_name
     only, which is not next to the experts."""
     torch.manual_seed(0)
     model = _SharedRouter()
-    fn = fp8fn.transform(model, DELAYED)
+    fn = fp8fn.transform(model, DELAYED_AUTO)
     x = torch.randn(8, 16)
     state = fn.init(x)
     assert list(state) == [f"blocks.{b}.experts[{e}]" for b in (0, 1) for e in (0, 1)]
@@ -195,7 +194,7 @@ def test_a_layer_weight_in_a_form_not_followed_is_reported_as_high_precision():
     summary said float8, nothing warned)."""
     torch.manual_seed(0)
     model = _UsesLinear(COPIES["t_contiguous_t"][0])
-    fn = fp8fn.transform(model, DELAYED)
+    fn = fp8fn.transform(model, DELAYED_AUTO)
     x = torch.randn(8, 16)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import pathlib
+import sys
 import sysconfig
 import traceback
 
@@ -126,24 +127,34 @@ def check_dtypes(api: str, x, weight, bias) -> None:
 
 
 _PACKAGE = pathlib.Path(__file__).resolve().parents[1]  # fp8fn/
-_NOT_FP8FN = (_PACKAGE / "_transform", _PACKAGE / "demo.py")  # run the user's module; a model
 _TORCH = pathlib.Path(torch.__file__).resolve().parent
 _STDLIB = pathlib.Path(sysconfig.get_paths()["stdlib"]).resolve()
 _SITE = {pathlib.Path(sysconfig.get_paths()[k]).resolve() for k in ("purelib", "platlib")}
+
+
+def forwards_the_model(module_globals: dict) -> bool:
+    """Whether the module of `module_globals`, or its package, says `FORWARDS_THE_MODEL = True`."""
+    package = sys.modules.get(module_globals.get("__package__") or "")
+    return bool(
+        module_globals.get("FORWARDS_THE_MODEL") or getattr(package, "FORWARDS_THE_MODEL", False)
+    )
 
 
 def raised_by_fp8fn(error: BaseException) -> traceback.FrameSummary | None:
     """The frame of fp8fn's own code that raised `error`, or None if the error is the model's.
 
     The error's origin is its innermost frame outside torch and the standard library (code that
-    only forwards a call). It is fp8fn's when that frame is in the fp8fn package, outside
-    `_transform` (the routing that runs the user's module and forwards its torch calls: an op
-    that fails there failed on the model's data) and outside the demo's model.
+    only forwards a call). It is fp8fn's when that frame is in the fp8fn package, outside the
+    modules that run the user's module and forward its torch calls (an op that fails there
+    failed on the model's data): those that say so with `FORWARDS_THE_MODEL = True`, in
+    themselves or in their package (`_transform/__init__.py`, the demo's model).
     """
-    for frame in reversed(traceback.extract_tb(error.__traceback__)):
-        path = pathlib.Path(frame.filename).resolve()
+    walked = list(traceback.walk_tb(error.__traceback__))  # (frame, line)
+    summaries = traceback.StackSummary.extract(walked)
+    for (frame, _), summary in reversed(list(zip(walked, summaries, strict=True))):
+        path = pathlib.Path(summary.filename).resolve()
         if path.is_relative_to(_PACKAGE):
-            return None if any(path.is_relative_to(p) for p in _NOT_FP8FN) else frame
+            return None if forwards_the_model(frame.f_globals) else summary
         in_site = any(path.is_relative_to(p) for p in _SITE)
         if path.is_relative_to(_TORCH) or (path.is_relative_to(_STDLIB) and not in_site):
             continue

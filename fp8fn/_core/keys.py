@@ -18,12 +18,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .._numerics.nvfp4 import make_key, mix32
+from .._numerics.nvfp4 import MASK32, make_key, mix32
 from .._torch_private import unwrapped
 from .marks import VALID_KEYS
 
 KEY_BITS = 52  # keys are integers in [0, 2**52): float64 holds each, and each plus one, exactly
-_MASK32 = 0xFFFFFFFF
 
 
 def site_id(name: str) -> int:
@@ -34,7 +33,7 @@ def site_id(name: str) -> int:
     """
     h = 0x811C9DC5
     for ch in name:
-        h = ((h ^ ord(ch)) * 0x01000193) & _MASK32
+        h = ((h ^ ord(ch)) * 0x01000193) & MASK32
     return h
 
 
@@ -71,7 +70,7 @@ def fold_key(key: torch.Tensor, data: int) -> torch.Tensor:
     k = key.to(torch.int64)
     d = torch.full_like(k, data)  # a tensor: compiled with a symbolic `data`, int64 bit ops
     lane_a, lane_b = torch.full_like(k, 0x3C6EF372), torch.full_like(k, 0x5BE0CD19)
-    for word in (k & _MASK32, k >> 32, d & _MASK32, d >> 32):
+    for word in (k & MASK32, k >> 32, d & MASK32, d >> 32):
         lane_a = mix32(lane_a ^ word)
         lane_b = mix32(lane_b ^ word ^ 0x510E527F)
     return ((lane_a << 20) | (lane_b >> 12)).to(torch.float64)

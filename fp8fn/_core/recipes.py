@@ -5,22 +5,12 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 
+from .._numerics.fp8 import check_margin
 from .moved import register_moved
 
 _BACKENDS = ("auto", "emulated", "scaled_mm")
 _TENSORWISE_BACKENDS = (*_BACKENDS, "triton")  # fused Triton casts: per-tensor recipes only
 _AMAX_COMPUTE = ("max", "most_recent")
-
-
-def check_margin(api: str, margin) -> None:
-    """The one check of a margin: an int (TypeError otherwise) from 0 to 64 (ValueError)."""
-    if isinstance(margin, bool) or not isinstance(margin, int):
-        raise TypeError(
-            f"fp8fn.{api}: expected `margin` an int from 0 to 64, got "
-            f"{type(margin).__name__} {margin!r}."
-        )
-    if not 0 <= margin <= 64:
-        raise ValueError(f"fp8fn.{api}: expected `margin` an int from 0 to 64, got {margin}.")
 
 
 FAST_ACCUM = (True, False, False)  # torchao's: the output GEMM fast, the gradients' not

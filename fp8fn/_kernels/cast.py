@@ -49,8 +49,7 @@ from __future__ import annotations
 import torch
 
 from .._core.checks import HP_DTYPES
-from .._core.recipes import check_margin
-from .._numerics.fp8 import E4M3, E5M2, FP8_DTYPES
+from .._numerics.fp8 import E4M3, E5M2, FP8_DTYPES, check_margin
 
 
 def _kernels():

@@ -14,7 +14,7 @@ through (e4m3fn, which has no inf, turns inf into NaN), so an overflow stays vis
 
   * `448.0 / t` in torch is `t.reciprocal() * 448.0`, not a division (`Tensor.__rtruediv__`):
     in float64 it differs from the quotient in the last bit for about a quarter of inputs, and
-    the float32 scale it rounds to can then differ too. `_fp8_scale` keeps that form.
+    the float32 scale it rounds to can then differ too. `fp8_scale` keeps that form.
   * Power-of-two rounding goes through `torch.log2` in float32, so a float32 value within an
     ulp of a power of two may round to that power (rowwise: a scale just below `2**k` becomes
     `2**k` and the row's largest value saturates to 448; MX RCEIL likewise).
@@ -25,7 +25,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .._core.recipes import check_margin
 from .._torch_private import functorch_level
 
 E4M3 = torch.float8_e4m3fn
@@ -42,6 +41,17 @@ _E8M0_NAN = 255
 # `lift_tracked_freevar_to_input should not be called on root SubgraphTracer`.
 
 # -- per tensor ---------------------------------------------------------------------------------
+
+
+def check_margin(api: str, margin) -> None:
+    """The one check of a margin: an int (TypeError otherwise) from 0 to 64 (ValueError)."""
+    if isinstance(margin, bool) or not isinstance(margin, int):
+        raise TypeError(
+            f"fp8fn.{api}: expected `margin` an int from 0 to 64, got "
+            f"{type(margin).__name__} {margin!r}."
+        )
+    if not 0 <= margin <= 64:
+        raise ValueError(f"fp8fn.{api}: expected `margin` an int from 0 to 64, got {margin}.")
 
 
 def amax(hp: torch.Tensor) -> torch.Tensor:
@@ -165,7 +175,7 @@ def scale_from_amax(amax: torch.Tensor, fp8_max, margin: int) -> torch.Tensor:
 # -- finer: shared helpers ------------------------------------------------------------------------
 
 
-def _fp8_scale(amax: torch.Tensor) -> torch.Tensor:
+def fp8_scale(amax: torch.Tensor) -> torch.Tensor:
     """float32 `448 / clamp(amax, 1e-12)`, computed in float64 (any shape)."""
     return (amax.double().clamp(min=1e-12).reciprocal() * 448.0).float()
 
@@ -211,12 +221,12 @@ def rowwise_scale(hp: torch.Tensor) -> torch.Tensor:
     Returns:
       float32 `(..., 1)`.
     """
-    return torch.exp2(torch.floor(torch.log2(_fp8_scale(hp.abs().amax(-1, keepdim=True)))))
+    return torch.exp2(torch.floor(torch.log2(fp8_scale(hp.abs().amax(-1, keepdim=True)))))
 
 
 def tensorwise_scale(hp: torch.Tensor) -> torch.Tensor:
     """Power-of-two scale of the whole of `hp` (any shape), float32 `()`."""
-    return torch.exp2(torch.floor(torch.log2(_fp8_scale(hp.abs().amax()))))
+    return torch.exp2(torch.floor(torch.log2(fp8_scale(hp.abs().amax()))))
 
 
 def quantize_rowwise(hp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -347,7 +357,7 @@ def quantize_tiles(hp: torch.Tensor, tile: int = 128) -> tuple[torch.Tensor, tor
     """
     k = hp.shape[-1]
     tiles = pad_last(hp, tile).unflatten(-1, (-1, tile))
-    scale = _fp8_scale(tiles.abs().amax(-1))
+    scale = fp8_scale(tiles.abs().amax(-1))
     fp8 = cast_to_fp8(tiles, scale.unsqueeze(-1), keep_nonfinite=False).flatten(-2)[..., :k]
     return fp8, scale.reciprocal()
 
@@ -368,7 +378,7 @@ def quantize_blocks(hp: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, t
     n, k = hp.shape
     padded = F.pad(hp, (0, -k % block, 0, -n % block))
     blocks = padded.unflatten(1, (-1, block)).unflatten(0, (-1, block))  # (nb, b, kb, b)
-    scale = _fp8_scale(blocks.abs().amax((1, 3)))
+    scale = fp8_scale(blocks.abs().amax((1, 3)))
     fp8 = cast_to_fp8(blocks, scale[:, None, :, None], keep_nonfinite=False)
     fp8 = fp8.flatten(2).flatten(0, 1)
     return fp8[:n, :k], scale.reciprocal()

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from .fp8 import E4M3, pad_last
 
 BLOCK = 16
-_MASK32 = 0xFFFFFFFF
+MASK32 = 0xFFFFFFFF
 # Floats are literals inside the functions (see fp8.py's top): 448.0 is e4m3's max, 6.0 E2M1's;
 # a block scale is clamped below at 2**-6, e4m3's smallest normal (`torch.finfo(e4m3).tiny`, as
 # torchao); a tensor scale at 2**-121, the smallest power of two for which
@@ -208,7 +208,7 @@ def quantize_nvfp4(
     block_scale = (amax / 6.0 / tensor_scale).clamp(2.0**-6, 448.0).to(E4M3)
     encode = (1.0 / tensor_scale) / block_scale.float()
     scaled = (blocks * encode.unsqueeze(-1)).clamp(-6.0, 6.0).flatten(-2)[..., :k]
-    bits = None if sr_bits is None else sr_bits.long() & _MASK32
+    bits = None if sr_bits is None else sr_bits.long() & MASK32
     return NVFP4(round_to_e2m1(scaled, bits), block_scale, tensor_scale)
 
 
@@ -288,7 +288,7 @@ def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
 
     Split into 16-bit halves of `c` so no int64 product overflows (no reliance on wrapping).
     """
-    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _MASK32
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & MASK32
 
 
 def mix32(x: torch.Tensor) -> torch.Tensor:
@@ -343,8 +343,8 @@ def random_bits(
     _check_key(key, "fp8fn._numerics.nvfp4.random_bits")
     lane_a = key.new_tensor(0x243F6A88)
     lane_b = key.new_tensor(0x13198A2E)
-    for word in (key & _MASK32, (key >> 32) & _MASK32, site, role, stream):
-        word = word & _MASK32
+    for word in (key & MASK32, (key >> 32) & MASK32, site, role, stream):
+        word = word & MASK32
         lane_a = mix32(lane_a ^ word)
         lane_b = mix32(lane_b ^ word ^ 0x85A308D3)
     n = torch.Size(shape).numel()
@@ -353,7 +353,7 @@ def random_bits(
         index = torch.arange(n, device=key.device).view(shape)
     if short:  # the same bits, without the high word's terms (0 below 2**32)
         return mix32(mix32(lane_a ^ index) ^ lane_b)
-    x = mix32(lane_a ^ (index & _MASK32))
+    x = mix32(lane_a ^ (index & MASK32))
     return mix32(x ^ lane_b ^ _mul32(index >> 32, 0x9E3779B9))
 
 

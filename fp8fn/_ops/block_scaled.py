@@ -149,7 +149,7 @@ def _blockwise_grad_weight(g, x, recipe, backend):
 
 # Per recipe: the output and grad_input GEMMs `(a, weight operand, recipe, backend)`, the
 # grad_weight GEMM `(g, x, recipe, backend)`, and the weight operand `(weight, recipe, gemm)`.
-_GEMMS = {
+FINER_GEMMS = {
     RowwiseScaling: (_rowwise_output, _rowwise_grad_input, _rowwise_grad_weight),
     BlockwiseScaling: (_blockwise_output, _blockwise_grad_input, _blockwise_grad_weight),
     MXScaling: (_mx_output, _mx_grad_input, _mx_grad_weight),
@@ -175,17 +175,17 @@ def weight_operand(weight, recipe, gemm: int):
 def weight_gemm(gemm: int, a, weight, recipe, backend, shape, dtype):
     """The output (`gemm` 0, `a` = x `(m, k)`) or grad_input (`gemm` 1, `a` = the output
     gradient `(m, n)`) GEMM with `weight` `(n, k)`: `(m, n)` or `(m, k)`; zeros of `shape` in
-    `dtype` for an empty operand (see `_gemm`)."""
+    `dtype` for an empty operand (see `gemm_or_zeros`)."""
     if a.numel() == 0 or weight.numel() == 0:
         return torch.zeros(shape, dtype=dtype, device=a.device)
-    fn = _GEMMS[type(recipe)][gemm]
+    fn = FINER_GEMMS[type(recipe)][gemm]
     return fn(a, weight_operand(weight, recipe, gemm), recipe, backend)
 
 
 # -- the op -------------------------------------------------------------------------------------
 
 
-def _gemm(fn, a, b, recipe, backend, shape, dtype):
+def gemm_or_zeros(fn, a, b, recipe, backend, shape, dtype):
     """`fn(a, b, recipe, backend)`, or float zeros of `shape` in `dtype` when `a` or `b` is empty.
 
     An empty operand means an empty result or a sum over nothing (no tokens: the weight
@@ -224,7 +224,7 @@ class _FinerLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
-        grad_weight = _GEMMS[type(ctx.recipe)][2]
+        grad_weight = FINER_GEMMS[type(ctx.recipe)][2]
         x_dtype, w_dtype, b_dtype = ctx.dtypes
         needs = ctx.needs_input_grad
         grad_x = grad_w = grad_b = None
@@ -234,7 +234,9 @@ class _FinerLinear(torch.autograd.Function):
                 grad_x = weight_gemm(1, g, weight, ctx.recipe, ctx.backend, x.shape, g.dtype)
                 grad_x = grad_x.to(x_dtype)
             if needs[1]:
-                grad_w = _gemm(grad_weight, g, x, ctx.recipe, ctx.backend, weight.shape, g.dtype)
+                grad_w = gemm_or_zeros(
+                    grad_weight, g, x, ctx.recipe, ctx.backend, weight.shape, g.dtype
+                )
                 grad_w = grad_w.to(w_dtype)
             if needs[2]:
                 grad_b = g.float().sum(0).to(b_dtype)

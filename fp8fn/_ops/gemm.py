@@ -25,6 +25,13 @@ from .._numerics.fp8 import may_overwrite
 from .._torch_private import scaled_mm as torch_scaled_mm
 
 
+def matmul_backend(device: torch.device) -> str:
+    """The float8 matmul of `backend="auto"` (per-tensor recipes) and of `"triton"` (which
+    fuses the casts only) on `device`: `"scaled_mm"` where it has the float8 GEMM, else
+    `"emulated"`."""
+    return "scaled_mm" if scaled_mm_supported(device) else "emulated"
+
+
 def resolve_backend(recipe, device: torch.device, api: str = "linear") -> str:
     """The backend `recipe` runs on `device`: `"emulated"`, `"scaled_mm"` or `"triton"`.
 
@@ -47,7 +54,7 @@ def resolve_backend(recipe, device: torch.device, api: str = "linear") -> str:
         )
     if isinstance(recipe, (DelayedScaling, CurrentScaling)):
         if backend == "auto":
-            return "scaled_mm" if scaled_mm_supported(device) else "emulated"
+            return matmul_backend(device)
         return backend
     if isinstance(recipe, (BlockwiseScaling, MXScaling, NVFP4Scaling)) or backend == "auto":
         return "emulated"
@@ -166,7 +173,7 @@ def fp8_mm(a, b, inv_scale_a, inv_scale_b, out_dtype: torch.dtype, backend: str,
       `(m, n)` tensor in `out_dtype`.
     """
     if backend == "triton":
-        backend = "scaled_mm" if scaled_mm_supported(a.device) else "emulated"
+        backend = matmul_backend(a.device)
     if backend == "scaled_mm":
         return scaled_mm(a, b, inv_scale_a, inv_scale_b, out_dtype, fast_accum)
     # Each operand is widened in the layout it comes in: the backward widens transposed views

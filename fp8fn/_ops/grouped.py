@@ -37,7 +37,7 @@ from .grouped_block_scaled import finer_grouped_mm, nvfp4_grouped_mm
 from .grouped_gemm import rows_mm, weight_mm
 from .member_loop import each_member, vmap_per_member
 from .nvfp4 import check_random
-from .tensorwise import _scales, placement_of
+from .tensorwise import placement_of, scales_for
 
 
 def _group_ids(offs: torch.Tensor, rows: int) -> torch.Tensor:
@@ -48,7 +48,7 @@ def _group_ids(offs: torch.Tensor, rows: int) -> torch.Tensor:
     )
 
 
-def _group_amax(hp: torch.Tensor, ids: torch.Tensor, experts: int) -> torch.Tensor:
+def group_amax(hp: torch.Tensor, ids: torch.Tensor, experts: int) -> torch.Tensor:
     """Per-expert largest magnitude of the rows of `hp` `(rows, n)`: float32 `(E,)`, 0 for an
     expert with no row. NaN in a group's rows gives NaN."""
     row_amax = hp.abs().amax(1).float() if hp.shape[1] else hp.new_zeros(hp.shape[0]).float()
@@ -111,11 +111,11 @@ class _Fp8GroupedMM(torch.autograd.Function):
     def forward(x, weight, offs, newest, stored, margin, backend, place):
         experts = weight.shape[0]
         ids = _group_ids(offs, x.shape[0])
-        x_amax = _group_amax(x, ids, experts)
+        x_amax = group_amax(x, ids, experts)
         cast = place.float8_weight(weight)  # FSDP2's float8 all-gather: bytes, scales, amaxes
         w_amax = expert_amax(weight) if cast is None else cast[2]
         amaxes = torch.stack([x_amax, w_amax], 1)
-        scales = _scales(
+        scales = scales_for(
             amaxes,
             None if newest is None else newest[:, :2],
             None if stored is None else stored[:, :2],
@@ -153,8 +153,8 @@ class _Fp8GroupedMM(torch.autograd.Function):
         x_dtype, w_dtype = ctx.dtypes
         with no_autocast(grad_out):
             ids = _group_ids(offs, grad_out.shape[0])
-            g_amax = _group_amax(grad_out, ids, experts)
-            g_scale = _scales(
+            g_amax = group_amax(grad_out, ids, experts)
+            g_scale = scales_for(
                 g_amax,
                 None if newest is None else newest[:, 2],
                 None if stored is None else stored[:, 2],

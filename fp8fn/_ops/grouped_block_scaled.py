@@ -45,7 +45,7 @@ from .._core import keys
 from .._core.checks import no_autocast
 from .._core.recipes import BlockwiseScaling, MXScaling, NVFP4Scaling, RowwiseScaling
 from .._numerics.nvfp4 import dequantize_nvfp4
-from .block_scaled import _GEMMS, _gemm, weight_gemm
+from .block_scaled import FINER_GEMMS, gemm_or_zeros, weight_gemm
 from .first_order import first_order_only
 from .grouped_gemm import bounds, custom_op_when_compiling
 from .member_loop import each_member, vmap_per_member
@@ -128,11 +128,11 @@ def _weights(
     """The grad_weight GEMM of each group, as the dense op's on its rows of `g` `(T, N)` and
     `x` `(T, K)`: `(E, N, K)` in `g`'s dtype, 0 for an empty group."""
     recipe = _recipe(kind, block_size, hp_grad_weight, scale_rounding, fast_accum)
-    fn, (n, k) = _GEMMS[type(recipe)][2], (g.shape[1], x.shape[1])
+    fn, (n, k) = FINER_GEMMS[type(recipe)][2], (g.shape[1], x.shape[1])
     out = g.new_zeros(offs.shape[0], n, k)
     for e, (s, t) in enumerate(bounds(offs)):
         if t > s:
-            out[e] = _gemm(fn, g[s:t], x[s:t], recipe, backend, (n, k), g.dtype)
+            out[e] = gemm_or_zeros(fn, g[s:t], x[s:t], recipe, backend, (n, k), g.dtype)
     return out
 
 

@@ -87,7 +87,7 @@ def _whole(place: Local, amaxes, roles: tuple):
     return place.max_over_ranks(amaxes, mask) if any(mask) else amaxes
 
 
-def _scales(amaxes, newest, stored, margin: int, fp8_max: float):
+def scales_for(amaxes, newest, stored, margin: int, fp8_max: float):
     """The scales the casts use, float32 of `amaxes`'s shape: `stored` where the history is
     non-empty (`newest > 0`), else current scaling from `amaxes`; current scaling when
     stateless (`newest` None). (A role whose history is known filled, `State.filled`, casts
@@ -126,7 +126,7 @@ def _cast_operands(x, weight, newest, stored, margin: int, backend: str, place: 
     # globals into symbols, which broke two chained layers.
     x_amax, w_amax = amax(x), amax(weight)
     amaxes = _whole(place, torch.stack([x_amax, w_amax, w_amax]), (0, 1, 1))
-    scales = _scales(amaxes, newest, stored, margin, 448.0)
+    scales = scales_for(amaxes, newest, stored, margin, 448.0)
     x_scale, w_scale, _ = scales.unbind()
     x_fp8, w_fp8 = cast_to_fp8(x, x_scale, E4M3), cast_to_fp8(weight, w_scale, E4M3)
     x_inv, w_inv, _ = scales.reciprocal().unbind()  # one kernel for both
@@ -175,7 +175,7 @@ def _cast_input(x, newest, stored, margin: int, backend: str, filled=None):
         x_fp8 = cast_to_fp8(x, xs, E4M3)
         return x_fp8, xs.reciprocal(), None, x_fp8
     x_amax = amax(x)
-    x_scale = _scales(x_amax, xn, xs, margin, 448.0)
+    x_scale = scales_for(x_amax, xn, xs, margin, 448.0)
     x_fp8 = cast_to_fp8(x, x_scale, E4M3)
     return x_fp8, x_scale.reciprocal(), x_amax, x_fp8
 
@@ -197,7 +197,7 @@ def _cast_grad_output(grad_out, newest, stored, ctx, observe):
         g_fp8 = cast_to_fp8(grad_out, stored[2], E5M2)
         return g_fp8, g_fp8.t(), stored[2].reciprocal(), None
     g_amax = amax(grad_out)
-    g_scale = _scales(_whole(ctx.place, g_amax, (2,)), newest, stored, ctx.margin, 57344.0)
+    g_scale = scales_for(_whole(ctx.place, g_amax, (2,)), newest, stored, ctx.margin, 57344.0)
     g_scale = g_scale if newest is None else g_scale[..., 2]
     g_fp8 = cast_to_fp8(grad_out, g_scale, E5M2)
     observed = None if observe is None else torch.stack([*observe, g_amax])

@@ -40,13 +40,15 @@ import sys
 import torch
 import torch.distributed as dist
 
-from .._core.device import scaled_mm_supported
+from .._core.owners import owner_of
 from .._core.recipes import CurrentScaling, DelayedScaling
 from .._numerics.fp8 import FP8_DTYPES, ceil_div
 from .._ops.first_order import BackwardOnly
-from .._ops.gemm import resolve_backend
+from .._ops.gemm import matmul_backend, resolve_backend
 from .._ops.tensorwise import Local, tensorwise_linear
+from .._torch_errors import FSDP_HOWTO, TP_UNDER_FUNC
 from .._torch_private import (
+    as_dtensor,
     dtensor_local,
     dtensor_spec,
     functorch_level,
@@ -56,12 +58,6 @@ from .._torch_private import (
 )
 
 _TENSORWISE = (DelayedScaling, CurrentScaling)
-_FSDP_HOWTO = (
-    "Functional FSDP takes `params` as `distribute_tensor(p, mesh, [Shard(0)])` on a 1-D mesh, "
-    "for a module whose own parameters are plain; tensor parallel takes the module made by "
-    "parallelize_module (ColwiseParallel / RowwiseParallel), with "
-    "`params = dict(model.named_parameters())`."
-)
 _VMAP_STATE = (
     "fp8fn.apply: expected an unbatched state for DTensor operands, got a stacked or vmapped one "
     "(vmap over sharded models is not supported)."
@@ -72,18 +68,6 @@ _VMAP_OPERANDS = (
 )
 
 # -- DTensors under torch.func's wrappers -------------------------------------------------------
-
-
-def as_dtensor(t):
-    """The DTensor that `t` is (under torch.func's wrappers), or None for any other value.
-
-    A dict lookup while `torch.distributed.tensor` has not been imported: no DTensor exists then.
-    """
-    module = sys.modules.get("torch.distributed.tensor")
-    if module is None or not isinstance(t, torch.Tensor):
-        return None
-    t = unwrapped(t)
-    return t if isinstance(t, module.DTensor) else None
 
 
 def sharded_operands(*tensors) -> bool:
@@ -111,7 +95,7 @@ def _padded(t: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros((rows - t.shape[0], *t.shape[1:]))])
 
 
-def _all_gather_rows(local: torch.Tensor, group, rows: int) -> torch.Tensor:
+def all_gather_rows(local: torch.Tensor, group, rows: int) -> torch.Tensor:
     """The whole `(rows, ...)` tensor from each rank's dim-0 shard. Float8 goes over the wire
     as its bytes (gloo has no float8)."""
     world = dist.get_world_size(group)
@@ -142,12 +126,12 @@ def _max_over(t: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
-class _AllGather(BackwardOnly):
+class AllGather(BackwardOnly):
     """A dim-0 shard -> the whole tensor of `rows` rows (inside a backward)."""
 
     @staticmethod
     def forward(local, group, rows):
-        return _all_gather_rows(local, group, rows)
+        return all_gather_rows(local, group, rows)
 
 
 class _ReduceScatter(BackwardOnly):
@@ -176,7 +160,7 @@ class _GatherParam(torch.autograd.Function):
 
     @staticmethod
     def forward(p, spec, group):
-        return _all_gather_rows(dtensor_local(p), group, spec.shape[0])
+        return all_gather_rows(dtensor_local(p), group, spec.shape[0])
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -230,10 +214,10 @@ class _FsdpShard(_Sharded):
         return x, dtensor_local(weight)
 
     def gemm_weight(self, w_fp8):
-        return _all_gather_rows(w_fp8, self.group, self.spec.shape[0])  # 1 byte per element
+        return all_gather_rows(w_fp8, self.group, self.spec.shape[0])  # 1 byte per element
 
     def weight_again(self, w_fp8):
-        return _AllGather.apply(w_fp8, self.group, self.spec.shape[0])
+        return AllGather.apply(w_fp8, self.group, self.spec.shape[0])
 
     def place_grads(self, grads: list) -> list:
         grad_input, grad_weight, grad_bias = grads
@@ -314,7 +298,7 @@ def sharded_linear(call, layer, site, x, weight, bias, newest, stored):
     """`fp8fn.linear` of one call of `layer` whose input or weight is a DTensor.
 
     Args:
-      call: the running `_Call` (its state, for which roles are still unobserved).
+      call: the running `Call` (its state, for which roles are still unobserved).
       layer: the `_Layer`; site: this call's site name.
       x, weight, bias: what `F.linear` received (DTensors, possibly under torch.func's
         wrappers, or plain tensors), checked for shapes and dtypes.
@@ -342,7 +326,7 @@ def sharded_linear(call, layer, site, x, weight, bias, newest, stored):
     device = (wd if wd is not None else xd).device
     backend = resolve_backend(recipe, device, "apply")
     if backend == "triton":  # fused casts are for plain tensors; the matmul as "auto"
-        backend = "scaled_mm" if scaled_mm_supported(device) else "emulated"
+        backend = matmul_backend(device)
     unobserved = [True] * 3 if newest is None else _unobserved(call, site)
     if torch.is_autocast_enabled(device.type):
         x = x.to(torch.get_autocast_dtype(device.type))
@@ -375,7 +359,7 @@ def _fsdp_linear(api, x, weight, wd, bias, bd, scaling, unobserved):
         raise ValueError(
             f"{api}: expected a weight sharded as `Shard(0)` on a 1-D mesh and a plain bias "
             f"next to a plain input, got the weight {_layout(wd)} and the bias {_layout(bd)}. "
-            f"{_FSDP_HOWTO}"
+            f"{FSDP_HOWTO}"
         )
     whole = (False, unobserved[1], False)
     place = _FsdpShard(spec=dtensor_spec(wd), group=wd.device_mesh.get_group(), whole=whole)
@@ -407,7 +391,7 @@ def _tp_plan(api, xd, wd, bias, bd, unobserved) -> _TPPlan:
             "Replicate, weight Shard(0), bias Shard(0)) or RowwiseParallel (input Shard(-1), "
             "weight Shard(1), bias Replicate), on one 1-D mesh; got the input "
             f"{_layout(xd)}, the weight {_layout(wd)} and the bias {_layout(bd)}. "
-            f"{_FSDP_HOWTO}"
+            f"{FSDP_HOWTO}"
         )
     mesh = wd.device_mesh
     out_shape = (*xd.shape[:-1], wd.shape[0])
@@ -431,7 +415,7 @@ def _tp_plan(api, xd, wd, bias, bd, unobserved) -> _TPPlan:
 
 def _tp_linear(api, x, xd, weight, wd, bias, bd, scaling, unobserved):
     if functorch_level() is not None:
-        raise RuntimeError(_TP_UNDER_FUNC)
+        raise RuntimeError(TP_UNDER_FUNC)
     plan = _tp_plan(api, xd, wd, bias, bd, unobserved)
     return tensorwise_linear(x, weight, bias, place=plan, **scaling)
 
@@ -440,8 +424,7 @@ def _tp_linear(api, x, xd, weight, wd, bias, bd, scaling, unobserved):
 
 
 def _own_tensor(module, name: str):
-    path, _, attr = name.rpartition(".")
-    return getattr(module.get_submodule(path), attr, None)
+    return getattr(*owner_of(module, name), None)
 
 
 def gather_params(transformed, params: dict, state):
@@ -476,12 +459,12 @@ def gather_params(transformed, params: dict, state):
             # Refused here, before the model runs: under checkpoint_fn the forward would pass
             # and torch.func raise its own error in the backward's recompute.
             if functorch_level() is not None:
-                raise RuntimeError(_TP_UNDER_FUNC)
+                raise RuntimeError(TP_UNDER_FUNC)
             continue
         if d.device_mesh.ndim != 1 or tuple(d.placements) != (_placements().Shard(0),):
             raise ValueError(
                 f"fp8fn.apply: expected `params[{name!r}]` sharded as `Shard(0)` on a 1-D mesh "
-                f"(the module holds a plain tensor there), got {_layout(d)}. {_FSDP_HOWTO}"
+                f"(the module holds a plain tensor there), got {_layout(d)}. {FSDP_HOWTO}"
             )
         out[name] = _GatherParam.apply(t, dtensor_spec(d), d.device_mesh.get_group())
         if name in buffers:
@@ -524,14 +507,6 @@ def gathered_for_split(weight, held):
     if d is None or as_dtensor(held) is not None:
         return weight
     return _GatherParam.apply(weight, dtensor_spec(d), d.device_mesh.get_group())
-
-
-_TP_UNDER_FUNC = (
-    "fp8fn.apply: expected plain autograd for a tensor-parallel model, got a torch.func "
-    "transform: torch's parallel styles convert with DTensor.from_local, an autograd.Function "
-    "without setup_context, which torch.func refuses. Differentiate with fp8fn.value_and_grad, "
-    "or fp8fn.observe and loss.backward()."
-)
 
 
 class _LocalShard(torch.autograd.Function):

@@ -125,7 +125,7 @@ def exchange_rows(rows: torch.Tensor, send: list, recv: list, group) -> torch.Te
     return out.view(rows.dtype).view(sum(recv), *rows.shape[1:])
 
 
-class _Exchanged(BackwardOnly):
+class Exchanged(BackwardOnly):
     """`exchange_rows` inside a backward (differentiating it again raises)."""
 
     @staticmethod
@@ -147,7 +147,7 @@ class _SendRows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _Exchanged.apply(grad, ctx.recv, ctx.send, ctx.group), None, None, None
+        return Exchanged.apply(grad, ctx.recv, ctx.send, ctx.group), None, None, None
 
 
 def send_rows(rows: torch.Tensor, ex: Exchange, back: bool = False) -> torch.Tensor:

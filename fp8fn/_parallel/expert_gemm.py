@@ -30,11 +30,10 @@ import torch
 from .._core.checks import no_autocast
 from .._numerics.fp8 import E4M3, E5M2, cast_to_fp8
 from .._ops.first_order import first_order_only
-from .._ops.grouped import _group_amax as group_amax
-from .._ops.grouped import expert_amax
+from .._ops.grouped import expert_amax, group_amax
 from .._ops.grouped_gemm import rows_mm, weight_mm
-from .._ops.tensorwise import _scales as scales_for
-from .expert_exchange import Exchange, _Exchanged, exchange_rows
+from .._ops.tensorwise import scales_for
+from .expert_exchange import Exchange, Exchanged, exchange_rows
 
 _MAX = {E4M3: 448.0, E5M2: 57344.0}
 
@@ -63,7 +62,7 @@ def _receive(rows, ex: Exchange, newest, stored, margin, role: int, wire, back: 
     an expert on the wire, the experts' rank's for the others, 0 where not observed here).
     `back`: the rows go from the sender to the experts in a backward."""
     dtype = E4M3 if role == 0 else E5M2
-    send = _Exchanged.apply if back else exchange_rows
+    send = Exchanged.apply if back else exchange_rows
     on_wire = torch.tensor(wire, device=rows.device)
     local_wire = on_wire[ex.first : ex.first + ex.local]
     parts, part_ids = [], []
@@ -149,7 +148,7 @@ class _DispatchGroupedMM(torch.autograd.Function):
             g_inv = g_scale.reciprocal()
             grad_x = rows_mm(g_fp8, w_fp8, g_inv, w_inv, ex.offs, x_dtype, ctx.backend, True)
             # every rank sends its gradient rows back (the collective pairs across ranks)
-            grads = [_Exchanged.apply(grad_x[ex.from_experts], ex.recv, ex.send, ex.group)]
+            grads = [Exchanged.apply(grad_x[ex.from_experts], ex.recv, ex.send, ex.group)]
             grads.append(weight_mm(g_fp8, x_fp8, g_inv, x_inv, ex.offs, w_dtype, ctx.backend))
             g_observed = _spread(g_amax, ex)
             obs = _observation(ex, x_amax, w_amax, g_observed) if ctx.needs_input_grad[2] else None

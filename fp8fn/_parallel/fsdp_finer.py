@@ -2,7 +2,7 @@
 `MXScaling`): one weight plane per phase, cast shard by shard with the whole weight's scales.
 
 A linear weight `(n, k)` under a finer recipe is read by two GEMMs, each quantizing it along its
-own contraction dim (`_numerics/planes.py`): the output GEMM along k (rowwise: a scale per row;
+own contraction dim (`_parallel/planes.py`): the output GEMM along k (rowwise: a scale per row;
 MX: per 1 x 32 block), the grad_input GEMM along n (rowwise: per column; MX: per 32 x 1 block);
 blockwise's 128 x 128 blocks serve both. FSDP2 shards dim 0 (n). The pieces:
 
@@ -38,7 +38,6 @@ import dataclasses
 
 import torch
 
-from .._numerics import planes
 from .._numerics.fp8 import (
     E4M3,
     ceil_div,
@@ -52,7 +51,8 @@ from .._torch_private import (
     op_mutates,
     tree_map_only,
 )
-from .dtensor import _all_gather_rows, _AllGather
+from . import planes
+from .dtensor import AllGather, all_gather_rows
 
 _aten = torch.ops.aten
 _VIEWS = {_aten.alias.default, _aten.as_strided.default, _aten.detach.default, _aten.view.default}
@@ -154,7 +154,7 @@ def finer_scales(entries, discovering: bool = False) -> dict:
         for group, items in parts.items():
             local = torch.cat([b for *_, b in items])
             world = items[0][4]
-            wire = _all_gather_rows(local.unsqueeze(0), group, world)  # (world, bytes)
+            wire = all_gather_rows(local.unsqueeze(0), group, world)  # (world, bytes)
             offset = 0
             for key, plane, layout, shape, _, own in items:
                 size = plane.stat_dtype.itemsize
@@ -302,7 +302,7 @@ class FinerGatheredWeight(torch.Tensor):
         if self._again is None or self._again[:2] != (self._plan, plane):
             shard, mesh, first = self._source
             local = _cast_shard(self._plan, plane, shard._tensor, first)
-            whole = _AllGather.apply(local, mesh.get_group(), self._plan.shape[0])
+            whole = AllGather.apply(local, mesh.get_group(), self._plan.shape[0])
             self._again = (self._plan, plane, whole)
         return self._again[2]
 

@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .._core.experts import find_experts, find_gates
 from .._core.state import known_filled
 from .._numerics.fp8 import E4M3, FP8_MAX, amax, cast_to_fp8, ceil_div, scale_from_amax
 from .._ops.grouped import expert_amax
@@ -63,7 +64,7 @@ from .._torch_private import (
     tree_leaves,
     tree_map_only,
 )
-from .dtensor import _AllGather
+from .dtensor import AllGather
 from .fsdp_finer import FinerGatheredWeight, FinerScales, post_all_gather, pre_all_gather
 
 # The running `apply`'s `ScalesForCall` (None outside apply: FSDP2's backward re-gather).
@@ -293,7 +294,7 @@ class Float8GatheredWeight(torch.Tensor):
         if self._again is None or self._again[0] is not scale:
             shard, mesh, rows = self._source
             local = cast_to_fp8(shard._tensor, _shard_scale(scale, mesh, rows, shard._tensor), E4M3)
-            self._again = (scale, _AllGather.apply(local, mesh.get_group(), rows))
+            self._again = (scale, AllGather.apply(local, mesh.get_group(), rows))
         return self._again[1]
 
     def __tensor_flatten__(self):
@@ -628,8 +629,6 @@ def float8_all_gather(model: nn.Module, filter_fn=None) -> nn.Module:
       fully_shard(model)
       fn = fp8fn.transform(model, fp8fn.DelayedScaling())
     """
-    from .._transform.experts import find_experts, find_gates  # (a leaf module: transform's)
-
     if not isinstance(model, nn.Module):
         raise TypeError(
             f"fp8fn.float8_all_gather: expected `model` to be an nn.Module, got "

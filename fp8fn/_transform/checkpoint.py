@@ -21,7 +21,7 @@ from .._torch_private import (
     tree_leaves,
     tree_unflatten,
 )
-from .swap import _functional_call, _Holder, _module_tensors
+from .swap import Holder, module_tensors, swapped_call
 
 _PASS_AS_ARGUMENTS = (
     "Pass it as an argument (`fp8fn.checkpoint(lambda w, x: x @ w, w, x)`, not "
@@ -280,13 +280,13 @@ def checkpoint(f, *args):
         return checkpoint_with_constants(
             lambda _, b, kw, a: call(*b, *a, **kw), (bound, keywords, args), ()
         )
-    slots, params, buffers = _module_tensors(module)
-    holder = _Holder(module, call)
+    slots, params, buffers = module_tensors(module)
+    holder = Holder(module, call)
     if torch.is_grad_enabled():
         _refuse_closed_over(call, (params, bound, keywords, args))
 
     def run(buffers, params, b, kw, a):
-        return _functional_call(holder, slots, {**buffers, **params}, (*b, *a), kw, prefix="m.")
+        return swapped_call(holder, slots, {**buffers, **params}, (*b, *a), kw, prefix="m.")
 
     return checkpoint_with_constants(run, (params, bound, keywords, args), buffers)
 

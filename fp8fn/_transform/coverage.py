@@ -10,9 +10,9 @@ import warnings
 
 from torch import nn
 
+from .._core.owners import owner_of
 from .._core.recipes import NVFP4Scaling
-from .experts import owner_of
-from .layers import _is_linear_weight, _linear_base
+from .layers import is_linear_weight, linear_base
 
 LOW = ("float8", "NVFP4")  # the formats a converted weight's GEMMs run in, as the rows name them
 ROUTER = "router or gate, by default"
@@ -53,8 +53,8 @@ def _chosen_out(transformed, name: str) -> bool:
     """Whether `filter_fn` or a recipe of None left the weight `name` in high precision."""
     module = transformed.module
     owner, _ = owner_of(module, name)
-    if _is_linear_weight(module, name):
-        base = _linear_base(owner)
+    if is_linear_weight(module, name):
+        base = linear_base(owner)
         if base is None or type(owner).forward is base.forward:
             return True  # a layer fp8fn converts (or an attention projection), not chosen
         name = name.rpartition(".")[0]  # a subclass with its own forward: asked as a layer

@@ -18,18 +18,19 @@ import torch
 from torch import nn
 
 from .._core.checks import no_autocast
+from .._core.experts import find_experts
 from .._ops.gemm import resolve_backend
-from .._parallel.dtensor import as_dtensor, local_shard
+from .._parallel.dtensor import local_shard
 from .._parallel.expert_exchange import plan_exchange, send_rows
 from .._parallel.expert_gemm import dispatch_grouped_mm, grouped_mm_combine
 from .._torch_private import (
+    as_dtensor,
     experts_gate,
     function_modes,
     module_parameters,
     refuse_fullgraph_trace,
 )
-from .experts import find_experts
-from .routing import _Call
+from .routing import Call
 
 _NO_COMPILE = (
     "fp8fn.expert_parallel: expected an eager forward of expert-parallel experts, got "
@@ -44,9 +45,9 @@ _CONTRACT = (
 
 
 def _running_call():
-    """The `_Call` of the `fn.apply` (or `fn.init`) running this forward, or None."""
+    """The `Call` of the `fn.apply` (or `fn.init`) running this forward, or None."""
     return next(
-        (m for m in reversed(function_modes()) if isinstance(m, _Call) and not m.passive), None
+        (m for m in reversed(function_modes()) if isinstance(m, Call) and not m.passive), None
     )
 
 
@@ -142,7 +143,7 @@ class _ExpertParallelForward:
 
 
 def expert_parallel_in(experts) -> bool:
-    """Whether any of `experts` (`_Experts`) is held by an expert-parallel module."""
+    """Whether any of `experts` (`Experts`) is held by an expert-parallel module."""
     return any(isinstance(vars(e.module).get("forward"), _ExpertParallelForward) for e in experts)
 
 

@@ -21,11 +21,10 @@ import dataclasses
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-from torch.nn.parameter import is_lazy
 
+from .._core.experts import Experts
 from .._core.state import site_name
-from .._torch_private import is_convolution, private_grouped_mm
+from .._torch_private import private_grouped_mm
 
 GROUPED_MM = tuple({f for f in (private_grouped_mm(), getattr(F, "grouped_mm", None)) if f})
 _MATMULS = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.Tensor.mm)
@@ -88,85 +87,13 @@ DERIVING = (
 )
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class _Experts:
-    """A 3-D weight whose GEMMs run per expert in float8.
-
-    Its sites are `path[e]` (expert e's first call), `path[e]#k` for its k-th further call.
-    """
-
-    path: str  # the weight's name in `module.named_parameters()` (first name when tied)
-    module: nn.Module = dataclasses.field(repr=False)  # the module holding it
-    attr: str  # its name on `module`
-    recipe: object
-    experts: int  # E, its leading dim
-
-    def own(self, tensors: dict):
-        """The weight this call runs with: from `tensors`, else the module's own."""
-        weight = tensors.get(self.path)
-        return getattr(self.module, self.attr) if weight is None else weight
-
-    def expert(self, e: int) -> str:
-        """The layer path of expert `e` (its sites are `site_name(path, k)`)."""
-        return f"{self.path}[{e}]"
-
-
 @dataclasses.dataclass(frozen=True)
-class _ExpertLayer:
-    """One expert of an `_Experts`, called alone (`F.linear(x, W[e])`): a layer for `_Call`."""
+class ExpertLayer:
+    """One expert of an `Experts`, called alone (`F.linear(x, W[e])`): a layer for `Call`."""
 
     path: str
     recipe: object
     transposed: bool = False
-
-
-def owner_of(module: nn.Module, name: str) -> tuple[nn.Module, str]:
-    """`(module holding the tensor `name`, its attribute name)`."""
-    path, _, attr = name.rpartition(".")
-    return module.get_submodule(path), attr
-
-
-def find_experts(module, choose) -> list[_Experts]:
-    """The 3-D floating parameters of `module` that `choose(name, owner)` gives a recipe
-    (torch's convolutions' weights are not asked about: their op is a convolution; nor are
-    uninitialized parameters of lazy modules: torch's are linear or convolution weights)."""
-    found = []
-    for name, p in module.named_parameters():
-        if is_lazy(p) or p.dim() != 3 or not p.is_floating_point():
-            continue  # (a lazy module's parameter has no shape before its first forward)
-        owner, attr = owner_of(module, name)
-        if is_convolution(owner):
-            continue
-        chosen = choose(name, owner)
-        if chosen is not None:
-            found.append(_Experts(name, owner, attr, chosen, p.shape[0]))
-    return found
-
-
-def find_gates(module, experts: list[_Experts]) -> set[str]:
-    """The paths of the routers and gates next to `experts`: the direct children with a 2-D
-    `weight` (an `nn.Linear`, or a router that calls `F.linear` on its own weight, as
-    transformers' `*TopKRouter`) of the module holding an experts weight, or, when it has none,
-    of that module's parent (transformers' `mlp` holding `experts`, `gate`,
-    `shared_expert_gate`), with at most that weight's number of experts E outputs (rows of
-    `weight`: a router scores the E experts; a gate such as Qwen2-MoE's `shared_expert_gate`
-    gives 1 output). Their GEMMs are tiny and decide which experts run, so they stay in high
-    precision by default."""
-    gates = set()
-
-    def weighted_children(path):
-        prefix = f"{path}." if path else ""
-        return [
-            (prefix + n, c)
-            for n, c in module.get_submodule(path).named_children()
-            if isinstance(getattr(c, "weight", None), torch.Tensor) and c.weight.dim() == 2
-        ]
-
-    for entry in experts:
-        owner_path = entry.path.rpartition(".")[0]
-        near = weighted_children(owner_path) or weighted_children(owner_path.rpartition(".")[0])
-        gates.update(n for n, c in near if c.weight.shape[0] <= entry.experts)
-    return gates
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -176,7 +103,7 @@ class Derived:
     tensor itself), an int (one: the tensor is `M(e)`), or an int64 tensor of ids (dim 0 = rows,
     row r being `M(ids[r])`)."""
 
-    entry: _Experts
+    entry: Experts
     source: torch.Tensor  # (E, A, B), the weight or a view of it
     expert: object = None
     flipped: bool = False
@@ -274,7 +201,7 @@ def _grouped_by_ids(d: Derived, a: torch.Tensor, weight: torch.Tensor, left: boo
 
 def read_gemm(func, args, kwargs, derived_of, grouped=GROUPED_MM) -> Gemm | None:
     """The `Gemm` of a call that multiplies an experts weight in a form fp8fn converts, or
-    None (`F.linear` is read by `_Call`, as for linear layers). `derived_of(t)` is the `Derived`
+    None (`F.linear` is read by `Call`, as for linear layers). `derived_of(t)` is the `Derived`
     of a tensor, or None; `grouped` the grouped GEMM ops (`grouped_ops()`)."""
     if any(func is op for op in grouped):  # (by identity: an OpOverloadPacket's `==` is not)
         if func is getattr(F, "grouped_mm", None):

@@ -8,6 +8,7 @@ import dataclasses
 
 from torch import nn
 
+from .._core.owners import held, owner_of
 from .._core.recipes import (
     BlockwiseScaling,
     CurrentScaling,
@@ -36,7 +37,7 @@ class Fsdp2:
     Args:
       module: the transformed module.
       layers: its `_Layer`s that run in float8.
-      experts: its `_Experts` (the candidates `fn.init` confirms).
+      experts: its `Experts` (the candidates `fn.init` confirms).
 
     Attributes:
       managed: `{name: (submodule, attribute, sharded parameter)}` of the parameters FSDP2
@@ -67,8 +68,7 @@ class Fsdp2:
             for name, p in sub.named_parameters():
                 if sharded_operands(p):
                     full = f"{prefix}.{name}" if prefix else name
-                    path, _, attr = full.rpartition(".")
-                    managed.setdefault(full, (self.module.get_submodule(path), attr, p))
+                    managed.setdefault(full, (*owner_of(self.module, full), p))
         return managed
 
     def without_params(self, params: dict) -> dict:
@@ -161,10 +161,10 @@ class Fsdp2:
         def row(g):  # the state row of its (first expert's) first site
             if not isinstance(g.recipe, DelayedScaling):
                 return None
-            held = g.held()
-            if held.dim() < 3:
+            weight = g.held()
+            if weight.dim() < 3:
                 return positions[site_name(g.site, 0)]
-            return expert_rows("apply", positions, g.path, len(held), 0)
+            return expert_rows("apply", positions, g.path, len(weight), 0)
 
         entries = [
             (g.module, g.attr, row(g), getattr(g.recipe, "margin", 0))
@@ -192,7 +192,7 @@ class _Gathered:
 
     def held(self):
         """The weight the module holds now (FSDP2 swaps its shard and the unsharded weight)."""
-        return module_parameters(self.module).get(self.attr)
+        return held(self.module, self.attr)
 
 
 def _reshard_gathered(module, gathered):

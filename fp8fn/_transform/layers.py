@@ -8,6 +8,7 @@ import warnings
 import torch
 from torch import nn
 
+from .._core.owners import held, owner_of
 from .._core.recipes import RECIPES
 from .._torch_private import module_buffers, module_parameters
 
@@ -27,7 +28,7 @@ class _Layer:
 
     def held(self):
         """The weight the module holds now (FSDP2 swaps its shard and the unsharded weight)."""
-        return module_parameters(self.module).get(self.attrs[0])
+        return held(self.module, self.attrs[0])
 
     def holds(self, weight) -> bool:
         """Whether `weight` is what the module holds now."""
@@ -58,7 +59,7 @@ def _is_hf_conv1d(module) -> bool:
     )
 
 
-def _linear_base(module):
+def linear_base(module):
     """The base class of a linear-like module fp8fn converts (nn.Linear, HF Conv1D), or None."""
     if isinstance(module, nn.Linear):
         return nn.Linear
@@ -67,7 +68,7 @@ def _linear_base(module):
     return None
 
 
-def _recipe_for(recipe, name, module):
+def recipe_for(recipe, name, module):
     """The recipe of one layer: `recipe` itself, or `recipe(name, module)` when a function."""
     chosen = recipe if isinstance(recipe, RECIPES) else recipe(name, module)
     if chosen is not None and not isinstance(chosen, RECIPES):
@@ -105,7 +106,7 @@ def _computed_attribute(layer, attrs=("weight", "bias")) -> str | None:
     return None
 
 
-def _find_layers(module, recipe, filter_fn, warn=True, gates=frozenset()) -> list[_Layer]:
+def find_layers(module, recipe, filter_fn, warn=True, gates=frozenset()) -> list[_Layer]:
     """The linear layers that run in float8, in module order: nn.Linear (and subclasses that
     keep its forward), HF Conv1D, and nn.MultiheadAttention's projections (`<path>.in_proj`, or
     `q_proj`/`k_proj`/`v_proj`, and its `out_proj`), but not the modules with a path in `gates`
@@ -131,7 +132,7 @@ def _find_layers(module, recipe, filter_fn, warn=True, gates=frozenset()) -> lis
             return
         if filter_fn is not None and not filter_fn(name, sub):
             return
-        chosen = _recipe_for(recipe, name, sub)
+        chosen = recipe_for(recipe, name, sub)
         if chosen is None:
             return
         module_path = name.rpartition(".")[0] if isinstance(sub, nn.MultiheadAttention) else name
@@ -163,7 +164,7 @@ def _find_layers(module, recipe, filter_fn, warn=True, gates=frozenset()) -> lis
                 refuse(path, sub, _computed_attribute(sub, (weight, bias)))
                 add(path, sub, (weight, bias), False)
             continue
-        base = _linear_base(sub)
+        base = linear_base(sub)
         if base is None:
             continue
         if type(sub).forward is not base.forward:
@@ -184,11 +185,10 @@ def _find_layers(module, recipe, filter_fn, warn=True, gates=frozenset()) -> lis
     return layers
 
 
-def _is_linear_weight(module, name: str) -> bool:
+def is_linear_weight(module, name: str) -> bool:
     """Whether the tensor `name` of `module` is the weight of a linear layer fp8fn converts
     (chosen or not): an nn.Linear's or HF Conv1D's, or an nn.MultiheadAttention projection's."""
-    path, _, attr = name.rpartition(".")
-    sub = module.get_submodule(path)
+    sub, attr = owner_of(module, name)
     if isinstance(sub, nn.MultiheadAttention):
         return attr.endswith("proj_weight")
-    return attr == "weight" and _linear_base(sub) is not None
+    return attr == "weight" and linear_base(sub) is not None

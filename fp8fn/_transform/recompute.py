@@ -1,7 +1,7 @@
 """`checkpoint_fn`: the chosen modules' forwards, recomputed in the backward inside `apply`.
 
 While an `apply` runs, each chosen module has an instance `forward` (installed by
-`_checkpoint_forwards`, removed after) that checkpoints its pass when the `_Call` of this thread
+`_checkpoint_forwards`, removed after) that checkpoints its pass when the `Call` of this thread
 (`_ACTIVE`) chose it.
 """
 
@@ -14,17 +14,17 @@ import threading
 import torch
 
 from .checkpoint import checkpoint_with_constants
-from .routing import _Call
-from .swap import _functional_call, _Holder, exclusive
+from .routing import Call
+from .swap import Holder, exclusive, swapped_call
 
-# The `_Call` running in this thread, for the modules chosen by `checkpoint_fn`.
+# The `Call` running in this thread, for the modules chosen by `checkpoint_fn`.
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("fp8fn_call", default=None)
 
 
 @contextlib.contextmanager
 def recomputing(call, modules):
     """Inside, `modules` (the `checkpoint_fn` choice) are recomputed in the backward of the
-    forward pass that the `_Call` `call` runs; nothing when there are none."""
+    forward pass that the `Call` `call` runs; nothing when there are none."""
     if not modules:
         yield
         return
@@ -49,7 +49,7 @@ _MISSING = object()
 
 def _checkpointing_forward(module, forward):
     """The `forward` a `checkpoint_fn` module has during `apply`: recomputed when the running
-    `_Call` (of this thread) chose it, else the module's own (another thread's plain call)."""
+    `Call` (of this thread) chose it, else the module's own (another thread's plain call)."""
 
     def checkpointing(*args, **kwargs):
         call = _ACTIVE.get()
@@ -94,18 +94,18 @@ def _checkpoint_forwards(modules):
 
 
 def recomputed(call, module, path, forward, args, kwargs):
-    """`forward(*args, **kwargs)` of the `checkpoint_fn` module `module`, run by the `_Call`
+    """`forward(*args, **kwargs)` of the `checkpoint_fn` module `module`, run by the `Call`
     `call`, recomputed in the backward with the tensors it holds now (each tied layer's own
     view included), from `call`'s counts."""
     prefix = path + "." if path else ""
     params, buffers, layout = call.transformed._block_slots[id(module)].current()
     start, end = dict(call.counts), {}
-    holder = _Holder(module, forward)
+    holder = Holder(module, forward)
 
     def run(buffers, params, state, args, kwargs):
         given = {**buffers, **params}
         tensors = {name: given[first] for name, first in layout.items()}
-        inner = _Call(
+        inner = Call(
             call.transformed,
             {prefix + n: t for n, t in tensors.items()},
             state,
@@ -114,7 +114,7 @@ def recomputed(call, module, path, forward, args, kwargs):
         )
         with exclusive(call.transformed.module), inner, _activated(inner):
             held = {"m." + n: t for n, t in tensors.items()}
-            out = _functional_call(holder, None, held, args, kwargs)
+            out = swapped_call(holder, None, held, args, kwargs)
         end.update(inner.counts)
         return out
 

@@ -30,7 +30,7 @@ from .experts import (
     GEMMS,
     GROUPED_MM,
     Derived,
-    _ExpertLayer,
+    ExpertLayer,
     derive,
     expert_rows,
     read_gemm,
@@ -75,7 +75,7 @@ def _operands(func, args, kwargs):
     return bound["mat1"], bound["mat2"], bound["input"], True, options
 
 
-class _Call(TorchFunctionMode):
+class Call(TorchFunctionMode):
     """One forward pass of a `Transformed`: routes its layers' linear calls to fp8fn.
 
     Made per call, so one transform may run in several threads at once. It names each call of
@@ -274,7 +274,7 @@ class _Call(TorchFunctionMode):
     def _expert_layer(self, derived):
         """Expert `derived.expert` of its experts weight, as a layer of its own."""
         entry = derived.entry
-        return _ExpertLayer(entry.expert(derived.expert), entry.recipe)
+        return ExpertLayer(entry.expert(derived.expert), entry.recipe)
 
     def _count_experts(self, entry) -> int:
         """Counts a grouped call of all of `entry`'s experts; the k of its sites."""

@@ -1,7 +1,7 @@
 """Tensor swapping: a module run with given tensors in place of its own, for one call.
 
 `functional_call` puts the tensors into the module and takes them out after, so the module is
-locked for the call (`exclusive`), and ties are handled here (`_Slots`).
+locked for the call (`exclusive`), and ties are handled here (`Slots`).
 """
 
 from __future__ import annotations
@@ -13,10 +13,11 @@ import weakref
 import torch
 from torch import nn
 
-from .._torch_private import differentiated, module_buffers, module_parameters
+from .._core.owners import held, owner_of
+from .._torch_private import differentiated
 
 
-class _Slots:
+class Slots:
     """Where a module holds its tensors, for swapping them in safely.
 
     `torch.func.functional_call` with `tie_weights=True` swaps a submodule registered under two
@@ -41,9 +42,9 @@ class _Slots:
             *module.named_buffers(remove_duplicate=False),
         )
         for name, t in named:
-            path, _, attr = name.rpartition(".")
+            owner, attr = owner_of(module, name)
             first = self.first[name] = seen.setdefault(id(t), name)
-            slot = (id(module.get_submodule(path)), attr)
+            slot = (id(owner), attr)
             if slot not in slots:
                 slots.add(slot)
                 self.names.append(name)
@@ -53,13 +54,6 @@ class _Slots:
         self.parameters = {n for n, _ in module.named_parameters(remove_duplicate=False)}
         tied = {*self.others, *(n for names in self.others.values() for n in names)}
         self.own = [n for n in own if n in tied]
-
-    def held(self, name: str):
-        """The tensor the module holds under `name` now."""
-        path, _, attr = name.rpartition(".")
-        sub = self.module.get_submodule(path)
-        held = module_parameters(sub).get(attr)
-        return module_buffers(sub).get(attr) if held is None else held
 
     def expand(self, tensors: dict, api: str = "apply", prefix: str = "") -> dict:
         """`tensors` (`{name: tensor}`) for `functional_call(..., tie_weights=False)`, each name
@@ -83,7 +77,7 @@ class _Slots:
                 out.update((prefix + n, t) for n in names)
         for name in self.own:
             t = out.get(prefix + name)
-            t = self.held(self.first[name]) if t is None else t
+            t = held(self.module, self.first[name]) if t is None else t
             out[prefix + name] = t.view_as(t)
         return out
 
@@ -92,7 +86,7 @@ class _Slots:
         once, under the first slot holding it, and `layout` `{slot name: that name}`."""
         layout, tensors, seen = {}, {}, {}
         for name in self.names:
-            t = self.held(name)
+            t = held(self.module, name)
             if t is not None:
                 layout[name] = first = seen.setdefault(id(t), name)
                 tensors.setdefault(first, t)
@@ -100,9 +94,9 @@ class _Slots:
         return params, {n: t for n, t in tensors.items() if n not in params}, layout
 
 
-def _functional_call(module, slots: _Slots | None, tensors: dict, args, kwargs, prefix=""):
-    """`module(*args, **kwargs)` with `tensors` swapped in for the call (see `_Slots`; `slots`
-    None: `tensors` as `_Slots.expand` made them, every slot's name given)."""
+def swapped_call(module, slots: Slots | None, tensors: dict, args, kwargs, prefix=""):
+    """`module(*args, **kwargs)` with `tensors` swapped in for the call (see `Slots`; `slots`
+    None: `tensors` as `Slots.expand` made them, every slot's name given)."""
     if slots is not None:
         tensors = slots.expand(tensors, prefix=prefix)
     return torch.func.functional_call(
@@ -110,7 +104,7 @@ def _functional_call(module, slots: _Slots | None, tensors: dict, args, kwargs, 
     )
 
 
-class _Holder(nn.Module):
+class Holder(nn.Module):
     """`call` (a module, or a bound method of one) as a module holding `module` under `m.`:
     `functional_call` on it swaps in the tensors of `module` without running `module`'s hooks a
     second time."""
@@ -123,11 +117,11 @@ class _Holder(nn.Module):
         return self._call[0](*args, **kwargs)
 
 
-def _module_tensors(module):
-    """`module`'s tensors, for `_functional_call`: its `_Slots`; the parameters and the buffers
+def module_tensors(module):
+    """`module`'s tensors, for `swapped_call`: its `Slots`; the parameters and the buffers
     a differentiation tracks, `{first: t}`; the other buffers, `{first: t}` (constants). `first`
     is the first name of a tensor (tied tensors are one)."""
-    slots, params, buffers = _Slots(module), {}, {}
+    slots, params, buffers = Slots(module), {}, {}
     named = [(n, t, True) for n, t in module.named_parameters()]
     named += [(n, t, False) for n, t in module.named_buffers()]
     for name, t, is_parameter in named:

@@ -1,7 +1,7 @@
 """`transform`: an nn.Module as a pure `(init, apply)` pair with explicit scaling state.
 
 `apply` runs the user's own module as it is at the call (its buffers, dtype, device, training
-flags and hooks) under `torch.func.functional_call` with the given parameters. A `_Call` (one
+flags and hooks) under `torch.func.functional_call` with the given parameters. A `Call` (one
 per forward pass, a `TorchFunctionMode`, `routing.py`) routes the linear calls of the chosen
 layers (`layers.py`), known by the identity of their weight, to `fp8fn.linear` with their site's
 state. `transform` reads the module (its layers and recipes, parameter slots and ties, the
@@ -11,21 +11,24 @@ list: docs/semantics.md, "What fp8fn touches outside the state").
 
 This module is the facade: `apply` checks its arguments, then enters in one `with` the context
 managers a call needs (torch's errors translated, `_torch_errors.py`; FSDP2's float8 weight
-scales, `fsdp.py`; the module's lock, `swap.py`; the routing `_Call`; the `checkpoint_fn`
+scales, `fsdp.py`; the module's lock, `swap.py`; the routing `Call`; the `checkpoint_fn`
 recompute, `recompute.py`), then calls the module.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 
 import torch
 from torch import nn
 
 from .._core.checks import check_function, init_error
+from .._core.experts import find_experts, find_gates
 from .._core.keys import initial_key, seed_key
 from .._core.observe import refuse_untrained_backward
+from .._core.owners import held
 from .._core.recipes import RECIPES, DelayedScaling, NVFP4Scaling
 from .._core.state import (
     State,
@@ -54,12 +57,12 @@ from .checkpoint import refuse_compile
 from .coverage import report_high_precision, summarize
 from .expert_parallel import expert_parallel_in
 from .expert_parallel import refuse_compile as refuse_expert_parallel_compile
-from .experts import find_experts, find_gates, grouped_ops
+from .experts import grouped_ops
 from .fsdp import Fsdp2
-from .layers import _find_layers, _is_linear_weight, _recipe_for
+from .layers import find_layers, is_linear_weight, recipe_for
 from .recompute import recomputing
-from .routing import _Call
-from .swap import _functional_call, _Slots, exclusive
+from .routing import Call
+from .swap import Slots, exclusive, swapped_call
 
 
 @constant_under_compile
@@ -168,7 +171,7 @@ class Transformed:
         # routers and gates next to the experts: high precision, unless a recipe function
         # chooses for them
         self._gates = find_gates(module, self._experts) if isinstance(recipe, RECIPES) else set()
-        self._layers = _find_layers(
+        self._layers = find_layers(
             module, recipe, filter_fn, warn=not self._experts, gates=self._gates
         )
         self.recipes = {layer.path: layer.recipe for layer in self._layers}
@@ -184,14 +187,14 @@ class Transformed:
         }
         self._fsdp = Fsdp2(module, self._layers, self._experts)  # slots, float8 all-gathers
         own = [m.slot for m in self._layers if m.slot not in self._fsdp.managed]
-        self._slots = _Slots(module, own)
+        self._slots = Slots(module, own)
         self._refuse_fsdp_ties()
         self._held = {}  # {id(weight): (weakref, layer)}: weights swapped into layers (FSDP2)
         self.checkpointed = self._checkpoint_modules(checkpoint_fn)
         self._checkpointed_ids = {id(module.get_submodule(p)): p for p in self.checkpointed}
         self._checkpointed_modules = [module.get_submodule(p) for p in self.checkpointed]
         self._block_slots = {
-            id(m): _Slots(m, [n[len(p) + 1 :] if p else n for n in own if _inside(n, p)])
+            id(m): Slots(m, [n[len(p) + 1 :] if p else n for n in own if _inside(n, p)])
             for p, m in zip(self.checkpointed, self._checkpointed_modules)
         }
         self._known_sites = None  # the `state.sites` last checked by `apply`
@@ -208,7 +211,7 @@ class Transformed:
         so fp8fn cannot give each layer its own view of it, and would run them all as one."""
         choice = {m.slot: m.recipe for m in self._layers}
         for first, names in self._slots.others.items():
-            group = [n for n in (first, *names) if _is_linear_weight(self.module, n)]
+            group = [n for n in (first, *names) if is_linear_weight(self.module, n)]
             if len(group) < 2 or not any(n in self._fsdp.managed for n in group):
                 continue
             if len({repr(choice.get(n)) for n in group}) > 1:
@@ -226,7 +229,7 @@ class Transformed:
         recipe, filter_fn, _ = self._choices
         if filter_fn is not None and not filter_fn(name, owner):
             return None
-        return _recipe_for(recipe, name, owner)
+        return recipe_for(recipe, name, owner)
 
     def summary(self) -> str:
         """What runs in float8 and what does not, as a table of the model's matmul weights
@@ -275,9 +278,9 @@ class Transformed:
             return None
         # (compiling: no lookup by `id`, on which dynamo would guard: a recompile per step of
         # new weights; the layers are compared with `is`)
-        held = None if torch.compiler.is_compiling() else self._held.get(id(weight))
-        if held is not None and held[0]() is weight and held[1].holds(weight):
-            layer = held[1]
+        known = None if torch.compiler.is_compiling() else self._held.get(id(weight))
+        if known is not None and known[0]() is weight and known[1].holds(weight):
+            layer = known[1]
         else:
             layer = next((m for m in self._layers if m.holds(weight)), None)
             if layer is None:
@@ -358,8 +361,8 @@ class Transformed:
         state = init_state(recipe, names, device)
         return state._replace(key=initial_key(seed, device)) if nvfp4 or nvfp4_experts else state
 
-    def _discover(self, args, kwargs) -> _Call:
-        """The `_Call` of one forward pass on the example inputs (its `sites`, in call order,
+    def _discover(self, args, kwargs) -> Call:
+        """The `Call` of one forward pass on the example inputs (its `sites`, in call order,
         and its `weights`)."""
         tensors = {**dict(self.module.named_parameters()), **dict(self.module.named_buffers())}
         memo = {}
@@ -390,12 +393,12 @@ class Transformed:
             reshard_fsdp(self.module)  # FSDP2 keeps the root unsharded after a forward
         return call
 
-    def _run_discovery(self, tensors, args_kwargs) -> _Call:
+    def _run_discovery(self, tensors, args_kwargs) -> Call:
         args, kwargs = args_kwargs
         tensors = self._slots.expand(tensors, "init")
-        call = _Call(self, tensors, None)
+        call = Call(self, tensors, None)
         with torch.no_grad(), self._fsdp.scales(None), exclusive(self.module), call:
-            _functional_call(self.module, None, tensors, args, kwargs)
+            swapped_call(self.module, None, tensors, args, kwargs)
         return call
 
     def apply(self, params: dict, state: State, *args, **kwargs):
@@ -450,7 +453,7 @@ class Transformed:
         if params and sharded_operands(next(iter(params.values()))):  # the first tells
             tensors, kept = gather_params(self, params, state)
         tensors = self._slots.expand(tensors)
-        call = _Call(self, tensors, state)
+        call = Call(self, tensors, state)
         if self._checkpointed_modules:
             refuse_compile()  # before the `with`: dynamo then runs this frame eagerly
         if self._expert_parallel:
@@ -464,7 +467,7 @@ class Transformed:
             recomputing(call, self._checkpointed_modules),
             kept,
         ):
-            out = _functional_call(self.module, None, tensors, args, kwargs)
+            out = swapped_call(self.module, None, tensors, args, kwargs)
             if self._torch_grouped:
                 self._refuse_unrouted_grouped_mm(call)
             return out
@@ -512,7 +515,7 @@ class Transformed:
         check_scales("apply", state.scale)
         warn_if_superseded("apply", state)
         warn_if_never_updated("apply", state, params)
-        refuse_untrained_backward(params, self._slots.held, state)
+        refuse_untrained_backward(params, functools.partial(held, self.module), state)
         if self._ddp_param is not None and torch.is_grad_enabled():
             name, own = self._ddp_param
             if params.get(name, own) is not own:

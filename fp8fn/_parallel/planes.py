@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from .._core.recipes import BlockwiseScaling, MXScaling, RowwiseScaling
-from . import fp8 as q
+from .._numerics import fp8 as q
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +106,7 @@ def _rowwise_code(amax: torch.Tensor) -> torch.Tensor:
     """uint8 `128 - e`, `e = floor(log2(448 / clamp(amax, 1e-12)))` the exponent of rowwise's
     power-of-two scale (in [-120, 48]); 254 for an inf amax (scale 0), 255 for NaN. Does not
     decrease as `amax` grows."""
-    exponent = torch.floor(torch.log2(q._fp8_scale(amax)))
+    exponent = torch.floor(torch.log2(q.fp8_scale(amax)))
     code = (128 - exponent.clamp(-126, 127)).to(torch.uint8)
     code = torch.where(torch.isinf(amax), 254, code)
     return torch.where(torch.isnan(amax), 255, code).to(torch.uint8)
@@ -174,7 +174,7 @@ def _multiplier(plane: Plane, stats: torch.Tensor) -> tuple[torch.Tensor, bool]:
     """`(t, divide)`: each group's elements are cast as `x * t` (`x / t` when `divide`)."""
     recipe = plane.recipe
     if isinstance(recipe, BlockwiseScaling):
-        return q._fp8_scale(stats), False
+        return q.fp8_scale(stats), False
     if isinstance(recipe, MXScaling):
         return q.mx_cast_factor(stats, recipe.scale_rounding)
     return _rowwise_scale(stats), False
@@ -240,7 +240,7 @@ def operand(plane: Plane, fp8: torch.Tensor, grid: torch.Tensor) -> tuple:
     """
     recipe = plane.recipe
     if isinstance(recipe, BlockwiseScaling):
-        return fp8, q._fp8_scale(grid).reciprocal()
+        return fp8, q.fp8_scale(grid).reciprocal()
     if isinstance(recipe, MXScaling):
         if plane.kind == "columns":
             return fp8.t().contiguous(), grid.t().contiguous()
