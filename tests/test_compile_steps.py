@@ -9,6 +9,7 @@ each step. Counted with dynamo's own counter (`CompileCounter`, a backend that r
 graphs as they are: the guards, and so the compiles, are dynamo's, whatever the backend).
 """
 
+import os
 import warnings
 
 import pytest
@@ -113,25 +114,51 @@ def _lm_loss(apply):
 EAGER_EXPERTS_BUG = pytest.mark.xfail(
     raises=TypeError, strict=True, reason="compiled eager/batched_mm experts: TypeError (0.4 too)"
 )
+# Each case traces a model 2 x 2 times (30-70 s on 2 cores): the CI tier runs one per kind of
+# model and experts form, both routes on the MoE the issue saw recompile (Qwen3-MoE); every
+# model x experts implementation x route (46 cases, ~35 min) with FP8FN_EXHAUSTIVE=1.
+EVERY = os.environ.get("FP8FN_EXHAUSTIVE") == "1"
+CI_CASES = {
+    ("qwen3_moe", "grouped_mm", "value_and_grad"),
+    ("qwen3_moe", "grouped_mm", "autograd"),
+    ("mixtral", "eager", "value_and_grad"),  # the compiled eager-experts failure, pinned
+    ("llama4", "bmm", "autograd"),
+    ("llama", None, "value_and_grad"),
+}
+
+
+def _case(*key):
+    return [] if EVERY or key in CI_CASES else [pytest.mark.skip(reason="FP8FN_EXHAUSTIVE=1")]
+
+
 MOE = [
-    pytest.param(
-        arch, impl, marks=EAGER_EXPERTS_BUG if impl != "grouped_mm" else (), id=f"{arch}-{impl}"
-    )
+    (arch, impl, EAGER_EXPERTS_BUG if impl != "grouped_mm" else ())
     for arch in ("mixtral", "qwen3_moe", "olmoe", "gpt_oss", "qwen2_moe", "deepseek_v3")
     for impl in ("eager", "batched_mm", "grouped_mm")
-] + [pytest.param("llama4", "bmm", id="llama4-bmm")]
+] + [("llama4", "bmm", ())]
+MOE_CASES = [
+    pytest.param(arch, impl, route, marks=[*([bug] if bug else []), *_case(arch, impl, route)],
+                 id=f"{arch}-{impl}-{route}")
+    for arch, impl, bug in MOE
+    for route in ROUTES
+]  # fmt: skip
 
 
-@pytest.mark.parametrize("route", list(ROUTES))
-@pytest.mark.parametrize(("arch", "impl"), MOE)
+@pytest.mark.parametrize(("arch", "impl", "route"), MOE_CASES)
 def test_a_transformers_moe_model_compiles_twice(arch, impl, route):
     from _moe_models import batch, build
 
     _twice(_compiles(build(arch, impl), batch(), _lm_loss, route))
 
 
-@pytest.mark.parametrize("route", list(ROUTES))
-@pytest.mark.parametrize("kind", ["llama", "mistral", "gpt2"])
+@pytest.mark.parametrize(
+    ("kind", "route"),
+    [
+        pytest.param(kind, route, marks=_case(kind, None, route), id=f"{kind}-{route}")
+        for kind in ("llama", "mistral", "gpt2")
+        for route in ROUTES
+    ],
+)
 def test_a_transformers_dense_model_compiles_twice(kind, route):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)

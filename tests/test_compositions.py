@@ -546,6 +546,13 @@ def test_a_state_never_updated_warns_at_its_second_step_not_for_microbatches():
         updated = fp8fn.update(state, obs)  # the usual loop: no warning
         fresh = {k: p - 0.1 * grads[k] for k, p in params.items()}
         grad(fresh, updated, x)
+    # A state `update` advanced is an initial state of a second run (an A/B comparison), not a
+    # dropped update: no warning. One that `update` never advanced warns at its second step.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        grad(fresh, state, x)
+    state = fn.init(x)
+    grad(params, state, x)
     with pytest.warns(UserWarning, match=r"^fp8fn\.apply: this state has never been updated an"):
         grad(fresh, state, x)  # the next step, with the state of step 1
     # Plain autograd: the optimizer's in-place step is the next step.

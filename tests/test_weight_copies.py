@@ -183,7 +183,7 @@ def test_a_router_shared_by_two_moe_blocks_stays_high_precision_under_every_name
     x = torch.randn(8, 16)
     state = fn.init(x)
     assert list(state) == [f"blocks.{b}.experts[{e}]" for b in (0, 1) for e in (0, 1)]
-    assert "router.weight 32 3.0% high precision (F.linear; router or gate; not converted)" in [
+    assert "router.weight 32 3.0% high precision (F.linear; router or gate, by default)" in [
         " ".join(line.split()) for line in fn.summary().splitlines()
     ]
 

@@ -73,7 +73,9 @@ def find_gates(module, experts: list[Experts]) -> set[str]:
         return [
             (prefix + n, c)
             for n, c in module.get_submodule(path).named_children()
-            if isinstance(getattr(c, "weight", None), torch.Tensor) and c.weight.dim() == 2
+            if isinstance(w := getattr(c, "weight", None), torch.Tensor)
+            and not is_lazy(w)  # (a lazy layer's shape is not known before its first call)
+            and w.dim() == 2
         ]
 
     for entry in experts:
