@@ -579,6 +579,23 @@ MUTATIONS += [
         ),
     ),
     Mutation(
+        "grouped-forward-margin-dropped",
+        "the grouped op's input and weight scales (empty history) without the margin",
+        "_ops/grouped.py",
+        (
+            (
+                "            margin,\n            (448.0, 448.0),",
+                "            0,\n            (448.0, 448.0),",
+            ),
+        ),
+    ),
+    Mutation(
+        "grouped-nvfp4-rank-dropped",
+        "grouped NVFP4: every rank rounds its gradients with rank 0's bits",
+        "_ops/grouped_block_scaled.py",
+        (("expert_keys, recipe, site, keys.process_rank())", "expert_keys, recipe, site, 0)"),),
+    ),
+    Mutation(
         "filled-trusted-from-structure",
         "State.filled trusted from the tree structure (no mark on the values)",
         "_core/state.py",
