@@ -596,6 +596,12 @@ MUTATIONS += [
         (("expert_keys, recipe, site, keys.process_rank())", "expert_keys, recipe, site, 0)"),),
     ),
     Mutation(
+        "update-obs-key-unchecked",
+        "update takes a keyed state (a nonzero key) for an observation",
+        "_core/update.py",
+        (("            older = older | obs.key.any()", "            older = older"),),
+    ),
+    Mutation(
         "filled-trusted-from-structure",
         "State.filled trusted from the tree structure (no mark on the values)",
         "_core/state.py",
