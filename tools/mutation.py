@@ -602,6 +602,24 @@ MUTATIONS += [
         (("            older = older | obs.key.any()", "            older = older"),),
     ),
     Mutation(
+        "experts-negative-index-unwrapped",
+        "an experts weight's negative index (`W[-1]`) not wrapped to its expert",
+        "_transform/experts.py",
+        (("            idx = idx % d.entry.experts", "            idx = idx"),),
+    ),
+    Mutation(
+        "experts-bmm-one-row-per-id",
+        "`bmm` with `W[ids]`: each id's group counted as one row, whatever the rows per id",
+        "_transform/experts.py",
+        (("offs = (counts * m).cumsum(0).int()", "offs = counts.cumsum(0).int()"),),
+    ),
+    Mutation(
+        "experts-bmm-order-not-restored",
+        "`bmm` with `W[ids]`: the rows left in expert order, not put back in the batch's order",
+        "_transform/experts.py",
+        (("    back = torch.argsort(perm)", "    back = perm"),),
+    ),
+    Mutation(
         "filled-trusted-from-structure",
         "State.filled trusted from the tree structure (no mark on the values)",
         "_core/state.py",
