@@ -30,33 +30,33 @@ class _Experts(nn.Module):
 
     def forward(self, x):
         w = self.w
-        if self.form == "linear W[-1]":
+        if self.form == "linear_last":  # F.linear(x, W[-1])
             return F.linear(x, w[-1])
-        if self.form == "x @ W[-1].t()":
+        if self.form == "matmul_last":  # x @ W[-1].t()
             return x @ w[-1].t()
-        if self.form == "bmm(x, W[ids].mT)":
+        if self.form == "bmm_ids":  # bmm(x, W[ids].mT), M rows per id
             return torch.bmm(x, w[IDS].transpose(1, 2))
-        assert self.form == "bmm(W[ids], x.mT)"
+        assert self.form == "bmm_ids_left"  # bmm(W[ids], x.mT)
         return torch.bmm(w[IDS], x.transpose(1, 2))
 
 
 def _x(form, seed=1):
     gen = torch.Generator().manual_seed(seed)
-    shape = (5, K) if "-1" in form else (len(IDS), M, K)
+    shape = (5, K) if form.endswith("_last") else (len(IDS), M, K)
     mags = torch.exp2(torch.rand(shape, generator=gen) * -24.0)  # down to float8's subnormals
     return torch.where(torch.rand(shape, generator=gen) < 0.5, -mags, mags) * 4.0
 
 
 def _rows_of(form):
     """`(expert, index of x)` pairs: the rows of `x` each expert takes."""
-    if "-1" in form:
+    if form.endswith("_last"):
         return [(EXPERTS - 1, slice(None))]
     return [(e, IDS == e) for e in range(EXPERTS) if (IDS == e).any()]
 
 
 def _dense_per_expert(form, w, state, x, g):
     """The dense op per expert at the expert's site: `(out, grad_x, grad_w, obs (E, 3))`."""
-    left = form.startswith("bmm(W")
+    left = form == "bmm_ids_left"
     x, w = x.clone().requires_grad_(), w.detach().clone().requires_grad_()
     out = torch.zeros(g.shape)
     obs = torch.zeros(EXPERTS, 3)
@@ -66,10 +66,10 @@ def _dense_per_expert(form, w, state, x, g):
         site = site._replace(amax_history=site.amax_history.clone().requires_grad_())
         xe = x[rows].reshape(-1, K)
         out_e = fp8fn.linear(xe, w[e], None, site, RECIPE)
-        if "-1" not in form:
+        if not form.endswith("_last"):
             out_e = out_e.reshape(-1, M, N)
             out_e = out_e.transpose(1, 2) if left else out_e
-        out = out.index_put((IDS == e,), out_e) if "-1" not in form else out_e
+        out = out.index_put((IDS == e,), out_e) if not form.endswith("_last") else out_e
         parts.append((e, out_e, rows, site))
     gx, gw = torch.autograd.grad((out * g).sum(), [x, w], retain_graph=True)
     for e, out_e, rows, site in parts:
@@ -87,7 +87,7 @@ def _transformed(module, state, x, g):
     return out, gx, gw, obs
 
 
-FORMS = ["linear W[-1]", "x @ W[-1].t()", "bmm(x, W[ids].mT)", "bmm(W[ids], x.mT)"]
+FORMS = ["linear_last", "matmul_last", "bmm_ids", "bmm_ids_left"]
 
 
 @pytest.mark.parametrize("form", FORMS)

@@ -102,7 +102,7 @@ def _fills_late(filled):
 @pytest.mark.parametrize(
     "zero",
     [[0], [2], [4]],
-    ids=["first-layer: downstream input fills at step 2", "middle", "last: upstream grads"],
+    ids=["first", "middle", "last"],
 )
 def test_zero_initialized_layers_fill_later(zero):
     """A zero-initialized weight observes 0 at step 1, and so do the layer downstream of it (its

@@ -620,6 +620,17 @@ MUTATIONS += [
         (("    back = torch.argsort(perm)", "    back = perm"),),
     ),
     Mutation(
+        "experts-out-dtype-converted",
+        "a grouped GEMM with `out_dtype` converted (its output dtype dropped), not reported",
+        "_transform/experts.py",
+        (
+            (
+                'if bound.get("bias") is not None or bound.get("out_dtype") is not None:',
+                'if bound.get("bias") is not None:',
+            ),
+        ),
+    ),
+    Mutation(
         "filled-trusted-from-structure",
         "State.filled trusted from the tree structure (no mark on the values)",
         "_core/state.py",
