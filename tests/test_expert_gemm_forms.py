@@ -130,3 +130,31 @@ def test_grouped_mm_with_out_dtype_runs_in_high_precision_and_says_so(op):
         state = fn.init(x)
     assert fn.layers == [] and list(state) == []
     assert torch.equal(fn.apply(dict(module.named_parameters()), state, x), module(x))
+
+
+def test_negative_and_positive_indices_of_one_expert_share_its_sites_in_call_order():
+    """`W[-1]` then `W[3]` (4 experts) are two calls of expert 3 (sites `w[3]`, `w[3]#1`), and
+    a 0-d tensor index `-4` is expert 0: the dense op at those sites, bit for bit."""
+
+    class Module(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(EXPERTS, N, K))
+
+        def forward(self, x):
+            w = self.w
+            return F.linear(x, w[-1]) + F.linear(x * 3, w[3]) + F.linear(x, w[torch.tensor(-4)])
+
+    module, x = Module(), _x("linear_last")
+    fn = fp8fn.transform(module, RECIPE)
+    state = fn.init(x)
+    assert list(state) == [f"w[{e}]" for e in range(EXPERTS)] + [
+        f"w[{e}]#1" for e in range(EXPERTS)
+    ]
+    w = module.w.detach()
+    want = (
+        fp8fn.linear(x, w[3], None, state["w[3]"], RECIPE)
+        + fp8fn.linear(x * 3, w[3], None, state["w[3]#1"], RECIPE)
+        + fp8fn.linear(x, w[0], None, state["w[0]"], RECIPE)
+    )
+    assert torch.equal(fn.apply({"w": w}, state, x), want)
