@@ -631,6 +631,28 @@ MUTATIONS += [
         ),
     ),
     Mutation(
+        "float8-gather-uneven-amax-rows",
+        "float8 all-gather, experts the ranks do not divide: a rank's amaxes at rank 0's rows",
+        "_parallel/fsdp_gather.py",
+        (
+            (
+                "own[first : first + shard.shape[0]] = shard_amax",
+                "own[: shard.shape[0]] = shard_amax",
+            ),
+        ),
+    ),
+    Mutation(
+        "float8-gather-first-row-floor",
+        "float8 all-gather: a rank's first expert from the unpadded shard size (floor)",
+        "_parallel/fsdp_gather.py",
+        (
+            (
+                "return mesh.get_local_rank() * ceil_div(rows, mesh.size())",
+                "return mesh.get_local_rank() * (rows // mesh.size())",
+            ),
+        ),
+    ),
+    Mutation(
         "filled-trusted-from-structure",
         "State.filled trusted from the tree structure (no mark on the values)",
         "_core/state.py",
