@@ -1,7 +1,8 @@
-"""FSDP2's float8 all-gather of an experts weight `(E, N, K)` whose expert count the ranks do
-not divide, seen from every rank, rank >= 1 included (issue 38.10, class G), in one process
-with test_fsdp's fakes: each rank casts its own experts with their own scales and observes
-their amaxes at their own rows (0, not observed, for the other ranks' experts)."""
+"""FSDP2's float8 all-gather of an experts weight, its less common paths (issue 38.10, class G),
+in one process with test_fsdp's fakes: an expert count the ranks do not divide, seen from every
+rank (each casts its own experts with their own scales and observes their amaxes at their own
+rows, 0 for the other ranks' experts). (The backward's re-gather, of `F.linear(x, W[e])` and of
+the transposed form `x @ W[e]`: test_fsdp.)"""
 
 import pytest
 import torch

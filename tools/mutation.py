@@ -653,6 +653,18 @@ MUTATIONS += [
         ),
     ),
     Mutation(
+        "float8-gather-again-not-flipped",
+        "float8 all-gather: the backward's re-gather of a transposed expert (`x @ W[e]`) left "
+        "untransposed",
+        "_parallel/fsdp_gather.py",
+        (
+            (
+                "            return whole.transpose(-2, -1) if flipped else whole",
+                "            return whole",
+            ),
+        ),
+    ),
+    Mutation(
         "filled-trusted-from-structure",
         "State.filled trusted from the tree structure (no mark on the values)",
         "_core/state.py",
