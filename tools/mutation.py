@@ -665,6 +665,17 @@ MUTATIONS += [
         ),
     ),
     Mutation(
+        "float8-gather-again-not-keyed",
+        "float8 all-gather: the backward's re-gather reused whatever scale it was made with",
+        "_parallel/fsdp_gather.py",
+        (
+            (
+                "if self._again is None or self._again[0] is not scale:",
+                "if self._again is None:",
+            ),
+        ),
+    ),
+    Mutation(
         "filled-trusted-from-structure",
         "State.filled trusted from the tree structure (no mark on the values)",
         "_core/state.py",
