@@ -417,16 +417,19 @@ def test_float8_gathered_experts_scales_refuse_sites_apart_in_the_state():
         Fsdp2._weight_scales(calls, state)
 
 
-def test_experts_backward_regathers_once_whichever_experts_received_tokens(monkeypatch):
+@pytest.mark.parametrize("transposed", [False, True], ids=["linear", "transposed"])
+def test_experts_backward_regathers_once_whichever_experts_received_tokens(monkeypatch, transposed):
     """transformers' eager loop calls `F.linear(x, W[e])` only for the experts that received
     tokens, which differ between ranks. When FSDP2 refilled the weight with another forward's
     scale before the backward, the backward all-gathers the whole weight again once, whichever
     experts ran (it did once per expert: ranks routing differently issued different numbers of
-    collectives, a hang), and takes the bytes of its own forward's scale."""
+    collectives, a hang), and takes the bytes of its own forward's scale. `transposed`: the form
+    `x @ W[e]` of a `(E, K, N)` weight, K = N (a re-gather not transposed back would not fail on
+    the shapes)."""
     from fp8fn._parallel import fsdp_gather
 
     g = torch.Generator().manual_seed(6)
-    data = torch.randn(4, 8, 16, generator=g)
+    data = torch.randn(4, 16 if transposed else 8, 16, generator=g)
     recipe, state, scale = _experts_state(4)
     gathers = []
 
@@ -438,6 +441,10 @@ def test_experts_backward_regathers_once_whichever_experts_received_tokens(monke
 
     monkeypatch.setattr(fsdp_gather, "AllGather", AllGather)
     x = torch.randn(5, 16, generator=g)
+
+    def expert(w, e):
+        return w[e].t() if transposed else w[e]
+
     for hit in ([0, 1, 2, 3], [1, 3]):
         grads = []
         for refill in (False, True):
@@ -445,7 +452,9 @@ def test_experts_backward_regathers_once_whichever_experts_received_tokens(monke
             xl = x.clone().requires_grad_()
             observed = fp8fn.observe(state)
             out = sum(
-                fp8fn.linear(xl, gathered[e], None, observed[f"w[{e}]"], recipe).square().sum()
+                fp8fn.linear(xl, expert(gathered, e), None, observed[f"w[{e}]"], recipe)
+                .square()
+                .sum()
                 for e in hit
             )
             if refill:  # FSDP2 refilled the buffer in place, with another forward's scale

@@ -579,6 +579,103 @@ MUTATIONS += [
         ),
     ),
     Mutation(
+        "grouped-forward-margin-dropped",
+        "the grouped op's input and weight scales (empty history) without the margin",
+        "_ops/grouped.py",
+        (
+            (
+                "            margin,\n            (448.0, 448.0),",
+                "            0,\n            (448.0, 448.0),",
+            ),
+        ),
+    ),
+    Mutation(
+        "grouped-nvfp4-rank-dropped",
+        "grouped NVFP4: every rank rounds its gradients with rank 0's bits",
+        "_ops/grouped_block_scaled.py",
+        (("expert_keys, recipe, site, keys.process_rank())", "expert_keys, recipe, site, 0)"),),
+    ),
+    Mutation(
+        "update-obs-key-unchecked",
+        "update takes a keyed state (a nonzero key) for an observation",
+        "_core/update.py",
+        (("            older = older | obs.key.any()", "            older = older"),),
+    ),
+    Mutation(
+        "experts-negative-index-unwrapped",
+        "an experts weight's negative index (`W[-1]`) not wrapped to its expert",
+        "_transform/experts.py",
+        (("            idx = idx % d.entry.experts", "            idx = idx"),),
+    ),
+    Mutation(
+        "experts-bmm-one-row-per-id",
+        "`bmm` with `W[ids]`: each id's group counted as one row, whatever the rows per id",
+        "_transform/experts.py",
+        (("offs = (counts * m).cumsum(0).int()", "offs = counts.cumsum(0).int()"),),
+    ),
+    Mutation(
+        "experts-bmm-order-not-restored",
+        "`bmm` with `W[ids]`: the rows left in expert order, not put back in the batch's order",
+        "_transform/experts.py",
+        (("    back = torch.argsort(perm)", "    back = perm"),),
+    ),
+    Mutation(
+        "experts-out-dtype-converted",
+        "a grouped GEMM with `out_dtype` converted (its output dtype dropped), not reported",
+        "_transform/experts.py",
+        (
+            (
+                'if bound.get("bias") is not None or bound.get("out_dtype") is not None:',
+                'if bound.get("bias") is not None:',
+            ),
+        ),
+    ),
+    Mutation(
+        "float8-gather-uneven-amax-rows",
+        "float8 all-gather, experts the ranks do not divide: a rank's amaxes at rank 0's rows",
+        "_parallel/fsdp_gather.py",
+        (
+            (
+                "own[first : first + shard.shape[0]] = shard_amax",
+                "own[: shard.shape[0]] = shard_amax",
+            ),
+        ),
+    ),
+    Mutation(
+        "float8-gather-first-row-floor",
+        "float8 all-gather: a rank's first expert from the unpadded shard size (floor)",
+        "_parallel/fsdp_gather.py",
+        (
+            (
+                "return mesh.get_local_rank() * ceil_div(rows, mesh.size())",
+                "return mesh.get_local_rank() * (rows // mesh.size())",
+            ),
+        ),
+    ),
+    Mutation(
+        "float8-gather-again-not-flipped",
+        "float8 all-gather: the backward's re-gather of a transposed expert (`x @ W[e]`) left "
+        "untransposed",
+        "_parallel/fsdp_gather.py",
+        (
+            (
+                "            return whole.transpose(-2, -1) if flipped else whole",
+                "            return whole",
+            ),
+        ),
+    ),
+    Mutation(
+        "float8-gather-again-not-keyed",
+        "float8 all-gather: the backward's re-gather reused whatever scale it was made with",
+        "_parallel/fsdp_gather.py",
+        (
+            (
+                "if self._again is None or self._again[0] is not scale:",
+                "if self._again is None:",
+            ),
+        ),
+    ),
+    Mutation(
         "filled-trusted-from-structure",
         "State.filled trusted from the tree structure (no mark on the values)",
         "_core/state.py",
