@@ -52,7 +52,7 @@ def test_two_pending_backwards_regather_each_with_its_own_forwards_scale(monkeyp
         def apply(local, group, rows):
             return local
 
-    monkeypatch.setattr(fsdp_gather, "_AllGather", _AllGather)
+    monkeypatch.setattr(fsdp_gather, "AllGather", _AllGather)
     gen = torch.Generator().manual_seed(8)
     data = torch.randn(4, 8, 16, generator=gen)
     recipe, state, s1 = _experts_state(4)

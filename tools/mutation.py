@@ -377,9 +377,9 @@ MUTATIONS = [
         "_ops/tensorwise.py",
         (
             (
-                "return (*first_order_only(grads, x_amax), None, None, None, None, None)",
+                "return (*first_order_only(grads, x_amax), None, None, None, None, None, None)",
                 "return (*first_order_only(grads[:3], x_amax), grads[3], None, None, None, None, "
-                "None)",
+                "None, None)",
             ),
         ),
     ),
@@ -787,8 +787,8 @@ MUTATIONS += [
         "_transform/layers.py",
         (
             (
-                "return module_parameters(self.module).get(self.attrs[0])",
-                "return next(iter(module_parameters(self.module).values()))",
+                "return held(self.module, self.attrs[0])",
+                "return next(iter(self.module.parameters()))",
             ),
         ),
     ),
