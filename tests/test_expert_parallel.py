@@ -5,6 +5,7 @@ runs are in `test_expert_parallel_ranks.py` (slow)."""
 
 from __future__ import annotations
 
+import math
 import pathlib
 import sys
 
@@ -17,7 +18,7 @@ from torch.overrides import TorchFunctionMode
 import fp8fn
 from fp8fn._numerics.fp8 import E4M3, E5M2, cast_to_fp8
 from fp8fn._ops.grouped import grouped_mm
-from fp8fn._parallel.expert_exchange import exchange_rows, plan_exchange
+from fp8fn._parallel.expert_exchange import exchange_rows, exchange_scaled_rows, plan_exchange
 from fp8fn._parallel.expert_gemm import dispatch_grouped_mm, grouped_mm_combine, pack_rows
 
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "benchmarks"))
@@ -77,14 +78,12 @@ _FILLED = {
 }
 
 
-@pytest.mark.parametrize("filled", list(_FILLED))
-@pytest.mark.parametrize("op", [dispatch_grouped_mm, grouped_mm_combine])
-def test_one_rank_fused_ops_are_the_grouped_op(one_rank_mesh, op, filled):
-    """Float8 on the wire for the experts whose histories hold an amax (`filled`), high
-    precision for the others (one all-to-all of each kind, two when mixed), the fused op
-    gives the grouped op's bits: output, grad_input, grad_weight and observation."""
+def _fused_and_grouped(group, op, wire, scaled=False):
+    """`op` (a fused op) on one rank's group and the grouped op on the same 30 rows of 4
+    experts (expert 2 idle; `newest` 0 for the experts off the `wire`): `(ids, meter of the
+    fused op's collectives, (out, grad_x, grad_w, obs) fused, the same of the grouped op)`."""
     gen = torch.Generator().manual_seed(1)
-    experts, wire = 4, _FILLED[filled]
+    experts = 4
     ids = torch.sort(torch.randint(0, experts, (30,), generator=gen)).values
     ids[ids == 2] = 1  # an idle expert
     x = torch.randn(30, 16, generator=gen).requires_grad_()
@@ -92,18 +91,29 @@ def test_one_rank_fused_ops_are_the_grouped_op(one_rank_mesh, op, filled):
     newest = torch.rand(experts, 3, generator=gen) * torch.tensor(wire)[:, None]
     newest.requires_grad_()
     stored = torch.rand(experts, 3, generator=gen) * 10
-    ex = plan_exchange(ids, experts, one_rank_mesh.get_group())
+    ex = plan_exchange(ids, experts, group)
     meter = WireMeter()
     with meter:
-        out = op(x, w, newest, stored, ex, 0, "emulated", wire)
+        out = op(x, w, newest, stored, ex, 0, "emulated", wire, scaled)
     offs = torch.bincount(ids, minlength=experts).cumsum(0).int()
     ref = grouped_mm(x, w, offs, newest, stored, 0, "emulated")
     g = torch.randn(out.shape, generator=gen)
     with meter:
         got = torch.autograd.grad(out, (x, w, newest), g)
     want = torch.autograd.grad(ref, (x, w, newest), g)
+    return ids, meter, (out, *got), (ref, *want)
+
+
+@pytest.mark.parametrize("filled", list(_FILLED))
+@pytest.mark.parametrize("op", [dispatch_grouped_mm, grouped_mm_combine])
+def test_one_rank_fused_ops_are_the_grouped_op(one_rank_mesh, op, filled):
+    """Float8 on the wire for the experts whose histories hold an amax (`filled`), high
+    precision for the others (one all-to-all of each kind, two when mixed), the fused op
+    gives the grouped op's bits: output, grad_input, grad_weight and observation."""
+    wire = _FILLED[filled]
+    ids, meter, got, want = _fused_and_grouped(one_rank_mesh.get_group(), op, wire)
     width = 16 if op is dispatch_grouped_mm else 24  # x's rows, or the output gradient's
-    float8 = sum(int(ids.eq(e).sum()) for e in range(experts) if wire[e]) * width
+    float8 = sum(int(ids.eq(e).sum()) for e in range(4) if wire[e]) * width
     high = (30 * width - float8) * 4  # float32
     parts = [n for n in (float8, high) if n]  # float8 rows first, then high precision
     sizes = [n for _, n in meter.calls]  # + dispatch backward (grad_x) or combine forward (y)
@@ -111,10 +121,50 @@ def test_one_rank_fused_ops_are_the_grouped_op(one_rank_mesh, op, filled):
         assert sizes == [*parts, 30 * 16 * 4], sizes
     else:
         assert sizes == [30 * 24 * 4, *parts], sizes
-    assert torch.equal(out, ref)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
-    assert got[2][2, 0] == 0 and got[2][2, 2] == 0  # the idle expert: input, grad_output
+    assert got[3][2, 0] == 0 and got[3][2, 2] == 0  # the idle expert: input, grad_output
+
+
+def _row_rounded(rows):
+    """Each row of `rows` through e4m3 with the power of two `2**ceil(log2(amax / 448))`
+    (a float64 loop of Python scalars: the reference of `float8_wire="all"`'s rows)."""
+    out = torch.empty_like(rows)
+    for i, row in enumerate(rows.detach().double()):
+        amax = float(row.detach().abs().max())
+        step = 2.0 ** math.ceil(math.log2(amax / 448)) if amax else 1.0
+        out[i] = ((row / step).float().to(E4M3).double() * step).to(rows.dtype)
+    return out
+
+
+def test_exchange_scaled_rows_sends_k_plus_one_bytes(one_rank_mesh):
+    gen = torch.Generator().manual_seed(3)
+    rows = torch.randn(9, 40, generator=gen) * torch.logspace(-30, 30, 9)[:, None]
+    rows[4] = 0.0
+    meter = WireMeter()
+    with meter:
+        got = exchange_scaled_rows(rows, [9], [9], one_rank_mesh.get_group())
+    assert meter.calls == [("dispatch forward", 9 * 41)]
+    assert torch.equal(got, _row_rounded(rows))
+    bad = rows.clone()
+    bad[1, 3], bad[2, 5] = float("inf"), float("nan")
+    got = exchange_scaled_rows(bad, [9], [9], one_rank_mesh.get_group())
+    assert got[1, 3] == float("inf") and got[2].isnan().all()  # an overflow stays visible
+
+
+@pytest.mark.parametrize("op", [dispatch_grouped_mm, grouped_mm_combine])
+def test_one_rank_fused_ops_send_scaled_outputs(one_rank_mesh, op):
+    """`scaled` (`float8_wire="all"`): the combine's output, or the dispatch's grad_input,
+    comes back rounded to e4m3 per row (`_row_rounded` of the grouped op's), K + 1 bytes a
+    row; everything else is the grouped op's, bit for bit."""
+    group = one_rank_mesh.get_group()
+    _, meter, got, want = _fused_and_grouped(group, op, (True,) * 4, scaled=True)
+    rounded = 1 if op is dispatch_grouped_mm else 0  # grad_x, or the output
+    assert torch.equal(got[rounded], _row_rounded(want[rounded]))
+    for n, (a, b) in enumerate(zip(got, want)):
+        assert n == rounded or torch.equal(a, b), n
+    sizes = [n for _, n in meter.calls]
+    assert sizes == ([30 * 16, 30 * 17] if rounded else [30 * 25, 30 * 24]), sizes
 
 
 def _tiny(implementation="grouped_mm"):
@@ -297,6 +347,8 @@ def test_expert_parallel_refuses_bad_input(one_rank_mesh):
         assert [vars(m).get("forward") for m in model.modules()] == forwards
 
     refused(torch.nn.Sequential(torch.nn.Linear(4, 4)), "a model with experts modules")
+    for wire in ("bf16", 1, None):
+        refused(_tiny(), r'`float8_wire` True, False or "all", got ' + repr(wire), float8_wire=wire)
     refused(_tiny(), "`mesh` to be a torch.distributed DeviceMesh", mesh="mesh", error=TypeError)
     twice = fp8fn.expert_parallel(_tiny(), one_rank_mesh)
     refused(twice, "plain experts weights, got 'model.layers.0.mlp.experts.gate_up_proj' already")

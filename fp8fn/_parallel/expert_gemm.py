@@ -11,6 +11,14 @@ side (built from the grouped op's parts, `fp8fn/_ops/grouped.py`):
   expert on the wire (its grad_output history filled) to e5m2 with that expert's grad_output
   scale and sends the bytes; the receiver's GEMMs take them as they are.
 
+With `scaled` (`float8_wire="all"`) the GEMM outputs travel in float8 too: combine forward
+(`y`) and dispatch backward (`grad_x`) send each row as e4m3 with a power-of-two scale of its
+own, computed by the sender from the row and sent as one byte beside it
+(`exchange_scaled_rows`); the receiver dequantizes to the activation dtype. These values have
+no delayed state (no role of the state holds a GEMM output's amax), hence the per-row scale.
+Their gradient passes through the rounding unchanged (the rounding is not differentiated, as
+every float8 cast of fp8fn's).
+
 The rows of the other experts (the first step, an expert whose history is still empty,
 CurrentScaling, `float8_wire=False`) travel in high precision, in a second all-to-all made only
 when some expert is off the wire, and the receiver casts them as the grouped op does (current
@@ -33,7 +41,7 @@ from .._ops.first_order import first_order_only
 from .._ops.grouped import expert_amax, group_amax
 from .._ops.grouped_gemm import rows_mm, weight_mm
 from .._ops.tensorwise import scales_for
-from .expert_exchange import Exchange, Exchanged, exchange_rows
+from .expert_exchange import Exchange, Exchanged, exchange_rows, exchange_scaled_rows
 
 _MAX = {E4M3: 448.0, E5M2: 57344.0}
 
@@ -121,7 +129,7 @@ class _DispatchGroupedMM(torch.autograd.Function):
     `x_e @ weight[e].T` on the experts' rank (`weight` `(El, N, K)`, this rank's experts)."""
 
     @staticmethod
-    def forward(x, weight, newest, stored, ex, margin, backend, wire):
+    def forward(x, weight, newest, stored, ex, margin, backend, wire, scaled):
         x_fp8, x_scale, x_amax = _receive(x, ex, newest, stored, margin, 0, wire, False)
         w_fp8, w_scale, w_amax = _cast_weight(weight, ex, newest, stored, margin)
         x_inv, w_inv = x_scale.reciprocal(), w_scale.reciprocal()
@@ -130,10 +138,11 @@ class _DispatchGroupedMM(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, weight, newest, stored, ex, margin, backend, wire = inputs
+        x, weight, newest, stored, ex, margin, backend, wire, scaled = inputs
         ctx.mark_non_differentiable(*output[2:])
         ctx.save_for_backward(*output[1:], newest, stored)
         ctx.ex, ctx.margin, ctx.backend, ctx.dtypes = ex, margin, backend, (x.dtype, weight.dtype)
+        ctx.scaled = scaled
 
     @staticmethod
     def backward(ctx, grad_out, *_):
@@ -148,11 +157,12 @@ class _DispatchGroupedMM(torch.autograd.Function):
             g_inv = g_scale.reciprocal()
             grad_x = rows_mm(g_fp8, w_fp8, g_inv, w_inv, ex.offs, x_dtype, ctx.backend, True)
             # every rank sends its gradient rows back (the collective pairs across ranks)
-            grads = [Exchanged.apply(grad_x[ex.from_experts], ex.recv, ex.send, ex.group)]
+            back = grad_x[ex.from_experts]
+            grads = [Exchanged.apply(back, ex.recv, ex.send, ex.group, ctx.scaled)]
             grads.append(weight_mm(g_fp8, x_fp8, g_inv, x_inv, ex.offs, w_dtype, ctx.backend))
             g_observed = _spread(g_amax, ex)
             obs = _observation(ex, x_amax, w_amax, g_observed) if ctx.needs_input_grad[2] else None
-            grads += [obs, None, None, None, None, None]
+            grads += [obs, None, None, None, None, None, None]
         return tuple(first_order_only(grads, x_amax))
 
 
@@ -161,19 +171,20 @@ class _GroupedMMCombine(torch.autograd.Function):
     `h_e @ weight[e].T` back on their senders, in their sorted order."""
 
     @staticmethod
-    def forward(h, weight, newest, stored, ex, margin, backend, wire):
+    def forward(h, weight, newest, stored, ex, margin, backend, wire, scaled):
         h_amax = group_amax(h, ex.ids, ex.local)
         h_scale = scales_for(h_amax, _role(newest, ex, 0), _role(stored, ex, 0), margin, 448.0)
         h_fp8 = cast_to_fp8(h, h_scale[ex.ids][:, None], E4M3)
         w_fp8, w_scale, w_amax = _cast_weight(weight, ex, newest, stored, margin)
         h_inv, w_inv = h_scale.reciprocal(), w_scale.reciprocal()
         y = rows_mm(h_fp8, w_fp8, h_inv, w_inv, ex.offs, h.dtype, backend, False)
-        out = exchange_rows(y[ex.from_experts], ex.recv, ex.send, ex.group)
+        send = exchange_scaled_rows if scaled else exchange_rows
+        out = send(y[ex.from_experts], ex.recv, ex.send, ex.group)
         return out, _spread(h_amax, ex), h_fp8, w_fp8, h_inv, w_inv, w_amax
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        h, weight, newest, stored, ex, margin, backend, wire = inputs
+        h, weight, newest, stored, ex, margin, backend, wire, _ = inputs
         ctx.mark_non_differentiable(*output[2:])
         ctx.save_for_backward(*output[1:], newest, stored)
         ctx.ex, ctx.margin, ctx.backend, ctx.wire = ex, margin, backend, wire
@@ -195,19 +206,23 @@ class _GroupedMMCombine(torch.autograd.Function):
                 if ctx.needs_input_grad[2]
                 else None
             )
-            grads += [obs, None, None, None, None, None]
+            grads += [obs, None, None, None, None, None, None]
         return tuple(first_order_only(grads, h_observed))
 
 
-def dispatch_grouped_mm(x, weight, newest, stored, ex, margin, backend, wire):
+def dispatch_grouped_mm(x, weight, newest, stored, ex, margin, backend, wire, scaled=False):
     """See the module docstring. x: `(S, K)` sorted by global expert (`ex.send_ids`); weight:
     `(El, N, K)`; newest, stored: float32 `(E, 3)` rows of the weight's experts, or None
     (current scaling; then `wire` must be all False); wire: E bools, the experts whose rows
-    travel in float8 (the same on every rank); returns `(M, N)` of x's dtype."""
-    return _DispatchGroupedMM.apply(x, weight, newest, stored, ex, margin, backend, wire)[0]
+    travel in float8 (the same on every rank); scaled: `grad_x` goes back as e4m3 rows with
+    their own scales; returns `(M, N)` of x's dtype."""
+    args = (x, weight, newest, stored, ex, margin, backend, wire, scaled)
+    return _DispatchGroupedMM.apply(*args)[0]
 
 
-def grouped_mm_combine(h, weight, newest, stored, ex, margin, backend, wire):
-    """See the module docstring. h: `(M, K)` expert-major; weight: `(El, N, K)`; returns
-    `(S, N)` of h's dtype, the sender's rows in `ex.send_ids` order."""
-    return _GroupedMMCombine.apply(h, weight, newest, stored, ex, margin, backend, wire)[0]
+def grouped_mm_combine(h, weight, newest, stored, ex, margin, backend, wire, scaled=False):
+    """See the module docstring. h: `(M, K)` expert-major; weight: `(El, N, K)`; scaled: the
+    output goes back as e4m3 rows with their own scales; returns `(S, N)` of h's dtype, the
+    sender's rows in `ex.send_ids` order."""
+    args = (h, weight, newest, stored, ex, margin, backend, wire, scaled)
+    return _GroupedMMCombine.apply(*args)[0]

@@ -60,7 +60,7 @@ class _ExpertParallelForward:
     as transformers' `batched_mm` experts do (`(y * w).view(T, k, D).sum(1)`).
     """
 
-    def __init__(self, module, group, attrs, float8_wire: bool):
+    def __init__(self, module, group, attrs, float8_wire):
         self.module, self.group, self.attrs = module, group, attrs
         self.float8_wire = float8_wire
 
@@ -112,15 +112,18 @@ class _ExpertParallelForward:
         backend = resolve_backend(recipe, x.device)
         margin = getattr(recipe, "margin", 0)
         wire_x, wire_g = wires
+        scaled = self.float8_wire == "all"
         device = x.device.type
         if torch.is_autocast_enabled(device):  # as the grouped op: x in the autocast dtype,
             x = x.to(torch.get_autocast_dtype(device))  # the GEMMs not autocast again
         with no_autocast(x):
-            h = dispatch_grouped_mm(x, weights[0], newest_1, stored_1, ex, margin, backend, wire_x)
+            h = dispatch_grouped_mm(
+                x, weights[0], newest_1, stored_1, ex, margin, backend, wire_x, scaled
+            )
         h = experts_gate(m, h) if m.has_gate else m.act_fn(h)
         with no_autocast(h):
             return grouped_mm_combine(
-                h, weights[1], newest_2, stored_2, ex, margin, backend, wire_g
+                h, weights[1], newest_2, stored_2, ex, margin, backend, wire_g, scaled
             )
 
     def _high_precision(self, x, ex, weight_dtype):
@@ -210,7 +213,7 @@ def _group_of(mesh, mesh_dim):
     return sub, sub.get_group()
 
 
-def expert_parallel(model: nn.Module, mesh, *, mesh_dim=None, float8_wire: bool = True):
+def expert_parallel(model: nn.Module, mesh, *, mesh_dim=None, float8_wire: bool | str = True):
     """Shard `model`'s experts over the ranks of `mesh` (expert parallelism), in place.
 
     Each experts module (transformers 5.x's experts interface: `gate_up_proj` or `up_proj`,
@@ -233,13 +236,19 @@ def expert_parallel(model: nn.Module, mesh, *, mesh_dim=None, float8_wire: bool 
       model: an nn.Module holding experts modules.
       mesh: a `DeviceMesh`; 1-D, or give `mesh_dim`.
       mesh_dim: the name of the expert-parallel dim of a multi-dim `mesh`.
-      float8_wire: send float8 under DelayedScaling (False: the rows travel in the activation
-        dtype, and the receiver casts them; the same bits, twice the bytes at bfloat16).
+      float8_wire: True: dispatch forward and combine backward in float8 under DelayedScaling,
+        with the state's scales (the GEMMs' bits unchanged). False: the rows travel in the
+        activation dtype, and the receiver casts them (the same bits, twice the bytes at
+        bfloat16). "all": as True, and combine forward and dispatch backward (the GEMM outputs
+        `y` and `grad_x`, under DelayedScaling or CurrentScaling) as e4m3 with a power-of-two
+        scale per row, sent as one byte with it (K + 1 bytes a row): not bit-identical to one
+        process; the error is measured in docs/moe.md.
 
     Returns:
       `model`, changed in place.
 
     Raises:
+      TypeError, ValueError: `float8_wire` not True, False or "all".
       ValueError: no experts module; one outside the experts interface (or with biases); a
         number of experts that the mesh's size does not divide; experts weights already
         DTensors (sharded by something else). Nothing is changed then.
@@ -248,6 +257,11 @@ def expert_parallel(model: nn.Module, mesh, *, mesh_dim=None, float8_wire: bool 
         raise TypeError(
             f"fp8fn.expert_parallel: expected `model` to be an nn.Module, got "
             f"{type(model).__name__}."
+        )
+    if not (float8_wire is True or float8_wire is False or float8_wire == "all"):
+        raise ValueError(
+            f'fp8fn.expert_parallel: expected `float8_wire` True, False or "all", got '
+            f"{float8_wire!r}."
         )
     sub, group = _group_of(mesh, mesh_dim)
     world = sub.size()
