@@ -578,6 +578,35 @@ def ep_x_dp_fsdp2(rank, steps=2):
     }
 
 
+def ep_x_dp_without_divide_factor(rank):
+    """The `(2, 2)` mesh of `ep_x_dp_fsdp2` with the experts' `set_gradient_divide_factor`
+    forgotten (FSDP2 would divide their gradients by "dp" alone: 2x too large): the first
+    forward raises fp8fn's error at the first experts module, on every rank."""
+    from torch.distributed.fsdp import fully_shard
+
+    world, dp = 4, 2
+    mesh = init_device_mesh("cpu", (dp, world // dp), mesh_dim_names=("dp", "ep"))
+    model = build("mixtral")
+    fp8fn.expert_parallel(model, mesh, mesh_dim="ep")
+    for layer in model.model.layers:
+        fully_shard(layer.mlp.experts, mesh=mesh["dp"])
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    fn = fp8fn.transform(model, RECIPE)
+    ids = _ids(world)[rank : rank + 1]
+    try:
+        fn.init(ids)
+    except ValueError as e:
+        message = str(e)
+    else:
+        raise AssertionError("not refused")
+    assert message.startswith(
+        "fp8fn.expert_parallel: expected the FSDP2 parameter group holding "
+        "'model.layers.0.mlp.experts'"
+    ), message
+    assert "its data-parallel size 2 alone" in message and "2 times too large" in message
+
+
 def dcp_round_trip(rank, out_dir):
     """DCP saves the experts' DTensor shards and loads them into another expert-parallel model."""
     import torch.distributed.checkpoint as dcp
@@ -650,7 +679,7 @@ SCENARIOS = [
 
 def main(rank: int, world_size: int, port: int, out_dir: str) -> None:
     if world_size == 4:
-        scenarios = [_bit_identical("mixtral", 4), ep_x_dp_fsdp2]
+        scenarios = [_bit_identical("mixtral", 4), ep_x_dp_fsdp2, ep_x_dp_without_divide_factor]
     else:
         scenarios = [*SCENARIOS, _with_dir(dcp_round_trip, out_dir)]
     run_scenarios(rank, world_size, port, out_dir, scenarios, MEASURED, group_timeout_s=120)

@@ -388,3 +388,32 @@ def test_compiled_expert_parallel_forward_is_refused(one_rank_mesh):
     compiled = torch.compile(fn.apply, fullgraph=True)
     with pytest.raises(Exception, match=r"^fp8fn\.expert_parallel: expected an eager forward"):
         compiled(params, state, ids)
+
+
+@pytest.mark.parametrize("divisions", [[(None, 2)], [(None, 1), (None, 2)]])
+def test_a_forgotten_divide_factor_is_refused_at_the_forward(one_rank_mesh, monkeypatch, divisions):
+    """FSDP2's default division (None) over more than one data-parallel rank, with more than
+    one expert-parallel rank (faked here: the ranks' run is `ep_x_dp_without_divide_factor`),
+    raises at the experts' forward; a factor set, or one data-parallel rank, passes."""
+    from fp8fn._transform import expert_parallel as ep
+
+    model = fp8fn.expert_parallel(_tiny(), one_rank_mesh)
+    forward = model.model.layers[0].mlp.experts.forward
+
+    class TwoRanks:  # the expert-parallel group, as two ranks
+        def size(self):
+            return 2
+
+    monkeypatch.setattr(forward, "group", TwoRanks())
+    for fine in ([], [(8.0, 2)], [(None, 1)]):
+        monkeypatch.setattr(ep, "fsdp_gradient_divisions", lambda *a, found=fine: found)
+        forward.divisions_checked.clear()
+        forward._check_gradient_division()
+    monkeypatch.setattr(ep, "fsdp_gradient_divisions", lambda *a: divisions)
+    forward.divisions_checked.clear()
+    match = (
+        r"^fp8fn\.expert_parallel: expected the FSDP2 parameter group holding "
+        r"'model\.layers\.0\.mlp\.experts'.* by its data-parallel size 2 alone.* 2 times too large"
+    )
+    with pytest.raises(ValueError, match=match):
+        forward._check_gradient_division()

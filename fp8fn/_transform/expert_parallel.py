@@ -14,6 +14,8 @@ own forward on the rows each rank received, in high precision.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import nn
 
@@ -26,6 +28,7 @@ from .._parallel.expert_gemm import dispatch_grouped_mm, grouped_mm_combine
 from .._torch_private import (
     as_dtensor,
     experts_gate,
+    fsdp_gradient_divisions,
     function_modes,
     module_parameters,
     refuse_fullgraph_trace,
@@ -36,6 +39,16 @@ _NO_COMPILE = (
     "fp8fn.expert_parallel: expected an eager forward of expert-parallel experts, got "
     "torch.compile: the all-to-all's splits are read on the host. Leave fullgraph off (fn.apply "
     "then runs eagerly), or run eagerly."
+)
+_FORGOTTEN_DIVIDE_FACTOR = (
+    "fp8fn.expert_parallel: expected the FSDP2 parameter group holding {path!r}'s weights to "
+    "divide their gradients by the whole world (`set_gradient_divide_factor`), got FSDP2's "
+    "default, a division by its data-parallel size {dp} alone: each expert's gradient already "
+    "sums the tokens of its {ep} expert-parallel ranks (the all-to-all brought them), so it "
+    "would come out {ep} times too large. After `fully_shard(experts, mesh=mesh['dp'])` call "
+    "`experts.set_gradient_divide_factor(float(dp * ep))` (and "
+    "`experts.set_force_sum_reduction_for_comms(True)` on gloo), or set the factor your loss "
+    'needs (docs/moe.md, "With data parallelism").'
 )
 _CONTRACT = (
     "transformers 5.x's experts interface: `forward(hidden_states, top_k_index, "
@@ -60,14 +73,17 @@ class _ExpertParallelForward:
     as transformers' `batched_mm` experts do (`(y * w).view(T, k, D).sum(1)`).
     """
 
-    def __init__(self, module, group, attrs, float8_wire):
+    def __init__(self, module, group, attrs, float8_wire, root, path):
         self.module, self.group, self.attrs = module, group, attrs
         self.float8_wire = float8_wire
+        self.root, self.path = weakref.ref(root), path
+        self.divisions_checked = set()  # the weights' parameter objects (ids) checked
 
     def __call__(self, hidden_states, top_k_index, top_k_weights):
         if torch.compiler.is_compiling():  # (a compiled model call, outside `apply`)
             refuse_fullgraph_trace(_NO_COMPILE)
             raise RuntimeError(_NO_COMPILE)
+        self._check_gradient_division()
         m = self.module
         experts = getattr(m, self.attrs[0]).shape[0]
         tokens, k = top_k_index.shape
@@ -86,6 +102,21 @@ class _ExpertParallelForward:
         y = y[torch.argsort(order)]
         out = (y * top_k_weights.reshape(-1, 1)).view(tokens, k, -1).sum(1)
         return out.to(hidden_states.dtype)
+
+    def _check_gradient_division(self) -> None:
+        """Raise `_FORGOTTEN_DIVIDE_FACTOR` if an FSDP2 parameter group inside the model holds
+        these experts weights over a data-parallel mesh of more than one rank and divides by
+        its default (`set_gradient_divide_factor` not called), with more than one expert-
+        parallel rank. Checked once per set of parameter objects (`fully_shard` replaces
+        them, so a model sharded after a first step is checked again)."""
+        key = tuple(id(getattr(self.module, a)) for a in self.attrs)
+        root, ep = self.root(), self.group.size()
+        if key in self.divisions_checked or root is None or ep == 1:
+            return
+        for factor, dp in fsdp_gradient_divisions(root, self.module, self.attrs):
+            if factor is None and dp > 1:
+                raise ValueError(_FORGOTTEN_DIVIDE_FACTOR.format(path=self.path, dp=dp, ep=ep))
+        self.divisions_checked.add(key)
 
     def _wires(self, rows, experts: int) -> tuple:
         """`(known, unknown)`: for the input role of the first weight and the grad_output role
@@ -230,7 +261,9 @@ def expert_parallel(model: nn.Module, mesh, *, mesh_dim=None, float8_wire: bool 
     while some experts are filled and others not). Every rank must hold the same state
     (`fp8fn.all_reduce` the observations over every rank: the expert-parallel group and any
     data-parallel one). With FSDP2 over a data-parallel dim, shard each experts module over
-    it with `set_gradient_divide_factor(world)` (docs/moe.md, "With data parallelism").
+    it with `set_gradient_divide_factor(world)` (docs/moe.md, "With data parallelism"): a
+    forward of the experts raises while an FSDP2 group inside `model` holds them over more
+    than one data-parallel rank with FSDP2's default division.
 
     Args:
       model: an nn.Module holding experts modules.
@@ -289,12 +322,12 @@ def expert_parallel(model: nn.Module, mesh, *, mesh_dim=None, float8_wire: bool 
     from torch.distributed.tensor import DTensor, Shard
 
     rank = sub.get_local_rank()
-    for _, module, attrs in found:
+    for path, module, attrs in found:
         for a in attrs:
             p = getattr(module, a)
             local = p.shape[0] // world
             shard = p.detach()[rank * local : (rank + 1) * local].clone()
             d = DTensor.from_local(shard, sub, [Shard(0)], run_check=False)
             setattr(module, a, nn.Parameter(d, requires_grad=p.requires_grad))
-        module.forward = _ExpertParallelForward(module, group, attrs, float8_wire)
+        module.forward = _ExpertParallelForward(module, group, attrs, float8_wire, model, path)
     return model
