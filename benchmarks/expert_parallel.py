@@ -198,8 +198,8 @@ def main() -> None:
 
     anchor = ratio(hidden + hidden / 32, 2 * hidden, 3)
     table = [
-        [name, f"{f8.get(name, 0) / per_row:.1f}", f"{al.get(name, 0) / per_row:.1f}",
-         f"{bf.get(name, 0) / per_row:.1f}", share([name]), share([name], al),
+        [name, f"{f8.get(name, 0) / per_row:.1f}", f"{bf.get(name, 0) / per_row:.1f}",
+         f"{al.get(name, 0) / per_row:.1f}", share([name]), share([name], al),
          anchor if name in DIRECTIONS[::2] else "1.000x"]
         for name in DIRECTIONS
     ]  # fmt: skip
@@ -210,8 +210,8 @@ def main() -> None:
         [
             "direction",
             "float8 B/row",
-            '"all" B/row',
             "bf16 B/row",
+            '"all" B/row',
             "float8 vs bf16",
             '"all" vs bf16',
             "anchors",

@@ -35,7 +35,9 @@ WORLD = 2
 RECIPE = fp8fn.DelayedScaling(history_len=4)
 LR = 0.5
 MEASURED: dict = {}
-_EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+_EXPERTS = tuple(
+    f"mlp.experts.{w}{b}" for w in ("gate_up_proj", "down_proj") for b in ("", "_bias")
+)
 
 
 def _ids(world):
@@ -665,6 +667,7 @@ class _UserExperts(torch.nn.Module):
 SCENARIOS = [
     _bit_identical("mixtral", WORLD),
     _bit_identical("qwen3_moe", WORLD),
+    _bit_identical("gpt_oss", WORLD),
     wire_bytes_halve,
     idle_experts,
     per_expert_wire,

@@ -261,6 +261,7 @@ def _experts(kind, seed=0):
 
     from transformers.models.aria.modeling_aria import AriaExperts
     from transformers.models.ergo.modeling_ergo import ErgoExpertProjections
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
     from transformers.models.mixtral.modeling_mixtral import MixtralExperts
     from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHExperts
 
@@ -268,12 +269,14 @@ def _experts(kind, seed=0):
         _experts_implementation="batched_mm", hidden_size=32, intermediate_size=48,
         moe_intermediate_size=48, num_experts=4, num_local_experts=4, moe_num_experts=4,
         n_routed_experts=4, moe_latent_size=None, hidden_act="silu", mlp_hidden_act="relu2",
+        swiglu_alpha=1.702, swiglu_limit=7.0,
     )  # fmt: skip
     classes = {
         "mixtral": MixtralExperts,
         "aria_transposed": AriaExperts,
         "nemotron_h_no_gate": NemotronHExperts,
         "ergo_no_gate_transposed": ErgoExpertProjections,
+        "gpt_oss_biases": GptOssExperts,
     }
     experts = classes[kind](config)
     gen = torch.Generator().manual_seed(seed)
@@ -291,10 +294,13 @@ def _experts(kind, seed=0):
         ("ergo_no_gate_transposed", False),
         ("mixtral", True),
         ("aria_transposed", True),
+        ("gpt_oss_biases", False),
+        ("gpt_oss_biases", True),
     ],
 )
 def test_one_rank_expert_parallel_layouts_and_autocast(one_rank_mesh, kind, autocast):
-    """Experts stored transposed (`is_transposed`), without a gate (`up_proj`), and under
+    """Experts stored transposed (`is_transposed`), without a gate (`up_proj`), with biases
+    (GPT-OSS: interleaved gate, transposed, a bias per expert and projection), and under
     `torch.autocast` (bfloat16: the rows cast to it before the wire, as the grouped op casts
     `x`): a step of the expert-parallel experts gives the bits of transformers' `batched_mm`
     experts under the same transform (output, both weights' gradients, the input's gradient,
@@ -335,6 +341,9 @@ def test_one_rank_expert_parallel_layouts_and_autocast(one_rank_mesh, kind, auto
     assert meter.bytes_by()["dispatch forward"] == 48 * 32  # e4m3: 1 byte an element
     row_bytes = 2 if autocast else 4  # the rows that travel in high precision
     assert meter.bytes_by()["combine forward"] == 48 * 32 * row_bytes
+    # a down_proj bias's gradient sums the output gradients in high precision: off the wire
+    biased = kind == "gpt_oss_biases"
+    assert meter.bytes_by()["combine backward"] == 48 * 32 * (row_bytes if biased else 1)
 
 
 def test_expert_parallel_refuses_bad_input(one_rank_mesh):
@@ -359,6 +368,8 @@ def test_expert_parallel_refuses_bad_input(one_rank_mesh):
             self.w = torch.nn.Parameter(torch.randn(4, 8, 8))
 
     refused(UserExperts(), r"experts modules with transformers 5.x's experts interface")
+    llama4 = r"experts modules with .*, got '.*experts' \(Llama4TextExperts\).* every token"
+    refused(build("llama4"), llama4)
     from torch.distributed.device_mesh import init_device_mesh
 
     two_d = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "ep"))

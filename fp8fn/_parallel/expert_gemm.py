@@ -68,7 +68,9 @@ def _receive(rows, ex: Exchange, newest, stored, margin, role: int, wire, back: 
     some rank: `wire` is the same on every rank). `fp8` `(M, K)` expert-major, `scale` float32
     `(El,)` (this rank's experts), `observed` float32 `(E,)` (the sender's amax of its rows for
     an expert on the wire, the experts' rank's for the others, 0 where not observed here).
-    `back`: the rows go from the sender to the experts in a backward."""
+    `back`: the rows go from the sender to the experts in a backward. A fourth value: the
+    high-precision rows received (source-major: `[ex.to_experts]` makes them expert-major)
+    when no expert is on the wire, else None."""
     dtype = E4M3 if role == 0 else E5M2
     send = Exchanged.apply if back else exchange_rows
     on_wire = torch.tensor(wire, device=rows.device)
@@ -92,12 +94,12 @@ def _receive(rows, ex: Exchange, newest, stored, margin, role: int, wire, back: 
         part_ids.append(ids)
         observed = _spread(amax, ex)
     if hp_scale is None:
-        return parts[0][ex.to_experts], _local(stored[:, role], ex), sent_amax
+        return parts[0][ex.to_experts], _local(stored[:, role], ex), sent_amax, None
     if len(parts) == 1:
-        return parts[0][ex.to_experts], hp_scale, observed
+        return parts[0][ex.to_experts], hp_scale, observed, hp
     order = torch.argsort(torch.cat(part_ids), stable=True)  # an expert's rows: one part
     scale = torch.where(local_wire, _local(stored[:, role], ex), hp_scale)
-    return torch.cat(parts)[order], scale, torch.where(on_wire, sent_amax, observed)
+    return torch.cat(parts)[order], scale, torch.where(on_wire, sent_amax, observed), None
 
 
 def _role(rows, ex, role):
@@ -130,7 +132,7 @@ class _DispatchGroupedMM(torch.autograd.Function):
 
     @staticmethod
     def forward(x, weight, newest, stored, ex, margin, backend, wire, scaled):
-        x_fp8, x_scale, x_amax = _receive(x, ex, newest, stored, margin, 0, wire, False)
+        x_fp8, x_scale, x_amax, _ = _receive(x, ex, newest, stored, margin, 0, wire, False)
         w_fp8, w_scale, w_amax = _cast_weight(weight, ex, newest, stored, margin)
         x_inv, w_inv = x_scale.reciprocal(), w_scale.reciprocal()
         out = rows_mm(x_fp8, w_fp8, x_inv, w_inv, ex.offs, x.dtype, backend, False)
@@ -168,46 +170,58 @@ class _DispatchGroupedMM(torch.autograd.Function):
 
 class _GroupedMMCombine(torch.autograd.Function):
     """`h` `(M, K)` expert-major rows on the experts' rank -> `(S, N)` rows of
-    `h_e @ weight[e].T` back on their senders, in their sorted order."""
+    `h_e @ weight[e].T (+ bias[e])` back on their senders, in their sorted order."""
 
     @staticmethod
-    def forward(h, weight, newest, stored, ex, margin, backend, wire, scaled):
+    def forward(h, weight, bias, newest, stored, ex, margin, backend, wire, scaled):
         h_amax = group_amax(h, ex.ids, ex.local)
         h_scale = scales_for(h_amax, _role(newest, ex, 0), _role(stored, ex, 0), margin, 448.0)
         h_fp8 = cast_to_fp8(h, h_scale[ex.ids][:, None], E4M3)
         w_fp8, w_scale, w_amax = _cast_weight(weight, ex, newest, stored, margin)
         h_inv, w_inv = h_scale.reciprocal(), w_scale.reciprocal()
         y = rows_mm(h_fp8, w_fp8, h_inv, w_inv, ex.offs, h.dtype, backend, False)
+        if bias is not None:  # (as transformers' `out.add_(bias[ids])`: rounded once)
+            y = (y + bias[ex.ids]).to(y.dtype)
         send = exchange_scaled_rows if scaled else exchange_rows
         out = send(y[ex.from_experts], ex.recv, ex.send, ex.group)
         return out, _spread(h_amax, ex), h_fp8, w_fp8, h_inv, w_inv, w_amax
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        h, weight, newest, stored, ex, margin, backend, wire, _ = inputs
+        h, weight, bias, newest, stored, ex, margin, backend, wire, _ = inputs
         ctx.mark_non_differentiable(*output[2:])
         ctx.save_for_backward(*output[1:], newest, stored)
         ctx.ex, ctx.margin, ctx.backend, ctx.wire = ex, margin, backend, wire
-        ctx.dtypes = (h.dtype, weight.dtype)
+        ctx.dtypes = (h.dtype, weight.dtype, None if bias is None else bias.dtype)
 
     @staticmethod
     def backward(ctx, grad_out, *_):
         h_observed, h_fp8, w_fp8, h_inv, w_inv, w_amax, newest, stored = ctx.saved_tensors
-        ex, (h_dtype, w_dtype) = ctx.ex, ctx.dtypes
+        ex, (h_dtype, w_dtype, b_dtype) = ctx.ex, ctx.dtypes
         with no_autocast(grad_out):
-            g_fp8, g_scale, g_observed = _receive(
+            g_fp8, g_scale, g_observed, g_hp = _receive(
                 grad_out, ex, newest, stored, ctx.margin, 2, ctx.wire, True
             )
             g_inv = g_scale.reciprocal()
             grads = [rows_mm(g_fp8, w_fp8, g_inv, w_inv, ex.offs, h_dtype, ctx.backend, True)]
             grads.append(weight_mm(g_fp8, h_fp8, g_inv, h_inv, ex.offs, w_dtype, ctx.backend))
+            grads.append(None if b_dtype is None else _bias_grad(g_hp, ex, b_dtype))
             obs = (
                 _observation(ex, h_observed, w_amax, g_observed)
-                if ctx.needs_input_grad[2]
+                if ctx.needs_input_grad[3]
                 else None
             )
             grads += [obs, None, None, None, None, None, None]
         return tuple(first_order_only(grads, h_observed))
+
+
+def _bias_grad(g_hp, ex, dtype):
+    """`(El, N)`: each local expert's sum of its gradient rows `g_hp` (`(M, N)` as received,
+    high precision: a bias's experts are never on the combine backward's float8 wire), summed
+    in expert-major row order as autograd sums the gradient of `bias[ids]` (`index_put_`,
+    accumulate)."""
+    zeros = g_hp.new_zeros(ex.local, g_hp.shape[1], dtype=dtype)
+    return zeros.index_put_((ex.ids,), g_hp[ex.to_experts].to(dtype), accumulate=True)
 
 
 def dispatch_grouped_mm(x, weight, newest, stored, ex, margin, backend, wire, scaled=False):
@@ -220,9 +234,13 @@ def dispatch_grouped_mm(x, weight, newest, stored, ex, margin, backend, wire, sc
     return _DispatchGroupedMM.apply(*args)[0]
 
 
-def grouped_mm_combine(h, weight, newest, stored, ex, margin, backend, wire, scaled=False):
+def grouped_mm_combine(
+    h, weight, newest, stored, ex, margin, backend, wire, scaled=False, bias=None
+):
     """See the module docstring. h: `(M, K)` expert-major; weight: `(El, N, K)`; scaled: the
-    output goes back as e4m3 rows with their own scales; returns `(S, N)` of h's dtype, the
-    sender's rows in `ex.send_ids` order."""
-    args = (h, weight, newest, stored, ex, margin, backend, wire, scaled)
+    output goes back as e4m3 rows with their own scales; bias: `(El, N)` added to each
+    expert's rows before they go back (then `wire` must be all False: its gradient sums the
+    high-precision output gradients), or None; returns `(S, N)` of h's dtype, the sender's
+    rows in `ex.send_ids` order."""
+    args = (h, weight, bias, newest, stored, ex, margin, backend, wire, scaled)
     return _GroupedMMCombine.apply(*args)[0]

@@ -73,8 +73,8 @@ class _ExpertParallelForward:
     as transformers' `batched_mm` experts do (`(y * w).view(T, k, D).sum(1)`).
     """
 
-    def __init__(self, module, group, attrs, float8_wire, root, path):
-        self.module, self.group, self.attrs = module, group, attrs
+    def __init__(self, module, group, attrs, biases, float8_wire, root, path):
+        self.module, self.group, self.attrs, self.biases = module, group, attrs, biases
         self.float8_wire = float8_wire
         self.root, self.path = weakref.ref(root), path
         self.divisions_checked = set()  # the weights' parameter objects (ids) checked
@@ -109,11 +109,11 @@ class _ExpertParallelForward:
         its default (`set_gradient_divide_factor` not called), with more than one expert-
         parallel rank. Checked once per set of parameter objects (`fully_shard` replaces
         them, so a model sharded after a first step is checked again)."""
-        key = tuple(id(getattr(self.module, a)) for a in self.attrs)
+        key = tuple(id(getattr(self.module, a)) for a in self.attrs + self.biases)
         root, ep = self.root(), self.group.size()
         if key in self.divisions_checked or root is None or ep == 1:
             return
-        for factor, dp in fsdp_gradient_divisions(root, self.module, self.attrs):
+        for factor, dp in fsdp_gradient_divisions(root, self.module, self.attrs + self.biases):
             if factor is None and dp > 1:
                 raise ValueError(_FORGOTTEN_DIVIDE_FACTOR.format(path=self.path, dp=dp, ep=ep))
         self.divisions_checked.add(key)
@@ -125,8 +125,8 @@ class _ExpertParallelForward:
         tensor of those histories' `newest > 0`, read on the host with the counts, or None."""
         known, unknown = [], []
         for (_, newest, _, filled), role in zip(rows, (0, 2)):
-            if not self.float8_wire or newest is None:  # (CurrentScaling: never)
-                known.append((False,) * experts)
+            if not self.float8_wire or newest is None or role == 2 and self.biases:
+                known.append((False,) * experts)  # (CurrentScaling; a bias: `_float8`)
             elif filled is not None:
                 known.append(filled[role::3])
             else:
@@ -139,6 +139,10 @@ class _ExpertParallelForward:
         weights = [local_shard(getattr(m, a)) for a in self.attrs]
         if m.is_transposed:  # stored (E, K, N): the op takes (E, N, K)
             weights = [w.transpose(-2, -1) for w in weights]
+        # biases (E, N), each added to its expert's rows after the GEMM, as transformers does;
+        # the second one's gradient sums the output gradients in high precision: with biases
+        # those rows stay off the combine backward's float8 wire (`_wires`)
+        biases = [local_shard(getattr(m, b)) for b in self.biases] or [None, None]
         (recipe, newest_1, stored_1, _), (_, newest_2, stored_2, _) = rows
         backend = resolve_backend(recipe, x.device)
         margin = getattr(recipe, "margin", 0)
@@ -151,10 +155,12 @@ class _ExpertParallelForward:
             h = dispatch_grouped_mm(
                 x, weights[0], newest_1, stored_1, ex, margin, backend, wire_x, scaled
             )
+            if biases[0] is not None:  # (as transformers' `out.add_(bias[ids])`)
+                h = (h + biases[0][ex.ids]).to(h.dtype)
         h = experts_gate(m, h) if m.has_gate else m.act_fn(h)
         with no_autocast(h):
             return grouped_mm_combine(
-                h, weights[1], newest_2, stored_2, ex, margin, backend, wire_g, scaled
+                h, weights[1], newest_2, stored_2, ex, margin, backend, wire_g, scaled, biases[1]
             )
 
     def _high_precision(self, x, ex, weight_dtype):
@@ -162,10 +168,10 @@ class _ExpertParallelForward:
         m = self.module
         x = send_rows(x, ex)
         params = module_parameters(m)
-        held = {a: params[a] for a in self.attrs}
+        held = {a: params[a] for a in self.attrs + self.biases}
         held_experts = m.num_experts
         try:
-            for a in self.attrs:
+            for a in held:
                 params[a] = local_shard(held[a])
             m.num_experts = ex.local
             ones = x.new_ones(x.shape[0], 1, dtype=weight_dtype)
@@ -199,8 +205,9 @@ def _wires_read(known: list, flags: list | None, experts: int) -> tuple:
 
 
 def _experts_modules(model) -> list:
-    """`[(path, module, attrs)]`: the modules holding experts weights (3-D floating parameters,
-    as `transform` finds them), each checked against `_CONTRACT`."""
+    """`[(path, module, attrs, biases)]`: the modules holding experts weights (3-D floating
+    parameters, as `transform` finds them), each checked against `_CONTRACT`; `biases`: the
+    names of their `(E, N)` biases (`has_bias`: GPT-OSS), or `()`."""
     owners = {}
     for entry in find_experts(model, lambda name, owner: True):
         path = entry.path.rpartition(".")[0]
@@ -212,17 +219,19 @@ def _experts_modules(model) -> list:
         if gate is None or not set(attrs) <= set(held) or not hasattr(module, "num_experts"):
             raise ValueError(
                 f"fp8fn.expert_parallel: expected experts modules with {_CONTRACT}, got "
-                f"{path!r} ({type(module).__name__}) holding 3-D weights {held}. User experts "
-                "forms run in float8 through fp8fn.transform without expert parallelism."
+                f"{path!r} ({type(module).__name__}) holding 3-D weights {held}: its "
+                "forward's arguments are its own (fp8fn's user experts forms; Llama 4's "
+                "experts, which take every token for every expert, already weighted), so which "
+                "rows go to which expert's rank is not known. Such experts run in float8 "
+                "through fp8fn.transform without expert parallelism."
             )
-        unsupported = [a for a in ("has_bias", "has_post_expert_norm") if getattr(module, a, 0)]
-        if unsupported:
+        if getattr(module, "has_post_expert_norm", False):
             raise ValueError(
-                f"fp8fn.expert_parallel: expected experts without biases or a post-expert "
-                f"norm, got {path!r} ({type(module).__name__}) with {unsupported}: not "
-                "supported yet."
+                f"fp8fn.expert_parallel: expected experts without a post-expert norm, got "
+                f"{path!r} ({type(module).__name__}) with one: not supported yet."
             )
-        found.append((path, module, attrs))
+        biases = tuple(f"{a}_bias" for a in attrs) if getattr(module, "has_bias", False) else ()
+        found.append((path, module, attrs, biases))
     return found
 
 
@@ -304,8 +313,8 @@ def expert_parallel(model: nn.Module, mesh, *, mesh_dim=None, float8_wire: bool 
             f"fp8fn.expert_parallel: expected a model with experts modules, got "
             f"{type(model).__name__} with no 3-D floating parameter."
         )
-    for path, module, attrs in found:
-        for a in attrs:
+    for path, module, attrs, biases in found:
+        for a in attrs + biases:
             p = getattr(module, a)
             if as_dtensor(p) is not None:
                 raise ValueError(
@@ -322,12 +331,14 @@ def expert_parallel(model: nn.Module, mesh, *, mesh_dim=None, float8_wire: bool 
     from torch.distributed.tensor import DTensor, Shard
 
     rank = sub.get_local_rank()
-    for path, module, attrs in found:
-        for a in attrs:
+    for path, module, attrs, biases in found:
+        for a in attrs + biases:
             p = getattr(module, a)
             local = p.shape[0] // world
             shard = p.detach()[rank * local : (rank + 1) * local].clone()
             d = DTensor.from_local(shard, sub, [Shard(0)], run_check=False)
             setattr(module, a, nn.Parameter(d, requires_grad=p.requires_grad))
-        module.forward = _ExpertParallelForward(module, group, attrs, float8_wire, model, path)
+        module.forward = _ExpertParallelForward(
+            module, group, attrs, biases, float8_wire, model, path
+        )
     return model
