@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import torch
+from _helpers import sqnr
 from _moe_models import batch, build
 from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
@@ -241,6 +242,26 @@ def test_one_rank_expert_parallel_mixtral_is_the_plain_model(one_rank_mesh, reci
     assert meter.bytes_by()["dispatch forward"] == 2 * width * rows_bytes  # 2 layers
     assert meter.bytes_by()["combine backward"] == 2 * width * rows_bytes
     assert meter.bytes_by()["combine forward"] == 2 * 4 * rows_bytes
+
+
+def test_one_rank_all_wire_rounds_the_outputs_under_current_scaling(one_rank_mesh):
+    """`float8_wire="all"` under CurrentScaling (the dispatch rows in float32, the receiver
+    casting them): combine forward and dispatch backward send K + 1 bytes a row; the logits
+    are close to, not equal to, those of the float32 outputs on the wire."""
+    ids = batch()
+    seen = {}
+    for wire in (True, "all"):
+        model = fp8fn.expert_parallel(_tiny(), one_rank_mesh, float8_wire=wire)
+        fn = fp8fn.transform(model, fp8fn.CurrentScaling(), filter_fn=_not_router)
+        state, meter = fn.init(ids), WireMeter()
+        with meter:
+            logits = _step(fn, model, state, ids)[0]
+        seen[wire] = logits, meter.bytes_by()
+    rows = 2 * 2 * ids.numel()  # (token, k) rows, 2 layers
+    assert seen["all"][1]["combine forward"] == seen["all"][1]["dispatch backward"] == rows * 33
+    assert seen[True][1]["combine forward"] == seen[True][1]["dispatch backward"] == rows * 128
+    assert not torch.equal(seen["all"][0], seen[True][0])
+    assert sqnr(seen[True][0], seen["all"][0]) > 20
 
 
 class Holder(torch.nn.Module):
