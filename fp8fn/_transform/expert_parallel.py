@@ -2,14 +2,15 @@
 (expert parallelism), their forward run as dispatch -> this rank's experts -> combine.
 
 What it changes on the model (docs/semantics.md, "What fp8fn touches outside the state"):
-each experts weight becomes a DTensor `Shard(0)` parameter on the mesh (rank r holds experts
+each experts weight (and bias) becomes a DTensor `Shard(0)` parameter on the mesh (rank r holds experts
 `r * El ... (r+1) * El - 1`; DCP saves and loads them), and the experts module gets an instance
 `forward` (`_ExpertParallelForward`). Under `fn.apply` with DelayedScaling or CurrentScaling
 for the experts weights, that forward runs the float8 grouped GEMMs fused with the all-to-alls
 (`fp8fn/_parallel/expert_gemm.py`: with DelayedScaling the tokens travel as e4m3 cast by the
 sender with the destination expert's input scale, the output gradients as e5m2 with its
-grad_output scale); otherwise (plain use, `fn.init`, a recipe of None) it runs the module's
-own forward on the rows each rank received, in high precision.
+grad_output scale; with `float8_wire="all"` the GEMM outputs too, as e4m3 with a scale per
+row); otherwise (plain use, `fn.init`, a recipe of None) it runs the module's own forward on
+the rows each rank received, in high precision.
 """
 
 from __future__ import annotations
@@ -290,8 +291,8 @@ def expert_parallel(model: nn.Module, mesh, *, mesh_dim=None, float8_wire: bool 
       `model`, changed in place.
 
     Raises:
-      TypeError, ValueError: `float8_wire` not True, False or "all".
-      ValueError: no experts module; one outside the experts interface (or with biases); a
+      ValueError: `float8_wire` not True, False or "all"; no experts module; one outside the
+        experts interface (Llama 4's, fp8fn's user forms) or with a post-expert norm; a
         number of experts that the mesh's size does not divide; experts weights already
         DTensors (sharded by something else). Nothing is changed then.
     """
