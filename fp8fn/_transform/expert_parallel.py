@@ -5,12 +5,12 @@ What it changes on the model (docs/semantics.md, "What fp8fn touches outside the
 each experts weight (and bias) becomes a DTensor `Shard(0)` parameter on the mesh (rank r
 holds experts `r * El ... (r+1) * El - 1`; DCP saves and loads them), and the experts module
 gets an instance `forward` (`_ExpertParallelForward`). Under `fn.apply` with DelayedScaling
-or CurrentScaling for the experts weights, that forward runs the float8 grouped GEMMs fused with the all-to-alls
-(`fp8fn/_parallel/expert_gemm.py`: with DelayedScaling the tokens travel as e4m3 cast by the
-sender with the destination expert's input scale, the output gradients as e5m2 with its
-grad_output scale; with `float8_wire="all"` the GEMM outputs too, as e4m3 with a scale per
-row); otherwise (plain use, `fn.init`, a recipe of None) it runs the module's own forward on
-the rows each rank received, in high precision.
+or CurrentScaling for the experts weights, that forward runs the float8 grouped GEMMs fused
+with the all-to-alls (`fp8fn/_parallel/expert_gemm.py`: with DelayedScaling the tokens
+travel as e4m3 cast by the sender with the destination expert's input scale, the output
+gradients as e5m2 with its grad_output scale; with `float8_wire="all"` the GEMM outputs too,
+as e4m3 with a scale per row); otherwise (plain use, `fn.init`, a recipe of None) it runs the
+module's own forward on the rows each rank received, in high precision.
 """
 
 from __future__ import annotations
