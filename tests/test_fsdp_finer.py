@@ -13,7 +13,7 @@ from test_fsdp import _Mesh
 
 import fp8fn
 from fp8fn._numerics.fp8 import ceil_div
-from fp8fn._ops.block_scaled import _WEIGHTS
+from fp8fn._ops.rowwise_blockwise_mx import _WEIGHTS
 from fp8fn._parallel import planes
 from fp8fn._parallel.fsdp_finer import FinerGatheredWeight, FinerScales
 from fp8fn._parallel.fsdp_gather import SCALES, Float8ShardWeight, ScalesForCall

@@ -333,7 +333,7 @@ MUTATIONS = [
     Mutation(
         "finer-bias-grad-input-dtype",
         "finer recipes: the bias gradient rounded through the input's dtype (bf16 autocast)",
-        "_ops/block_scaled.py",
+        "_ops/rowwise_blockwise_mx.py",
         (
             (
                 "grad_b = g.float().sum(0).to(b_dtype)",

@@ -7,9 +7,9 @@ import torch
 from .._core.checks import check_operands, no_autocast, refuse_compile_under_func
 from .._core.recipes import RECIPES, DelayedScaling, NVFP4Scaling
 from .._core.state import check_scales, check_site_state, claim
-from .block_scaled import FINER, check_finer, finer_linear
 from .gemm import resolve_backend
 from .nvfp4 import check_nvfp4, check_random, nvfp4_linear
+from .rowwise_blockwise_mx import FINER, check_finer, finer_linear
 from .tensorwise import tensorwise_linear
 
 
