@@ -1,4 +1,5 @@
-"""fp8fn: float8 training with delayed scaling as a pure, functional transform for PyTorch.
+"""fp8fn: float8 training with delayed scaling as a functional transform for PyTorch: the scaling
+state is data, passed in and returned.
 
 Layers, lowest first. A module imports from its own layer and the layers below it, never from
 one above (`tests/test_layers.py` walks every import, also those inside functions):

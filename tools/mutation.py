@@ -684,7 +684,7 @@ MUTATIONS += [
     Mutation(
         "marks-ignore-version",
         "a mark (valid scales, keys, filled) outlives an in-place change of the tensor",
-        "_core/marks.py",
+        "_core/registries.py",
         (
             (
                 "if fact is not None and version == tensor_version(u):",

@@ -16,7 +16,6 @@ from typing import NamedTuple
 
 import optree
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from .._torch_private import (
     GetAttrKey,
@@ -26,9 +25,16 @@ from .._torch_private import (
     unwrapped,
 )
 from .keys import check_key
-from .marks import FILLED, VALID_SCALES
 from .moved import register_moved
 from .recipes import RECIPES, DelayedScaling
+from .registries import (
+    FILLED,
+    NEVER_UPDATED,
+    OBSERVED,
+    PREDECESSOR,
+    SUPERSEDED,
+    VALID_SCALES,
+)
 
 ROLES = ("input", "weight", "grad_output")
 
@@ -390,7 +396,7 @@ def init_state(recipe: DelayedScaling, sites, device=None) -> State:
         raise ValueError(f"fp8fn.init_state: expected distinct str site names, got {sites!r}.")
     n, h = len(sites), recipe.history_len
     history = torch.zeros(n, 3, h, dtype=torch.float32, device=device)
-    _NEVER_UPDATED[history] = {}  # (see `warn_if_never_updated`)
+    NEVER_UPDATED[history] = {}  # (see `warn_if_never_updated`)
     return State(
         history,
         mark_valid(torch.ones(n, 3, dtype=torch.float32, device=device)),
@@ -575,19 +581,12 @@ def check_scales(api: str, scale: torch.Tensor, name: str = "state") -> None:
     mark_valid(base)
 
 
-# History tensors of states that `update` has made a newer state from: True once a newer
-# state was used (`observe`, `apply`), False while none was.
-_SUPERSEDED = WeakIdKeyDictionary()
-# The history tensor of the state each `update` result was made from (a weak reference).
-_PREDECESSOR = WeakIdKeyDictionary()
-
-
 def supersede(state: State, new: State) -> None:
     """Note that `fp8fn.update` made `new` from `state` (see `warn_if_superseded`)."""
     old = unwrapped(state.amax_history)
-    if old not in _SUPERSEDED:
-        _SUPERSEDED[old] = False
-    _PREDECESSOR[unwrapped(new.amax_history)] = weakref.ref(old)
+    if old not in SUPERSEDED:
+        SUPERSEDED[old] = False
+    PREDECESSOR[unwrapped(new.amax_history)] = weakref.ref(old)
 
 
 def warn_if_superseded(api: str, state: State) -> None:
@@ -598,21 +597,16 @@ def warn_if_superseded(api: str, state: State) -> None:
     if torch.compiler.is_compiling():
         return
     history = unwrapped(state.amax_history)
-    old = _PREDECESSOR.get(history)
+    old = PREDECESSOR.get(history)
     if old is not None and old() is not None:
-        _SUPERSEDED[old()] = True  # its update's result was kept and used
-    if _SUPERSEDED.get(history) is False:
+        SUPERSEDED[old()] = True  # its update's result was kept and used
+    if SUPERSEDED.get(history) is False:
         warnings.warn(
             f"fp8fn.{api}: this state was already updated by fp8fn.update, which returned a new "
             "state, and is used again: its scales never move. Keep the result: "
             "`state = fp8fn.update(state, obs)`.",
             stacklevel=3,
         )
-
-
-# Histories made by `init_state` (no `update` has advanced them), with what the training step
-# that first observed each saw: `{"seen": the first 64 values of the first parameter}`.
-_NEVER_UPDATED = WeakIdKeyDictionary()
 
 
 def warn_if_never_updated(api: str, state: State, params: dict) -> None:
@@ -629,10 +623,10 @@ def warn_if_never_updated(api: str, state: State, params: dict) -> None:
     if torch.compiler.is_compiling() or not (torch.is_grad_enabled() and params):
         return
     source = OBSERVED.get(history, history)  # `observe`'s copy tells its source
-    record = _NEVER_UPDATED.get(unwrapped(source))
+    record = NEVER_UPDATED.get(unwrapped(source))
     if record is None or record.get("warned") or not differentiated(history):
         return
-    if unwrapped(source) in _SUPERSEDED:
+    if unwrapped(source) in SUPERSEDED:
         return  # `update` advanced it: a second run from one initial state
     param = unwrapped(next(iter(params.values())))
     if type(param) not in (torch.Tensor, torch.nn.Parameter) or param.device.type == "meta":
@@ -671,12 +665,6 @@ def check_site_state(api: str, site_state, where: str = "`site_state`") -> None:
             f"fp8fn.{api}: expected {where} of shapes (3, history_len) and (3,), got "
             f"{tuple(h.shape)} and {tuple(s.shape)}."
         )
-
-
-# The histories `fp8fn.observe` made: `{observed history: the history it copied}`, for the
-# advice when one is reused (`claim`) and for `warn_if_never_updated`; read outside torch.compile
-# only.
-OBSERVED = WeakIdKeyDictionary()
 
 
 def claim(history: torch.Tensor, api: str, what: str, row: tuple | None = None) -> None:
