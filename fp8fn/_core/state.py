@@ -8,6 +8,7 @@ of kernels, and an observation (the gradient with respect to a `State`) is a `St
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import warnings
 import weakref
@@ -46,22 +47,25 @@ class ScaleState(NamedTuple):
     scale: torch.Tensor  # (...,), float32; fp8 = saturate(hp * scale), finite and > 0
 
 
-class _Frozen:
-    """Immutable objects: attribute assignment raises, pointing to `_replace`."""
-
-    __slots__ = ()
-
-    def __setattr__(self, name, value):
-        raise AttributeError(
-            f"fp8fn.{type(self).__name__} is immutable data: make a new one with "
-            f"`._replace({name}=...)` instead of assigning `.{name}`."
-        )
-
-    def __delattr__(self, name):
-        self.__setattr__(name, None)
+def _refuse_assignment(self, name, value=None):
+    raise AttributeError(
+        f"fp8fn.{type(self).__name__} is immutable data: make a new one with "
+        f"`._replace({name}=...)` instead of assigning `.{name}`."
+    )
 
 
-class SiteState(_Frozen):
+def _immutable(cls):
+    """`cls` as a `dataclass(frozen=True, slots=True)`, equal by identity (its fields hold
+    tensors), with its own `repr` and `__reduce__` (the saved format), whose assignment and
+    deletion raise fp8fn's error pointing to `_replace` (the dataclass's says only "cannot
+    assign to field")."""
+    cls = dataclasses.dataclass(frozen=True, slots=True, eq=False, repr=False)(cls)
+    cls.__setattr__ = cls.__delattr__ = _refuse_assignment
+    return cls
+
+
+@_immutable
+class SiteState:
     """One site's rows of a `State` (views); `.input`, `.weight`, `.grad_output` give its roles.
 
     It is what `fp8fn.linear` takes as `site_state`: the gradient with respect to it is the
@@ -70,17 +74,14 @@ class SiteState(_Frozen):
     against the recipe. It unpacks like a pair: `amax_history, scale = site_state`.
     """
 
-    __slots__ = ("amax_history", "scale", "amax_compute", "margin", "_row")
-    _fields = ("amax_history", "scale")
-
-    def __init__(self, amax_history, scale, amax_compute="max", margin=0):
-        # amax_history: (..., 3, history_len) float32, roles input, weight, grad_output
-        # scale: (..., 3) float32
-        # _row: `(the State's amax_history, this site's index)` when `State[site]` made it,
-        #   else None: what `claim` knows this site by (not data: no leaf, not pickled)
-        values = (amax_history, scale, amax_compute, margin, None)
-        for name, value in zip(self.__slots__, values):
-            object.__setattr__(self, name, value)
+    amax_history: torch.Tensor  # (..., 3, history_len) float32, roles input, weight, grad_output
+    scale: torch.Tensor  # (..., 3) float32
+    amax_compute: str = "max"  # static
+    margin: int = 0  # static
+    # `(the State's amax_history, this site's index)` when `State[site]` made it, else None:
+    # what `claim` knows this site by (not data: no leaf, not pickled)
+    _row: tuple | None = dataclasses.field(default=None, init=False)
+    _fields = ("amax_history", "scale")  # the leaves, as NamedTuple's (a class attribute)
 
     @property
     def static(self) -> tuple:
@@ -135,7 +136,8 @@ def _known_fields(api: str, leaves: dict, fields=("amax_history", "scale")) -> d
     return leaves
 
 
-class State(_Frozen):
+@_immutable
+class State:
     """The delayed-scaling state of all sites of a model, packed.
 
     A read-only mapping from site names (call order) to `SiteState` views, and a pytree of two
@@ -172,24 +174,18 @@ class State(_Frozen):
       tensor([0., 0., 0., 0.])
     """
 
-    __slots__ = (
-        "amax_history",
-        "scale",
-        "sites",
-        "amax_compute",
-        "margin",
-        "key",
-        "filled",
-        "_index",
-        "_views",
-    )
+    amax_history: torch.Tensor  # (..., n_sites, 3, history_len) float32
+    scale: torch.Tensor  # (..., n_sites, 3) float32
+    sites: tuple  # static
+    amax_compute: str = "max"  # static
+    margin: int = 0  # static
+    key: torch.Tensor | None = None  # (...) float64, or None: no leaf
+    filled: tuple | None = None  # static, riding along (see the class docstring)
+    _index: dict | None = dataclasses.field(default=None, init=False)  # `_positions`'s cache
+    _views: dict = dataclasses.field(default_factory=dict, init=False)  # `__getitem__`'s cache
 
-    def __init__(
-        self, amax_history, scale, sites, amax_compute="max", margin=0, key=None, filled=None
-    ):
-        values = (amax_history, scale, tuple(sites), amax_compute, margin, key, filled, None, {})
-        for name, value in zip(self.__slots__, values):
-            object.__setattr__(self, name, value)
+    def __post_init__(self):
+        object.__setattr__(self, "sites", tuple(self.sites))
 
     @property
     def history_len(self) -> int:
