@@ -377,9 +377,8 @@ MUTATIONS = [
         "_ops/tensorwise.py",
         (
             (
-                "return (*first_order_only(grads, x_amax), None, None, None, None, None, None)",
-                "return (*first_order_only(grads[:3], x_amax), grads[3], None, None, None, None, "
-                "None, None)",
+                "return (*first_order_only(grads, x_amax, api=ctx.api), *statics)",
+                "return (*first_order_only(grads[:3], x_amax, api=ctx.api), grads[3], *statics)",
             ),
         ),
     ),

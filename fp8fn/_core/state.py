@@ -312,21 +312,14 @@ def _register(cls, leaves, static, make_from=None):
 register_moved("fp8fn._state", (ScaleState, SiteState, State))
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
 class _TreeContext:
     """A `State`'s pytree aux data: its `static` config, and `filled` riding along. Equal by
     `static` alone, so that states and observations of other `filled` have one tree structure
     (torch.func, vmap, `merge`); torch.compile guards on `filled` where the op reads it."""
 
-    __slots__ = ("static", "filled")
-
-    def __init__(self, static, filled):
-        self.static, self.filled = static, filled
-
-    def __eq__(self, other):
-        return isinstance(other, _TreeContext) and self.static == other.static
-
-    def __hash__(self):
-        return hash(self.static)
+    static: tuple
+    filled: tuple | None = dataclasses.field(compare=False)
 
     def __repr__(self):
         return repr(self.static)

@@ -1,6 +1,6 @@
 """`update` and `merge` of packed scaling states: constant kernels, whatever the sites.
 
-The scale convention (`_quantize.py`): `fp8 = saturate(hp * scale)`, `scale = fp8_max / (amax *
+The scale convention (`_numerics/fp8.py`): `fp8 = saturate(hp * scale)`, `scale = fp8_max / (amax *
 2**margin)`.
 """
 

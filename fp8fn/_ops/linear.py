@@ -117,11 +117,11 @@ def fp8_linear(
     if isinstance(recipe, NVFP4Scaling):
         check_nvfp4(x, weight, api)
         with no_autocast(x):
-            return nvfp4_linear(x, weight, bias, recipe, random)
+            return nvfp4_linear(x, weight, bias, recipe, random, api)
     if isinstance(recipe, FINER):
         check_finer(x, weight, recipe, api)
         with no_autocast(x):
-            return finer_linear(x, weight, bias, recipe, backend)
+            return finer_linear(x, weight, bias, recipe, backend, api)
     margin = getattr(recipe, "margin", 0)
     return tensorwise_linear(
         x,
@@ -133,4 +133,5 @@ def fp8_linear(
         backend,
         filled=filled,
         fast_accum=recipe.fast_accum,
+        api=api,
     )

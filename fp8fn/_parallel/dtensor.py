@@ -332,7 +332,7 @@ def sharded_linear(call, layer, site, x, weight, bias, newest, stored):
         x = x.to(torch.get_autocast_dtype(device.type))
     margin = getattr(recipe, "margin", 0)
     scaling = dict(newest=newest, stored=stored, margin=margin, backend=backend)
-    scaling["fast_accum"] = recipe.fast_accum
+    scaling["fast_accum"], scaling["api"] = recipe.fast_accum, f"apply: layer {layer.path!r}"
     if xd is None:
         return _fsdp_linear(api, x, weight, wd, bias, bd, scaling, unobserved)
     return _tp_linear(api, x, xd, weight, wd, bias, bd, scaling, unobserved)
@@ -431,10 +431,10 @@ def gather_params(transformed, params: dict, state):
     """`(tensors, kept)`: `params` with each DTensor the module does not hold as one
     (functional FSDP) replaced by its whole value, all-gathered in high precision, except the
     weights of the per-tensor float8 layers (gathered in float8 by the op); a DTensor the module
-    holds as one (tensor parallel, FSDP2) stays as it is. `written_back`, a context manager
-    around the call, copies this rank's rows of each gathered buffer back into the given
-    DTensor when the call returns (a batch norm's running statistics, updated in train mode).
-    `state` (the call's) must be plain and unbatched.
+    holds as one (tensor parallel, FSDP2) stays as it is. `kept` (`_BuffersKept`), a context
+    manager around the call, raises when the model changed a buffer given as a DTensor (a batch
+    norm's running statistics in train mode: each rank's own, which one sharded tensor cannot
+    hold); nothing is written back. `state` (the call's) must be plain and unbatched.
     """
     if torch.compiler.is_compiling():
         raise RuntimeError(
