@@ -312,21 +312,8 @@ class _Fp8Linear(_Fp8LinearOp):
     generate_vmap_rule = False
 
     @staticmethod
-    def vmap(
-        info,
-        in_dims,
-        x,
-        weight,
-        bias,
-        newest,
-        stored,
-        margin,
-        backend,
-        place,
-        filled,
-        fast_accum,
-        api,
-    ):
+    def vmap(info, in_dims, *inputs):
+        x, weight, bias, newest, stored, margin, backend, place, filled, fast_accum, api = inputs
         if place.vmap_refusal is not None:
             raise ValueError(place.vmap_refusal)
         args = (x, weight, bias, newest, stored)
