@@ -63,7 +63,7 @@ class Mutation:
 
 
 MUTATIONS = [
-    # -- the per-tensor op (_tensorwise.py) and its quantizer (_quantize.py) --------------------
+    # -- the per-tensor op (_ops/tensorwise.py) and its quantizer (_numerics/fp8.py) -------------
     Mutation(
         "e4m3-grad-output",
         "grad_output cast to e4m3 instead of e5m2",
@@ -289,7 +289,7 @@ MUTATIONS = [
         "_core/state.py",
         (("sites = list(leaves)", "sites = sorted(leaves)"),),
     ),
-    # -- the transform (_transform.py), recompute (_checkpoint.py), routes (_routes.py) ---------
+    # -- the transform (_transform/), recompute (checkpoint.py, recompute.py), routing.py --------
     Mutation(
         "sites-call-order",
         "fn.init orders the sites by the example's call order, not by the module tree",
