@@ -426,6 +426,21 @@ def test_higher_order_derivatives_through_apply_are_refused():
         gx.square().sum().backward()
 
 
+@pytest.mark.parametrize(
+    "recipe",
+    [fp8fn.CurrentScaling(), fp8fn.RowwiseScaling(), fp8fn.MXScaling(), fp8fn.NVFP4Scaling()],
+    ids=["current", "rowwise", "mx", "nvfp4"],
+)
+def test_a_second_derivative_through_apply_names_apply_under_every_recipe(recipe):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 32))
+    fn, x = fp8fn.transform(model, recipe), torch.randn(16, 64, requires_grad=True)
+    out = fn.apply(dict(model.named_parameters()), fn.init(x), x)
+    (gx,) = torch.autograd.grad(out.square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match=r"^fp8fn\.apply: layer '\d': higher-order deriv"):
+        gx.square().sum().backward()
+
+
 def test_vmap_over_the_batch_observes_the_whole_batch():
     model = ReusedLayer(16)
     fn = fp8fn.transform(model, DELAYED)
