@@ -1,9 +1,10 @@
 """The packed scaling state: every site of a model in two tensors, names in the tree structure.
 
 `State` is a pytree node (registered with `torch.utils._pytree` and optree, namespace "fp8fn")
-whose only leaves are `amax_history` and `scale`; the site names and the recipe's static config
-are aux data. So torch.func differentiates two leaves, `update` and `merge` are a constant number
-of kernels, and an observation (the gradient with respect to a `State`) is a `State` too.
+whose leaves are `amax_history` and `scale` (and `key`, NVFP4's random key, when it has one);
+the site names and the recipe's static config are aux data. So torch.func differentiates two
+leaves (three with a key), `update` and `merge` are a constant number of kernels, and an
+observation (the gradient with respect to a `State`) is a `State` too.
 """
 
 from __future__ import annotations
