@@ -142,8 +142,9 @@ class State:
     """The delayed-scaling state of all sites of a model, packed.
 
     A read-only mapping from site names (call order) to `SiteState` views, and a pytree of two
-    leaves. Observations (the gradient of a loss with respect to a `State`) have the same type:
-    `obs.amax_history[..., 0]` holds the amaxes seen in the step, zeros elsewhere.
+    leaves (three with a `key`). Observations (the gradient of a loss with respect to a `State`)
+    have the same type: `obs.amax_history[..., 0]` holds the amaxes seen in the step, zeros
+    elsewhere.
 
     Attributes:
       amax_history: float32 `(..., n_sites, 3, history_len)`, roles input, weight, grad_output,
