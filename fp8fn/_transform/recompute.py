@@ -38,7 +38,7 @@ def _activated(call):
         RUNNING_CALL.reset(token)
 
 
-_INSTALL_LOCK = threading.Lock()
+_INSTALL_LOCK = threading.Lock()  # guards CHECKPOINT_FORWARDS (`_core/registries.py`)
 _MISSING = object()
 
 

@@ -130,7 +130,7 @@ def module_tensors(module):
     return slots, params, buffers
 
 
-_LOCKS_LOCK = threading.Lock()
+_LOCKS_LOCK = threading.Lock()  # guards MODULE_LOCKS (`_core/registries.py`)
 
 
 def _module_lock(module) -> threading.RLock:
