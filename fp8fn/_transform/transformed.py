@@ -24,7 +24,8 @@ import weakref
 import torch
 from torch import nn
 
-from .._core.checks import check_function, init_error
+from .._core.checks import check_function
+from .._core.error_origin import init_error
 from .._core.experts import find_experts, find_gates
 from .._core.keys import initial_key, seed_key
 from .._core.observe import refuse_untrained_backward
