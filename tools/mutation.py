@@ -73,7 +73,7 @@ MUTATIONS = [
     Mutation(
         "margin-current",
         "margin dropped from the current-scaling fallback",
-        "_ops/tensorwise.py",
+        "_ops/roles.py",
         (
             (
                 "current = scale_from_amax(amaxes, fp8_max, margin)",
@@ -95,7 +95,7 @@ MUTATIONS = [
     Mutation(
         "stored-scale-ignored",
         "the stored scale ignored (always current scaling)",
-        "_ops/tensorwise.py",
+        "_ops/roles.py",
         (
             (
                 "return current if newest is None else torch.where(newest > 0, stored, current)",
@@ -106,7 +106,7 @@ MUTATIONS = [
     Mutation(
         "empty-history-uses-stored",
         "an empty history casts with the stored scale (1) instead of current scaling",
-        "_ops/tensorwise.py",
+        "_ops/roles.py",
         (
             (
                 "return current if newest is None else torch.where(newest > 0, stored, current)",
@@ -123,7 +123,7 @@ MUTATIONS = [
     Mutation(
         "grad-output-observes-weight",
         "the grad_output observation is the weight's amax",
-        "_ops/tensorwise.py",
+        "_ops/roles.py",
         (
             (
                 "return torch.stack([x_amax, w_amax, g_amax])",

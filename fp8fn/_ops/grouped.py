@@ -37,7 +37,8 @@ from .grouped_block_scaled import finer_grouped_mm, nvfp4_grouped_mm
 from .grouped_gemm import rows_mm, weight_mm
 from .member_loop import each_member, vmap_per_member
 from .nvfp4 import check_random
-from .tensorwise import placement_of, scales_for
+from .roles import scales_for
+from .tensorwise import placement_of
 
 
 def _group_ids(offs: torch.Tensor, rows: int) -> torch.Tensor:

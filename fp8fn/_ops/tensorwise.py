@@ -19,10 +19,11 @@ from .._core.checks import no_autocast
 from .._core.device import scaled_mm_supported
 from .._core.recipes import FAST_ACCUM
 from .._kernels.cast import backward_cast, forward_cast
-from .._numerics.fp8 import E4M3, E5M2, amax, cast_to_fp8, scale_from_amax
+from .._numerics.fp8 import E4M3, E5M2, amax, cast_to_fp8
 from .._torch_private import tracked_below
 from .first_order import first_order_only
 from .gemm import fp8_mm, widen_operand
+from .roles import observation, scales_for
 
 
 class Local:
@@ -87,15 +88,6 @@ def _whole(place: Local, amaxes, roles: tuple):
     return place.max_over_ranks(amaxes, mask) if any(mask) else amaxes
 
 
-def scales_for(amaxes, newest, stored, margin: int, fp8_max: float):
-    """The scales the casts use, float32 of `amaxes`'s shape: `stored` where the history is
-    non-empty (`newest > 0`), else current scaling from `amaxes`; current scaling when
-    stateless (`newest` None). (A role whose history is known filled, `State.filled`, casts
-    with `stored` alone and never comes here: its amax is taken by `_after_gemm`.)"""
-    current = scale_from_amax(amaxes, fp8_max, margin)
-    return current if newest is None else torch.where(newest > 0, stored, current)
-
-
 def _cast_operands(x, weight, newest, stored, margin: int, backend: str, place: Local, filled=None):
     """The forward's casts: `(x_fp8, w_fp8, x_inv, w_inv, x_amax, w_amax, x_keep, w_keep)`, e4m3
     copies of `x` and `weight` (the local operands) for the forward GEMM, the float32 `()`
@@ -148,15 +140,6 @@ def _after_gemm(amax_or_none, hp, transposed: bool = False):
     if transposed and hp.dim() == 2 and hp.numel():
         return hp.abs().amax(1).float().amax()  # (float32 before the last max: one kernel)
     return amax(hp)
-
-
-def _observation(x_amax, w_amax, g_amax):
-    """`[x_amax, w_amax, g_amax]`, float32 `(3,)`. Compiled, one pointwise kernel selects the
-    entries (a stack is a copy kernel per entry); eager, a stack (one kernel)."""
-    if torch.compiler.is_compiling():
-        role = torch.arange(3, device=g_amax.device)
-        return torch.where(role == 0, x_amax, torch.where(role == 1, w_amax, g_amax))
-    return torch.stack([x_amax, w_amax, g_amax])
 
 
 def _role(newest, stored, filled, role: int):
@@ -291,7 +274,7 @@ class _Fp8LinearOp(torch.autograd.Function):
                 # from a loop over `g`'s two dims: see `_after_gemm`)
                 alone_t = not needs[0] and ctx.backend == "scaled_mm"
                 g_amax = _after_gemm(None, grad_out, alone_t and torch.compiler.is_compiling())
-                observed = _observation(x_amax, w_amax, g_amax)
+                observed = observation(x_amax, w_amax, g_amax)
             grads[:3] = ctx.place.place_grads(grads[:3])
             if needs[3]:  # [x_amax, w_amax, g_amax], made here: at the backward's level
                 grads[3] = observed
