@@ -23,7 +23,7 @@ from .._numerics.fp8 import E4M3, E5M2, amax, cast_to_fp8
 from .._torch_private import tracked_below
 from .first_order import first_order_only
 from .gemm import fp8_mm, widen_operand
-from .roles import observation, scales_for
+from .roles import cast_grad_output, keep_for_backward, observation, scales_for
 
 
 class Local:
@@ -180,11 +180,10 @@ def _cast_grad_output(grad_out, newest, stored, ctx, observe):
         g_fp8 = cast_to_fp8(grad_out, stored[2], E5M2)
         return g_fp8, g_fp8.t(), stored[2].reciprocal(), None
     g_amax = amax(grad_out)
-    g_scale = scales_for(_whole(ctx.place, g_amax, (2,)), newest, stored, ctx.margin, 57344.0)
-    g_scale = g_scale if newest is None else g_scale[..., 2]
-    g_fp8 = cast_to_fp8(grad_out, g_scale, E5M2)
-    observed = None if observe is None else torch.stack([*observe, g_amax])
-    return g_fp8, g_fp8.t(), g_scale.reciprocal(), observed
+    whole = _whole(ctx.place, g_amax, (2,))
+    g_fp8, g_inv = cast_grad_output(grad_out, whole, newest, stored, ctx.margin)
+    observed = None if observe is None else observation(*observe, g_amax)
+    return g_fp8, g_fp8.t(), g_inv, observed
 
 
 def _fp8_gemm(x_fp8, w_fp8, x_inv, w_inv, bias, out_dtype, backend: str, fast_accum: bool):
@@ -236,9 +235,7 @@ class _Fp8LinearOp(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         x, weight, bias, newest, stored, margin, backend, place, filled, fast_accum = inputs
-        ctx.mark_non_differentiable(*output[1:6])  # x_amax stays differentiable: see backward
-        ctx.set_materialize_grads(False)  # the residual outputs get no gradient: no zeros made
-        ctx.save_for_backward(*output[1:], newest, stored)
+        keep_for_backward(ctx, output, newest, stored)
         ctx.margin, ctx.backend, ctx.place, ctx.filled = margin, backend, place, filled
         ctx.fast_accum = fast_accum
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
