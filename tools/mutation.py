@@ -646,6 +646,52 @@ MUTATIONS += [
         (("    return torch.where((ids < experts)[:, None], out, 0.0)", "    return out"),),
     ),
     Mutation(
+        "grouped-device-weight-grad-with-weight-scale",
+        "the device grouped backward (sm_90, sm_100) dequantizes the weight gradient with the "
+        "weight's scale",
+        "_ops/grouped.py",
+        (
+            (
+                "weight_mm_on_device(g_fp8, x_fp8, g_inv, x_inv, offs, w_dtype)",
+                "weight_mm_on_device(g_fp8, x_fp8, g_inv, w_inv, offs, w_dtype)",
+            ),
+        ),
+    ),
+    Mutation(
+        "grouped-device-rows-scale-shifted",
+        "the device grouped backward scales each group's input-gradient rows with the previous "
+        "expert's scales",
+        "_ops/grouped_gemm.py",
+        (
+            (
+                "inv = per_row(a_inv * b_inv, ids)[:, None]",
+                "inv = per_row(a_inv * b_inv, ids - 1)[:, None]",
+            ),
+        ),
+    ),
+    Mutation(
+        "grouped-device-tail-rows-kept",
+        "the device grouped backward keeps the unwritten rows past the last group",
+        "_ops/grouped_gemm.py",
+        (
+            (
+                "torch.where((ids < b.shape[0])[:, None],",
+                "torch.where((ids <= b.shape[0])[:, None],",
+            ),
+        ),
+    ),
+    Mutation(
+        "grouped-device-empty-expert-kept",
+        "the device grouped backward keeps the unwritten weight gradient of an expert with no row",
+        "_ops/grouped_gemm.py",
+        (
+            (
+                "has_rows = (offs > starts)[:, None, None]",
+                "has_rows = (offs >= starts)[:, None, None]",
+            ),
+        ),
+    ),
+    Mutation(
         "keep-anchor-non-differentiable",
         "setup_context marks x_amax non-differentiable: the first-order guard has no anchor",
         "_ops/roles.py",

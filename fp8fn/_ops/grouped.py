@@ -34,7 +34,13 @@ from .block_scaled import FINER, check_finer
 from .first_order import first_order_only
 from .gemm import resolve_backend
 from .grouped_block_scaled import finer_grouped_mm, nvfp4_grouped_mm
-from .grouped_gemm import rows_mm, weight_mm
+from .grouped_gemm import (
+    grouped_on_device,
+    rows_mm,
+    rows_mm_on_device,
+    weight_mm,
+    weight_mm_on_device,
+)
 from .member_loop import each_member, vmap_per_member
 from .nvfp4 import check_random
 from .roles import cast_grad_output, keep_for_backward, observation, per_row, scales_for
@@ -156,8 +162,19 @@ class _Fp8GroupedMM(torch.autograd.Function):
             grads = [None] * 8
             if needs[0]:
                 w_fp8 = ctx.place.weight_again(w_fp8)
+            n, k = g_fp8.shape[-1], x_fp8.shape[-1]
+            on_device = grouped_on_device(backend, grad_out.device, n, k, experts)
 
-            def gemms(g_fp8, w_fp8, x_fp8, g_inv, w_inv, x_inv, offs):
+            def gemms(g_fp8, w_fp8, x_fp8, g_inv, w_inv, x_inv, offs, ids):
+                if on_device:  # one call each, the offsets read on the device
+                    return (
+                        rows_mm_on_device(g_fp8, w_fp8, g_inv, w_inv, offs, ids, x_dtype)
+                        if needs[0]
+                        else None,
+                        weight_mm_on_device(g_fp8, x_fp8, g_inv, x_inv, offs, w_dtype)
+                        if needs[1]
+                        else None,
+                    )
                 return (
                     rows_mm(g_fp8, w_fp8, g_inv, w_inv, offs, x_dtype, backend, True)
                     if needs[0]
@@ -167,7 +184,8 @@ class _Fp8GroupedMM(torch.autograd.Function):
                     else None,
                 )
 
-            grads[:2] = each_member(gemms, g_fp8, w_fp8, x_fp8, g_inv, w_inv, x_inv, offs)
+            operands = (g_fp8, w_fp8, x_fp8, g_inv, w_inv, x_inv, offs, ids)
+            grads[:2] = each_member(gemms, *operands)
             if needs[3]:
                 grads[3] = observation(x_amax, w_amax, g_amax)
         return tuple(first_order_only(grads, x_amax, experts=True))
