@@ -262,6 +262,31 @@ def test_grouped_backward_on_the_device_is_the_per_group_one_but_one_bfloat16_ro
         assert not torch.equal(got, want)  # (the rounding is there: this test can tell)
 
 
+@pytest.mark.slow
+def test_the_device_grouped_backward_compiles_fullgraph_to_the_eager_bits():
+    """Compiled (fullgraph, the CPU standing in for sm_100: no dispatch mode, which
+    torch.compile refuses), the grouped backward's `F.grouped_mm` calls trace without a graph
+    break and give eager's bits (~50 s)."""
+    from fp8fn._core.device import cpu_as_cuda
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(37, 64, generator=gen, requires_grad=True)
+    w = torch.randn(4, 48, 64, generator=gen, requires_grad=True)
+    g = torch.randn(37, 48, generator=gen)
+    offs = torch.tensor([10, 10, 25, 33], dtype=torch.int32)
+
+    def step(x, w, offs):
+        return grouped_mm(x, w, offs, None, None, 0, "scaled_mm")
+
+    grads = []
+    with cpu_as_cuda((10, 0)):
+        for fn in (step, torch.compile(step, fullgraph=True)):
+            x.grad = w.grad = None
+            fn(x, w, offs).backward(g)
+            grads.append((x.grad, w.grad))
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
 @pytest.mark.parametrize(
     "arch, implementation, capability",
     [

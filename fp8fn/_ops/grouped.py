@@ -11,11 +11,16 @@ group (`fp8_mm`), which reads the group offsets on the host (under torch.compile
 custom ops of `grouped_gemm`, so the graph does not break). On CUDA (`backend="scaled_mm"`)
 the forward is one `torch._scaled_grouped_mm` call on sm_90 (torch's float32-scaled grouped
 kernel is built for sm_90 only), where the torch in use has it, the output is bfloat16 and K, N
-are multiples of 16 (per-expert scales given as its row and column scales);
-the backward's GEMMs, and the forward otherwise, go per group through `fp8_mm`'s
-`torch._scaled_mm` (`_scaled_grouped_mm` takes e4m3 operands only, and the output gradient is
-e5m2). **The CUDA path has not run on a GPU**; its calls pass torch's CUDA rules for sm_90
-and sm_100 on CPU (`fp8fn.testing.cuda_path_on_cpu`, tests/test_cuda_paths.py).
+are multiples of 16 (per-expert scales given as its row and column scales), and the forward
+otherwise goes per group through `fp8_mm`'s `torch._scaled_mm`. The backward's GEMMs, on
+sm_90 and sm_100, are one `F.grouped_mm` each of the float8 operands widened to bfloat16,
+with no host read (`grouped_gemm.grouped_on_device`: `_scaled_grouped_mm` takes e4m3 operands
+only, and the output gradient is e5m2); elsewhere per group, as the forward. **The CUDA path
+has not run on a GPU**; its calls pass torch's CUDA rules for sm_90 and sm_100 on CPU
+(`fp8fn.testing.cuda_path_on_cpu`, tests/test_cuda_paths.py).
+
+The op is built from the dense op's parts (`roles`: the scales, the grad_output cast, the
+observation, what `setup_context` keeps; `first_order.first_order_only`, the guard).
 
 The stateless recipes (rowwise, blockwise, MXFP8 per group; NVFP4 per expert) live in
 `grouped_block_scaled`; `grouped_mm` dispatches on the recipe.
