@@ -488,6 +488,12 @@ def scaled_gemm_ops() -> dict:
     }
 
 
+def grouped_gemm_op():
+    """The aten overload of `torch._grouped_mm` (bfloat16 grouped GEMM), as
+    `__torch_dispatch__` receives it."""
+    return torch.ops.aten._grouped_mm.default
+
+
 def bind_op_arguments(op, args: tuple, kwargs: dict) -> dict:
     """`{argument name: value}` of an aten overload's call, defaults filled from its schema."""
     bound = {}

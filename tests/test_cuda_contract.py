@@ -157,6 +157,81 @@ def test_scaled_grouped_mm_calls_a_gpu_refuses_are_refused(case, match):
         torch._scaled_grouped_mm(x, w, sx, sw, offs=offs, out_dtype=torch.bfloat16)
 
 
+def _bf16_grouped(k=32, n=48):
+    """A bfloat16 grouped GEMM's operands: x (40, k), w (3, k, n), an empty group, 8 tail rows."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(40, k, generator=gen).bfloat16()
+    w = torch.randn(3, k, n, generator=gen).bfloat16()
+    return x, w, torch.tensor([16, 16, 32], dtype=torch.int32)
+
+
+def test_grouped_mm_runs_on_the_cpu_kernel_with_unwritten_parts_nan():
+    """`F.grouped_mm` (`aten._grouped_mm`) is checked and run by torch's CPU kernel; the parts
+    the CUDA kernel leaves unwritten are NaN: rows past the last group, and with two 2-D
+    operands, the (n, k) of a group with no rows."""
+    x, w, offs = _bf16_grouped()
+    g = torch.randn(40, 24, generator=torch.Generator().manual_seed(1)).bfloat16()
+    with cuda_path_on_cpu((9, 0)) as contract:
+        rows = F.grouped_mm(x, w, offs=offs)
+        per_expert = F.grouped_mm(g.t(), x, offs=offs)
+    ref = torch.cat([x[:16].float() @ w[0].float(), x[16:32].float() @ w[2].float()])
+    assert torch.equal(rows[:32], ref.bfloat16()) and rows[32:].isnan().all()
+    assert torch.equal(per_expert[2], (g[16:32].t().float() @ x[16:32].float()).bfloat16())
+    assert per_expert[1].isnan().all() and not per_expert[0].isnan().any()
+    assert [name for name, _ in contract.calls] == ["_grouped_mm"] * 2
+    assert contract.host_loops == []  # bfloat16 on sm_90: the offsets read on the device
+
+
+@pytest.mark.parametrize(
+    "case, match",
+    [
+        ("rows of 200 bytes", "multiple of 16 bytes"),
+        ("neither row- nor column-major", "Invalid strides"),
+        ("a view 2 bytes in", "aligned to 16 bytes"),
+        ("float32 output", "output dtype.*bfloat16"),
+        ("float8 operands", "Float32, BFloat16 or Float16"),
+        ("int64 offsets", "int32"),
+        ("decreasing offsets", "Expected offs non-decreasing"),
+        ("offsets past the rows", "Expected offs non-decreasing and at most 40"),
+        ("1024 groups", "more than 1024 groups"),
+    ],
+)
+def test_grouped_mm_calls_a_gpu_refuses_are_refused(case, match):
+    x, w, offs = _bf16_grouped()
+    kwargs = {}
+    if case == "rows of 200 bytes":
+        x, w, offs = _bf16_grouped(k=100)
+    elif case == "neither row- nor column-major":
+        x = torch.cat([x, x], 1)[:, ::2]  # strides (64, 2)
+    elif case == "a view 2 bytes in":
+        x = torch.cat([x.new_zeros(1), x.flatten()])[1:].view(40, 32)  # storage offset 1
+    elif case == "float32 output":
+        kwargs = {"out_dtype": torch.float32}
+    elif case == "float8 operands":
+        x, w = x.to(E4M3), w.to(E4M3)
+    elif case == "int64 offsets":
+        offs = offs.long()
+    elif case == "decreasing offsets":
+        offs = torch.tensor([16, 8, 32], dtype=torch.int32)
+    elif case == "offsets past the rows":
+        offs = torch.tensor([16, 16, 41], dtype=torch.int32)
+    else:
+        w = w[:1].expand(1024, 32, 48)
+        offs = torch.arange(1024, dtype=torch.int32).clamp(max=40)
+    with CudaContract((9, 0)), pytest.raises(CudaContractError, match=match):
+        F.grouped_mm(x, w, offs=offs, **kwargs)
+
+
+@pytest.mark.parametrize("capability, dtype", [((8, 9), torch.bfloat16), ((9, 0), torch.float32)])
+def test_grouped_mm_that_torch_runs_as_a_host_loop_is_recorded(capability, dtype):
+    """Off sm_90 and sm_100, or with float32 operands, torch's CUDA `_grouped_mm` is a loop over
+    the groups that reads the offsets on the host: allowed, and listed in `host_loops`."""
+    x, w, offs = _bf16_grouped()
+    with CudaContract(capability) as contract:
+        F.grouped_mm(x.to(dtype), w.to(dtype), offs=offs)
+    assert contract.host_loops == contract.calls and len(contract.calls) == 1
+
+
 def test_the_check_runs_under_fake_tensors():
     """Large shapes cost nothing under FakeTensorMode: the meta check still sees CUDA rules."""
     from torch._subclasses import FakeTensorMode

@@ -5,11 +5,12 @@ sm_90 and of sm_100 (and the refusals below sm_89 are fp8fn's own). Nothing here
 GPU: the rules are torch's meta kernels plus the CUDA kernels' checks they leave out."""
 
 import collections
+import contextlib
 import warnings
 
 import pytest
 import torch
-from _helpers import sqnr
+from _helpers import CountHostReads, sqnr
 from torch._subclasses import FakeTensorMode
 
 import fp8fn
@@ -158,7 +159,7 @@ def _grouped(recipe, capability, layout, dtype=torch.bfloat16, k=256, n=512, bac
     with cuda_path_on_cpu(capability or (9, 0)) if not fake else _nothing() as contract:
         out = grouped_mm(x, weight, offs, newest, stored_scales, 0, backend, recipe)
         out.float().square().sum().backward()
-    return out, (x.grad, w.grad), (None if fake else contract.calls)
+    return out, (x.grad, w.grad), contract
 
 
 class _nothing:
@@ -183,15 +184,16 @@ GROUPED = {
 @pytest.mark.parametrize("name", GROUPED)
 def test_grouped_passes_the_cuda_rules_with_either_weight_layout(name, dtype, layout, capability):
     recipe = GROUPED[name]
-    out, grads, calls = _grouped(recipe, capability, layout, dtype)
-    ops = collections.Counter(op for op, _ in calls)
+    out, grads, contract = _grouped(recipe, capability, layout, dtype)
+    ops = collections.Counter(op for op, _ in contract.calls)
     one_call = capability == (9, 0) and dtype == torch.bfloat16 and name in ("delayed", "current")
     if name == "mx":
         assert ops == {}
-    elif one_call:  # the forward in one call; the backward per expert (e5m2 operands)
-        assert ops == {"_scaled_grouped_mm": 1, "_scaled_mm": 6}
-    else:  # 3 experts with tokens, 3 GEMMs each
+    elif name == "rowwise":  # 3 experts with tokens, 3 GEMMs each
         assert ops == {"_scaled_mm": 9}
+    else:  # the backward: one bfloat16 grouped GEMM per gradient (e5m2 operands, widened)
+        forward = {"_scaled_grouped_mm": 1} if one_call else {"_scaled_mm": 3}
+        assert ops == {**forward, "_grouped_mm": 2} and not contract.host_loops
     assert torch.equal(out[57:], torch.zeros_like(out[57:]))  # tail rows 0, not unwritten
     assert grads[0][57:].abs().sum() == 0 and grads[1][1].abs().sum() == 0  # no token, no grad
     ref_out, ref_grads, _ = _grouped(recipe, None, layout, dtype, backend="emulated")
@@ -204,8 +206,85 @@ def test_grouped_passes_the_cuda_rules_with_either_weight_layout(name, dtype, la
 @pytest.mark.parametrize("k, n", [(100, 50), (256, 50), (100, 512)], ids=str)
 def test_grouped_unaligned_dims_take_the_per_group_path(k, n, capability):
     for name in ("delayed", "rowwise"):
-        out, grads, calls = _grouped(GROUPED[name], capability, "EKN", k=k, n=n)
-        assert {op for op, _ in calls} == {"_scaled_mm"}
+        out, grads, contract = _grouped(GROUPED[name], capability, "EKN", k=k, n=n)
+        assert {op for op, _ in contract.calls} == {"_scaled_mm"}
+
+
+def _grouped_step(capability, dtype, k=64, n=96, backend="scaled_mm"):
+    """The delayed grouped op's output, gradients and observation (4 experts, expert 1 empty,
+    7 tail rows), and the host reads of its backward; `capability` None: the CPU's own path."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(64, k, generator=gen).to(dtype).requires_grad_()
+    w = torch.randn(4, n, k, generator=gen).to(dtype).requires_grad_()
+    g = (torch.randn(64, n, generator=gen) * torch.rand(64, 1, generator=gen).exp()).to(dtype)
+    offs = torch.tensor([20, 20, 41, 57], dtype=torch.int32)
+    newest, stored = torch.zeros(4, 3, requires_grad=True), torch.ones(4, 3)
+    path = contextlib.nullcontext() if capability is None else cuda_path_on_cpu(capability)
+    with path:
+        out = grouped_mm(x, w, offs, newest, stored, 0, backend)
+        with CountHostReads() as host:
+            out.backward(g)
+    return out, (x.grad, w.grad), newest.grad, host.reads
+
+
+@pytest.mark.parametrize("capability", CAPS, ids=str)
+def test_grouped_backward_reads_nothing_on_the_host_on_sm_90_and_sm_100(capability):
+    """On sm_90 and sm_100 the grouped backward's GEMMs are one `F.grouped_mm` call each, the
+    offsets read on the device: 0 host reads (a device sync each on a GPU). The CPU's own
+    path (per-group GEMMs) reads the offsets twice, and so does the CUDA path where N or K is
+    not a multiple of 8 (`F.grouped_mm` wants 16-byte rows)."""
+    assert _grouped_step(capability, torch.bfloat16)[3] == []
+    assert _grouped_step(capability, torch.float32)[3] == []
+    assert _grouped_step(capability, torch.bfloat16, k=36)[3] == ["tolist"] * 2
+    assert _grouped_step(None, torch.bfloat16, backend="emulated")[3] == ["tolist"] * 2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("capability", CAPS, ids=str)
+def test_grouped_backward_on_the_device_is_the_per_group_one_but_one_bfloat16_rounding(
+    capability, dtype
+):
+    """The device backward widens the float8 operands to bfloat16 (exact) and rounds each
+    group's unscaled product to bfloat16 before its scale: against the CPU's path (bit for bit
+    the dense op per expert, test_grouped_exact.py), each gradient element is within that
+    rounding (2**-8 relative, and one more rounding of a bfloat16 gradient), the observation
+    is the same bits, and the tail rows and the empty expert get exact zeros."""
+    out, grads, obs, _ = _grouped_step(capability, dtype)
+    ref_out, ref_grads, ref_obs, _ = _grouped_step(None, dtype, backend="emulated")
+    assert torch.equal(obs, ref_obs)
+    assert torch.equal(grads[0][57:], torch.zeros_like(grads[0][57:]))
+    assert torch.equal(grads[1][1], torch.zeros_like(grads[1][1]))
+    rel = 2.0**-8 if dtype == torch.float32 else 2.0**-6
+    for got, want in zip(grads, ref_grads):
+        got, want = got.double(), want.double()
+        bound = rel * want.abs() + 2.0**-20 * want.abs().max()
+        assert ((got - want).abs() <= bound).all()
+        assert not torch.equal(got, want)  # (the rounding is there: this test can tell)
+
+
+@pytest.mark.slow
+def test_the_device_grouped_backward_compiles_fullgraph_to_the_eager_bits():
+    """Compiled (fullgraph, the CPU standing in for sm_100: no dispatch mode, which
+    torch.compile refuses), the grouped backward's `F.grouped_mm` calls trace without a graph
+    break and give eager's bits (~50 s)."""
+    from fp8fn._core.device import cpu_as_cuda
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(37, 64, generator=gen, requires_grad=True)
+    w = torch.randn(4, 48, 64, generator=gen, requires_grad=True)
+    g = torch.randn(37, 48, generator=gen)
+    offs = torch.tensor([10, 10, 25, 33], dtype=torch.int32)
+
+    def step(x, w, offs):
+        return grouped_mm(x, w, offs, None, None, 0, "scaled_mm")
+
+    grads = []
+    with cpu_as_cuda((10, 0)):
+        for fn in (step, torch.compile(step, fullgraph=True)):
+            x.grad = w.grad = None
+            fn(x, w, offs).backward(g)
+            grads.append((x.grad, w.grad))
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
 @pytest.mark.parametrize(
@@ -321,7 +400,14 @@ def test_only_k_and_n_are_padded_to_16_not_the_tokens():
 
 # -- coverage ----------------------------------------------------------------------------------
 
-_GEMM_NAMES = {"fp8_mm", "scaled_mm", "torch_scaled_mm", "_rowwise_mm", "scaled_grouped_mm"}
+_GEMM_NAMES = {
+    "fp8_mm",
+    "scaled_mm",
+    "torch_scaled_mm",
+    "_rowwise_mm",
+    "scaled_grouped_mm",
+    "grouped_mm",  # F.grouped_mm: the grouped backward's GEMMs on sm_90 and sm_100
+}
 # The calls that are not on the CUDA path: rowwise's unit-scale GEMM, the CPU's reference.
 _CPU_ONLY = {"_ops/rowwise_blockwise_mx.py:scaled_mm(a_fp8, b_fp8.t(), one, one, torch.float32)"}
 
@@ -348,7 +434,7 @@ def _gemm_call_sites():
 def test_every_float8_gemm_call_site_of_fp8fn_is_checked():
     """Each line of fp8fn/_ops that calls into a float8 GEMM is reached, on the CUDA path of
     sm_90 or sm_100, by a call the contract checked (a new call site fails here until a test
-    reaches it): 12 call sites (and the CPU-only unit-scale one). The whole file reaches them
+    reaches it): 14 call sites (and the CPU-only unit-scale one). The whole file reaches them
     through 22 distinct call chains, ~2000 checked GEMM calls."""
     reached = set()
     for capability in CAPS:  # (sm_90 alone reaches the one-call grouped forward)
@@ -356,10 +442,10 @@ def test_every_float8_gemm_call_site_of_fp8fn_is_checked():
             reached |= {
                 s for _, chain in _dense(RECIPES[name], "autograd", capability)[1] for s in chain
             }
-        for name in ("delayed", "rowwise"):
-            reached |= {
-                s for _, chain in _grouped(GROUPED[name], capability, "EKN")[2] for s in chain
-            }
+        for name, k in (("delayed", 256), ("delayed", 100), ("rowwise", 256)):
+            # (K 100: the per-group backward of dims that are not multiples of 8)
+            contract = _grouped(GROUPED[name], capability, "EKN", k=k)[2]
+            reached |= {s for _, chain in contract.calls for s in chain}
     frames = {(s.rsplit(":", 1)[0], int(s.rsplit(":", 1)[1])) for s in reached}
     sites = _gemm_call_sites()
     missed = [
@@ -368,7 +454,7 @@ def test_every_float8_gemm_call_site_of_fp8fn_is_checked():
         if key not in _CPU_ONLY
         and not any(p == path and first <= line <= last for p, line in frames)
     ]
-    assert missed == [] and len(sites) == 13, (missed, sorted(sites))
+    assert missed == [] and len(sites) == 15, (missed, sorted(sites))
 
 
 @pytest.mark.slow

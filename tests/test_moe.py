@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import fp8fn
-from fp8fn._ops.grouped import grouped_mm
+from fp8fn._ops.grouped import group_amax, grouped_mm
 
 E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -163,6 +163,24 @@ def test_nan_in_one_group_is_observed_by_that_expert_only():
     assert obs[1, 0].isnan()
     assert obs[0, 0].item() == x[:4].abs().max().item()
     assert obs[2, 0].item() == x[9:15].abs().max().item()
+
+
+def test_a_nan_is_observed_where_the_scatter_max_drops_it(monkeypatch):
+    """The per-expert amax is a scatter max: on CPU torch's propagates NaN, on CUDA it is an
+    atomic max (`gpuAtomicMax`), which need not. `group_amax` marks a group holding a NaN
+    itself; here with a scatter max that drops NaN, as an atomic max may."""
+    original = torch.Tensor.scatter_reduce
+
+    def dropping_nan(self, dim, index, src, reduce, **kwargs):
+        if reduce == "amax":
+            src = src.nan_to_num(nan=float("-inf"))
+        return original(self, dim, index, src, reduce, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "scatter_reduce", dropping_nan)
+    rows = torch.tensor([[1.0, -2.0], [float("nan"), 0.5], [-3.0, 0.25], [4.0, 1.0]])
+    ids = torch.tensor([0, 1, 1, 3])  # expert 2 empty; the last row past the groups
+    got = group_amax(rows, ids, 3)
+    assert got[1].isnan() and got[[0, 2]].tolist() == [2.0, 0.0]
 
 
 # -- stateless recipes per group: rowwise, blockwise, MXFP8; NVFP4 per expert --------------------

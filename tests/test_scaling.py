@@ -650,7 +650,7 @@ class _CastScales:
     """Records the storage address of the scale of every per-tensor float8 cast inside."""
 
     def __init__(self, monkeypatch):
-        from fp8fn._ops import tensorwise
+        from fp8fn._ops import roles, tensorwise
         from fp8fn._torch_private import unwrapped
 
         self.scales, cast = [], tensorwise.cast_to_fp8
@@ -659,7 +659,8 @@ class _CastScales:
             self.scales.append(unwrapped(scale).untyped_storage().data_ptr())
             return cast(hp, scale, *args)
 
-        monkeypatch.setattr(tensorwise, "cast_to_fp8", recording)
+        for module in (tensorwise, roles):  # roles: the grad_output cast with a computed scale
+            monkeypatch.setattr(module, "cast_to_fp8", recording)
 
 
 def test_filled_histories_cast_with_the_stored_scales_themselves(monkeypatch):

@@ -67,13 +67,19 @@ MUTATIONS = [
     Mutation(
         "e4m3-grad-output",
         "grad_output cast to e4m3 instead of e5m2",
-        "_ops/tensorwise.py",
-        (("cast_to_fp8(grad_out, g_scale, E5M2)", "cast_to_fp8(grad_out, g_scale, E4M3)"),),
+        "_ops/roles.py",
+        (
+            (
+                "return cast_to_fp8(grad_out, rows, E5M2), g_scale.reciprocal()",
+                "return cast_to_fp8(grad_out, rows, E4M3), g_scale.reciprocal()",
+            ),
+            ("from .._numerics.fp8 import E5M2,", "from .._numerics.fp8 import E4M3, E5M2,"),
+        ),
     ),
     Mutation(
         "margin-current",
         "margin dropped from the current-scaling fallback",
-        "_ops/tensorwise.py",
+        "_ops/roles.py",
         (
             (
                 "current = scale_from_amax(amaxes, fp8_max, margin)",
@@ -95,7 +101,7 @@ MUTATIONS = [
     Mutation(
         "stored-scale-ignored",
         "the stored scale ignored (always current scaling)",
-        "_ops/tensorwise.py",
+        "_ops/roles.py",
         (
             (
                 "return current if newest is None else torch.where(newest > 0, stored, current)",
@@ -106,7 +112,7 @@ MUTATIONS = [
     Mutation(
         "empty-history-uses-stored",
         "an empty history casts with the stored scale (1) instead of current scaling",
-        "_ops/tensorwise.py",
+        "_ops/roles.py",
         (
             (
                 "return current if newest is None else torch.where(newest > 0, stored, current)",
@@ -123,11 +129,11 @@ MUTATIONS = [
     Mutation(
         "grad-output-observes-weight",
         "the grad_output observation is the weight's amax",
-        "_ops/tensorwise.py",
+        "_ops/roles.py",
         (
             (
-                "return torch.stack([x_amax, w_amax, g_amax])",
-                "return torch.stack([x_amax, w_amax, w_amax])",
+                "return torch.stack([x_amax, w_amax, g_amax], -1)",
+                "return torch.stack([x_amax, w_amax, w_amax], -1)",
             ),
         ),
     ),
@@ -534,13 +540,13 @@ MUTATIONS += [
         ),
     ),
     Mutation(
-        "grouped-e4m3-grad-output",
-        "the grouped op casts the output gradient to e4m3",
+        "grouped-grad-output-one-scale",
+        "the grouped op casts every expert's output gradient with the first expert's scale",
         "_ops/grouped.py",
         (
             (
-                "g_fp8 = cast_to_fp8(grad_out, g_rows[:, None], E5M2)",
-                "g_fp8 = cast_to_fp8(grad_out, g_rows[:, None], E4M3)",
+                "cast_grad_output(grad_out, g_amax, newest, stored, ctx.margin, ids)",
+                "cast_grad_output(grad_out, g_amax, newest, stored, ctx.margin, ids * 0)",
             ),
         ),
     ),
@@ -550,19 +556,19 @@ MUTATIONS += [
         "_ops/grouped.py",
         (
             (
-                "grads[3] = torch.stack([x_amax, w_amax, g_amax], 1)",
-                "grads[3] = torch.stack([w_amax, x_amax, g_amax], 1)",
+                "grads[3] = observation(x_amax, w_amax, g_amax)",
+                "grads[3] = observation(w_amax, x_amax, g_amax)",
             ),
         ),
     ),
     Mutation(
         "grouped-rows-scale-shifted",
-        "the grouped op casts each group's rows with the next expert's input scale",
+        "the grouped op casts each group's rows with the previous expert's input scale",
         "_ops/grouped.py",
         (
             (
-                "x_rows = torch.cat([x_scale, x_scale.new_ones(1)])[ids]",
-                "x_rows = torch.cat([x_scale.new_ones(1), x_scale])[ids]",
+                "x_fp8 = cast_to_fp8(x, per_row(x_scale, ids)[:, None], E4M3)",
+                "x_fp8 = cast_to_fp8(x, per_row(x_scale, ids - 1)[:, None], E4M3)",
             ),
         ),
     ),
@@ -572,8 +578,8 @@ MUTATIONS += [
         "_ops/grouped.py",
         (
             (
-                "                ctx.margin,\n                57344.0,",
-                "                0,\n                57344.0,",
+                "cast_grad_output(grad_out, g_amax, newest, stored, ctx.margin, ids)",
+                "cast_grad_output(grad_out, g_amax, newest, stored, 0, ids)",
             ),
         ),
     ),
@@ -585,6 +591,113 @@ MUTATIONS += [
             (
                 "            margin,\n            (448.0, 448.0),",
                 "            0,\n            (448.0, 448.0),",
+            ),
+        ),
+    ),
+    Mutation(
+        "grouped-boundary-row-to-previous-group",
+        "the grouped op gives each group's first row to the previous expert (searchsorted left)",
+        "_ops/grouped.py",
+        (
+            (
+                "offs.to(torch.int64), torch.arange(rows, device=offs.device), right=True",
+                "offs.to(torch.int64), torch.arange(rows, device=offs.device), right=False",
+            ),
+        ),
+    ),
+    Mutation(
+        "grouped-signed-amax",
+        "the grouped op's per-expert amax is the largest value, not the largest magnitude",
+        "_ops/grouped.py",
+        (
+            (
+                "row_amax = hp.abs().amax(1).float() if hp.shape[1]",
+                "row_amax = hp.amax(1).float() if hp.shape[1]",
+            ),
+        ),
+    ),
+    Mutation(
+        "grouped-nan-amax-dropped",
+        "a NaN in an expert's rows is not observed where the scatter max skips it (CUDA's may)",
+        "_ops/grouped.py",
+        (
+            (
+                'return torch.where(nan, float("nan"), out)[:experts]',
+                "return out[:experts]",
+            ),
+        ),
+    ),
+    Mutation(
+        "grouped-weight-grad-with-weight-scale",
+        "the grouped op's weight gradient dequantized with the weight's scale, not the input's",
+        "_ops/grouped.py",
+        (
+            (
+                "weight_mm(g_fp8, x_fp8, g_inv, x_inv, offs, w_dtype, backend)",
+                "weight_mm(g_fp8, x_fp8, g_inv, w_inv, offs, w_dtype, backend)",
+            ),
+        ),
+    ),
+    Mutation(
+        "grouped-tail-rows-kept",
+        "the one-call grouped forward (sm_90) keeps the rows past the last group unwritten",
+        "_ops/grouped.py",
+        (("    return torch.where((ids < experts)[:, None], out, 0.0)", "    return out"),),
+    ),
+    Mutation(
+        "grouped-device-weight-grad-with-weight-scale",
+        "the device grouped backward (sm_90, sm_100) dequantizes the weight gradient with the "
+        "weight's scale",
+        "_ops/grouped.py",
+        (
+            (
+                "weight_mm_on_device(g_fp8, x_fp8, g_inv, x_inv, offs, w_dtype)",
+                "weight_mm_on_device(g_fp8, x_fp8, g_inv, w_inv, offs, w_dtype)",
+            ),
+        ),
+    ),
+    Mutation(
+        "grouped-device-rows-scale-shifted",
+        "the device grouped backward scales each group's input-gradient rows with the previous "
+        "expert's scales",
+        "_ops/grouped_gemm.py",
+        (
+            (
+                "inv = per_row(a_inv * b_inv, ids)[:, None]",
+                "inv = per_row(a_inv * b_inv, ids - 1)[:, None]",
+            ),
+        ),
+    ),
+    Mutation(
+        "grouped-device-tail-rows-kept",
+        "the device grouped backward keeps the unwritten rows past the last group",
+        "_ops/grouped_gemm.py",
+        (
+            (
+                "torch.where((ids < b.shape[0])[:, None],",
+                "torch.where((ids <= b.shape[0])[:, None],",
+            ),
+        ),
+    ),
+    Mutation(
+        "grouped-device-empty-expert-kept",
+        "the device grouped backward keeps the unwritten weight gradient of an expert with no row",
+        "_ops/grouped_gemm.py",
+        (
+            (
+                "has_rows = (offs > starts)[:, None, None]",
+                "has_rows = (offs >= starts)[:, None, None]",
+            ),
+        ),
+    ),
+    Mutation(
+        "keep-anchor-non-differentiable",
+        "setup_context marks x_amax non-differentiable: the first-order guard has no anchor",
+        "_ops/roles.py",
+        (
+            (
+                "ctx.mark_non_differentiable(*output[1:-1])",
+                "ctx.mark_non_differentiable(*output[1:])",
             ),
         ),
     ),

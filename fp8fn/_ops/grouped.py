@@ -11,11 +11,16 @@ group (`fp8_mm`), which reads the group offsets on the host (under torch.compile
 custom ops of `grouped_gemm`, so the graph does not break). On CUDA (`backend="scaled_mm"`)
 the forward is one `torch._scaled_grouped_mm` call on sm_90 (torch's float32-scaled grouped
 kernel is built for sm_90 only), where the torch in use has it, the output is bfloat16 and K, N
-are multiples of 16 (per-expert scales given as its row and column scales);
-the backward's GEMMs, and the forward otherwise, go per group through `fp8_mm`'s
-`torch._scaled_mm` (`_scaled_grouped_mm` takes e4m3 operands only, and the output gradient is
-e5m2). **The CUDA path has not run on a GPU**; its calls pass torch's CUDA rules for sm_90
-and sm_100 on CPU (`fp8fn.testing.cuda_path_on_cpu`, tests/test_cuda_paths.py).
+are multiples of 16 (per-expert scales given as its row and column scales), and the forward
+otherwise goes per group through `fp8_mm`'s `torch._scaled_mm`. The backward's GEMMs, on
+sm_90 and sm_100, are one `F.grouped_mm` each of the float8 operands widened to bfloat16,
+with no host read (`grouped_gemm.grouped_on_device`: `_scaled_grouped_mm` takes e4m3 operands
+only, and the output gradient is e5m2); elsewhere per group, as the forward. **The CUDA path
+has not run on a GPU**; its calls pass torch's CUDA rules for sm_90 and sm_100 on CPU
+(`fp8fn.testing.cuda_path_on_cpu`, tests/test_cuda_paths.py).
+
+The op is built from the dense op's parts (`roles`: the scales, the grad_output cast, the
+observation, what `setup_context` keeps; `first_order.first_order_only`, the guard).
 
 The stateless recipes (rowwise, blockwise, MXFP8 per group; NVFP4 per expert) live in
 `grouped_block_scaled`; `grouped_mm` dispatches on the recipe.
@@ -28,16 +33,23 @@ import torch
 from .._core.checks import no_autocast, refuse_compile_under_func
 from .._core.device import cuda_capability
 from .._core.recipes import NVFP4Scaling
-from .._numerics.fp8 import E4M3, E5M2, cast_to_fp8
+from .._numerics.fp8 import E4M3, cast_to_fp8
 from .._torch_private import scaled_grouped_mm, scaled_grouped_mm_available
 from .first_order import first_order_only
 from .gemm import resolve_backend
 from .grouped_block_scaled import finer_grouped_mm, nvfp4_grouped_mm
-from .grouped_gemm import rows_mm, weight_mm
+from .grouped_gemm import (
+    grouped_on_device,
+    rows_mm,
+    rows_mm_on_device,
+    weight_mm,
+    weight_mm_on_device,
+)
 from .member_loop import each_member, vmap_per_member
 from .nvfp4 import check_random
+from .roles import cast_grad_output, keep_for_backward, observation, per_row, scales_for
 from .rowwise_blockwise_mx import FINER, check_finer
-from .tensorwise import placement_of, scales_for
+from .tensorwise import placement_of
 
 
 def _group_ids(offs: torch.Tensor, rows: int) -> torch.Tensor:
@@ -86,7 +98,7 @@ def _scaled_grouped_forward(x_fp8, w_fp8, x_inv, w_inv, ids, offs):
     expert's `(K, N)` operand (float32 `(E, N)`); bfloat16 `(T, N)`, rows past the last group
     0 (the kernel leaves them unwritten). Untested: no GPU here."""
     experts, n = w_fp8.shape[0], w_fp8.shape[1]
-    row_inv = torch.cat([x_inv, x_inv.new_ones(1)])[ids]
+    row_inv = per_row(x_inv, ids)
     col_inv = w_inv[:, None].expand(experts, n).contiguous()
     # mat_b must be column-major in its last two dims: an (E, K, N) weight reached by a
     # transpose (Llama 4's bmm, batched_mm) is copied to (E, N, K) first (1 byte per element)
@@ -123,8 +135,7 @@ class _Fp8GroupedMM(torch.autograd.Function):
             (448.0, 448.0),
         )
         x_scale, w_scale = scales.unbind(1)
-        x_rows = torch.cat([x_scale, x_scale.new_ones(1)])[ids]
-        x_fp8 = cast_to_fp8(x, x_rows[:, None], E4M3)
+        x_fp8 = cast_to_fp8(x, per_row(x_scale, ids)[:, None], E4M3)
         if cast is None:
             w_fp8 = cast_to_fp8(weight, w_scale[:, None, None], E4M3)
         else:  # cast with the scales of the step's all-gather (the same as `w_scale` would be)
@@ -132,17 +143,14 @@ class _Fp8GroupedMM(torch.autograd.Function):
         x_inv, w_inv = x_scale.reciprocal(), w_scale.reciprocal()
         if _one_scaled_grouped_mm(x, weight, backend):
             out = _scaled_grouped_forward(x_fp8, w_fp8, x_inv, w_inv, ids, offs)
-            return out, x_amax, x_fp8, w_fp8, x_inv, w_inv, w_amax
-        out = rows_mm(x_fp8, w_fp8, x_inv, w_inv, offs, x.dtype, backend, False)
-        return out, x_amax, x_fp8, w_fp8, x_inv, w_inv, w_amax
+        else:
+            out = rows_mm(x_fp8, w_fp8, x_inv, w_inv, offs, x.dtype, backend, False)
+        return out, x_fp8, w_fp8, x_inv, w_inv, w_amax, x_amax
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         x, weight, offs, newest, stored, margin, backend, place = inputs
-        ctx.mark_non_differentiable(*output[2:])  # x_amax stays differentiable: the anchor of
-        # `first_order_only` (as in the dense op)
-        ctx.set_materialize_grads(False)
-        ctx.save_for_backward(*output[2:], output[1], offs, newest, stored)
+        keep_for_backward(ctx, output, offs, newest, stored)
         ctx.margin, ctx.backend, ctx.dtypes = margin, backend, (x.dtype, weight.dtype)
         ctx.place = place
 
@@ -154,22 +162,24 @@ class _Fp8GroupedMM(torch.autograd.Function):
         with no_autocast(grad_out):
             ids = _group_ids(offs, grad_out.shape[0])
             g_amax = group_amax(grad_out, ids, experts)
-            g_scale = scales_for(
-                g_amax,
-                None if newest is None else newest[:, 2],
-                None if stored is None else stored[:, 2],
-                ctx.margin,
-                57344.0,
-            )
-            g_rows = torch.cat([g_scale, g_scale.new_ones(1)])[ids]
-            g_fp8 = cast_to_fp8(grad_out, g_rows[:, None], E5M2)
-            g_inv = g_scale.reciprocal()
+            g_fp8, g_inv = cast_grad_output(grad_out, g_amax, newest, stored, ctx.margin, ids)
             needs, backend = ctx.needs_input_grad, ctx.backend
             grads = [None] * 8
             if needs[0]:
                 w_fp8 = ctx.place.weight_again(w_fp8)
+            n, k = g_fp8.shape[-1], x_fp8.shape[-1]
+            on_device = grouped_on_device(backend, grad_out.device, n, k, experts)
 
-            def gemms(g_fp8, w_fp8, x_fp8, g_inv, w_inv, x_inv, offs):
+            def gemms(g_fp8, w_fp8, x_fp8, g_inv, w_inv, x_inv, offs, ids):
+                if on_device:  # one call each, the offsets read on the device
+                    return (
+                        rows_mm_on_device(g_fp8, w_fp8, g_inv, w_inv, offs, ids, x_dtype)
+                        if needs[0]
+                        else None,
+                        weight_mm_on_device(g_fp8, x_fp8, g_inv, x_inv, offs, w_dtype)
+                        if needs[1]
+                        else None,
+                    )
                 return (
                     rows_mm(g_fp8, w_fp8, g_inv, w_inv, offs, x_dtype, backend, True)
                     if needs[0]
@@ -179,9 +189,10 @@ class _Fp8GroupedMM(torch.autograd.Function):
                     else None,
                 )
 
-            grads[:2] = each_member(gemms, g_fp8, w_fp8, x_fp8, g_inv, w_inv, x_inv, offs)
+            operands = (g_fp8, w_fp8, x_fp8, g_inv, w_inv, x_inv, offs, ids)
+            grads[:2] = each_member(gemms, *operands)
             if needs[3]:
-                grads[3] = torch.stack([x_amax, w_amax, g_amax], 1)
+                grads[3] = observation(x_amax, w_amax, g_amax)
         return tuple(first_order_only(grads, x_amax, experts=True))
 
 

@@ -19,10 +19,11 @@ from .._core.checks import no_autocast
 from .._core.device import scaled_mm_supported
 from .._core.recipes import FAST_ACCUM
 from .._kernels.cast import backward_cast, forward_cast
-from .._numerics.fp8 import E4M3, E5M2, amax, cast_to_fp8, scale_from_amax
+from .._numerics.fp8 import E4M3, E5M2, amax, cast_to_fp8
 from .._torch_private import tracked_below
 from .first_order import first_order_only
 from .gemm import fp8_mm, widen_operand
+from .roles import cast_grad_output, keep_for_backward, observation, scales_for
 
 
 class Local:
@@ -87,15 +88,6 @@ def _whole(place: Local, amaxes, roles: tuple):
     return place.max_over_ranks(amaxes, mask) if any(mask) else amaxes
 
 
-def scales_for(amaxes, newest, stored, margin: int, fp8_max: float):
-    """The scales the casts use, float32 of `amaxes`'s shape: `stored` where the history is
-    non-empty (`newest > 0`), else current scaling from `amaxes`; current scaling when
-    stateless (`newest` None). (A role whose history is known filled, `State.filled`, casts
-    with `stored` alone and never comes here: its amax is taken by `_after_gemm`.)"""
-    current = scale_from_amax(amaxes, fp8_max, margin)
-    return current if newest is None else torch.where(newest > 0, stored, current)
-
-
 def _cast_operands(x, weight, newest, stored, margin: int, backend: str, place: Local, filled=None):
     """The forward's casts: `(x_fp8, w_fp8, x_inv, w_inv, x_amax, w_amax, x_keep, w_keep)`, e4m3
     copies of `x` and `weight` (the local operands) for the forward GEMM, the float32 `()`
@@ -150,15 +142,6 @@ def _after_gemm(amax_or_none, hp, transposed: bool = False):
     return amax(hp)
 
 
-def _observation(x_amax, w_amax, g_amax):
-    """`[x_amax, w_amax, g_amax]`, float32 `(3,)`. Compiled, one pointwise kernel selects the
-    entries (a stack is a copy kernel per entry); eager, a stack (one kernel)."""
-    if torch.compiler.is_compiling():
-        role = torch.arange(3, device=g_amax.device)
-        return torch.where(role == 0, x_amax, torch.where(role == 1, w_amax, g_amax))
-    return torch.stack([x_amax, w_amax, g_amax])
-
-
 def _role(newest, stored, filled, role: int):
     """`(newest, stored, filled)` of one role (0 input, 1 weight, 2 grad_output): float32 `()`
     views, or None for current scaling; whether its history is known non-empty."""
@@ -197,11 +180,10 @@ def _cast_grad_output(grad_out, newest, stored, ctx, observe):
         g_fp8 = cast_to_fp8(grad_out, stored[2], E5M2)
         return g_fp8, g_fp8.t(), stored[2].reciprocal(), None
     g_amax = amax(grad_out)
-    g_scale = scales_for(_whole(ctx.place, g_amax, (2,)), newest, stored, ctx.margin, 57344.0)
-    g_scale = g_scale if newest is None else g_scale[..., 2]
-    g_fp8 = cast_to_fp8(grad_out, g_scale, E5M2)
-    observed = None if observe is None else torch.stack([*observe, g_amax])
-    return g_fp8, g_fp8.t(), g_scale.reciprocal(), observed
+    whole = _whole(ctx.place, g_amax, (2,))
+    g_fp8, g_inv = cast_grad_output(grad_out, whole, newest, stored, ctx.margin)
+    observed = None if observe is None else observation(*observe, g_amax)
+    return g_fp8, g_fp8.t(), g_inv, observed
 
 
 def _fp8_gemm(x_fp8, w_fp8, x_inv, w_inv, bias, out_dtype, backend: str, fast_accum: bool):
@@ -253,9 +235,7 @@ class _Fp8LinearOp(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         x, weight, bias, newest, stored, margin, backend, place, filled, fast_accum, api = inputs
-        ctx.mark_non_differentiable(*output[1:6])  # x_amax stays differentiable: see backward
-        ctx.set_materialize_grads(False)  # the residual outputs get no gradient: no zeros made
-        ctx.save_for_backward(*output[1:], newest, stored)
+        keep_for_backward(ctx, output, newest, stored)
         ctx.margin, ctx.backend, ctx.place, ctx.filled = margin, backend, place, filled
         ctx.fast_accum, ctx.api = fast_accum, api
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
@@ -291,7 +271,7 @@ class _Fp8LinearOp(torch.autograd.Function):
                 # from a loop over `g`'s two dims: see `_after_gemm`)
                 alone_t = not needs[0] and ctx.backend == "scaled_mm"
                 g_amax = _after_gemm(None, grad_out, alone_t and torch.compiler.is_compiling())
-                observed = _observation(x_amax, w_amax, g_amax)
+                observed = observation(x_amax, w_amax, g_amax)
             grads[:3] = ctx.place.place_grads(grads[:3])
             if needs[3]:  # [x_amax, w_amax, g_amax], made here: at the backward's level
                 grads[3] = observed

@@ -40,7 +40,7 @@ from .._numerics.fp8 import E4M3, E5M2, cast_to_fp8
 from .._ops.first_order import first_order_only
 from .._ops.grouped import expert_amax, group_amax
 from .._ops.grouped_gemm import rows_mm, weight_mm
-from .._ops.tensorwise import scales_for
+from .._ops.roles import scales_for
 from .expert_exchange import Exchange, Exchanged, exchange_rows, exchange_scaled_rows
 
 _MAX = {E4M3: 448.0, E5M2: 57344.0}

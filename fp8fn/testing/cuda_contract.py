@@ -1,8 +1,10 @@
-"""torch's CUDA rules for its float8 GEMMs, checked on CPU tensors.
+"""torch's CUDA rules for its float8 GEMMs (and its bfloat16 grouped GEMM), checked on CPU
+tensors.
 
 `CudaContract(capability)` is a dispatch mode that sees every call of `torch._scaled_mm`
-(`aten._scaled_mm`), `F.scaled_mm` (`aten._scaled_mm_v2`) and `torch._scaled_grouped_mm`
-(`aten._scaled_grouped_mm`), below autograd and torch.func, forward and backward. For each it:
+(`aten._scaled_mm`), `F.scaled_mm` (`aten._scaled_mm_v2`), `torch._scaled_grouped_mm`
+(`aten._scaled_grouped_mm`) and `F.grouped_mm` (`aten._grouped_mm`: the grouped backward's
+GEMMs on sm_90 and sm_100), below autograd and torch.func, forward and backward. For each it:
 
 1. runs torch's own meta kernel of the op on `torch.empty_strided(shape, stride, dtype,
    device="meta")` copies of the tensor arguments. For a meta tensor torch applies its CUDA
@@ -15,11 +17,19 @@
    float32 row scales, the CUTLASS kernel of `ScaledGroupMM.cu`, sm_90 only), e5m2 x e5m2
    refused, the bias rules (none with a float32 output; bfloat16 or float16, as the output),
    row-wise scaling's output dtypes, matching inner dims, N a multiple of 16 for the grouped
-   GEMM, and the offsets' values (non-decreasing, within the rows);
+   GEMM, and the offsets' values (non-decreasing, within the rows); for `_grouped_mm`
+   (`GroupedMMUtils.h`, `GroupMM.cu`; its meta kernel takes bfloat16 only, its CUDA kernel
+   float32 and float16 too) the layouts, 16-byte alignment, dtypes, offsets and group count,
+   and whether torch runs it as the kernel that reads the offsets on the device (sm_90 and
+   sm_100, bfloat16) or as its fallback loop that reads them on the host (`host_loops`);
 3. runs the op on the CPU: `_scaled_mm` by torch's CPU reference kernel, `_scaled_grouped_mm`
    (no CPU kernel) emulated in float32, its rows past the last group NaN (the CUDA kernel
-   leaves them unwritten: code that reads them is caught). Under a FakeTensorMode (large shapes,
-   no data) the checks run the same and the op gives only its shape.
+   leaves them unwritten: code that reads them is caught); `_grouped_mm` by torch's CPU
+   kernel, with NaN where the CUDA kernel writes nothing (rows past the last group; with two
+   2-D operands, a group with no rows). Under a FakeTensorMode (large shapes, no data) the
+   checks run the same and the op gives only its shape. `_grouped_mm`'s check and run read
+   no tensor value in Python (its offsets are checked by a device-side assert), so a count
+   of host reads around fp8fn's backward under the mode is fp8fn's own.
 
 A violated rule raises `CudaContractError` with torch's message. `calls` records each checked
 call: the op and its call site, the chain of fp8fn's frames that led to it.
@@ -35,7 +45,7 @@ import torch
 from .. import _torch_private as private
 
 E5M2 = torch.float8_e5m2
-_OPS = private.scaled_gemm_ops()
+_OPS = {**private.scaled_gemm_ops(), "_grouped_mm": private.grouped_gemm_op()}
 _NAMES = {op: name for name, op in _OPS.items()}
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _SKIPPED = (os.path.join(_PACKAGE, "testing"), os.path.join(_PACKAGE, "_torch_private.py"))
@@ -138,6 +148,79 @@ def _scaled_grouped_mm_rules(capability, a, b, scale_a, offs) -> None:
         )
 
 
+def _grouped_mm_rules(capability, a, b, offs, out_dtype) -> None:
+    """torch's CUDA `_grouped_mm` (`GroupedBlas.cpp`, `GroupedMMUtils.h`, `GroupMM.cu`): the
+    operands' dtypes, dims and layouts (row- or column-major in the last two dims, rows of 16
+    bytes, data 16-byte aligned), the output dtype that of `a`, int32 1-D offsets, fewer than
+    1024 groups, and the offsets' values. The kernel that reads the offsets on the device
+    needs sm_90 or sm_100 and bfloat16 operands; elsewhere torch falls back to a loop that
+    reads them on the host (a device sync), which `grouped_mm_takes_the_host_loop` tells."""
+    hp = (torch.bfloat16, torch.float32, torch.float16)
+    _require(
+        a.dtype in hp and b.dtype in hp,
+        f"Expected mat_a and mat_b to be Float32, BFloat16 or Float16 matrices, got {a.dtype} "
+        f"and {b.dtype}",
+    )
+    _require(a.dim() in (2, 3) and b.dim() in (2, 3), "mat_a and mat_b have to be 2 or 3d")
+    _require(
+        (a.dim() == 2 and b.dim() == 2) or a.shape[-1] == b.shape[-2],
+        "contraction dimension of mat_a and mat_b must match",
+    )
+    for name, t in (("mat_a", a), ("mat_b", b)):
+        rows, cols = t.stride(-2), t.stride(-1)
+        size = 16 // t.element_size()
+        _require(
+            (rows == 1 and cols >= max(1, t.shape[-2]) and cols % size == 0)
+            or (cols == 1 and rows >= max(1, t.shape[-1]) and rows % size == 0),
+            f"{name}: expected row- or column-major with strides a multiple of 16 bytes, got "
+            f"strides {t.stride()} for sizes {tuple(t.shape)}",
+        )
+        _require(
+            t.storage_offset() * t.element_size() % 16 == 0,
+            f"{name}: expected data_ptr to be aligned to 16 bytes (storage offset "
+            f"{t.storage_offset()})",
+        )
+    _require(
+        (offs is not None) == (a.dim() == 2 or b.dim() == 2),
+        "Have to provide offsets if there is a 2d matrix, or no offset if both are 3d",
+    )
+    _require(out_dtype is None or out_dtype == a.dtype, "output dtype must match mat_a dtype")
+    if offs is None:
+        return
+    _require(offs.dim() == 1 and offs.dtype == torch.int32, "offs has to be 1D int32")
+    _require(offs.shape[0] < 1024, "Can't process more than 1024 groups")
+    if not private.is_fake(offs):  # values, checked on the device: no host read here either
+        rows = a.shape[0] if b.dim() == 3 else a.shape[-1]
+        ends = offs.to(torch.int64)
+        starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+        valid = (starts <= ends).all() & (ends <= rows).all()
+        private.assert_in_graph(
+            valid, f"Expected offs non-decreasing and at most {rows} (the grouped dim)"
+        )
+
+
+def grouped_mm_takes_the_host_loop(capability, a, b) -> bool:
+    """Whether torch's CUDA `_grouped_mm` runs its fallback, a loop over the groups that reads
+    the offsets on the host (a device sync), rather than the kernel of sm_90 and sm_100 that
+    reads them on the device (bfloat16 operands and output only)."""
+    fast = capability[0] in (9, 10) and a.dtype == b.dtype == torch.bfloat16
+    return not fast
+
+
+def _poison_unwritten_groups(out, a, b, offs):
+    """`_grouped_mm`'s CPU result with NaN where the CUDA kernel writes nothing: rows past the
+    last group (`a` and `b` 2-D, 3-D) and, both 2-D, the `(n, k)` of a group with no rows
+    (whether the kernel zeroes it is not documented: fp8fn must not read it). On the device."""
+    ends = offs.to(torch.int64)
+    if b.dim() == 3 and a.dim() == 2:
+        past = torch.arange(out.shape[0]) >= ends[-1:]
+        return torch.where(past[:, None], float("nan"), out)
+    if a.dim() == 2 and b.dim() == 2:
+        starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+        return torch.where((ends == starts)[:, None, None], float("nan"), out)
+    return out
+
+
 def _emulate_scaled_grouped_mm(a, b, scale_a, scale_b, offs, out_dtype):
     """`torch._scaled_grouped_mm` of a 2-D `a` `(T, K)` and a 3-D `b` `(E, K, N)`, float32
     row scales `(T,)` and column scales `(E, N)`, in float32: `(T, N)` in `out_dtype`, rows
@@ -162,12 +245,15 @@ class CudaContract(private.DispatchMode):
     Attributes:
       capability: the compute capability whose rules are checked.
       calls: `[(op name, call site)]` of every float8 GEMM call checked, in order.
+      host_loops: the entries of `calls` whose `_grouped_mm` torch runs as its fallback loop on
+        this capability, reading the offsets on the host (a device sync each).
     """
 
     def __init__(self, capability: tuple[int, int]):
         super().__init__()
         self.capability = tuple(capability)
         self.calls: list[tuple[str, tuple[str, ...]]] = []
+        self.host_loops: list[tuple[str, tuple[str, ...]]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -177,6 +263,14 @@ class CudaContract(private.DispatchMode):
         self.calls.append((name, _call_site()))
         self.check(name, func, args, kwargs)
         bound = private.bind_op_arguments(func, args, kwargs)
+        if name == "_grouped_mm":
+            a, b = bound["self"], bound["mat2"]
+            if grouped_mm_takes_the_host_loop(self.capability, a, b):
+                self.host_loops.append(self.calls[-1])
+            out = func(*args, **kwargs)
+            if private.is_fake(out) or bound["offs"] is None:
+                return out
+            return _poison_unwritten_groups(out, a, b, bound["offs"])
         if name == "_scaled_grouped_mm" and not private.is_fake(bound["self"]):
             return _emulate_scaled_grouped_mm(
                 bound["self"],
@@ -193,14 +287,19 @@ class CudaContract(private.DispatchMode):
         bound = private.bind_op_arguments(func, args, kwargs)
         prefix = f"fp8fn.testing: torch.{name} would fail on CUDA ({_arch(self.capability)}): "
         try:
-            with private.outside_fake_mode():
+            grouped_hp = name == "_grouped_mm" and bound["self"].dtype != torch.bfloat16
+            with private.outside_fake_mode():  # (torch's meta `_grouped_mm` takes bfloat16
+                # only, its CUDA kernel float32 and float16 too: those are checked below)
                 meta_args = [
                     [_as_meta(t) for t in a] if isinstance(a, list) else _as_meta(a) for a in args
                 ]
                 meta_kwargs = {k: _as_meta(v) for k, v in kwargs.items()}
-                func(*meta_args, **meta_kwargs)
+                if not grouped_hp:
+                    func(*meta_args, **meta_kwargs)
             a, b = bound["self"], bound["mat2"]
-            if name == "_scaled_grouped_mm":
+            if name == "_grouped_mm":
+                _grouped_mm_rules(self.capability, a, b, bound["offs"], bound["out_dtype"])
+            elif name == "_scaled_grouped_mm":
                 _scaled_grouped_mm_rules(self.capability, a, b, bound["scale_a"], bound["offs"])
             else:
                 scales_a = bound["scale_a"]
