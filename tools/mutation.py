@@ -293,21 +293,21 @@ MUTATIONS = [
     Mutation(
         "sites-call-order",
         "fn.init orders the sites by the example's call order, not by the module tree",
-        "_transform/transformed.py",
+        "_transform/plan.py",
         (
             (
-                "for p in self._stateful for k in range(max(calls.get(p, 0), 1))",
-                "for p in sorted(self._stateful, key=lambda p: list(calls).index(p) if p in "
+                "for p in plan.stateful for k in range(max(calls.get(p, 0), 1))",
+                "for p in sorted(plan.stateful, key=lambda p: list(calls).index(p) if p in "
                 "calls else len(calls)) for k in range(max(calls.get(p, 0), 1))",
             ),
         ),
     ),
     Mutation(
         "live-identity-only",
-        "live-model routing by weight identity only (no `_holder_of` fallback: swapped-in "
+        "live-model routing by weight identity only (no `holder_of` fallback: swapped-in "
         "weights run in high precision)",
         "_transform/routing.py",
-        (("return self.transformed._holder_of(weight, transposed)", "return None"),),
+        (("return self.plan.holder_of(weight, transposed, self.held)", "return None"),),
     ),
     Mutation(
         "recompute-live-buffers",
@@ -346,7 +346,7 @@ MUTATIONS = [
         "checkpoint-fn-prefix",
         "checkpoint_fn: `blocks.10` taken for a submodule of the chosen `blocks.1` (a path "
         "prefix, not a path)",
-        "_transform/transformed.py",
+        "_transform/plan.py",
         (
             (
                 'p == "" or name.startswith(p + ".") for p in chosen',
@@ -394,11 +394,11 @@ MUTATIONS = [
         "structure-not-reread",
         "the module's structure not re-read by apply (a layer replaced after transform runs "
         "in high precision, a tie made after it loses gradients)",
-        "_transform/transformed.py",
+        "_transform/plan.py",
         (
             (
-                "    for m, children, n_params, params in structure:",
-                "    for m, children, n_params, params in structure[:0]:",
+                "        for m, children, n_params, params in self.structure:",
+                "        for m, children, n_params, params in self.structure[:0]:",
             ),
         ),
     ),

@@ -427,11 +427,12 @@ def _own_tensor(module, name: str):
     return getattr(*owner_of(module, name), None)
 
 
-def gather_params(transformed, params: dict, state):
+def gather_params(plan, params: dict, state):
     """`(tensors, kept)`: `params` with each DTensor the module does not hold as one
     (functional FSDP) replaced by its whole value, all-gathered in high precision, except the
     weights of the per-tensor float8 layers (gathered in float8 by the op); a DTensor the module
-    holds as one (tensor parallel, FSDP2) stays as it is. `written_back`, a context manager
+    holds as one (tensor parallel, FSDP2) stays as it is. `plan`: the transform's `Plan` (its
+    module, layers and slots). `written_back`, a context manager
     around the call, copies this rank's rows of each gathered buffer back into the given
     DTensor when the call returns (a batch norm's running statistics, updated in train mode).
     `state` (the call's) must be plain and unbatched.
@@ -442,13 +443,13 @@ def gather_params(transformed, params: dict, state):
             "DTensors, which fp8fn compiles not yet. Run the sharded model eagerly."
         )
     _check_state("fp8fn.apply", state)
-    tied = transformed._slots.others
+    tied = plan.slots.others
     in_op = {  # (HF Conv1D's transposed weight and tied weights are gathered)
         m.weight
-        for m in transformed._layers
+        for m in plan.layers
         if isinstance(m.recipe, _TENSORWISE) and not m.transposed and m.weight not in tied
     }
-    module, out = transformed.module, dict(params)
+    module, out = plan.module, dict(params)
     buffers = {name for name, _ in module.named_buffers()}
     kept = _BuffersKept()
     for name, t in params.items():

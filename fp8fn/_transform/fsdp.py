@@ -73,8 +73,6 @@ class Fsdp2:
 
     def without_params(self, params: dict) -> dict:
         """`params` without the FSDP2-managed parameters, which must be the model's own."""
-        if not self.managed and is_fsdp_module(self.module):  # fully_shard after transform
-            self.managed = self._managed()
         if not self.managed:
             return params
         for name, (module, attr, shard) in self.managed.items():

@@ -89,17 +89,21 @@ class Call(TorchFunctionMode):
     (`weights`: `{name: op or None}`, None for float8) for `fn.summary()`.
 
     Args:
-      transformed: the `Transformed`.
+      plan: the `Plan` of the `Transformed` (`plan.py`); the router reads nothing else of it.
       tensors: `{name: tensor}` as given to `apply`; a layer whose weight is not in it runs
         with the module's own (as in `functional_call`).
       state: the `State`, or None when discovering.
+      held: the `Transformed`'s memo of the layers holding swapped-in weights (`holder_of`).
+      stop_at: the code of `Transformed.apply`: the model's own torch.utils.checkpoint is
+        looked for below its frame.
       counts: calls per layer path so far (a recompute starts from the forward's).
       recompute: whether this pass is a recompute of a `checkpoint_fn` module.
     """
 
-    def __init__(self, transformed, tensors, state, counts=None, recompute=False):
+    def __init__(self, plan, tensors, state, held, stop_at=None, counts=None, recompute=False):
         super().__init__()
-        self.transformed, self.state, self.recompute = transformed, state, recompute
+        self.plan, self.state, self.recompute = plan, state, recompute
+        self.held, self.stop_at = held, stop_at
         self.counts = {} if counts is None else counts
         self.sites = []
         # Watch for the model's own torch.utils.checkpoint (see _refuse_torch_checkpoint).
@@ -113,7 +117,7 @@ class Call(TorchFunctionMode):
         self.unobserved = None
         self._derived = {} if not torch.compiler.is_compiling() else None  # {id: (tensor, d)}
         self._derived_list = []  # [(tensor, Derived)], searched with `is` while compiling
-        for entry in transformed._experts:
+        for entry in plan.experts:
             weight = entry.own(tensors)
             self._track(weight, Derived(entry, weight))
         self.weights = {}
@@ -121,11 +125,11 @@ class Call(TorchFunctionMode):
         self.touched = set()  # experts weights viewed, indexed or transposed in this call
         self._names = None
         if state is None:  # discovering: every weight that may reach a GEMM, by identity
-            given = {**dict(transformed.module.named_parameters()), **tensors}
+            given = {**dict(plan.module.named_parameters()), **tensors}
             self._names = {id(t): n for n, t in given.items() if is_lazy(t) or t.dim() >= 2}
         self._kept = []  # the copies `_names` knows by id
         # (layer, weight, bias): what each layer runs with
-        self._entries = [(layer, *layer.own(tensors)) for layer in transformed._layers]
+        self._entries = [(layer, *layer.own(tensors)) for layer in plan.layers]
         self._by_weight = None  # {id(weight): entries}; None while compiling (see _layer_of)
         self._held_before = {}  # {id(layer): the weight it held before the call}, if sharded
         if not torch.compiler.is_compiling():
@@ -171,8 +175,8 @@ class Call(TorchFunctionMode):
                             _note_orientation(weight)
                         return func(*args, **kwargs)
                     return self._linear(layer, x, weight.t() if transposed else weight, bias)
-        if func in GEMMS or any(func is op for op in self.transformed._grouped_ops):
-            gemm = read_gemm(func, args, kwargs, self._derived_of, self.transformed._grouped_ops)
+        if func in GEMMS or any(func is op for op in self.plan.grouped_ops):
+            gemm = read_gemm(func, args, kwargs, self._derived_of, self.plan.grouped_ops)
             if gemm is not None:
                 single = None if gemm.expert is None else self._expert_layer(gemm.derived)
                 if self.state is None:
@@ -213,7 +217,7 @@ class Call(TorchFunctionMode):
         """The `Derived` of `t` when an experts module holds it now though `apply` was not
         given it (FSDP2's unsharded weight, swapped in for the forward); tracked from then on.
         """
-        for entry in self.transformed._experts:
+        for entry in self.plan.experts:
             if module_parameters(entry.module).get(entry.attr) is t:
                 derived = Derived(entry, t)
                 self._track(t, derived)
@@ -329,7 +333,7 @@ class Call(TorchFunctionMode):
             DelayedScaling or CurrentScaling, or when only some of `attrs` are chosen.
         """
         entries = [
-            next((e for e in self.transformed._experts if e.module is module and e.attr == a), None)
+            next((e for e in self.plan.experts if e.module is module and e.attr == a), None)
             for a in attrs
         ]
         if all(e is None for e in entries):
@@ -396,7 +400,7 @@ class Call(TorchFunctionMode):
         would run after `apply` has returned, with the module's own parameters and without
         fp8fn. (Only walks the frames in such a stretch: a part run under no_grad on purpose
         costs a few microseconds per op.)"""
-        if inside_torch_checkpoint(type(self.transformed).apply.__code__):
+        if inside_torch_checkpoint(self.stop_at):
             raise RuntimeError(
                 "fp8fn.apply: the model runs torch.utils.checkpoint, whose recompute in the "
                 "backward would run outside fp8fn.apply: with the module's own parameters and "
@@ -409,7 +413,7 @@ class Call(TorchFunctionMode):
         whole = args[0]
         layer = next(iter(self._given(whole)), (None,))[0]
         if layer is None and isinstance(whole, nn.Parameter):  # swapped in (FSDP2)
-            layer = self.transformed._holder_of(whole, False)
+            layer = self.plan.holder_of(whole, False, self.held)
         if layer is not None and self._held_before:  # sharded operands (never compiled)
             held = self._held_before.get(id(layer))
             args = (gathered_for_split(whole, held), *args[1:])
@@ -436,7 +440,7 @@ class Call(TorchFunctionMode):
         """
         matches = [e for e in self._given(weight) if e[0].transposed == transposed]
         if not matches:
-            return self.transformed._holder_of(weight, transposed)
+            return self.plan.holder_of(weight, transposed, self.held)
         return next((e[0] for e in matches if e[2] is bias), matches[0][0])
 
     def _count(self, layer) -> str:
