@@ -357,7 +357,7 @@ MUTATIONS = [
     Mutation(
         "linear-bias-keyword",
         "F.linear's bias passed by keyword dropped",
-        "_transform/routing.py",
+        "_transform/forms.py",
         (
             (
                 'bound["input"], bound["weight"], bound.get("bias"), False',
@@ -717,10 +717,10 @@ MUTATIONS += [
     Mutation(
         "copy-of-layer-weight-not-followed",
         "a copy of a layer's weight (`.to`, `.clone`) not routed to its site",
-        "_transform/routing.py",
+        "_transform/tracking.py",
         (
             (
-                "        for layer, _, bias in self._given(source):",
+                "        for layer, _, bias in self.given(source):",
                 "        for layer, _, bias in []:",
             ),
         ),

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from .._torch_private import refuse_fullgraph_trace
+from .._torch_errors import USE_CHECKPOINT_FN
+from .._torch_private import inside_torch_checkpoint, refuse_fullgraph_trace
+from .forms import op_name
 
 
 def refuse_unrouted_grouped_mm(plan, call, torch_grouped) -> None:
@@ -32,3 +34,38 @@ def refuse_unrouted_grouped_mm(plan, call, torch_grouped) -> None:
         if torch.compiler.is_compiling():
             refuse_fullgraph_trace(message)
         raise RuntimeError(message)
+
+
+def refuse_call(api: str, layer, what: str):
+    """Raise: `layer` is called in a way fp8fn does not convert (`what`)."""
+    raise ValueError(
+        f"fp8fn.{api}: layer {layer.path!r} {what} (fp8fn runs `x @ weight.T + bias`). "
+        "Call it as `F.linear(x, weight, bias)` (HF Conv1D: `torch.addmm(bias, x, "
+        "weight)`), or leave the layer in high precision with `filter_fn=lambda name, "
+        f"module: name != {layer.path!r}`."
+    )
+
+
+def refuse_other_form(api: str, func, args, kwargs, layer_given) -> None:
+    """Raise if a layer's weight (`layer_given(t)`: its layer, or None) is among the tensors of
+    a linear call of a form that `forms.linear_operands` does not know: it would silently run
+    in high precision."""
+    for t in (*args, *kwargs.values()):
+        layer = layer_given(t) if torch.is_tensor(t) else None
+        if layer is not None:
+            what = f"passes its weight to {op_name(func)} in a form fp8fn does not convert"
+            refuse_call(api, layer, what)
+
+
+def refuse_torch_checkpoint(stop_at) -> None:
+    """Raise if the model runs its own torch.utils.checkpoint (seen as gradients turned off, or
+    saved-tensor hooks, inside a forward that records gradients), below the frame of the code
+    `stop_at` (`Transformed.apply`'s): its recompute would run after `apply` has returned,
+    with the module's own parameters and without fp8fn. (Only walks the frames in such a
+    stretch: a part run under no_grad on purpose costs a few microseconds per op.)"""
+    if inside_torch_checkpoint(stop_at):
+        raise RuntimeError(
+            "fp8fn.apply: the model runs torch.utils.checkpoint, whose recompute in the "
+            "backward would run outside fp8fn.apply: with the module's own parameters and "
+            f"without fp8fn's casts, so silently wrong gradients. {USE_CHECKPOINT_FN}"
+        )
