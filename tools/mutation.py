@@ -422,8 +422,8 @@ MUTATIONS = [
     Mutation(
         "torch-checkpoint-around-apply-refused",
         "torch.utils.checkpoint around fn.apply: its recompute taken for a second observation",
-        "_transform/transformed.py",
-        (("            if not recomputing_in_torch_checkpoint():", "            if True:"),),
+        "_transform/arguments.py",
+        (("        if not recomputing_in_torch_checkpoint():", "        if True:"),),
     ),
     Mutation(
         "mode-on-top",

@@ -15,11 +15,13 @@ from .._core.recipes import RECIPES, DelayedScaling
 from .._core.state import (
     check_scales,
     check_state,
+    claim,
     parse_site,
     site_name,
     warn_if_never_updated,
     warn_if_superseded,
 )
+from .._torch_private import recomputing_in_torch_checkpoint
 from .plan import Plan
 
 # The parameters of the user's choice functions: the recipe function, `filter_fn`, `checkpoint_fn`.
@@ -116,3 +118,15 @@ def check_sites(plan: Plan, state) -> None:
             "fp8fn.apply: `state` does not belong to this model: "
             f"missing sites {missing}, unknown sites {extra}. Make it with fn.init."
         )
+
+
+def claim_for_apply(state) -> None:
+    """Mark `state.amax_history` as used by this `apply` when gradients are recorded for it
+    (`claim`): raise when it already took part in another `apply` of that gradient."""
+    try:
+        claim(state.amax_history, "apply", "state")
+    except RuntimeError:
+        # torch.utils.checkpoint around apply: its recompute reruns the forward whose
+        # observations are recorded (bit for bit), and observes nothing a second time.
+        if not recomputing_in_torch_checkpoint():
+            raise

@@ -77,7 +77,7 @@ def expert_parallel_rows(call, module, attrs) -> list | None:
     for entry in entries:
         k = call.count_experts(entry)
         if call.state is None:
-            call.weights[entry.path] = None  # runs in float8 (`Tracked.note`)
+            call.tracked.weights[entry.path] = None  # runs in float8 (`Tracked.note`)
             out.append((entry.recipe, None, None, None))
             continue
         newest = stored = filled = None

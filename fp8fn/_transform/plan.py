@@ -4,7 +4,7 @@
 recipes, its parameter slots and ties, its experts weights and the routers and gates next to
 them, the submodules `checkpoint_fn` chooses and the slots FSDP2 manages, into a `Plan`. A
 `Transformed` holds one, and reads the module again into a new `Plan` when its structure changed
-(`Plan.unchanged`) or `fn.init` confirmed experts weights (`confirmed`); nothing changes a `Plan`.
+(`Plan.current`) or `fn.init` confirmed experts weights (`confirmed`); nothing changes a `Plan`.
 The per-forward router (`routing.Call`) reads only the plan and its call's arguments.
 """
 
@@ -21,7 +21,7 @@ from .._core.experts import find_experts, find_gates
 from .._core.keys import initial_key
 from .._core.recipes import RECIPES, DelayedScaling, NVFP4Scaling
 from .._core.state import State, init_state, parse_site, site_name
-from .._parallel.wrappers import ddp_parameter
+from .._parallel.wrappers import ddp_parameter, is_fsdp_module
 from .._torch_private import module_children, module_parameters
 from .expert_parallel import expert_parallel_in
 from .experts import grouped_ops
@@ -60,6 +60,11 @@ class Plan:
         """The recipe `filter_fn` and the recipe (function) give the weight `name` of `owner`
         (for a linear layer: its path and itself), or None for high precision."""
         return _chosen(self.choices, name, owner)
+
+    def current(self) -> bool:
+        """Whether the plan is the module's: `unchanged`, and not missing FSDP2's slots
+        (`fully_shard` applied to the module after `transform`)."""
+        return self.unchanged() and (bool(self.fsdp.managed) or not is_fsdp_module(self.module))
 
     def unchanged(self) -> bool:
         """Whether every submodule still holds the children and parameters the plan was read

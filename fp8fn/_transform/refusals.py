@@ -17,7 +17,7 @@ def refuse_unrouted_grouped_mm(plan, call, torch_grouped) -> None:
     ran in high precision. (transformers' grouped_mm experts, compiled, call their own custom
     op, which dynamo hands over.) Under fullgraph the user sees this error at trace time;
     without it, when the frame runs."""
-    watched = call.touched & torch_grouped & plan.confirmed
+    watched = call.tracked.touched & torch_grouped & plan.confirmed
     names = sorted(
         e.path
         for e in plan.experts

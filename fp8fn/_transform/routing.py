@@ -14,7 +14,7 @@ from .._ops.linear import fp8_linear
 from .._parallel.dtensor import sharded_linear, sharded_operands
 from .._torch_private import attention_forward, saved_tensor_hooks_active
 from .expert_calls import grouped, note_orientation
-from .experts import COPIES, DERIVING, GEMMS, GROUPED_MM, ExpertLayer, read_gemm
+from .experts import COPIES, DERIVING, GEMMS, GROUPED_MM, read_gemm
 from .forms import LINEARS, SPLITS, linear_operands, op_name
 from .refusals import refuse_call, refuse_other_form, refuse_torch_checkpoint
 from .tracking import Tracked
@@ -31,7 +31,7 @@ class Call(TorchFunctionMode):
     (`tracking.py`), and their GEMMs go to the grouped float8 op with the rows of their experts'
     sites (`path[e]#k`: one row per expert, contiguous; `expert_calls.py`), or, one expert at a
     time, to `fp8fn.linear`. While discovering, it also notes which weights' GEMMs run in float8
-    (`weights`: `{name: op or None}`, None for float8) for `fn.summary()`.
+    (`tracked.weights`: `{name: op or None}`, None for float8) for `fn.summary()`.
 
     Args:
       plan: the `Plan` of the `Transformed` (`plan.py`); the router reads nothing else of it.
@@ -39,16 +39,15 @@ class Call(TorchFunctionMode):
         with the module's own (as in `functional_call`).
       state: the `State`, or None when discovering.
       held: the `Transformed`'s memo of the layers holding swapped-in weights (`holder_of`).
-      stop_at: the code of `Transformed.apply`: the model's own torch.utils.checkpoint is
-        looked for below its frame.
+      stop_at: `Transformed.apply`'s code (the model's torch.utils.checkpoint is sought below).
       counts: calls per layer path so far (a recompute starts from the forward's).
       recompute: whether this pass is a recompute of a `checkpoint_fn` module.
     """
 
     def __init__(self, plan, tensors, state, held, stop_at=None, counts=None, recompute=False):
         super().__init__()
-        self.plan, self.state, self.recompute = plan, state, recompute
-        self.held, self.stop_at = held, stop_at
+        self.plan, self.state, self.held, self.stop_at = plan, state, held, stop_at
+        self.recompute = recompute
         self.counts = {} if counts is None else counts
         self.sites = []
         # Watch for the model's own torch.utils.checkpoint (`refuse_torch_checkpoint`).
@@ -60,13 +59,11 @@ class Call(TorchFunctionMode):
         # `[input, weight, grad_output]` bools a site, whether its histories are empty: read to
         # the host once per sharded forward (`_parallel.dtensor`), None until then
         self.unobserved = None
-        self.tracked = Tracked(plan, tensors, state is None, held)
-        self.weights, self.touched = self.tracked.weights, self.tracked.touched
+        self.tracked = Tracked(plan, tensors, state is None, held)  # (its `weights`, `touched`)
         self.torch_grouped = set()  # experts weights in torch._grouped_mm, while discovering
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        tracked = self.tracked
+        kwargs, tracked = kwargs or {}, self.tracked
         if self.passive:
             return func(*args, **kwargs)
         if self.watching and (not torch.is_grad_enabled() or saved_tensor_hooks_active()):
@@ -89,7 +86,7 @@ class Call(TorchFunctionMode):
                 layer = self._layer_of(weight, bias, transposed)
                 derived = None if layer is not None or transposed else tracked.derived_of(weight)
                 if derived is not None and isinstance(derived.expert, int) and weight.dim() == 2:
-                    layer = self._expert_layer(derived)
+                    layer = derived.expert_layer()
                 if layer is not None:
                     if options:
                         shown = ", ".join(f"{k}={v}" for k, v in options.items())
@@ -104,7 +101,7 @@ class Call(TorchFunctionMode):
         if func in GEMMS or any(func is op for op in self.plan.grouped_ops):
             gemm = read_gemm(func, args, kwargs, tracked.derived_of, self.plan.grouped_ops)
             if gemm is not None:
-                single = None if gemm.expert is None else self._expert_layer(gemm.derived)
+                single = None if gemm.expert is None else gemm.derived.expert_layer()
                 if self.state is None:
                     self._count(single) if single else self.count_experts(gemm.derived.entry)
                     if func in GROUPED_MM:
@@ -124,11 +121,6 @@ class Call(TorchFunctionMode):
 
     def _api(self) -> str:
         return "init" if self.state is None else "apply"
-
-    def _expert_layer(self, derived):
-        """Expert `derived.expert` of its experts weight, as a layer of its own."""
-        entry = derived.entry
-        return ExpertLayer(entry.expert(derived.expert), entry.recipe)
 
     def count_experts(self, entry) -> int:
         """Counts a grouped call of all of `entry`'s experts; the k of its sites."""

@@ -1,19 +1,12 @@
 """`transform`: an nn.Module as a pure `(init, apply)` pair with explicit scaling state.
 
-`apply` runs the user's own module as it is at the call (its buffers, dtype, device, training
-flags and hooks) under `torch.func.functional_call` with the given parameters. A `Call` (one
-per forward pass, a `TorchFunctionMode`, `routing.py`) routes the linear calls of the chosen
-layers (`layers.py`), known by the identity of their weight, to `fp8fn.linear` with their site's
-state. What `transform` reads from the module (its layers and recipes, parameter slots and ties,
-experts weights and gates, the `checkpoint_fn` submodules, FSDP2's slots) is one frozen `Plan`
-(`plan.py`), read again into a new one when the module's structure changed; during `apply` the
-`checkpoint_fn` submodules get an instance `forward`, removed after the call (the full list:
-docs/semantics.md, "What fp8fn touches outside the state").
-
-This module is the facade: `apply` checks its arguments (`prepare`, `arguments.py`), then enters
-in one `with` the context managers a call needs (torch's errors translated, `_torch_errors.py`;
-FSDP2's float8 weight scales, `fsdp.py`; the module's lock, `swap.py`; the routing `Call`; the
-`checkpoint_fn` recompute, `recompute.py`), then calls the module.
+The facade over a frozen `Plan` (`plan.py`: what `transform` reads from the module, read again
+into a new plan when the module's structure changed). `apply` checks its arguments
+(`arguments.py`), enters in one `with` the context managers a call needs (torch's errors
+translated, `_torch_errors.py`; FSDP2's float8 weight scales, `fsdp.py`; the module's lock,
+`swap.py`; the routing `Call`, `routing.py`, which sends the chosen layers' linear calls to
+`fp8fn.linear`; the `checkpoint_fn` recompute, `recompute.py`), then calls the user's module
+under `torch.func.functional_call` with the given parameters.
 """
 
 from __future__ import annotations
@@ -23,16 +16,12 @@ import contextlib
 import torch
 
 from .._core.keys import seed_key
-from .._core.state import State, claim
+from .._core.state import State
 from .._parallel.dtensor import gather_params, sharded_operands
-from .._parallel.wrappers import is_fsdp_module, refuse_ddp_inner_module
+from .._parallel.wrappers import refuse_ddp_inner_module
 from .._torch_errors import translated_errors
-from .._torch_private import (
-    constant_under_compile,
-    innermost_function_mode,
-    recomputing_in_torch_checkpoint,
-)
-from .arguments import check_apply, check_sites, check_transform
+from .._torch_private import constant_under_compile, innermost_function_mode
+from .arguments import check_apply, check_sites, check_transform, claim_for_apply
 from .checkpoint import refuse_compile
 from .coverage import report_high_precision, summarize
 from .discovery import discover
@@ -46,23 +35,17 @@ from .swap import exclusive, swapped_call
 
 @constant_under_compile
 def _reread_if_changed(transformed) -> bool:
-    """`transformed`'s plan read again when its module's structure changed since it was read
-    (or `fully_shard` came after `transform`).
+    """`transformed`'s plan read again when it is no longer current (`Plan.current`).
 
     Run as it is, in eager; while torch.compile traces `apply`, run at trace time only (its
     result a constant): a change that makes dynamo trace again (it guards on the submodules
     and parameters a forward reads) is re-read then.
     """
-    if not _current(transformed):
+    if not transformed.plan.current():
         with exclusive(transformed.module):
-            if not _current(transformed):
+            if not transformed.plan.current():
                 transformed._read(transformed.plan.confirmed)
     return True
-
-
-def _current(transformed) -> bool:
-    plan = transformed.plan
-    return plan.unchanged() and (bool(plan.fsdp.managed) or not is_fsdp_module(plan.module))
 
 
 class Transformed:
@@ -159,15 +142,15 @@ class Transformed:
         """
         seed_key(seed)  # checks the seed before the model runs
         call = discover(self._current_plan(), args, kwargs, self._held)
-        self._weights = call.weights
+        self._weights = call.tracked.weights
         plan = self.plan
-        confirmed = {e.path for e in plan.experts if call.weights.get(e.path, "") is None}
+        confirmed = {e.path for e in plan.experts if self._weights.get(e.path, "") is None}
         self._torch_grouped |= call.torch_grouped
         if not confirmed <= plan.confirmed:
             self._read(plan.confirmed | confirmed)
         self.plan.fsdp.refuse_unused(self.plan.confirmed)
         if not self._reported:
-            self._reported = report_high_precision(self.plan, call.weights)
+            self._reported = report_high_precision(self.plan, self._weights)
         return initial_state(self.plan, call.sites, seed)
 
     def apply(self, params: dict, state: State, *args, **kwargs):
@@ -175,11 +158,10 @@ class Transformed:
 
         Not pure in memory (docs/semantics.md, "What fp8fn touches outside the state"): it
         writes caches on this `Transformed` (the state's sites last checked, the layer holding
-        each weight a module swapped in itself, the module re-read when its structure changed);
-        it marks `state.amax_history` as used when gradients are recorded for it (a second use
-        is refused); an FSDP2 float8 weight keeps the scale of its forward all-gather; and
-        during the call the `checkpoint_fn` submodules have an instance `forward` (removed when
-        the call ends).
+        each weight a module swapped in itself, the plan re-read when the module's structure
+        changed); it marks `state.amax_history` as used when gradients are recorded for it (a
+        second use is refused); an FSDP2 float8 weight keeps the scale of its forward
+        all-gather; during the call the `checkpoint_fn` submodules have an instance `forward`.
 
         The module runs as it is now: its buffers, dtype, device, training flags and hooks.
 
@@ -209,7 +191,7 @@ class Transformed:
             recorded: autograd would sum the two calls' observations, fp8fn combines by max.
         """
         check_apply(self._current_plan(), params, state)
-        tensors, call, kept = self.prepare(params, state)
+        tensors, call, kept = self._prepare(params, state)
         with (
             translated_errors(self.module, params),
             self.plan.fsdp.scales(state),
@@ -223,7 +205,7 @@ class Transformed:
                 refuse_unrouted_grouped_mm(self.plan, call, self._torch_grouped)
             return out
 
-    def prepare(self, params: dict, state: State):
+    def _prepare(self, params: dict, state: State):
         """What `apply` makes before its `with`, once `check_apply` passed: `(tensors, call,
         kept)`, the tensors to swap in, the routing `Call`, and the context manager of the
         gathered buffers (`gather_params`). Raises what `apply` raises for `state`'s sites and
@@ -233,13 +215,7 @@ class Transformed:
             check_sites(plan, state)
             if not torch.compiler.is_compiling():  # no attribute write for dynamo to guard on
                 self._known_sites = state.sites
-        try:
-            claim(state.amax_history, "apply", "state")
-        except RuntimeError:
-            # torch.utils.checkpoint around apply: its recompute reruns the forward whose
-            # observations are recorded (bit for bit), and observes nothing a second time.
-            if not recomputing_in_torch_checkpoint():
-                raise
+        claim_for_apply(state)
         params = plan.fsdp.without_params(params)
         tensors, kept = params, contextlib.nullcontext()
         if params and sharded_operands(next(iter(params.values()))):  # the first tells
