@@ -48,6 +48,12 @@ DEFAULT_TESTS = [
     "tests/test_finer.py",
     "tests/test_reference.py",
     "tests/test_transform.py",
+    "tests/test_plan.py",
+    "tests/test_arguments.py",
+    "tests/test_routing.py",
+    "tests/test_swap.py",
+    "tests/test_discovery.py",
+    "tests/test_state_trees.py",
     "tests/test_never_silent.py",
 ]
 QUICK_TESTS = ["tests/test_reference.py"]
