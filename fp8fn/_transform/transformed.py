@@ -70,7 +70,10 @@ class Transformed:
     def _read(self, confirmed: frozenset):
         """Read the module into a new `plan` (`read_module`), with the experts weights
         `confirmed` by `init`; the caches of the old plan go with it."""
-        self.plan = read_module(self.module, *self._choices, confirmed)
+        self.plan = plan = read_module(self.module, *self._choices, confirmed)
+        # `fn.layers`, `fn.recipes`, `fn.checkpointed`: copies (the plan's own never change)
+        self.layers, self.recipes = list(plan.recipes), dict(plan.recipes)
+        self.checkpointed = list(plan.checkpointed)
         self._held = {}  # {id(weight): (weakref, layer)}: weights swapped into layers (FSDP2)
         self._known_sites = None  # the `state.sites` last checked by `apply`
 
@@ -79,21 +82,6 @@ class Transformed:
         layer replaced, weights tied, fully_shard: since transform)."""
         _reread_if_changed(self)
         return self.plan
-
-    @property
-    def layers(self) -> list[str]:
-        """The paths of the layers that run in float8 (and of the confirmed experts weights)."""
-        return list(self.plan.recipes)
-
-    @property
-    def recipes(self) -> dict:
-        """`{path: recipe}` of `layers`."""
-        return dict(self.plan.recipes)
-
-    @property
-    def checkpointed(self) -> list[str]:
-        """The paths of the submodules recomputed in the backward (`checkpoint_fn`)."""
-        return list(self.plan.checkpointed)
 
     def summary(self) -> str:
         """What runs in float8 and what does not, as a table of the model's matmul weights
