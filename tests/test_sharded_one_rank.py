@@ -9,14 +9,10 @@ import copy
 
 import torch
 import torch.distributed as dist
-from _helpers import DELAYED, assert_bit_identical, gelu_mlp, params_of, stepped
+from _helpers import DELAYED, assert_bit_identical, gelu_mlp, loss_of, params_of, stepped
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import fp8fn
-
-
-def _loss(fn):
-    return lambda p, s, x: fn.apply(p, s, x).square().mean()
 
 
 def test_functional_fsdp_on_one_rank_gives_the_unsharded_bits(one_rank_mesh, monkeypatch):
@@ -36,8 +32,8 @@ def test_functional_fsdp_on_one_rank_gives_the_unsharded_bits(one_rank_mesh, mon
     assert_bit_identical(fn.apply(sharded, state, x), fn.apply(plain, state, x))
     # the weights in float8 (1 byte per element), the biases in float32
     assert sent == {torch.uint8: 32 * 16 + 32 * 32 + 8 * 32, torch.float32: 4 * (32 + 32 + 8)}
-    grads, obs = torch.func.grad(_loss(fn), argnums=(0, 1))(sharded, state, x)
-    want, want_obs = torch.func.grad(_loss(fn), argnums=(0, 1))(plain, state, x)
+    grads, obs = torch.func.grad(loss_of(fn), argnums=(0, 1))(sharded, state, x)
+    want, want_obs = torch.func.grad(loss_of(fn), argnums=(0, 1))(plain, state, x)
     assert_bit_identical(obs, want_obs)
     for k, g in grads.items():
         assert isinstance(g, DTensor) and g.placements == (Shard(0),), k
@@ -61,7 +57,7 @@ def test_tensor_parallel_on_one_rank_gives_the_unsharded_bits(one_rank_mesh):
     out = fn.apply(dict(model.named_parameters()), observed, x)
     out.square().mean().backward()
     want_out = ref_fn.apply(params_of(ref), state, x)
-    want, want_obs = torch.func.grad(_loss(ref_fn), argnums=(0, 1))(params_of(ref), state, x)
+    want, want_obs = torch.func.grad(loss_of(ref_fn), argnums=(0, 1))(params_of(ref), state, x)
     assert_bit_identical(out, want_out)
     assert_bit_identical(fp8fn.all_reduce(fp8fn.observations(observed)), want_obs)
     for k, p in model.named_parameters():
@@ -85,7 +81,7 @@ def test_fsdp2_float8_all_gather_on_one_rank_gives_the_unsharded_bits(one_rank_m
     observed = fp8fn.observe(state)
     out = fn.apply(dict(model.named_parameters()), observed, x)
     out.square().mean().backward()
-    want, want_obs = torch.func.grad(_loss(ref_fn), argnums=(0, 1))(params_of(ref), state, x)
+    want, want_obs = torch.func.grad(loss_of(ref_fn), argnums=(0, 1))(params_of(ref), state, x)
     assert_bit_identical(out, ref_fn.apply(params_of(ref), state, x))
     assert_bit_identical(fp8fn.observations(observed), want_obs)
     for k, p in model.named_parameters():
