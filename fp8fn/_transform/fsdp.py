@@ -41,7 +41,8 @@ class Fsdp2:
 
     Attributes:
       managed: `{name: (submodule, attribute, sharded parameter)}` of the parameters FSDP2
-        manages (found again at the first `apply` when `fully_shard` came after `transform`).
+        manages (when `fully_shard` came after `transform`, `apply` reads the module into a
+        new `Plan`, and so a new `Fsdp2`: `Plan.current`).
       gathered: `_Gathered`, one per layer or experts weight that FSDP2 all-gathers in float8.
     """
 

@@ -110,6 +110,10 @@ def read_module(module, recipe, filter_fn, checkpoint_fn, confirmed=frozenset())
     """Read the `Plan` of `module` under these choices (`fp8fn.transform`'s arguments), with
     the experts weights `confirmed` (their paths) seen in a GEMM by `fn.init`.
 
+    It reads the module and changes nothing in it, but for FSDP2's modules, resharded first
+    (every shard in place, `Fsdp2`); it calls `filter_fn`, the recipe function and
+    `checkpoint_fn`, and warns when no layer runs in float8 (`find_layers`).
+
     Raises what `fp8fn.transform` raises for the module's layers and recipes (a recipe function
     returning another type, two DelayedScaling configs, FSDP2-tied layers with two choices, a
     float8 all-gather of a layer that does not run in float8)."""
