@@ -6,8 +6,9 @@ Standalone: `python benchmarks/expert_parallel.py [--hidden 256] [--steps 5] [--
 The package never imports it. It spawns 2 gloo ranks on CPU; each runs a tiny Mixtral
 (transformers 5.x, from a config) in bfloat16 with its 4 experts sharded 2 per rank, under
 `fp8fn.transform(..., DelayedScaling())`, warmed by one step (every expert's histories filled),
-then times `--steps` training steps with `float8_wire=True` and with `float8_wire=False` (the
-rows in bfloat16, cast by the receiver), interleaved. The collectives are counted by
+then times `--steps` training steps with `float8_wire=True`, with `float8_wire=False` (the
+rows in bfloat16, cast by the receiver) and with `float8_wire="all"` (also the GEMM outputs,
+e4m3 with one power-of-two scale byte per row), interleaved. The collectives are counted by
 `WireMeter`, a dispatch mode (a wrapper of `torch.distributed` functions counts a call twice
 under a TorchFunctionMode, DESIGN.md): the bytes a rank hands to each `all_to_all_single`
 (its own rows included) and each `all_reduce`, summed over the ranks. The anchors' layout
@@ -134,7 +135,7 @@ def worker(rank: int, port: int, hidden: int, steps: int, seq: int, out: str) ->
     gen = torch.Generator().manual_seed(rank)
     ids = torch.randint(0, 128, (2, seq), generator=gen)
     runs = {}
-    for wire in (True, False):
+    for wire in (True, False, "all"):
         model = fp8fn.expert_parallel(tiny_mixtral(hidden), mesh, float8_wire=wire)
         fn = fp8fn.transform(model, fp8fn.DelayedScaling(), filter_fn=_not_router)
         state = fn.init(ids)
@@ -187,24 +188,34 @@ def main() -> None:
         mp.spawn(worker, args=(free_port(), hidden, steps, seq, out), nprocs=WORLD, join=True)
         with open(out) as f:
             lines = [eval(line) for line in f]  # noqa: S307 (our own repr)
-    results = {wire: (nbytes, counts, t) for wire, nbytes, counts, t in lines[:2]}
-    rows = lines[2][1]
+    results = {wire: (nbytes, counts, t) for wire, nbytes, counts, t in lines[:3]}
+    rows = lines[3][1]
     per_row = 2 * rows  # rows x 2 layers: bytes per (token, k) row of one layer
-    f8, bf = results[True][0], results[False][0]
+    f8, bf, al = results[True][0], results[False][0], results["all"][0]
 
-    def share(names):
-        return ratio(sum(f8.get(n, 0) for n in names), sum(bf.get(n, 0) for n in names), 3)
+    def share(names, wire=f8):
+        return ratio(sum(wire.get(n, 0) for n in names), sum(bf.get(n, 0) for n in names), 3)
 
     anchor = ratio(hidden + hidden / 32, 2 * hidden, 3)
     table = [
         [name, f"{f8.get(name, 0) / per_row:.1f}", f"{bf.get(name, 0) / per_row:.1f}",
-         share([name]), anchor if name in DIRECTIONS[::2] else "1.000x"]
+         f"{al.get(name, 0) / per_row:.1f}", share([name]), share([name], al),
+         anchor if name in DIRECTIONS[::2] else "1.000x"]
         for name in DIRECTIONS
     ]  # fmt: skip
-    table.append(["dispatch fwd + combine bwd", "", "", share(DIRECTIONS[::2]), anchor])
-    table.append(["all four directions", "", "", share(DIRECTIONS), ""])
+    pair, four = DIRECTIONS[::2], DIRECTIONS
+    table.append(["dispatch fwd + combine bwd", "", "", "", share(pair), share(pair, al), anchor])
+    table.append(["all four directions", "", "", "", share(four), share(four, al), ""])
     print_table(
-        ["direction", "float8 B/row", "bf16 B/row", "vs bf16", "anchors"],
+        [
+            "direction",
+            "float8 B/row",
+            "bf16 B/row",
+            '"all" B/row',
+            "float8 vs bf16",
+            '"all" vs bf16',
+            "anchors",
+        ],
         table,
         title=f"{WORLD} gloo ranks on CPU, tiny Mixtral (hidden {hidden}, 4 experts, top 2, 2 "
         f"MoE layers) in bfloat16, {rows} (token, k) rows per layer (all ranks), "
@@ -215,7 +226,7 @@ def main() -> None:
         ["wire", "all_to_all (counts, rows)", "all_reduce", "step ms"],
         [
             [
-                "float8" if wire else "bf16",
+                {True: "float8", False: "bf16", "all": '"all"'}[wire],
                 f"{counts.get('counts', 0)}, {sum(counts.get(d, 0) for d in DIRECTIONS)}",
                 counts.get("allreduce_", 0),
                 f"{t * 1e3:.1f}",
@@ -225,6 +236,7 @@ def main() -> None:
         title=f"collectives per training step, median of {steps} step(s)",
     )
     print(f"step time, float8 / bf16 wire: {ratio(results[True][2], results[False][2])}")
+    print(f'step time, "all" / bf16 wire: {ratio(results["all"][2], results[False][2])}')
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""fp8fn: float8 training with delayed scaling as a pure, functional transform for PyTorch.
+"""fp8fn: float8 training with delayed scaling as a functional transform for PyTorch: the scaling
+state is data, passed in and returned.
 
 Layers, lowest first. A module imports from its own layer and the layers below it, never from
 one above (`tests/test_layers.py` walks every import, also those inside functions):
@@ -6,9 +7,10 @@ one above (`tests/test_layers.py` walks every import, also those inside function
     _torch_private  every private torch API fp8fn uses (the fence, scanned by a test)
     _torch_errors   torch's own error wording, matched and told as fp8fn errors
     _numerics       float8 and NVFP4 formats, scales, amaxes and casts: tensors in, tensors out
-    _core           recipes, state, observations, update, keys, validity marks, checks
+    _core           recipes, state, observations, update, keys, checks, whose error it is, and
+                    everything kept outside the state (registries.py: marks, registries)
     _kernels        the fused Triton casts
-    _ops            the float8 autograd ops: per-tensor, block-scaled, NVFP4, grouped
+    _ops            the float8 autograd ops: per-tensor, rowwise/blockwise/MX, NVFP4, grouped
     _parallel       DTensor, FSDP2's float8 all-gather, all_reduce, the experts' exchange
     _transform      transform, Transformed, checkpoint, expert_parallel: the user's module
     optim           fp8fn.optim, the pure AdamW with quantized moments

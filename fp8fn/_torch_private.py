@@ -302,6 +302,32 @@ def has_backward_hooks(module: torch.nn.Module) -> bool:
     return bool(module._backward_hooks or module._backward_pre_hooks)
 
 
+# -- FSDP2's gradient reduction (`fp8fn/_transform/expert_parallel.py`) -------------------------
+
+
+def fsdp_gradient_divisions(root: torch.nn.Module, module: torch.nn.Module, names) -> list:
+    """`[(gradient_divide_factor, data-parallel size)]` of the FSDP2 parameter groups, among
+    `fully_shard`ed modules inside `root`, that hold the parameters `names` of `module`: the
+    factor `set_gradient_divide_factor` set (None when unset: FSDP2 then divides by the
+    data-parallel size, its shard mesh's size times its replicate mesh's)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    found = []
+    for m in root.modules():
+        if not isinstance(m, FSDPModule):
+            continue
+        for group in m._get_fsdp_state()._fsdp_param_groups:
+            held = any(
+                p._module_info.module is module and p._module_info.param_name in names
+                for p in group.fsdp_params
+            )
+            if held:
+                info = group.mesh_info
+                size = getattr(info, "shard_mesh_size", 1) * getattr(info, "replicate_mesh_size", 1)
+                found.append((group.gradient_divide_factor, size))
+    return found
+
+
 # -- tensor subclasses (`fp8fn/_parallel/fsdp_gather.py`) ----------------------------------------
 
 # What a wrapper subclass sets as its `__torch_function__` to see every op in its

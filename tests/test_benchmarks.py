@@ -184,13 +184,16 @@ def test_gpu_dry_run_prints_its_tables():
 def test_expert_parallel_dry_run_halves_the_bytes(quick_runs):
     """`expert_parallel.py --quick` (its `--dry-run`): dispatch forward and combine backward
     send half the bytes of bfloat16 (no scales on the wire), the other two directions the
-    same; 10 all-to-alls (2 of counts) and one all_reduce a step."""
+    same; with `float8_wire="all"` those two send K + 1 bytes a row of K = 32 (one scale byte);
+    10 all-to-alls (2 of counts) and one all_reduce a step."""
     out = quick_runs(ROOT / "benchmarks" / "expert_parallel.py").stdout
     for name in ("dispatch forward", "combine backward"):
-        assert re.search(rf"^{name}\s+32\.0\s+64\.0\s+0\.500x\s+0\.516x$", out, re.M), out
+        row = rf"^{name}\s+32\.0\s+64\.0\s+32\.0\s+0\.500x\s+0\.500x\s+0\.516x$"
+        assert re.search(row, out, re.M), out
     for name in ("combine forward", "dispatch backward"):
-        assert re.search(rf"^{name}\s+64\.0\s+64\.0\s+1\.000x", out, re.M), out
-    assert re.search(r"^dispatch fwd \+ combine bwd\s+0\.500x", out, re.M), out
-    assert re.search(r"^all four directions\s+0\.750x$", out, re.M), out
-    for wire in ("float8", "bf16"):
+        row = rf"^{name}\s+64\.0\s+64\.0\s+33\.0\s+1\.000x\s+0\.516x\s+1\.000x$"
+        assert re.search(row, out, re.M), out
+    assert re.search(r"^dispatch fwd \+ combine bwd\s+0\.500x\s+0\.500x", out, re.M), out
+    assert re.search(r"^all four directions\s+0\.750x\s+0\.508x$", out, re.M), out
+    for wire in ("float8", "bf16", '"all"'):
         assert re.search(rf"^{wire}\s+2, 8\s+1\s", out, re.M), out

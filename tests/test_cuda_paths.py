@@ -323,7 +323,7 @@ def test_only_k_and_n_are_padded_to_16_not_the_tokens():
 
 _GEMM_NAMES = {"fp8_mm", "scaled_mm", "torch_scaled_mm", "_rowwise_mm", "scaled_grouped_mm"}
 # The calls that are not on the CUDA path: rowwise's unit-scale GEMM, the CPU's reference.
-_CPU_ONLY = {"_ops/block_scaled.py:scaled_mm(a_fp8, b_fp8.t(), one, one, torch.float32)"}
+_CPU_ONLY = {"_ops/rowwise_blockwise_mx.py:scaled_mm(a_fp8, b_fp8.t(), one, one, torch.float32)"}
 
 
 def _gemm_call_sites():

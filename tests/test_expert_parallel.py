@@ -5,11 +5,13 @@ runs are in `test_expert_parallel_ranks.py` (slow)."""
 
 from __future__ import annotations
 
+import math
 import pathlib
 import sys
 
 import pytest
 import torch
+from _helpers import sqnr
 from _moe_models import batch, build
 from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
@@ -17,7 +19,7 @@ from torch.overrides import TorchFunctionMode
 import fp8fn
 from fp8fn._numerics.fp8 import E4M3, E5M2, cast_to_fp8
 from fp8fn._ops.grouped import grouped_mm
-from fp8fn._parallel.expert_exchange import exchange_rows, plan_exchange
+from fp8fn._parallel.expert_exchange import exchange_rows, exchange_scaled_rows, plan_exchange
 from fp8fn._parallel.expert_gemm import dispatch_grouped_mm, grouped_mm_combine, pack_rows
 
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "benchmarks"))
@@ -77,14 +79,12 @@ _FILLED = {
 }
 
 
-@pytest.mark.parametrize("filled", list(_FILLED))
-@pytest.mark.parametrize("op", [dispatch_grouped_mm, grouped_mm_combine])
-def test_one_rank_fused_ops_are_the_grouped_op(one_rank_mesh, op, filled):
-    """Float8 on the wire for the experts whose histories hold an amax (`filled`), high
-    precision for the others (one all-to-all of each kind, two when mixed), the fused op
-    gives the grouped op's bits: output, grad_input, grad_weight and observation."""
+def _fused_and_grouped(group, op, wire, scaled=False):
+    """`op` (a fused op) on one rank's group and the grouped op on the same 30 rows of 4
+    experts (expert 2 idle; `newest` 0 for the experts off the `wire`): `(ids, meter of the
+    fused op's collectives, (out, grad_x, grad_w, obs) fused, the same of the grouped op)`."""
     gen = torch.Generator().manual_seed(1)
-    experts, wire = 4, _FILLED[filled]
+    experts = 4
     ids = torch.sort(torch.randint(0, experts, (30,), generator=gen)).values
     ids[ids == 2] = 1  # an idle expert
     x = torch.randn(30, 16, generator=gen).requires_grad_()
@@ -92,18 +92,29 @@ def test_one_rank_fused_ops_are_the_grouped_op(one_rank_mesh, op, filled):
     newest = torch.rand(experts, 3, generator=gen) * torch.tensor(wire)[:, None]
     newest.requires_grad_()
     stored = torch.rand(experts, 3, generator=gen) * 10
-    ex = plan_exchange(ids, experts, one_rank_mesh.get_group())
+    ex = plan_exchange(ids, experts, group)
     meter = WireMeter()
     with meter:
-        out = op(x, w, newest, stored, ex, 0, "emulated", wire)
+        out = op(x, w, newest, stored, ex, 0, "emulated", wire, scaled)
     offs = torch.bincount(ids, minlength=experts).cumsum(0).int()
     ref = grouped_mm(x, w, offs, newest, stored, 0, "emulated")
     g = torch.randn(out.shape, generator=gen)
     with meter:
         got = torch.autograd.grad(out, (x, w, newest), g)
     want = torch.autograd.grad(ref, (x, w, newest), g)
+    return ids, meter, (out, *got), (ref, *want)
+
+
+@pytest.mark.parametrize("filled", list(_FILLED))
+@pytest.mark.parametrize("op", [dispatch_grouped_mm, grouped_mm_combine])
+def test_one_rank_fused_ops_are_the_grouped_op(one_rank_mesh, op, filled):
+    """Float8 on the wire for the experts whose histories hold an amax (`filled`), high
+    precision for the others (one all-to-all of each kind, two when mixed), the fused op
+    gives the grouped op's bits: output, grad_input, grad_weight and observation."""
+    wire = _FILLED[filled]
+    ids, meter, got, want = _fused_and_grouped(one_rank_mesh.get_group(), op, wire)
     width = 16 if op is dispatch_grouped_mm else 24  # x's rows, or the output gradient's
-    float8 = sum(int(ids.eq(e).sum()) for e in range(experts) if wire[e]) * width
+    float8 = sum(int(ids.eq(e).sum()) for e in range(4) if wire[e]) * width
     high = (30 * width - float8) * 4  # float32
     parts = [n for n in (float8, high) if n]  # float8 rows first, then high precision
     sizes = [n for _, n in meter.calls]  # + dispatch backward (grad_x) or combine forward (y)
@@ -111,10 +122,50 @@ def test_one_rank_fused_ops_are_the_grouped_op(one_rank_mesh, op, filled):
         assert sizes == [*parts, 30 * 16 * 4], sizes
     else:
         assert sizes == [30 * 24 * 4, *parts], sizes
-    assert torch.equal(out, ref)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
-    assert got[2][2, 0] == 0 and got[2][2, 2] == 0  # the idle expert: input, grad_output
+    assert got[3][2, 0] == 0 and got[3][2, 2] == 0  # the idle expert: input, grad_output
+
+
+def _row_rounded(rows):
+    """Each row of `rows` through e4m3 with the power of two `2**ceil(log2(amax / 448))`
+    (a float64 loop of Python scalars: the reference of `float8_wire="all"`'s rows)."""
+    out = torch.empty_like(rows)
+    for i, row in enumerate(rows.detach().double()):
+        amax = float(row.detach().abs().max())
+        step = 2.0 ** math.ceil(math.log2(amax / 448)) if amax else 1.0
+        out[i] = ((row / step).float().to(E4M3).double() * step).to(rows.dtype)
+    return out
+
+
+def test_exchange_scaled_rows_sends_k_plus_one_bytes(one_rank_mesh):
+    gen = torch.Generator().manual_seed(3)
+    rows = torch.randn(9, 40, generator=gen) * torch.logspace(-30, 30, 9)[:, None]
+    rows[4] = 0.0
+    meter = WireMeter()
+    with meter:
+        got = exchange_scaled_rows(rows, [9], [9], one_rank_mesh.get_group())
+    assert meter.calls == [("dispatch forward", 9 * 41)]
+    assert torch.equal(got, _row_rounded(rows))
+    bad = rows.clone()
+    bad[1, 3], bad[2, 5] = float("inf"), float("nan")
+    got = exchange_scaled_rows(bad, [9], [9], one_rank_mesh.get_group())
+    assert got[1, 3] == float("inf") and got[2].isnan().all()  # an overflow stays visible
+
+
+@pytest.mark.parametrize("op", [dispatch_grouped_mm, grouped_mm_combine])
+def test_one_rank_fused_ops_send_scaled_outputs(one_rank_mesh, op):
+    """`scaled` (`float8_wire="all"`): the combine's output, or the dispatch's grad_input,
+    comes back rounded to e4m3 per row (`_row_rounded` of the grouped op's), K + 1 bytes a
+    row; everything else is the grouped op's, bit for bit."""
+    group = one_rank_mesh.get_group()
+    _, meter, got, want = _fused_and_grouped(group, op, (True,) * 4, scaled=True)
+    rounded = 1 if op is dispatch_grouped_mm else 0  # grad_x, or the output
+    assert torch.equal(got[rounded], _row_rounded(want[rounded]))
+    for n, (a, b) in enumerate(zip(got, want)):
+        assert n == rounded or torch.equal(a, b), n
+    sizes = [n for _, n in meter.calls]
+    assert sizes == ([30 * 16, 30 * 17] if rounded else [30 * 25, 30 * 24]), sizes
 
 
 def _tiny(implementation="grouped_mm"):
@@ -193,6 +244,26 @@ def test_one_rank_expert_parallel_mixtral_is_the_plain_model(one_rank_mesh, reci
     assert meter.bytes_by()["combine forward"] == 2 * 4 * rows_bytes
 
 
+def test_one_rank_all_wire_rounds_the_outputs_under_current_scaling(one_rank_mesh):
+    """`float8_wire="all"` under CurrentScaling (the dispatch rows in float32, the receiver
+    casting them): combine forward and dispatch backward send K + 1 bytes a row; the logits
+    are close to, not equal to, those of the float32 outputs on the wire."""
+    ids = batch()
+    seen = {}
+    for wire in (True, "all"):
+        model = fp8fn.expert_parallel(_tiny(), one_rank_mesh, float8_wire=wire)
+        fn = fp8fn.transform(model, fp8fn.CurrentScaling(), filter_fn=_not_router)
+        state, meter = fn.init(ids), WireMeter()
+        with meter:
+            logits = _step(fn, model, state, ids)[0]
+        seen[wire] = logits, meter.bytes_by()
+    rows = 2 * 2 * ids.numel()  # (token, k) rows, 2 layers
+    assert seen["all"][1]["combine forward"] == seen["all"][1]["dispatch backward"] == rows * 33
+    assert seen[True][1]["combine forward"] == seen[True][1]["dispatch backward"] == rows * 128
+    assert not torch.equal(seen["all"][0], seen[True][0])
+    assert sqnr(seen[True][0], seen["all"][0]) > 20
+
+
 class Holder(torch.nn.Module):
     """An experts module alone, called as a MoE block calls it."""
 
@@ -211,6 +282,7 @@ def _experts(kind, seed=0):
 
     from transformers.models.aria.modeling_aria import AriaExperts
     from transformers.models.ergo.modeling_ergo import ErgoExpertProjections
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
     from transformers.models.mixtral.modeling_mixtral import MixtralExperts
     from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHExperts
 
@@ -218,12 +290,14 @@ def _experts(kind, seed=0):
         _experts_implementation="batched_mm", hidden_size=32, intermediate_size=48,
         moe_intermediate_size=48, num_experts=4, num_local_experts=4, moe_num_experts=4,
         n_routed_experts=4, moe_latent_size=None, hidden_act="silu", mlp_hidden_act="relu2",
+        swiglu_alpha=1.702, swiglu_limit=7.0,
     )  # fmt: skip
     classes = {
         "mixtral": MixtralExperts,
         "aria_transposed": AriaExperts,
         "nemotron_h_no_gate": NemotronHExperts,
         "ergo_no_gate_transposed": ErgoExpertProjections,
+        "gpt_oss_biases": GptOssExperts,
     }
     experts = classes[kind](config)
     gen = torch.Generator().manual_seed(seed)
@@ -241,10 +315,13 @@ def _experts(kind, seed=0):
         ("ergo_no_gate_transposed", False),
         ("mixtral", True),
         ("aria_transposed", True),
+        ("gpt_oss_biases", False),
+        ("gpt_oss_biases", True),
     ],
 )
 def test_one_rank_expert_parallel_layouts_and_autocast(one_rank_mesh, kind, autocast):
-    """Experts stored transposed (`is_transposed`), without a gate (`up_proj`), and under
+    """Experts stored transposed (`is_transposed`), without a gate (`up_proj`), with biases
+    (GPT-OSS: interleaved gate, transposed, a bias per expert and projection), and under
     `torch.autocast` (bfloat16: the rows cast to it before the wire, as the grouped op casts
     `x`): a step of the expert-parallel experts gives the bits of transformers' `batched_mm`
     experts under the same transform (output, both weights' gradients, the input's gradient,
@@ -285,6 +362,9 @@ def test_one_rank_expert_parallel_layouts_and_autocast(one_rank_mesh, kind, auto
     assert meter.bytes_by()["dispatch forward"] == 48 * 32  # e4m3: 1 byte an element
     row_bytes = 2 if autocast else 4  # the rows that travel in high precision
     assert meter.bytes_by()["combine forward"] == 48 * 32 * row_bytes
+    # a down_proj bias's gradient sums the output gradients in high precision: off the wire
+    biased = kind == "gpt_oss_biases"
+    assert meter.bytes_by()["combine backward"] == 48 * 32 * (row_bytes if biased else 1)
 
 
 def test_expert_parallel_refuses_bad_input(one_rank_mesh):
@@ -297,6 +377,8 @@ def test_expert_parallel_refuses_bad_input(one_rank_mesh):
         assert [vars(m).get("forward") for m in model.modules()] == forwards
 
     refused(torch.nn.Sequential(torch.nn.Linear(4, 4)), "a model with experts modules")
+    for wire in ("bf16", 1, None):
+        refused(_tiny(), r'`float8_wire` True, False or "all", got ' + repr(wire), float8_wire=wire)
     refused(_tiny(), "`mesh` to be a torch.distributed DeviceMesh", mesh="mesh", error=TypeError)
     twice = fp8fn.expert_parallel(_tiny(), one_rank_mesh)
     refused(twice, "plain experts weights, got 'model.layers.0.mlp.experts.gate_up_proj' already")
@@ -307,6 +389,8 @@ def test_expert_parallel_refuses_bad_input(one_rank_mesh):
             self.w = torch.nn.Parameter(torch.randn(4, 8, 8))
 
     refused(UserExperts(), r"experts modules with transformers 5.x's experts interface")
+    llama4 = r"experts modules with .*, got '.*experts' \(Llama4TextExperts\).* every token"
+    refused(build("llama4"), llama4)
     from torch.distributed.device_mesh import init_device_mesh
 
     two_d = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "ep"))
@@ -336,3 +420,32 @@ def test_compiled_expert_parallel_forward_is_refused(one_rank_mesh):
     compiled = torch.compile(fn.apply, fullgraph=True)
     with pytest.raises(Exception, match=r"^fp8fn\.expert_parallel: expected an eager forward"):
         compiled(params, state, ids)
+
+
+@pytest.mark.parametrize("divisions", [[(None, 2)], [(None, 1), (None, 2)]])
+def test_a_forgotten_divide_factor_is_refused_at_the_forward(one_rank_mesh, monkeypatch, divisions):
+    """FSDP2's default division (None) over more than one data-parallel rank, with more than
+    one expert-parallel rank (faked here: the ranks' run is `ep_x_dp_without_divide_factor`),
+    raises at the experts' forward; a factor set, or one data-parallel rank, passes."""
+    from fp8fn._transform import expert_parallel as ep
+
+    model = fp8fn.expert_parallel(_tiny(), one_rank_mesh)
+    forward = model.model.layers[0].mlp.experts.forward
+
+    class TwoRanks:  # the expert-parallel group, as two ranks
+        def size(self):
+            return 2
+
+    monkeypatch.setattr(forward, "group", TwoRanks())
+    for fine in ([], [(8.0, 2)], [(None, 1)]):
+        monkeypatch.setattr(ep, "fsdp_gradient_divisions", lambda *a, found=fine: found)
+        forward.divisions_checked.clear()
+        forward._check_gradient_division()
+    monkeypatch.setattr(ep, "fsdp_gradient_divisions", lambda *a: divisions)
+    forward.divisions_checked.clear()
+    match = (
+        r"^fp8fn\.expert_parallel: expected the FSDP2 parameter group holding "
+        r"'model\.layers\.0\.mlp\.experts'.* by its data-parallel size 2 alone.* 2 times too large"
+    )
+    with pytest.raises(ValueError, match=match):
+        forward._check_gradient_division()

@@ -31,3 +31,4 @@ def test_expert_parallel_four_ranks(tmp_path):
     results = spawn_results(workers.main, 4, tmp_path, _TIMEOUT_S)
     assert_ok(results, "bit_identical_mixtral_4_ranks")
     assert_ok(results, "ep_x_dp_fsdp2")
+    assert_ok(results, "ep_x_dp_without_divide_factor")

@@ -18,7 +18,7 @@ from _spawn import assert_ok, spawn_results
 import fp8fn
 from fp8fn._numerics.fp8 import cast_to_fp8
 from fp8fn._parallel.fsdp_gather import (
-    SCALES,
+    GATHER_SCALES,
     Float8GatheredWeight,
     Float8ShardWeight,
     ScalesForCall,
@@ -96,14 +96,14 @@ def _gather(shards, scale, module=None, rows=None):
     rows = sum(s.shape[0] for s in shards) if rows is None else rows
     outer = (rows, *shards[0].shape[1:])
     world = len(shards)
-    token = SCALES.set(ScalesForCall({(module, shards[0]._attr): scale}))
+    token = GATHER_SCALES.set(ScalesForCall({(module, shards[0]._attr): scale}))
     try:
         pre = [
             s.fsdp_pre_all_gather(_Mesh(world, r), outer, None, module, None)
             for r, s in enumerate(shards)
         ]
     finally:
-        SCALES.reset(token)
+        GATHER_SCALES.reset(token)
     outputs = [torch.cat([p[0][i] for p in pre]) for i in range(len(pre[0][0]))]
     gathered, _ = shards[0].fsdp_post_all_gather(outputs, pre[0][1], torch.float32)
     stride = torch.empty(outer).stride()
@@ -190,13 +190,13 @@ def test_one_rank_gathers_one_input_with_the_whole_weights_amax():
     """FSDP2 on one rank copies only the first all-gather input (issue 31: torchrun with one
     process crashed): the float8 bytes alone, the amax in the metadata."""
     data = torch.randn(4, 8, generator=torch.Generator().manual_seed(3))
-    token = SCALES.set(ScalesForCall({(None, "weight"): torch.tensor(64.0)}))
+    token = GATHER_SCALES.set(ScalesForCall({(None, "weight"): torch.tensor(64.0)}))
     try:
         inputs, metadata = Float8ShardWeight(data, "fc").fsdp_pre_all_gather(
             _Mesh(1), (4, 8), None, None, None
         )
     finally:
-        SCALES.reset(token)
+        GATHER_SCALES.reset(token)
     assert len(inputs) == 1 and inputs[0].dtype == torch.uint8 and inputs[0].shape == (4, 8)
     gathered = _gather([Float8ShardWeight(data, "fc")], torch.tensor(64.0))
     assert torch.equal(gathered._amax, data.abs().max())

@@ -11,7 +11,7 @@ from test_fsdp import _experts_state, _gather, _Mesh
 
 import fp8fn
 from fp8fn._numerics.fp8 import cast_to_fp8
-from fp8fn._parallel.fsdp_gather import SCALES, Float8ShardWeight, ScalesForCall
+from fp8fn._parallel.fsdp_gather import GATHER_SCALES, Float8ShardWeight, ScalesForCall
 
 
 @pytest.mark.parametrize(
@@ -23,7 +23,7 @@ def test_each_rank_casts_and_observes_its_own_experts(experts, world):
     data *= torch.arange(1.0, experts + 1)[:, None, None]
     want = cast_to_fp8(data, scale[:, None, None]).view(torch.uint8)
     rows = -(-experts // world)  # FSDP2: rank r holds rows r * rows ... (the last short, or none)
-    token = SCALES.set(ScalesForCall({(None, "w"): scale}))
+    token = GATHER_SCALES.set(ScalesForCall({(None, "w"): scale}))
     try:
         for r in range(world):
             shard = data[r * rows : (r + 1) * rows]
@@ -38,7 +38,7 @@ def test_each_rank_casts_and_observes_its_own_experts(experts, world):
             own[here] = data[here].abs().flatten(1).amax(1)
             assert torch.equal(amax, own), r
     finally:
-        SCALES.reset(token)
+        GATHER_SCALES.reset(token)
 
 
 def test_two_pending_backwards_regather_each_with_its_own_forwards_scale(monkeypatch):

@@ -13,10 +13,10 @@ from test_fsdp import _Mesh
 
 import fp8fn
 from fp8fn._numerics.fp8 import ceil_div
-from fp8fn._ops.block_scaled import _WEIGHTS
+from fp8fn._ops.rowwise_blockwise_mx import _WEIGHTS
 from fp8fn._parallel import planes
 from fp8fn._parallel.fsdp_finer import FinerGatheredWeight, FinerScales
-from fp8fn._parallel.fsdp_gather import SCALES, Float8ShardWeight, ScalesForCall
+from fp8fn._parallel.fsdp_gather import GATHER_SCALES, Float8ShardWeight, ScalesForCall
 
 RECIPES = [
     fp8fn.RowwiseScaling(),
@@ -128,7 +128,7 @@ def _plan(recipe, weight):
 
 class _FakeFsdp2:
     """What FSDP2 does with `Float8ShardWeight` shards of one weight on `world` ranks: each
-    rank's pre-all-gather hook (in `apply`'s forward: `plan` in `SCALES`; outside: the
+    rank's pre-all-gather hook (in `apply`'s forward: `plan` in `GATHER_SCALES`; outside: the
     backward re-gather), the all-gather (a concatenation), the post-all-gather hook (a new
     unsharded weight, or `out` refilled: its bytes rewritten in place), and the unpadding
     view. `inputs` records each all-gather's inputs. (An experts weight `(E, a, b)`: the same,
@@ -142,14 +142,14 @@ class _FakeFsdp2:
         self.shape, self.world, self.inputs = tuple(weight.shape), world, []
 
     def gather(self, plan=None, out=None):
-        token = SCALES.set(None if plan is None else ScalesForCall({(None, "weight"): plan}))
+        token = GATHER_SCALES.set(None if plan is None else ScalesForCall({(None, "weight"): plan}))
         try:
             pre = [
                 s.fsdp_pre_all_gather(_Mesh(self.world, r), self.shape, None, None, None)
                 for r, s in enumerate(self.shards)
             ]
         finally:
-            SCALES.reset(token)
+            GATHER_SCALES.reset(token)
         self.inputs.append([p[0] for p in pre])
         outputs = [torch.cat([p[0][i] for p in pre]) for i in range(len(pre[0][0]))]
         if out is not None:
@@ -311,7 +311,7 @@ def test_a_gathered_weight_keeps_its_kind_of_recipe():
     for a per-tensor recipe and then for a finer one (or the other way) raises, naming it."""
     weight = _weight(8, 32, seed=5)
     fsdp2 = _FakeFsdp2(weight, 2)
-    per_tensor = fsdp2.gather(torch.tensor(8.0))  # (a per-tensor scale in SCALES)
+    per_tensor = fsdp2.gather(torch.tensor(8.0))  # (a per-tensor scale in GATHER_SCALES)
     with pytest.raises(
         RuntimeError,
         match=r"^fp8fn\.float8_all_gather: 'fc' was all-gathered for a per-tensor recipe first",

@@ -20,8 +20,8 @@ from test_fsdp_finer import (
 
 import fp8fn
 from fp8fn._numerics.fp8 import ceil_div
-from fp8fn._ops.block_scaled import _WEIGHTS
 from fp8fn._ops.grouped_block_scaled import finer_grouped_mm
+from fp8fn._ops.rowwise_blockwise_mx import _WEIGHTS
 from fp8fn._parallel import planes
 from fp8fn._parallel.fsdp_finer import FinerGatheredWeight, FinerScales
 

@@ -1,38 +1,74 @@
-"""Everything fp8fn keeps outside the state is named: each module-level registry, context
-variable and process-wide switch in the package has its row in docs/semantics.md's table."""
+"""Everything fp8fn keeps outside the state is named, in one place: every module-level registry
+and context variable of the package is defined in `fp8fn/_core/registries.py`, with a comment
+saying what it holds, who writes it, who reads it and why it cannot be in the state, and each,
+like each process-wide switch, has its row in docs/semantics.md's table."""
 
 import ast
 import pathlib
 import re
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+REGISTRIES = ROOT / "fp8fn" / "_core" / "registries.py"
 # What a module-level registry is made of: a mark, a weak or plain mapping, a context variable.
 MAKERS = {"Marks", "WeakIdKeyDictionary", "WeakKeyDictionary", "WeakSet", "ContextVar"}
 
 
-def kept_outside_the_state() -> set[str]:
-    """The names of fp8fn's module-level registries (made by one of `MAKERS`, or an empty
-    dict or set filled later), context variables and globals rebound by a function."""
-    found = set()
-    for path in (ROOT / "fp8fn").rglob("*.py"):
-        tree = ast.parse(path.read_text())
-        for node in tree.body:
-            if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
-                target = node.targets[0] if isinstance(node, ast.Assign) else node.target
-                value = node.value
-                made = isinstance(value, ast.Call) and ast.unparse(value.func).split(".")[-1]
-                empty = isinstance(value, (ast.Dict, ast.Set)) and not ast.unparse(value)[1:-1]
-                if made in MAKERS or empty:
-                    found.add(ast.unparse(target))
-        found.update(
-            n for node in ast.walk(tree) if isinstance(node, ast.Global) for n in node.names
-        )
+def registries_in(tree: ast.Module) -> dict[str, ast.stmt]:
+    """The module-level registries of `tree` (made by one of `MAKERS`, or an empty dict or set
+    filled later), by name."""
+    found = {}
+    for node in tree.body:
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+            target = node.targets[0] if isinstance(node, ast.Assign) else node.target
+            value = node.value
+            made = isinstance(value, ast.Call) and ast.unparse(value.func).split(".")[-1]
+            empty = isinstance(value, (ast.Dict, ast.Set)) and not ast.unparse(value)[1:-1]
+            if made in MAKERS or empty:
+                found[ast.unparse(target)] = node
     return found
+
+
+def switches_in(tree: ast.Module) -> set[str]:
+    """The globals that a function of `tree` rebinds (`global`)."""
+    return {n for node in ast.walk(tree) if isinstance(node, ast.Global) for n in node.names}
+
+
+def by_module() -> dict[pathlib.Path, ast.Module]:
+    return {p: ast.parse(p.read_text()) for p in sorted((ROOT / "fp8fn").rglob("*.py"))}
+
+
+def test_every_registry_and_context_variable_is_defined_in_core_registries():
+    elsewhere = {
+        f"{path.relative_to(ROOT)}: {name}"
+        for path, tree in by_module().items()
+        if path != REGISTRIES
+        for name in registries_in(tree)
+    }
+    assert not elsewhere, "define these in fp8fn/_core/registries.py, with their comment"
+
+
+def test_every_registry_says_what_it_holds_who_writes_and_reads_it_and_why_not_in_the_state():
+    lines = REGISTRIES.read_text().splitlines()
+    for name, node in registries_in(ast.parse(REGISTRIES.read_text())).items():
+        comment = []
+        for line in reversed(lines[: node.lineno - 1]):
+            if not line.startswith("# ") or line.startswith("# --"):
+                break
+            comment.insert(0, line[2:])
+        text = " ".join(comment)
+        for needed in (r"(Written|Set) (and read )?by", r"[Rr]ead by", r"Not in the state"):
+            assert re.search(needed, text), f"{name}: its comment lacks {needed!r}: {text!r}"
 
 
 def test_every_registry_context_variable_and_switch_has_its_row_in_the_docs():
     table = (ROOT / "docs" / "semantics.md").read_text()
-    rows = set(re.findall(r"^\| `(\w+)` \(", table, re.M))
-    found = kept_outside_the_state()
-    assert found == rows
-    assert len(found) == 11 + 2 + 2  # registries, context variables, switches (the docs' count)
+    rows = dict(re.findall(r"^\| `(\w+)` \((?:[\w ]+, )?`([\w/.]+)`\)", table, re.M))
+    trees = by_module()
+    registries = set(registries_in(trees[REGISTRIES]))
+    switches = {
+        name: str(path.relative_to(ROOT / "fp8fn"))
+        for path, tree in trees.items()
+        for name in switches_in(tree)
+    }
+    assert rows == {**dict.fromkeys(registries, "_core/registries.py"), **switches}
+    assert (len(registries), len(switches)) == (11 + 2, 2)  # the docs' count

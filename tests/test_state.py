@@ -197,23 +197,46 @@ def test_a_state_saved_by_0_3_loads_and_keeps_its_values(weights_only):
     non-tensor objects, raised ModuleNotFoundError: No module named 'fp8fn._state')."""
     path = Path(__file__).parent / "data" / "state_v0_3.pt"
     saved = torch.load(path, weights_only=weights_only)
+    _assert_saved_values(saved)
+    assert saved["nvfp4"].key.item() == 510934918213656.0
+    # and a state saved now names the public type, whatever module defines it
+    buffer = io.BytesIO()
+    torch.save(saved["state"], buffer)
+    assert b"fp8fn\nState" in buffer.getvalue() and b"_core" not in buffer.getvalue()
+
+
+@pytest.mark.parametrize("weights_only", [True, False])
+def test_a_state_saved_by_0_4_loads_and_keeps_its_values(weights_only):
+    """tests/data/state_v0_4.pt was written by fp8fn 0.4 (commit abd2064, the same model and
+    steps as the 0.3 file, NVFP4 seed 3), whose types pickled as `fp8fn.State` with their own
+    `__reduce__`: they load on both paths, bit for bit, and round-trip again."""
+    path = Path(__file__).parent / "data" / "state_v0_4.pt"
+    saved = torch.load(path, weights_only=weights_only)
+    _assert_saved_values(
+        saved, newest=(1.7610981464385986, 0.35267937183380127, 0.3110616207122803)
+    )
+    buffer = io.BytesIO()
+    torch.save(saved, buffer)
+    again = torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
+    assert torch.equal(again["state"].amax_history, saved["state"].amax_history)
+    assert again["nvfp4"].key.item() == saved["nvfp4"].key.item()
+
+
+def _assert_saved_values(
+    saved, newest=(2.149376392364502, 0.35267937183380127, 0.22417442500591278)
+):
+    """The values of a state file of tests/data: a 2-site delayed state (history 4, margin 1,
+    two updates: its two newest entries equal), a site of it, its flat form, an NVFP4 state."""
     state, site, flat, nvfp4 = saved["state"], saved["site"], saved["flat"], saved["nvfp4"]
     assert type(state) is fp8fn.State and type(site) is fp8fn.SiteState
     assert list(state) == ["0", "2"] and state.static == (("0", "2"), "max", 1)
     assert state.amax_history.shape == (2, 3, 4)
-    assert state.amax_history[0, :, 0].tolist() == [
-        2.149376392364502,
-        0.35267937183380127,
-        0.22417442500591278,
-    ]
+    assert state.amax_history[0, :, 0].tolist() == list(newest)
     assert torch.equal(state.amax_history[..., 0], state.amax_history[..., 1])
     assert torch.equal(site.amax_history, state["0"].amax_history)
+    assert site.static == ("max", 1)
     assert torch.equal(fp8fn.flatten_state(state)["0.input.scale"], flat["0.input.scale"])
-    assert nvfp4.key.dtype == torch.float64 and nvfp4.key.item() == 510934918213656.0
-    # and a state saved now names the public type, whatever module defines it
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    assert b"fp8fn\nState" in buffer.getvalue() and b"_core" not in buffer.getvalue()
+    assert type(nvfp4) is fp8fn.State and nvfp4.key.dtype == torch.float64
 
 
 def test_unflatten_state_refuses_what_flatten_state_never_makes():

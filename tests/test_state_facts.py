@@ -129,7 +129,9 @@ def _nvfp4():
     return fn, dict(model.named_parameters()), torch.randn(16, 32)
 
 
-@pytest.mark.parametrize("change", ["fill_nan", "fill_fraction", "copy_negative"])
+@pytest.mark.parametrize(
+    "change", ["fill_nan", "fill_fraction", "copy_negative", "view_fraction", "detached_nan"]
+)
 def test_a_key_changed_in_place_after_update_is_checked_again(change):
     """A key fp8fn made (`update`) is known valid until changed in place: then `apply`,
     `update` and `fold_in` read it again and refuse it (0.4 accepted `fill_(nan)`)."""
@@ -142,6 +144,8 @@ def test_a_key_changed_in_place_after_update_is_checked_again(change):
         "fill_nan": lambda k: k.fill_(float("nan")),
         "fill_fraction": lambda k: k.fill_(0.5),
         "copy_negative": lambda k: k.copy_(torch.tensor(-1.0, dtype=torch.float64)),
+        "view_fraction": lambda k: k.view(1)[0].fill_(0.5),
+        "detached_nan": lambda k: k.detach().fill_(float("nan")),
     }[change](state.key)
     message = r"^fp8fn\.{}: expected `state\.key` to hold integers in \[0, 2\*\*52\)"
     with pytest.raises(ValueError, match=message.format("apply")):
@@ -150,6 +154,35 @@ def test_a_key_changed_in_place_after_update_is_checked_again(change):
         fp8fn.update(state, obs)
     with pytest.raises(ValueError, match=message.format("fold_in")):
         fp8fn.fold_in(state, 1)
+
+
+SCALE_CHANGES = {
+    "fill_nan": lambda s: s.fill_(float("nan")),
+    "view_zero": lambda s: s[0, 1].fill_(0.0),
+    "copy_inf": lambda s: s.copy_(torch.full_like(s, float("inf"))),
+    "no_grad_negative": lambda s: torch.no_grad()(s.neg_)(),
+    "detached_zero": lambda s: s.detach().zero_(),
+}
+
+
+@pytest.mark.parametrize("change", SCALE_CHANGES)
+def test_a_scale_changed_in_place_after_update_is_checked_again(change):
+    """Scales follow the keys' rule (identity and version): any in-place change after `update`
+    made them is read again by `apply` and `update` and refused when invalid."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(32, 16)
+    fn = fp8fn.transform(model, fp8fn.DelayedScaling())
+    params, x = dict(model.named_parameters()), torch.randn(8, 32)
+    state = fn.init(x)
+    obs = torch.func.grad(loss_of(fn), argnums=1)(params, state, x)
+    state = fp8fn.update(state, obs)
+    fn.apply(params, state, x)  # known valid
+    SCALE_CHANGES[change](state.scale)
+    message = r"^fp8fn\.{}: expected the scales of `state` finite and > 0, got \["
+    with pytest.raises(ValueError, match=message.format("apply")):
+        fn.apply(params, state, x)
+    with pytest.raises(ValueError, match=message.format("update")):
+        fp8fn.update(state, obs)
 
 
 def _optim_step(fn, state, x, params):

@@ -716,3 +716,20 @@ def test_experts_gate_is_transformers_gating_of_the_up_projection():
 def test_tree_flatten_with_path_and_keystr_name_the_leaves():
     leaves, _ = private.tree_flatten_with_path({"a": [torch.zeros(1), torch.ones(1)]})
     assert [private.keystr(path) for path, _ in leaves] == ["['a'][0]", "['a'][1]"]
+
+
+def test_fsdp_gradient_divisions_are_the_factor_and_size_of_the_groups_holding_the_weights(
+    one_rank_mesh,
+):
+    from torch.distributed.fsdp import fully_shard
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    held = model[1]
+    assert private.fsdp_gradient_divisions(model, held, ("weight",)) == []
+    fully_shard(held, mesh=one_rank_mesh)
+    fully_shard(model, mesh=one_rank_mesh)
+    assert private.fsdp_gradient_divisions(model, held, ("weight",)) == [(None, 1)]
+    assert private.fsdp_gradient_divisions(model, model[0], ("weight",)) == [(None, 1)]
+    assert private.fsdp_gradient_divisions(model, held, ("other",)) == []
+    held.set_gradient_divide_factor(4.0)
+    assert private.fsdp_gradient_divisions(model, held, ("weight", "bias")) == [(4.0, 1)]

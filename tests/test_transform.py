@@ -198,12 +198,29 @@ def test_higher_order_derivatives_through_apply_are_refused():
     def gradient_penalty(p, s, x):
         return torch.func.grad(lambda x: loss_of(fn)(p, s, x))(x).square().sum()
 
-    with pytest.raises(RuntimeError, match="fp8fn.linear: higher-order derivatives"):
+    # (0.4 named fp8fn.linear, which the user did not call)
+    message = r"^fp8fn\.apply: layer '\d': higher-order derivatives through float8 casts"
+    with pytest.raises(RuntimeError, match=message):
         torch.func.grad(gradient_penalty)(params, state, x)
     p = {k: v.clone().requires_grad_() for k, v in params.items()}
     xg = x.clone().requires_grad_()
     (gx,) = torch.autograd.grad(loss_of(fn)(p, state, xg), xg, create_graph=True)
-    with pytest.raises(RuntimeError, match="fp8fn.linear: higher-order derivatives"):
+    with pytest.raises(RuntimeError, match=message):
+        gx.square().sum().backward()
+
+
+@pytest.mark.parametrize(
+    "recipe",
+    [fp8fn.CurrentScaling(), fp8fn.RowwiseScaling(), fp8fn.MXScaling(), fp8fn.NVFP4Scaling()],
+    ids=["current", "rowwise", "mx", "nvfp4"],
+)
+def test_a_second_derivative_through_apply_names_apply_under_every_recipe(recipe):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 32))
+    fn, x = fp8fn.transform(model, recipe), torch.randn(16, 64, requires_grad=True)
+    out = fn.apply(dict(model.named_parameters()), fn.init(x), x)
+    (gx,) = torch.autograd.grad(out.square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match=r"^fp8fn\.apply: layer '\d': higher-order deriv"):
         gx.square().sum().backward()
 
 

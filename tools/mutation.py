@@ -69,7 +69,7 @@ class Mutation:
 
 
 MUTATIONS = [
-    # -- the per-tensor op (_tensorwise.py) and its quantizer (_quantize.py) --------------------
+    # -- the per-tensor op (_ops/tensorwise.py) and its quantizer (_numerics/fp8.py) -------------
     Mutation(
         "e4m3-grad-output",
         "grad_output cast to e4m3 instead of e5m2",
@@ -295,7 +295,7 @@ MUTATIONS = [
         "_core/state.py",
         (("sites = list(leaves)", "sites = sorted(leaves)"),),
     ),
-    # -- the transform (_transform.py), recompute (_checkpoint.py), routes (_routes.py) ---------
+    # -- the transform (_transform/), recompute (checkpoint.py, recompute.py), routing.py --------
     Mutation(
         "sites-call-order",
         "fn.init orders the sites by the example's call order, not by the module tree",
@@ -339,7 +339,7 @@ MUTATIONS = [
     Mutation(
         "finer-bias-grad-input-dtype",
         "finer recipes: the bias gradient rounded through the input's dtype (bf16 autocast)",
-        "_ops/block_scaled.py",
+        "_ops/rowwise_blockwise_mx.py",
         (
             (
                 "grad_b = g.float().sum(0).to(b_dtype)",
@@ -383,9 +383,8 @@ MUTATIONS = [
         "_ops/tensorwise.py",
         (
             (
-                "return (*first_order_only(grads, x_amax), None, None, None, None, None, None)",
-                "return (*first_order_only(grads[:3], x_amax), grads[3], None, None, None, None, "
-                "None, None)",
+                "return (*first_order_only(grads, x_amax, api=ctx.api), *statics)",
+                "return (*first_order_only(grads[:3], x_amax, api=ctx.api), grads[3], *statics)",
             ),
         ),
     ),
@@ -690,7 +689,7 @@ MUTATIONS += [
     Mutation(
         "marks-ignore-version",
         "a mark (valid scales, keys, filled) outlives an in-place change of the tensor",
-        "_core/marks.py",
+        "_core/registries.py",
         (
             (
                 "if fact is not None and version == tensor_version(u):",

@@ -10,7 +10,7 @@ all `2**52` values before one repeats. Each cast draws its bits from `(key, site
 A key that enters from outside (a loaded or unflattened state, a key given to `fp8fn.linear`)
 is checked once per tensor and version (`check_key`: a host read); keys that fp8fn makes
 (`fn.init`, `update`, `fold_in`) are valid by construction and never read, until changed in
-place (`marks.VALID_KEYS`).
+place (`registries.VALID_KEYS`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from .._numerics.nvfp4 import MASK32, make_key, mix32
 from .._torch_private import unwrapped
-from .marks import VALID_KEYS
+from .registries import VALID_KEYS
 
 KEY_BITS = 52  # keys are integers in [0, 2**52): float64 holds each, and each plus one, exactly
 

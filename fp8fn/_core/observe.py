@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from .._torch_private import functorch_level, tree_flatten, tree_unflatten
-from .state import OBSERVED, State, check_state, warn_if_superseded
+from .registries import OBSERVED
+from .state import State, check_state, warn_if_superseded
 
 
 def observe(state: State) -> State:

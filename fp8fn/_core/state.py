@@ -1,13 +1,15 @@
 """The packed scaling state: every site of a model in two tensors, names in the tree structure.
 
 `State` is a pytree node (registered with `torch.utils._pytree` and optree, namespace "fp8fn")
-whose only leaves are `amax_history` and `scale`; the site names and the recipe's static config
-are aux data. So torch.func differentiates two leaves, `update` and `merge` are a constant number
-of kernels, and an observation (the gradient with respect to a `State`) is a `State` too.
+whose leaves are `amax_history` and `scale` (and `key`, NVFP4's random key, when it has one);
+the site names and the recipe's static config are aux data. So torch.func differentiates two
+leaves (three with a key), `update` and `merge` are a constant number of kernels, and an
+observation (the gradient with respect to a `State`) is a `State` too.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import warnings
 import weakref
@@ -16,7 +18,6 @@ from typing import NamedTuple
 
 import optree
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from .._torch_private import (
     GetAttrKey,
@@ -26,9 +27,16 @@ from .._torch_private import (
     unwrapped,
 )
 from .keys import check_key
-from .marks import FILLED, VALID_SCALES
 from .moved import register_moved
 from .recipes import RECIPES, DelayedScaling
+from .registries import (
+    FILLED,
+    NEVER_UPDATED,
+    OBSERVED,
+    PREDECESSOR,
+    SUPERSEDED,
+    VALID_SCALES,
+)
 
 ROLES = ("input", "weight", "grad_output")
 
@@ -40,22 +48,25 @@ class ScaleState(NamedTuple):
     scale: torch.Tensor  # (...,), float32; fp8 = saturate(hp * scale), finite and > 0
 
 
-class _Frozen:
-    """Immutable objects: attribute assignment raises, pointing to `_replace`."""
-
-    __slots__ = ()
-
-    def __setattr__(self, name, value):
-        raise AttributeError(
-            f"fp8fn.{type(self).__name__} is immutable data: make a new one with "
-            f"`._replace({name}=...)` instead of assigning `.{name}`."
-        )
-
-    def __delattr__(self, name):
-        self.__setattr__(name, None)
+def _refuse_assignment(self, name, value=None):
+    raise AttributeError(
+        f"fp8fn.{type(self).__name__} is immutable data: make a new one with "
+        f"`._replace({name}=...)` instead of assigning `.{name}`."
+    )
 
 
-class SiteState(_Frozen):
+def _immutable(cls):
+    """`cls` as a `dataclass(frozen=True, slots=True)`, equal by identity (its fields hold
+    tensors), with its own `repr` and `__reduce__` (the saved format), whose assignment and
+    deletion raise fp8fn's error pointing to `_replace` (the dataclass's says only "cannot
+    assign to field")."""
+    cls = dataclasses.dataclass(frozen=True, slots=True, eq=False, repr=False)(cls)
+    cls.__setattr__ = cls.__delattr__ = _refuse_assignment
+    return cls
+
+
+@_immutable
+class SiteState:
     """One site's rows of a `State` (views); `.input`, `.weight`, `.grad_output` give its roles.
 
     It is what `fp8fn.linear` takes as `site_state`: the gradient with respect to it is the
@@ -64,17 +75,14 @@ class SiteState(_Frozen):
     against the recipe. It unpacks like a pair: `amax_history, scale = site_state`.
     """
 
-    __slots__ = ("amax_history", "scale", "amax_compute", "margin", "_row")
-    _fields = ("amax_history", "scale")
-
-    def __init__(self, amax_history, scale, amax_compute="max", margin=0):
-        # amax_history: (..., 3, history_len) float32, roles input, weight, grad_output
-        # scale: (..., 3) float32
-        # _row: `(the State's amax_history, this site's index)` when `State[site]` made it,
-        #   else None: what `claim` knows this site by (not data: no leaf, not pickled)
-        values = (amax_history, scale, amax_compute, margin, None)
-        for name, value in zip(self.__slots__, values):
-            object.__setattr__(self, name, value)
+    amax_history: torch.Tensor  # (..., 3, history_len) float32, roles input, weight, grad_output
+    scale: torch.Tensor  # (..., 3) float32
+    amax_compute: str = "max"  # static
+    margin: int = 0  # static
+    # `(the State's amax_history, this site's index)` when `State[site]` made it, else None:
+    # what `claim` knows this site by (not data: no leaf, not pickled)
+    _row: tuple | None = dataclasses.field(default=None, init=False)
+    _fields = ("amax_history", "scale")  # the leaves, as NamedTuple's (a class attribute)
 
     @property
     def static(self) -> tuple:
@@ -129,12 +137,14 @@ def _known_fields(api: str, leaves: dict, fields=("amax_history", "scale")) -> d
     return leaves
 
 
-class State(_Frozen):
+@_immutable
+class State:
     """The delayed-scaling state of all sites of a model, packed.
 
     A read-only mapping from site names (call order) to `SiteState` views, and a pytree of two
-    leaves. Observations (the gradient of a loss with respect to a `State`) have the same type:
-    `obs.amax_history[..., 0]` holds the amaxes seen in the step, zeros elsewhere.
+    leaves (three with a `key`). Observations (the gradient of a loss with respect to a `State`)
+    have the same type: `obs.amax_history[..., 0]` holds the amaxes seen in the step, zeros
+    elsewhere.
 
     Attributes:
       amax_history: float32 `(..., n_sites, 3, history_len)`, roles input, weight, grad_output,
@@ -166,24 +176,18 @@ class State(_Frozen):
       tensor([0., 0., 0., 0.])
     """
 
-    __slots__ = (
-        "amax_history",
-        "scale",
-        "sites",
-        "amax_compute",
-        "margin",
-        "key",
-        "filled",
-        "_index",
-        "_views",
-    )
+    amax_history: torch.Tensor  # (..., n_sites, 3, history_len) float32
+    scale: torch.Tensor  # (..., n_sites, 3) float32
+    sites: tuple  # static
+    amax_compute: str = "max"  # static
+    margin: int = 0  # static
+    key: torch.Tensor | None = None  # (...) float64, or None: no leaf
+    filled: tuple | None = None  # static, riding along (see the class docstring)
+    _index: dict | None = dataclasses.field(default=None, init=False)  # `_positions`'s cache
+    _views: dict = dataclasses.field(default_factory=dict, init=False)  # `__getitem__`'s cache
 
-    def __init__(
-        self, amax_history, scale, sites, amax_compute="max", margin=0, key=None, filled=None
-    ):
-        values = (amax_history, scale, tuple(sites), amax_compute, margin, key, filled, None, {})
-        for name, value in zip(self.__slots__, values):
-            object.__setattr__(self, name, value)
+    def __post_init__(self):
+        object.__setattr__(self, "sites", tuple(self.sites))
 
     @property
     def history_len(self) -> int:
@@ -310,21 +314,14 @@ def _register(cls, leaves, static, make_from=None):
 register_moved("fp8fn._state", (ScaleState, SiteState, State))
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
 class _TreeContext:
     """A `State`'s pytree aux data: its `static` config, and `filled` riding along. Equal by
     `static` alone, so that states and observations of other `filled` have one tree structure
     (torch.func, vmap, `merge`); torch.compile guards on `filled` where the op reads it."""
 
-    __slots__ = ("static", "filled")
-
-    def __init__(self, static, filled):
-        self.static, self.filled = static, filled
-
-    def __eq__(self, other):
-        return isinstance(other, _TreeContext) and self.static == other.static
-
-    def __hash__(self):
-        return hash(self.static)
+    static: tuple
+    filled: tuple | None = dataclasses.field(compare=False)
 
     def __repr__(self):
         return repr(self.static)
@@ -390,7 +387,7 @@ def init_state(recipe: DelayedScaling, sites, device=None) -> State:
         raise ValueError(f"fp8fn.init_state: expected distinct str site names, got {sites!r}.")
     n, h = len(sites), recipe.history_len
     history = torch.zeros(n, 3, h, dtype=torch.float32, device=device)
-    _NEVER_UPDATED[history] = {}  # (see `warn_if_never_updated`)
+    NEVER_UPDATED[history] = {}  # (see `warn_if_never_updated`)
     return State(
         history,
         mark_valid(torch.ones(n, 3, dtype=torch.float32, device=device)),
@@ -575,19 +572,12 @@ def check_scales(api: str, scale: torch.Tensor, name: str = "state") -> None:
     mark_valid(base)
 
 
-# History tensors of states that `update` has made a newer state from: True once a newer
-# state was used (`observe`, `apply`), False while none was.
-_SUPERSEDED = WeakIdKeyDictionary()
-# The history tensor of the state each `update` result was made from (a weak reference).
-_PREDECESSOR = WeakIdKeyDictionary()
-
-
 def supersede(state: State, new: State) -> None:
     """Note that `fp8fn.update` made `new` from `state` (see `warn_if_superseded`)."""
     old = unwrapped(state.amax_history)
-    if old not in _SUPERSEDED:
-        _SUPERSEDED[old] = False
-    _PREDECESSOR[unwrapped(new.amax_history)] = weakref.ref(old)
+    if old not in SUPERSEDED:
+        SUPERSEDED[old] = False
+    PREDECESSOR[unwrapped(new.amax_history)] = weakref.ref(old)
 
 
 def warn_if_superseded(api: str, state: State) -> None:
@@ -598,21 +588,16 @@ def warn_if_superseded(api: str, state: State) -> None:
     if torch.compiler.is_compiling():
         return
     history = unwrapped(state.amax_history)
-    old = _PREDECESSOR.get(history)
+    old = PREDECESSOR.get(history)
     if old is not None and old() is not None:
-        _SUPERSEDED[old()] = True  # its update's result was kept and used
-    if _SUPERSEDED.get(history) is False:
+        SUPERSEDED[old()] = True  # its update's result was kept and used
+    if SUPERSEDED.get(history) is False:
         warnings.warn(
             f"fp8fn.{api}: this state was already updated by fp8fn.update, which returned a new "
             "state, and is used again: its scales never move. Keep the result: "
             "`state = fp8fn.update(state, obs)`.",
             stacklevel=3,
         )
-
-
-# Histories made by `init_state` (no `update` has advanced them), with what the training step
-# that first observed each saw: `{"seen": the first 64 values of the first parameter}`.
-_NEVER_UPDATED = WeakIdKeyDictionary()
 
 
 def warn_if_never_updated(api: str, state: State, params: dict) -> None:
@@ -629,10 +614,10 @@ def warn_if_never_updated(api: str, state: State, params: dict) -> None:
     if torch.compiler.is_compiling() or not (torch.is_grad_enabled() and params):
         return
     source = OBSERVED.get(history, history)  # `observe`'s copy tells its source
-    record = _NEVER_UPDATED.get(unwrapped(source))
+    record = NEVER_UPDATED.get(unwrapped(source))
     if record is None or record.get("warned") or not differentiated(history):
         return
-    if unwrapped(source) in _SUPERSEDED:
+    if unwrapped(source) in SUPERSEDED:
         return  # `update` advanced it: a second run from one initial state
     param = unwrapped(next(iter(params.values())))
     if type(param) not in (torch.Tensor, torch.nn.Parameter) or param.device.type == "meta":
@@ -671,12 +656,6 @@ def check_site_state(api: str, site_state, where: str = "`site_state`") -> None:
             f"fp8fn.{api}: expected {where} of shapes (3, history_len) and (3,), got "
             f"{tuple(h.shape)} and {tuple(s.shape)}."
         )
-
-
-# The histories `fp8fn.observe` made: `{observed history: the history it copied}`, for the
-# advice when one is reused (`claim`) and for `warn_if_never_updated`; read outside torch.compile
-# only.
-OBSERVED = WeakIdKeyDictionary()
 
 
 def claim(history: torch.Tensor, api: str, what: str, row: tuple | None = None) -> None:

@@ -1,6 +1,6 @@
 """`update` and `merge` of packed scaling states: constant kernels, whatever the sites.
 
-The scale convention (`_quantize.py`): `fp8 = saturate(hp * scale)`, `scale = fp8_max / (amax *
+The scale convention (`_numerics/fp8.py`): `fp8 = saturate(hp * scale)`, `scale = fp8_max / (amax *
 2**margin)`.
 """
 
@@ -64,7 +64,12 @@ def update(state: State, obs: State) -> State:
     observation that is 0, inf or NaN leaves that role unchanged. The random key (`state.key`,
     of models with NVFP4 layers) advances by one, modulo 2**52 (it stays exact and in range past
     any step count), so the next step draws other random bits; the observation's key (0) is not
-    used. Pure, and a constant number of kernels whatever the number of sites.
+    used. A constant number of kernels whatever the number of sites.
+
+    Neither argument is modified and the result depends on them alone. Not pure in memory: it
+    records facts about the tensors it made outside the state (their scales and key valid, which
+    histories hold an observation, the state it superseded, for the warnings:
+    `_core/registries.py`), never a number that a result depends on.
 
     Warns (`fp8fn.update: ...`) and returns `state` when `obs` holds no tensor at all (its
     `amax_history` is None): the classic slip of a plain autograd loop whose state never
@@ -218,8 +223,10 @@ def fold_in(state: State, data: int) -> State:
             obs_i = grad_of_loss(params, fp8fn.fold_in(state, i), x, y)
         state = fp8fn.update(state, obs)  # obs: the merged obs_i
 
-    Pure, a few kernels, no host read (compiles). A state without a key (no NVFP4 layer draws
-    random bits) is returned as it is. Within a step, distinct `data` give independent keys
+    `state` is not modified; the result depends on `state` and `data` alone (its key is marked
+    valid outside the state, `_core/registries.py`). A few kernels; no host read for a key that
+    fp8fn made or checked (compiles). A state without a key (no NVFP4 layer draws random bits)
+    is returned as it is. Within a step, distinct `data` give independent keys
     (a hash, not `key + data`, so no microbatch draws another step's bits by construction).
 
     Args:

@@ -47,7 +47,7 @@ def scale_from_amax(amax, margin, FP8_MAX: tl.constexpr):
 
 @triton.jit
 def saturate_to_fp8(y, MAX_BITS: tl.constexpr, BIAS: tl.constexpr, MBITS: tl.constexpr):
-    """`_quantize.saturate(y, float8)` as uint8 bits: float32 tensor -> uint8 tensor.
+    """`_numerics/fp8.py`'s `saturate(y, float8)` as uint8 bits: float32 tensor -> uint8 tensor.
 
     Round to nearest even, as torch. Finite values beyond the format's max saturate; inf and NaN
     give NaN, 0x7F (positive), in both formats.

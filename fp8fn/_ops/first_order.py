@@ -6,8 +6,9 @@ wrong, so it raises. Two pieces:
 
 * `BackwardOnly`: an autograd.Function whose own backward raises. The functions that run only
   inside backward passes (the sharded ops' collectives) subclass it and define `forward`.
-* `first_order_only(grads, anchor)`: a backward's results, passed through a `BackwardOnly`
-  identity where an outer differentiation records that backward.
+* `first_order_only(grads, anchor, api=...)`: a backward's results, passed through an identity
+  whose backward raises (naming `api`, what the user called) where an outer differentiation
+  records that backward.
 """
 
 from __future__ import annotations
@@ -16,11 +17,17 @@ import torch
 
 from .._torch_private import tracked_by_outer_differentiation
 
-HIGHER_ORDER = (
-    "fp8fn.linear: higher-order derivatives through float8 casts are not defined (the backward's "
-    "casts have no scales of their own). Differentiate fp8fn once; for a Hessian or "
-    "gradient penalty, run that part in high precision (filter_fn, or a recipe of None)."
-)
+
+def higher_order(api: str) -> str:
+    """The refusal of a second derivative through a float8 linear that the user reached by
+    `fp8fn.{api}` (`"linear"`, or `"apply: layer 'fc1'"` through `fn.apply`)."""
+    return (
+        f"fp8fn.{api}: higher-order derivatives through float8 casts are not defined (the "
+        "backward's casts have no scales of their own). Differentiate fp8fn once; for a Hessian "
+        "or gradient penalty, run that part in high precision (filter_fn, or a recipe of None)."
+    )
+
+
 HIGHER_ORDER_EXPERTS = (
     "fp8fn.apply: higher-order derivatives through an experts weight's float8 GEMMs are not "
     "defined (the backward's casts have no scales of their own). Differentiate fp8fn once; "
@@ -54,8 +61,9 @@ class BackwardOnly(torch.autograd.Function):
     backward = refuse(HIGHER_ORDER_SHARDED)
 
 
-class _FirstOrderOnly(BackwardOnly):
-    """Identity on a backward's results; differentiating through them raises `HIGHER_ORDER`.
+class _FirstOrderOnly(torch.autograd.Function):
+    """Identity on a backward's results; differentiating through them raises
+    `RuntimeError(message)`.
 
     `anchor` (a differentiable output of the op's forward) ties the results to every outer
     differentiation that tracks the op's inputs, so grad-of-grad reaches this node.
@@ -64,26 +72,29 @@ class _FirstOrderOnly(BackwardOnly):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(anchor, *grads):
+    def forward(message, anchor, *grads):
         return grads
 
-    backward = refuse(HIGHER_ORDER)
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.message = inputs[0]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(ctx.message)
 
 
-class _FirstOrderOnlyExperts(_FirstOrderOnly):
-    """`_FirstOrderOnly` of the grouped ops (experts weights): raises `HIGHER_ORDER_EXPERTS`."""
-
-    backward = refuse(HIGHER_ORDER_EXPERTS)
-
-
-def first_order_only(grads, *anchors: torch.Tensor, experts: bool = False) -> tuple:
+def first_order_only(
+    grads, *anchors: torch.Tensor, api: str = "linear", experts: bool = False
+) -> tuple:
     """`grads` (a backward's results; None where not needed), made to raise when differentiated
     again where an outer differentiation records this backward (it tracks one of `anchors`: a
     float32 `()` output of the op's forward, or the saved inputs the backward differentiates);
-    else `grads` as they are. `experts`: the grouped ops' message (`HIGHER_ORDER_EXPERTS`)."""
+    else `grads` as they are. `api`: what the user called (`higher_order(api)`); `experts`: the
+    grouped ops' message (`HIGHER_ORDER_EXPERTS`)."""
     if torch.is_grad_enabled():
         for anchor in anchors:
             if anchor is not None and tracked_by_outer_differentiation(anchor):
-                function = _FirstOrderOnlyExperts if experts else _FirstOrderOnly
-                return function.apply(anchor, *grads)
+                message = HIGHER_ORDER_EXPERTS if experts else higher_order(api)
+                return _FirstOrderOnly.apply(message, anchor, *grads)
     return tuple(grads)

@@ -30,13 +30,13 @@ from .._core.device import cuda_capability
 from .._core.recipes import NVFP4Scaling
 from .._numerics.fp8 import E4M3, E5M2, cast_to_fp8
 from .._torch_private import scaled_grouped_mm, scaled_grouped_mm_available
-from .block_scaled import FINER, check_finer
 from .first_order import first_order_only
 from .gemm import resolve_backend
 from .grouped_block_scaled import finer_grouped_mm, nvfp4_grouped_mm
 from .grouped_gemm import rows_mm, weight_mm
 from .member_loop import each_member, vmap_per_member
 from .nvfp4 import check_random
+from .rowwise_blockwise_mx import FINER, check_finer
 from .tensorwise import placement_of, scales_for
 
 

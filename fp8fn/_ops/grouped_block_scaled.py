@@ -3,7 +3,7 @@ per expert.
 
 `x` is `(T, K)`, the experts' weight `(E, N, K)`, `offs` int32 `(E,)` the cumulative group
 ends: rows `offs[e-1]:offs[e]` of `x` go to expert `e`; rows past `offs[-1]` come out 0 and get
-no gradient. Each group runs the dense op's numerics on its rows (`block_scaled`'s GEMMs,
+no gradient. Each group runs the dense op's numerics on its rows (`rowwise_blockwise_mx`'s GEMMs,
 `nvfp4`'s op), so expert `e`'s output and gradients are bit for bit those of the dense
 `fp8fn.linear` on `(x[rows of e], weight[e])`:
 
@@ -45,7 +45,6 @@ from .._core import keys
 from .._core.checks import no_autocast
 from .._core.recipes import BlockwiseScaling, MXScaling, NVFP4Scaling, RowwiseScaling
 from .._numerics.nvfp4 import dequantize_nvfp4
-from .block_scaled import FINER_GEMMS, gemm_or_zeros, weight_gemm
 from .first_order import first_order_only
 from .grouped_gemm import bounds, custom_op_when_compiling
 from .member_loop import each_member, vmap_per_member
@@ -56,6 +55,7 @@ from .nvfp4 import (
     weight_for_grad_input,
     x_for_grad_weight,
 )
+from .rowwise_blockwise_mx import FINER_GEMMS, gemm_or_zeros, weight_gemm
 
 # -- the per-group GEMMs (custom ops under torch.compile) ---------------------------------------
 # A custom op takes no recipe object: the finer recipe travels as its class name and the fields

@@ -7,9 +7,9 @@ import torch
 from .._core.checks import check_operands, no_autocast, refuse_compile_under_func
 from .._core.recipes import RECIPES, DelayedScaling, NVFP4Scaling
 from .._core.state import check_scales, check_site_state, claim
-from .block_scaled import FINER, check_finer, finer_linear
 from .gemm import resolve_backend
 from .nvfp4 import check_nvfp4, check_random, nvfp4_linear
+from .rowwise_blockwise_mx import FINER, check_finer, finer_linear
 from .tensorwise import tensorwise_linear
 
 
@@ -117,11 +117,11 @@ def fp8_linear(
     if isinstance(recipe, NVFP4Scaling):
         check_nvfp4(x, weight, api)
         with no_autocast(x):
-            return nvfp4_linear(x, weight, bias, recipe, random)
+            return nvfp4_linear(x, weight, bias, recipe, random, api)
     if isinstance(recipe, FINER):
         check_finer(x, weight, recipe, api)
         with no_autocast(x):
-            return finer_linear(x, weight, bias, recipe, backend)
+            return finer_linear(x, weight, bias, recipe, backend, api)
     margin = getattr(recipe, "margin", 0)
     return tensorwise_linear(
         x,
@@ -133,4 +133,5 @@ def fp8_linear(
         backend,
         filled=filled,
         fast_accum=recipe.fast_accum,
+        api=api,
     )

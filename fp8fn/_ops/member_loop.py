@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from .._torch_private import functorch_level, tracked_below
-from .first_order import HIGHER_ORDER, BackwardOnly, refuse
+from .first_order import HIGHER_ORDER_EXPERTS, BackwardOnly, refuse
 
 SHARED_STATE = (
     "fp8fn.apply: vmap over an experts weight's GEMM with an unbatched scaling state that is "
@@ -50,7 +50,7 @@ class _EachMember(BackwardOnly):
     def forward(fn, *tensors):
         return fn(*tensors)
 
-    backward = refuse(HIGHER_ORDER)
+    backward = refuse(HIGHER_ORDER_EXPERTS)
 
 
 _EachMember.vmap = vmap_per_member(_EachMember)

@@ -140,7 +140,8 @@ def grad_weight_gemm(g, x_values, key, site, rank, recipe) -> torch.Tensor:
 
 class _NVFP4Linear(torch.autograd.Function):
     """y = x @ weight.T + bias under NVFP4. x (m, k), weight (n, k), bias (n,) or None; `key`
-    `()` int64 or None (a recipe without randomness), `site` int, `rank` int (static).
+    `()` int64 or None (a recipe without randomness), `site` int, `rank` int, `api` what the
+    user called (static).
 
     Returns `(y, anchor)`: `anchor` a `()` zero whose only use is to tell the backward whether
     an outer differentiation records it (then using its results raises: higher-order
@@ -150,7 +151,7 @@ class _NVFP4Linear(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x, weight, bias, key, recipe, site, rank):
+    def forward(x, weight, bias, key, recipe, site, rank, api):
         out = output_gemm(x, weight, recipe)
         if bias is not None:
             out = out + bias.float()
@@ -158,10 +159,10 @@ class _NVFP4Linear(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, weight, bias, key, recipe, site, rank = inputs
+        x, weight, bias, key, recipe, site, rank, api = inputs
         ctx.set_materialize_grads(False)  # the anchor gets no gradient: no zeros made
         needs = ctx.needs_input_grad
-        ctx.recipe, ctx.site, ctx.rank = recipe, site, rank
+        ctx.recipe, ctx.site, ctx.rank, ctx.api = recipe, site, rank, api
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         # What an FP4 kernel keeps: the quantized operands of the backward's GEMMs (a weight
         # in 16 x 16 tiles is the forward's, quantized again here: the same bits).
@@ -178,7 +179,7 @@ class _NVFP4Linear(torch.autograd.Function):
         *saved, key, anchor = ctx.saved_tensors
         with no_autocast(grad_out):
             grads = _NVFP4Linear._grads(ctx, grad_out, saved, key)
-        return (*first_order_only(grads, anchor), None, None, None, None)
+        return (*first_order_only(grads, anchor, api=ctx.api), None, None, None, None, None)
 
     @staticmethod
     def _grads(ctx, grad_out, saved, key):
@@ -246,7 +247,7 @@ def check_random(api: str, random, recipe: NVFP4Scaling, device: torch.device) -
     keys.check_key(api, key, "the key of `site_state`")
 
 
-def nvfp4_linear(x, weight, bias, recipe: NVFP4Scaling, random):
+def nvfp4_linear(x, weight, bias, recipe: NVFP4Scaling, random, api: str = "linear"):
     """`x @ weight.T + bias` under `NVFP4Scaling`, emulated (see the module docstring).
 
     Args:
@@ -256,6 +257,7 @@ def nvfp4_linear(x, weight, bias, recipe: NVFP4Scaling, random):
       recipe: the `NVFP4Scaling`.
       random: `(key, site)`: `key` float64 `()` holding an integer in `[0, 2**52)`, `site`
         the site's name; or None for a recipe without randomness.
+      api: what the user called, for errors (`fp8fn.{api}:`, e.g. a second derivative).
 
     Returns:
       `(..., out_features)` in `x.dtype`.
@@ -266,6 +268,6 @@ def nvfp4_linear(x, weight, bias, recipe: NVFP4Scaling, random):
         key = key.detach().to(torch.int64)
         site = keys.site_id(site)
     out, _ = _NVFP4Linear.apply(
-        x.reshape(-1, x.shape[-1]), weight, bias, key, recipe, site, keys.process_rank()
+        x.reshape(-1, x.shape[-1]), weight, bias, key, recipe, site, keys.process_rank(), api
     )
     return out.reshape(*x.shape[:-1], weight.shape[0])

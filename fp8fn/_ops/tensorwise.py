@@ -229,15 +229,15 @@ class _Fp8LinearOp(torch.autograd.Function):
     history entries and stored scales, float32 `(3,)` (roles input, weight, grad_output), or
     None for current scaling; `margin` an int; `backend` `fp8_mm`'s;
     `filled` the roles whose histories are known non-empty (three static bools), or None;
-    `fast_accum` the recipe's (output, grad_input, grad_weight) `use_fast_accum`.
-    The gradient with respect to `newest` is the observation `[x_amax, w_amax, g_amax]` of the
-    local operands.
+    `fast_accum` the recipe's (output, grad_input, grad_weight) `use_fast_accum`; `api` what the
+    user called, for errors. The gradient with respect to `newest` is the observation
+    `[x_amax, w_amax, g_amax]` of the local operands.
     """
 
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x, weight, bias, newest, stored, margin, backend, place, filled, fast_accum):
+    def forward(x, weight, bias, newest, stored, margin, backend, place, filled, fast_accum, api):
         x, w = place.operands(x, weight)
         x_fp8, w_fp8, x_inv, w_inv, x_amax, w_amax, x_keep, w_keep = _cast_operands(
             x, w, newest, stored, margin, backend, place, filled
@@ -252,12 +252,12 @@ class _Fp8LinearOp(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, weight, bias, newest, stored, margin, backend, place, filled, fast_accum = inputs
+        x, weight, bias, newest, stored, margin, backend, place, filled, fast_accum, api = inputs
         ctx.mark_non_differentiable(*output[1:6])  # x_amax stays differentiable: see backward
         ctx.set_materialize_grads(False)  # the residual outputs get no gradient: no zeros made
         ctx.save_for_backward(*output[1:], newest, stored)
         ctx.margin, ctx.backend, ctx.place, ctx.filled = margin, backend, place, filled
-        ctx.fast_accum = fast_accum
+        ctx.fast_accum, ctx.api = fast_accum, api
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
 
     @staticmethod
@@ -295,7 +295,8 @@ class _Fp8LinearOp(torch.autograd.Function):
             grads[:3] = ctx.place.place_grads(grads[:3])
             if needs[3]:  # [x_amax, w_amax, g_amax], made here: at the backward's level
                 grads[3] = observed
-        return (*first_order_only(grads, x_amax), None, None, None, None, None, None)
+        statics = (None,) * 7  # stored, margin, backend, place, filled, fast_accum, api
+        return (*first_order_only(grads, x_amax, api=ctx.api), *statics)
 
 
 class _Fp8Linear(_Fp8LinearOp):
@@ -311,9 +312,8 @@ class _Fp8Linear(_Fp8LinearOp):
     generate_vmap_rule = False
 
     @staticmethod
-    def vmap(
-        info, in_dims, x, weight, bias, newest, stored, margin, backend, place, filled, fast_accum
-    ):
+    def vmap(info, in_dims, *inputs):
+        x, weight, bias, newest, stored, margin, backend, place, filled, fast_accum, api = inputs
         if place.vmap_refusal is not None:
             raise ValueError(place.vmap_refusal)
         args = (x, weight, bias, newest, stored)
@@ -321,19 +321,18 @@ class _Fp8Linear(_Fp8LinearOp):
         if tracked and all(d is None for d in in_dims[1:5]):
             xb = x.movedim(in_dims[0], 0)
             rows = xb.flatten(0, 1)
-            outs = _Fp8Linear.apply(
-                rows, weight, bias, newest, stored, margin, backend, place, filled, fast_accum
-            )
+            statics = (margin, backend, place, filled, fast_accum, api)
+            outs = _Fp8Linear.apply(rows, weight, bias, newest, stored, *statics)
             out, x_fp8, *rest = outs
             folded = (out.unflatten(0, xb.shape[:2]), x_fp8.unflatten(0, xb.shape[:2]))
             return (*folded, *rest), (0, 0) + (None,) * len(rest)
         if tracked and newest is not None and in_dims[3] is None:
             raise ValueError(
-                "fp8fn.linear: vmap over the weights with an unbatched scaling state: members "
+                f"fp8fn.{api}: vmap over the weights with an unbatched scaling state: members "
                 "would share one state and autograd would sum their observations. Give each "
                 "member its own state (stack the states and vmap over them too)."
             )
-        statics = (margin, backend, place, filled, fast_accum)
+        statics = (margin, backend, place, filled, fast_accum, api)
         outs = torch.vmap(_Fp8LinearOp.apply, in_dims=(*in_dims[:5], *(None,) * len(statics)))(
             *args, *statics
         )
@@ -359,6 +358,7 @@ def tensorwise_linear(
     place=None,
     filled=None,
     fast_accum=FAST_ACCUM,
+    api: str = "linear",
 ):
     """`x @ weight.T + bias` under a per-tensor recipe, on checked operands.
 
@@ -372,6 +372,7 @@ def tensorwise_linear(
       filled: which of the three roles' histories are known non-empty (static bools, from
         `State.filled`): those cast with the stored scale alone. None: decided in the graph.
       fast_accum: the recipe's `fast_accum`, (output, grad_input, grad_weight).
+      api: what the user called, for errors (`fp8fn.{api}:`, e.g. a second derivative).
 
     Returns:
       `(..., n)` in `x.dtype` (placed by `place`); the gradient with respect to `newest` is the
@@ -381,6 +382,6 @@ def tensorwise_linear(
     flat = x.dim() == 2 or not place.takes_rows
     rows = x if flat else x.reshape(-1, x.shape[-1])  # (a reshape is a kernel call)
     with no_autocast(x):
-        args = (newest, stored, margin, backend, place, filled, fast_accum)
+        args = (newest, stored, margin, backend, place, filled, fast_accum, api)
         out = _Fp8Linear.apply(rows, weight, bias, *args)[0]
     return out if flat else out.reshape(*x.shape[:-1], weight.shape[0])

@@ -8,11 +8,11 @@ shapes), are copied into one flat buffer, reduced, and viewed back.
 from __future__ import annotations
 
 import hashlib
-import weakref
 
 import torch
 import torch.distributed as dist
 
+from .._core.registries import ALL_REDUCE_STARTED, ALL_REDUCE_TAGS, MAX_ALL_REDUCE_TAGS
 from .._core.state import State, check_state
 from .._core.update import observed_only
 from .._torch_private import assert_in_graph, process_group_devices
@@ -70,34 +70,21 @@ def _structure_tag(key, device: torch.device) -> torch.Tensor:
     return torch.tensor([a, -a, b, -b], dtype=torch.float32, device=device)
 
 
-# (static, shape, device) -> (tag, the mismatch message) of the structures reduced lately: made
-# once per structure and device (a copy to a GPU at every call would wait for the device),
-# never written to. Cleared when full.
-_STRUCTURES: dict = {}
-_MAX_STRUCTURES = 64
-
-
 def _structure(obs: State, device: torch.device) -> tuple[torch.Tensor, str]:
     """`obs`'s structure tag on `device` and the message for ranks that disagree with it."""
     key = (obs.static, tuple(obs.amax_history.shape))
-    found = _STRUCTURES.get((*key, device))
+    found = ALL_REDUCE_TAGS.get((*key, device))
     if found is None:
-        if len(_STRUCTURES) >= _MAX_STRUCTURES:
-            _STRUCTURES.clear()
+        if len(ALL_REDUCE_TAGS) >= MAX_ALL_REDUCE_TAGS:
+            ALL_REDUCE_TAGS.clear()
         message = (
             "fp8fn.all_reduce: expected observations of the same structure on every rank of "
             f"`group` (sites, in order, history_len, amax_compute, margin); this rank has "
             f"{obs!r}, another differs. Build the state the same way on every rank (fn.init of "
             "one transform; a layer called a different number of times has other sites)."
         )
-        found = _STRUCTURES[(*key, device)] = (_structure_tag(key, device), message)
+        found = ALL_REDUCE_TAGS[(*key, device)] = (_structure_tag(key, device), message)
     return found
-
-
-# The groups whose first reduce has run (weakly held: a destroyed group leaves, and a new group
-# that reuses its address is not mistaken for it). Every rank of a group calls `all_reduce` on it
-# equally often, so "first" means the same call on every rank.
-_STARTED: weakref.WeakSet = weakref.WeakSet()
 
 
 def all_reduce(obs: State, group=None) -> State:
@@ -107,13 +94,14 @@ def all_reduce(obs: State, group=None) -> State:
     `fp8fn.merge`, so a rank that saw nothing leaves another rank's observation intact, and 0
     stays "not observed" unless some rank observed something. `obs.scale` (the gradient with
     respect to the scales, zeros on fp8fn's routes) is reduced by max in the same collective, so
-    the result is `fp8fn.merge` of the ranks' observations. Pure: `obs` is not modified. Every
-    rank of `group` must call it, with observations of the same structure (the same model
-    and `fn.init`): a 4-float tag of the structure rides in the collective and is compared in
-    the graph after it (no host read, so no device sync in a step), so ranks that disagree all
-    raise instead of mixing sites. The first call on a group reduces the tag alone before (one
-    more tiny collective, read on the host), so that observations of other sizes raise too
-    instead of aborting the collective.
+    the result is `fp8fn.merge` of the ranks' observations. `obs` is not modified (the
+    structure's tag and the groups already started are kept outside the state:
+    `_core/registries.py`). Every rank of `group` must call it, with observations of the same
+    structure (the same model and `fn.init`): a 4-float tag of the structure rides in the
+    collective and is compared in the graph after it (no host read, so no device sync in a
+    step), so ranks that disagree all raise instead of mixing sites. The first call on a group
+    reduces the tag alone before (one more tiny collective, read on the host), so that
+    observations of other sizes raise too instead of aborting the collective.
 
     Merge microbatches first (`fp8fn.merge`), then reduce over the ranks, then `fp8fn.update`:
     every rank then holds the same state, bit for bit.
@@ -151,14 +139,14 @@ def all_reduce(obs: State, group=None) -> State:
     _check_device(history.device, group)
     n, m = history.numel(), scale.numel()
     tag, mismatch = _structure(obs, history.device)
-    if group not in _STARTED:
+    if group not in ALL_REDUCE_STARTED:
         # The first reduce on a group checks the tag alone, on the host: buffers of other sizes
         # (another number of sites, history_len) would abort the collective itself.
         reduced = tag.clone()
         dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=group)
         if not torch.equal(reduced, tag):
             raise ValueError(mismatch)
-        _STARTED.add(group)
+        ALL_REDUCE_STARTED.add(group)
     with torch.no_grad():
         pieces = [observed_only(history).flatten(), scale.detach().flatten()]
         packed = torch.cat([*pieces, tag])

@@ -40,7 +40,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from .._core.owners import owner_of
+from .._core.owners import held
 from .._core.recipes import CurrentScaling, DelayedScaling
 from .._numerics.fp8 import FP8_DTYPES, ceil_div
 from .._ops.first_order import BackwardOnly
@@ -332,7 +332,7 @@ def sharded_linear(call, layer, site, x, weight, bias, newest, stored):
         x = x.to(torch.get_autocast_dtype(device.type))
     margin = getattr(recipe, "margin", 0)
     scaling = dict(newest=newest, stored=stored, margin=margin, backend=backend)
-    scaling["fast_accum"] = recipe.fast_accum
+    scaling["fast_accum"], scaling["api"] = recipe.fast_accum, f"apply: layer {layer.path!r}"
     if xd is None:
         return _fsdp_linear(api, x, weight, wd, bias, bd, scaling, unobserved)
     return _tp_linear(api, x, xd, weight, wd, bias, bd, scaling, unobserved)
@@ -423,19 +423,15 @@ def _tp_linear(api, x, xd, weight, wd, bias, bd, scaling, unobserved):
 # -- `fn.apply`: params and errors --------------------------------------------------------------
 
 
-def _own_tensor(module, name: str):
-    return getattr(*owner_of(module, name), None)
-
-
 def gather_params(plan, params: dict, state):
     """`(tensors, kept)`: `params` with each DTensor the module does not hold as one
     (functional FSDP) replaced by its whole value, all-gathered in high precision, except the
     weights of the per-tensor float8 layers (gathered in float8 by the op); a DTensor the module
-    holds as one (tensor parallel, FSDP2) stays as it is. `plan`: the transform's `Plan` (its
-    module, layers and slots). `written_back`, a context manager
-    around the call, copies this rank's rows of each gathered buffer back into the given
-    DTensor when the call returns (a batch norm's running statistics, updated in train mode).
-    `state` (the call's) must be plain and unbatched.
+    holds as one (tensor parallel, FSDP2) stays as it is. `kept` (`_BuffersKept`), a context
+    manager around the call, raises when the model changed a buffer given as a DTensor (a batch
+    norm's running statistics in train mode: each rank's own, which one sharded tensor cannot
+    hold); nothing is written back. `state` (the call's) must be plain and unbatched; `plan`
+    the transform's `Plan` (its module, layers and slots).
     """
     if torch.compiler.is_compiling():
         raise RuntimeError(
@@ -456,7 +452,7 @@ def gather_params(plan, params: dict, state):
         d = as_dtensor(t)
         if d is None or name in in_op:
             continue
-        if as_dtensor(_own_tensor(module, name)) is not None:  # tensor parallel
+        if as_dtensor(held(module, name)) is not None:  # tensor parallel
             # Refused here, before the model runs: under checkpoint_fn the forward would pass
             # and torch.func raise its own error in the backward's recompute.
             if functorch_level() is not None:
@@ -499,13 +495,13 @@ class _BuffersKept:
                 )
 
 
-def gathered_for_split(weight, held):
+def gathered_for_split(weight, own):
     """`weight` all-gathered in high precision when it is a functional FSDP shard (a DTensor
-    where the module holds a plain tensor) that the model splits (nn.MultiheadAttention's
+    where the module holds `own`, a plain tensor) that the model splits (nn.MultiheadAttention's
     packed in_proj, in cross-attention): its pieces are whole q, k, v weights, as the plain
     model's. Else `weight` as it is."""
     d = as_dtensor(weight)
-    if d is None or as_dtensor(held) is not None:
+    if d is None or as_dtensor(own) is not None:
         return weight
     return _GatherParam.apply(weight, dtensor_spec(d), d.device_mesh.get_group())
 

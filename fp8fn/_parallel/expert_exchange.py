@@ -9,7 +9,8 @@ each local expert in turn, and regroups them expert-major (stable: source 0's ro
 expert first), as one process running all the ranks' tokens would order them.
 
 Every exchange sends the tensor's bytes (a `uint8` view): gloo has no float8 collectives, and
-the bytes are the same whatever the dtype.
+the bytes are the same whatever the dtype. `exchange_scaled_rows` sends high-precision rows
+as e4m3 with a power-of-two scale of their own (`float8_wire="all"`: the GEMM outputs).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from .._numerics.fp8 import E4M3, dequantize_mx, quantize_mx
 from .._ops.first_order import BackwardOnly
 
 
@@ -125,12 +127,26 @@ def exchange_rows(rows: torch.Tensor, send: list, recv: list, group) -> torch.Te
     return out.view(rows.dtype).view(sum(recv), *rows.shape[1:])
 
 
+def exchange_scaled_rows(rows: torch.Tensor, send: list, recv: list, group) -> torch.Tensor:
+    """`exchange_rows` of high-precision `rows` `(sum(send), K)` as K + 1 bytes each: the row
+    cast to e4m3 with a power-of-two scale of its own (one MXFP8 block of the whole row,
+    `quantize_mx(rows, K)`, RCEIL: the row's amax lands in `(224, 448]`) and that scale's
+    biased E8M0 exponent. Returns the `(sum(recv), K)` rows received, dequantized, of `rows`'
+    dtype (an overflow stays visible: inf and NaN rows come back inf or NaN)."""
+    k = rows.shape[1]
+    fp8, exponent = quantize_mx(rows, block_size=k)
+    got = exchange_rows(torch.cat([fp8.view(torch.uint8), exponent], 1), send, recv, group)
+    values, exponent = got[:, :k].view(E4M3), got[:, k:]
+    return dequantize_mx(values, exponent, torch.float32, block_size=k).to(rows.dtype)
+
+
 class Exchanged(BackwardOnly):
-    """`exchange_rows` inside a backward (differentiating it again raises)."""
+    """`exchange_rows` inside a backward (differentiating it again raises); `scaled`:
+    `exchange_scaled_rows`."""
 
     @staticmethod
-    def forward(rows, send, recv, group):
-        return exchange_rows(rows, send, recv, group)
+    def forward(rows, send, recv, group, scaled=False):
+        return (exchange_scaled_rows if scaled else exchange_rows)(rows, send, recv, group)
 
 
 class _SendRows(torch.autograd.Function):

@@ -11,6 +11,14 @@ side (built from the grouped op's parts, `fp8fn/_ops/grouped.py`):
   expert on the wire (its grad_output history filled) to e5m2 with that expert's grad_output
   scale and sends the bytes; the receiver's GEMMs take them as they are.
 
+With `scaled` (`float8_wire="all"`) the GEMM outputs travel in float8 too: combine forward
+(`y`) and dispatch backward (`grad_x`) send each row as e4m3 with a power-of-two scale of its
+own, computed by the sender from the row and sent as one byte beside it
+(`exchange_scaled_rows`); the receiver dequantizes to the activation dtype. These values have
+no delayed state (no role of the state holds a GEMM output's amax), hence the per-row scale.
+Their gradient passes through the rounding unchanged (the rounding is not differentiated, as
+every float8 cast of fp8fn's).
+
 The rows of the other experts (the first step, an expert whose history is still empty,
 CurrentScaling, `float8_wire=False`) travel in high precision, in a second all-to-all made only
 when some expert is off the wire, and the receiver casts them as the grouped op does (current
@@ -33,7 +41,7 @@ from .._ops.first_order import first_order_only
 from .._ops.grouped import expert_amax, group_amax
 from .._ops.grouped_gemm import rows_mm, weight_mm
 from .._ops.tensorwise import scales_for
-from .expert_exchange import Exchange, Exchanged, exchange_rows
+from .expert_exchange import Exchange, Exchanged, exchange_rows, exchange_scaled_rows
 
 _MAX = {E4M3: 448.0, E5M2: 57344.0}
 
@@ -60,7 +68,9 @@ def _receive(rows, ex: Exchange, newest, stored, margin, role: int, wire, back: 
     some rank: `wire` is the same on every rank). `fp8` `(M, K)` expert-major, `scale` float32
     `(El,)` (this rank's experts), `observed` float32 `(E,)` (the sender's amax of its rows for
     an expert on the wire, the experts' rank's for the others, 0 where not observed here).
-    `back`: the rows go from the sender to the experts in a backward."""
+    `back`: the rows go from the sender to the experts in a backward. A fourth value: the
+    high-precision rows received (source-major: `[ex.to_experts]` makes them expert-major)
+    when no expert is on the wire, else None."""
     dtype = E4M3 if role == 0 else E5M2
     send = Exchanged.apply if back else exchange_rows
     on_wire = torch.tensor(wire, device=rows.device)
@@ -84,12 +94,12 @@ def _receive(rows, ex: Exchange, newest, stored, margin, role: int, wire, back: 
         part_ids.append(ids)
         observed = _spread(amax, ex)
     if hp_scale is None:
-        return parts[0][ex.to_experts], _local(stored[:, role], ex), sent_amax
+        return parts[0][ex.to_experts], _local(stored[:, role], ex), sent_amax, None
     if len(parts) == 1:
-        return parts[0][ex.to_experts], hp_scale, observed
+        return parts[0][ex.to_experts], hp_scale, observed, hp
     order = torch.argsort(torch.cat(part_ids), stable=True)  # an expert's rows: one part
     scale = torch.where(local_wire, _local(stored[:, role], ex), hp_scale)
-    return torch.cat(parts)[order], scale, torch.where(on_wire, sent_amax, observed)
+    return torch.cat(parts)[order], scale, torch.where(on_wire, sent_amax, observed), None
 
 
 def _role(rows, ex, role):
@@ -121,8 +131,8 @@ class _DispatchGroupedMM(torch.autograd.Function):
     `x_e @ weight[e].T` on the experts' rank (`weight` `(El, N, K)`, this rank's experts)."""
 
     @staticmethod
-    def forward(x, weight, newest, stored, ex, margin, backend, wire):
-        x_fp8, x_scale, x_amax = _receive(x, ex, newest, stored, margin, 0, wire, False)
+    def forward(x, weight, newest, stored, ex, margin, backend, wire, scaled):
+        x_fp8, x_scale, x_amax, _ = _receive(x, ex, newest, stored, margin, 0, wire, False)
         w_fp8, w_scale, w_amax = _cast_weight(weight, ex, newest, stored, margin)
         x_inv, w_inv = x_scale.reciprocal(), w_scale.reciprocal()
         out = rows_mm(x_fp8, w_fp8, x_inv, w_inv, ex.offs, x.dtype, backend, False)
@@ -130,10 +140,11 @@ class _DispatchGroupedMM(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, weight, newest, stored, ex, margin, backend, wire = inputs
+        x, weight, newest, stored, ex, margin, backend, wire, scaled = inputs
         ctx.mark_non_differentiable(*output[2:])
         ctx.save_for_backward(*output[1:], newest, stored)
         ctx.ex, ctx.margin, ctx.backend, ctx.dtypes = ex, margin, backend, (x.dtype, weight.dtype)
+        ctx.scaled = scaled
 
     @staticmethod
     def backward(ctx, grad_out, *_):
@@ -148,66 +159,88 @@ class _DispatchGroupedMM(torch.autograd.Function):
             g_inv = g_scale.reciprocal()
             grad_x = rows_mm(g_fp8, w_fp8, g_inv, w_inv, ex.offs, x_dtype, ctx.backend, True)
             # every rank sends its gradient rows back (the collective pairs across ranks)
-            grads = [Exchanged.apply(grad_x[ex.from_experts], ex.recv, ex.send, ex.group)]
+            back = grad_x[ex.from_experts]
+            grads = [Exchanged.apply(back, ex.recv, ex.send, ex.group, ctx.scaled)]
             grads.append(weight_mm(g_fp8, x_fp8, g_inv, x_inv, ex.offs, w_dtype, ctx.backend))
             g_observed = _spread(g_amax, ex)
             obs = _observation(ex, x_amax, w_amax, g_observed) if ctx.needs_input_grad[2] else None
-            grads += [obs, None, None, None, None, None]
+            grads += [obs, None, None, None, None, None, None]
         return tuple(first_order_only(grads, x_amax))
 
 
 class _GroupedMMCombine(torch.autograd.Function):
     """`h` `(M, K)` expert-major rows on the experts' rank -> `(S, N)` rows of
-    `h_e @ weight[e].T` back on their senders, in their sorted order."""
+    `h_e @ weight[e].T (+ bias[e])` back on their senders, in their sorted order."""
 
     @staticmethod
-    def forward(h, weight, newest, stored, ex, margin, backend, wire):
+    def forward(h, weight, bias, newest, stored, ex, margin, backend, wire, scaled):
         h_amax = group_amax(h, ex.ids, ex.local)
         h_scale = scales_for(h_amax, _role(newest, ex, 0), _role(stored, ex, 0), margin, 448.0)
         h_fp8 = cast_to_fp8(h, h_scale[ex.ids][:, None], E4M3)
         w_fp8, w_scale, w_amax = _cast_weight(weight, ex, newest, stored, margin)
         h_inv, w_inv = h_scale.reciprocal(), w_scale.reciprocal()
         y = rows_mm(h_fp8, w_fp8, h_inv, w_inv, ex.offs, h.dtype, backend, False)
-        out = exchange_rows(y[ex.from_experts], ex.recv, ex.send, ex.group)
+        if bias is not None:  # (as transformers' `out.add_(bias[ids])`: rounded once)
+            y = (y + bias[ex.ids]).to(y.dtype)
+        send = exchange_scaled_rows if scaled else exchange_rows
+        out = send(y[ex.from_experts], ex.recv, ex.send, ex.group)
         return out, _spread(h_amax, ex), h_fp8, w_fp8, h_inv, w_inv, w_amax
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        h, weight, newest, stored, ex, margin, backend, wire = inputs
+        h, weight, bias, newest, stored, ex, margin, backend, wire, _ = inputs
         ctx.mark_non_differentiable(*output[2:])
         ctx.save_for_backward(*output[1:], newest, stored)
         ctx.ex, ctx.margin, ctx.backend, ctx.wire = ex, margin, backend, wire
-        ctx.dtypes = (h.dtype, weight.dtype)
+        ctx.dtypes = (h.dtype, weight.dtype, None if bias is None else bias.dtype)
 
     @staticmethod
     def backward(ctx, grad_out, *_):
         h_observed, h_fp8, w_fp8, h_inv, w_inv, w_amax, newest, stored = ctx.saved_tensors
-        ex, (h_dtype, w_dtype) = ctx.ex, ctx.dtypes
+        ex, (h_dtype, w_dtype, b_dtype) = ctx.ex, ctx.dtypes
         with no_autocast(grad_out):
-            g_fp8, g_scale, g_observed = _receive(
+            g_fp8, g_scale, g_observed, g_hp = _receive(
                 grad_out, ex, newest, stored, ctx.margin, 2, ctx.wire, True
             )
             g_inv = g_scale.reciprocal()
             grads = [rows_mm(g_fp8, w_fp8, g_inv, w_inv, ex.offs, h_dtype, ctx.backend, True)]
             grads.append(weight_mm(g_fp8, h_fp8, g_inv, h_inv, ex.offs, w_dtype, ctx.backend))
+            grads.append(None if b_dtype is None else _bias_grad(g_hp, ex, b_dtype))
             obs = (
                 _observation(ex, h_observed, w_amax, g_observed)
-                if ctx.needs_input_grad[2]
+                if ctx.needs_input_grad[3]
                 else None
             )
-            grads += [obs, None, None, None, None, None]
+            grads += [obs, None, None, None, None, None, None]
         return tuple(first_order_only(grads, h_observed))
 
 
-def dispatch_grouped_mm(x, weight, newest, stored, ex, margin, backend, wire):
+def _bias_grad(g_hp, ex, dtype):
+    """`(El, N)`: each local expert's sum of its gradient rows `g_hp` (`(M, N)` as received,
+    high precision: a bias's experts are never on the combine backward's float8 wire), summed
+    in expert-major row order as autograd sums the gradient of `bias[ids]` (`index_put_`,
+    accumulate)."""
+    zeros = g_hp.new_zeros(ex.local, g_hp.shape[1], dtype=dtype)
+    return zeros.index_put_((ex.ids,), g_hp[ex.to_experts].to(dtype), accumulate=True)
+
+
+def dispatch_grouped_mm(x, weight, newest, stored, ex, margin, backend, wire, scaled=False):
     """See the module docstring. x: `(S, K)` sorted by global expert (`ex.send_ids`); weight:
     `(El, N, K)`; newest, stored: float32 `(E, 3)` rows of the weight's experts, or None
     (current scaling; then `wire` must be all False); wire: E bools, the experts whose rows
-    travel in float8 (the same on every rank); returns `(M, N)` of x's dtype."""
-    return _DispatchGroupedMM.apply(x, weight, newest, stored, ex, margin, backend, wire)[0]
+    travel in float8 (the same on every rank); scaled: `grad_x` goes back as e4m3 rows with
+    their own scales; returns `(M, N)` of x's dtype."""
+    args = (x, weight, newest, stored, ex, margin, backend, wire, scaled)
+    return _DispatchGroupedMM.apply(*args)[0]
 
 
-def grouped_mm_combine(h, weight, newest, stored, ex, margin, backend, wire):
-    """See the module docstring. h: `(M, K)` expert-major; weight: `(El, N, K)`; returns
-    `(S, N)` of h's dtype, the sender's rows in `ex.send_ids` order."""
-    return _GroupedMMCombine.apply(h, weight, newest, stored, ex, margin, backend, wire)[0]
+def grouped_mm_combine(
+    h, weight, newest, stored, ex, margin, backend, wire, scaled=False, bias=None
+):
+    """See the module docstring. h: `(M, K)` expert-major; weight: `(El, N, K)`; scaled: the
+    output goes back as e4m3 rows with their own scales; bias: `(El, N)` added to each
+    expert's rows before they go back (then `wire` must be all False: its gradient sums the
+    high-precision output gradients), or None; returns `(S, N)` of h's dtype, the sender's
+    rows in `ex.send_ids` order."""
+    args = (h, weight, bias, newest, stored, ex, margin, backend, wire, scaled)
+    return _GroupedMMCombine.apply(*args)[0]

@@ -25,11 +25,11 @@ blockwise's 128 x 128 blocks serve both. FSDP2 shards dim 0 (n). The pieces:
   rank's experts' grids travel in the same one statistics all-gather, and the whole grid is
   the gathered rows reshaped.
 * `FinerGatheredWeight`: FSDP2's unsharded parameter, a tensor of the weight's dtype and shape
-  holding the gathered bytes of one plane. The op (`_ops/block_scaled.py`) takes the operand of
-  the plane its GEMM reads from it (`fp8fn_finer_operand`); where it holds the other plane (a
-  module FSDP2 does not reshard after forward, such as the root; an evaluation forward between
-  a forward and its backward; a recompute in the backward) the op casts this rank's shard to the
-  plane it needs and all-gathers it itself (one all-gather per GEMM that needs it).
+  holding the gathered bytes of one plane. The op (`_ops/rowwise_blockwise_mx.py`) takes the
+  operand of the plane its GEMM reads from it (`fp8fn_finer_operand`); where it holds the other
+  plane (a module FSDP2 does not reshard after forward, such as the root; an evaluation forward
+  between a forward and its backward; a recompute in the backward) the op casts this rank's shard
+  to the plane it needs and all-gathers it itself (one all-gather per GEMM that needs it).
 """
 
 from __future__ import annotations
@@ -268,7 +268,7 @@ class FinerGatheredWeight(torch.Tensor):
 
     def fp8fn_finer_operand(self, recipe, gemm: int) -> tuple:
         """The weight operand of the output (`gemm` 0) or grad_input (`gemm` 1) GEMM under
-        `recipe` (`block_scaled`'s form) of this weight as the GEMM reads it (`(n, k)`; an
+        `recipe` (`rowwise_blockwise_mx`'s form) of this weight as the GEMM reads it (`(n, k)`; an
         expert's, derived from an experts weight): from the bytes FSDP2 gathered when they are
         that GEMM's plane, else from the shards cast to it and all-gathered now."""
         root, expert, flipped = self._root()

@@ -44,13 +44,12 @@ its experts on dim 0 through a transpose of its last two dims and the selection 
 
 from __future__ import annotations
 
-import contextvars
-
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from .._core.experts import find_experts, find_gates
+from .._core.registries import GATHER_SCALES
 from .._core.state import known_filled
 from .._numerics.fp8 import E4M3, FP8_MAX, amax, cast_to_fp8, ceil_div, scale_from_amax
 from .._ops.grouped import expert_amax
@@ -66,9 +65,6 @@ from .._torch_private import (
 )
 from .dtensor import AllGather
 from .fsdp_finer import FinerGatheredWeight, FinerScales, post_all_gather, pre_all_gather
-
-# The running `apply`'s `ScalesForCall` (None outside apply: FSDP2's backward re-gather).
-SCALES: contextvars.ContextVar = contextvars.ContextVar("fp8fn_gather_scales", default=None)
 
 _aten = torch.ops.aten
 # Ops whose results are again (pieces of) the weight: FSDP2's sharding and padding, moves and
@@ -177,7 +173,7 @@ class Float8ShardWeight(torch.Tensor):
                 f"{tuple(outer_size)}. Shard weights along dim 0 (fully_shard's default "
                 "shard_placement_fn)."
             )
-        scales = SCALES.get()
+        scales = GATHER_SCALES.get()
         if scales is not None:
             scale = scales.scale_for((module, self._attr), self._path, outer_size, self.device)
             if not scales.discovering:

@@ -19,7 +19,7 @@ its pieces of the groups it touches (`piece_stats`); the max over the ranks' pie
 group's statistic (`assemble`), the same on every rank, whether or not the shard cut splits a
 group; and each rank casts its rows with it (`cast_rows`), elementwise, to the bytes that
 casting the whole weight gives. `operand` turns the whole plane into the weight operand that
-`_ops/block_scaled`'s GEMMs take, the same values (and layout where the GEMM reads it) as
+`_ops/rowwise_blockwise_mx`'s GEMMs take, the same values (and layout where the GEMM reads it) as
 those GEMMs' own quantizers of the high-precision weight give. Bit for bit:
 `tests/test_fsdp_finer.py`.
 """
@@ -229,8 +229,8 @@ def cast_experts(plane: Plane, shard: torch.Tensor, grids: torch.Tensor) -> torc
 
 
 def operand(plane: Plane, fp8: torch.Tensor, grid: torch.Tensor) -> tuple:
-    """The weight operand of the plane's GEMM (`_ops/block_scaled`'s form) from the whole plane:
-    e4m3 `(n, k)` and its statistics `(gn, gk)`.
+    """The weight operand of the plane's GEMM (`_ops/rowwise_blockwise_mx`'s form) from the whole
+    plane: e4m3 `(n, k)` and its statistics `(gn, gk)`.
 
     Returns:
       rowwise: `(fp8 (n, k), float32 scale)`, the scale `(n, 1)` (`"rows"`), `(1, k)`

@@ -244,8 +244,14 @@ def checkpoint(f, *args):
       `f(*args)`.
 
     Raises:
-      ValueError: when `f` closes over a tensor being differentiated.
-      RuntimeError: inside a model that `fp8fn.apply` runs, while recording gradients.
+      TypeError: when `f` is not callable, or returns something other than a pytree of
+        tensors (None leaves allowed).
+      ValueError: when `f` closes over a tensor being differentiated, or, recording
+        gradients, `args` carry a HF KV cache (the recompute would update it again).
+      RuntimeError: inside a model that `fp8fn.apply` runs, while recording gradients; when
+        `f` modifies one of its inputs in place; when the recompute returns another structure,
+        or (plain autograd) reads a tensor that requires grad from outside `args`; while dynamo
+        traces it (without `fullgraph` that frame then runs eagerly).
 
     Example:
       >>> import torch, fp8fn

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .._core.checks import init_error
+from .._core.error_origin import init_error
 from .._parallel.dtensor import sharded_operands
 from .._parallel.wrappers import reshard_fsdp
 from .._torch_private import tree_map

@@ -2,17 +2,20 @@
 (expert parallelism), their forward run as dispatch -> this rank's experts -> combine.
 
 What it changes on the model (docs/semantics.md, "What fp8fn touches outside the state"):
-each experts weight becomes a DTensor `Shard(0)` parameter on the mesh (rank r holds experts
-`r * El ... (r+1) * El - 1`; DCP saves and loads them), and the experts module gets an instance
-`forward` (`_ExpertParallelForward`). Under `fn.apply` with DelayedScaling or CurrentScaling
-for the experts weights, that forward runs the float8 grouped GEMMs fused with the all-to-alls
-(`fp8fn/_parallel/expert_gemm.py`: with DelayedScaling the tokens travel as e4m3 cast by the
-sender with the destination expert's input scale, the output gradients as e5m2 with its
-grad_output scale); otherwise (plain use, `fn.init`, a recipe of None) it runs the module's
-own forward on the rows each rank received, in high precision.
+each experts weight (and bias) becomes a DTensor `Shard(0)` parameter on the mesh (rank r
+holds experts `r * El ... (r+1) * El - 1`; DCP saves and loads them), and the experts module
+gets an instance `forward` (`_ExpertParallelForward`). Under `fn.apply` with DelayedScaling
+or CurrentScaling for the experts weights, that forward runs the float8 grouped GEMMs fused
+with the all-to-alls (`fp8fn/_parallel/expert_gemm.py`: with DelayedScaling the tokens
+travel as e4m3 cast by the sender with the destination expert's input scale, the output
+gradients as e5m2 with its grad_output scale; with `float8_wire="all"` the GEMM outputs too,
+as e4m3 with a scale per row); otherwise (plain use, `fn.init`, a recipe of None) it runs the
+module's own forward on the rows each rank received, in high precision.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 from torch import nn
@@ -26,6 +29,7 @@ from .._parallel.expert_gemm import dispatch_grouped_mm, grouped_mm_combine
 from .._torch_private import (
     as_dtensor,
     experts_gate,
+    fsdp_gradient_divisions,
     function_modes,
     module_parameters,
     refuse_fullgraph_trace,
@@ -37,6 +41,16 @@ _NO_COMPILE = (
     "fp8fn.expert_parallel: expected an eager forward of expert-parallel experts, got "
     "torch.compile: the all-to-all's splits are read on the host. Leave fullgraph off (fn.apply "
     "then runs eagerly), or run eagerly."
+)
+_FORGOTTEN_DIVIDE_FACTOR = (
+    "fp8fn.expert_parallel: expected the FSDP2 parameter group holding {path!r}'s weights to "
+    "divide their gradients by the whole world (`set_gradient_divide_factor`), got FSDP2's "
+    "default, a division by its data-parallel size {dp} alone: each expert's gradient already "
+    "sums the tokens of its {ep} expert-parallel ranks (the all-to-all brought them), so it "
+    "would come out {ep} times too large. After `fully_shard(experts, mesh=mesh['dp'])` call "
+    "`experts.set_gradient_divide_factor(float(dp * ep))` (and "
+    "`experts.set_force_sum_reduction_for_comms(True)` on gloo), or set the factor your loss "
+    'needs (docs/moe.md, "With data parallelism").'
 )
 _CONTRACT = (
     "transformers 5.x's experts interface: `forward(hidden_states, top_k_index, "
@@ -61,14 +75,17 @@ class _ExpertParallelForward:
     as transformers' `batched_mm` experts do (`(y * w).view(T, k, D).sum(1)`).
     """
 
-    def __init__(self, module, group, attrs, float8_wire: bool):
-        self.module, self.group, self.attrs = module, group, attrs
+    def __init__(self, module, group, attrs, biases, float8_wire, root, path):
+        self.module, self.group, self.attrs, self.biases = module, group, attrs, biases
         self.float8_wire = float8_wire
+        self.root, self.path = weakref.ref(root), path
+        self.divisions_checked = set()  # the weights' parameter objects (ids) checked
 
     def __call__(self, hidden_states, top_k_index, top_k_weights):
         if torch.compiler.is_compiling():  # (a compiled model call, outside `apply`)
             refuse_fullgraph_trace(_NO_COMPILE)
             raise RuntimeError(_NO_COMPILE)
+        self._check_gradient_division()
         m = self.module
         experts = getattr(m, self.attrs[0]).shape[0]
         tokens, k = top_k_index.shape
@@ -88,6 +105,21 @@ class _ExpertParallelForward:
         out = (y * top_k_weights.reshape(-1, 1)).view(tokens, k, -1).sum(1)
         return out.to(hidden_states.dtype)
 
+    def _check_gradient_division(self) -> None:
+        """Raise `_FORGOTTEN_DIVIDE_FACTOR` if an FSDP2 parameter group inside the model holds
+        these experts weights over a data-parallel mesh of more than one rank and divides by
+        its default (`set_gradient_divide_factor` not called), with more than one expert-
+        parallel rank. Checked once per set of parameter objects (`fully_shard` replaces
+        them, so a model sharded after a first step is checked again)."""
+        key = tuple(id(getattr(self.module, a)) for a in self.attrs + self.biases)
+        root, ep = self.root(), self.group.size()
+        if key in self.divisions_checked or root is None or ep == 1:
+            return
+        for factor, dp in fsdp_gradient_divisions(root, self.module, self.attrs + self.biases):
+            if factor is None and dp > 1:
+                raise ValueError(_FORGOTTEN_DIVIDE_FACTOR.format(path=self.path, dp=dp, ep=ep))
+        self.divisions_checked.add(key)
+
     def _wires(self, rows, experts: int) -> tuple:
         """`(known, unknown)`: for the input role of the first weight and the grad_output role
         of the second, the experts whose rows travel in float8 (E bools), or None where the
@@ -95,8 +127,8 @@ class _ExpertParallelForward:
         tensor of those histories' `newest > 0`, read on the host with the counts, or None."""
         known, unknown = [], []
         for (_, newest, _, filled), role in zip(rows, (0, 2)):
-            if not self.float8_wire or newest is None:  # (CurrentScaling: never)
-                known.append((False,) * experts)
+            if not self.float8_wire or newest is None or role == 2 and self.biases:
+                known.append((False,) * experts)  # (CurrentScaling; a bias: `_float8`)
             elif filled is not None:
                 known.append(filled[role::3])
             else:
@@ -109,19 +141,28 @@ class _ExpertParallelForward:
         weights = [local_shard(getattr(m, a)) for a in self.attrs]
         if m.is_transposed:  # stored (E, K, N): the op takes (E, N, K)
             weights = [w.transpose(-2, -1) for w in weights]
+        # biases (E, N), each added to its expert's rows after the GEMM, as transformers does;
+        # the second one's gradient sums the output gradients in high precision: with biases
+        # those rows stay off the combine backward's float8 wire (`_wires`)
+        biases = [local_shard(getattr(m, b)) for b in self.biases] or [None, None]
         (recipe, newest_1, stored_1, _), (_, newest_2, stored_2, _) = rows
         backend = resolve_backend(recipe, x.device)
         margin = getattr(recipe, "margin", 0)
         wire_x, wire_g = wires
+        scaled = self.float8_wire == "all"
         device = x.device.type
         if torch.is_autocast_enabled(device):  # as the grouped op: x in the autocast dtype,
             x = x.to(torch.get_autocast_dtype(device))  # the GEMMs not autocast again
         with no_autocast(x):
-            h = dispatch_grouped_mm(x, weights[0], newest_1, stored_1, ex, margin, backend, wire_x)
+            h = dispatch_grouped_mm(
+                x, weights[0], newest_1, stored_1, ex, margin, backend, wire_x, scaled
+            )
+            if biases[0] is not None:  # (as transformers' `out.add_(bias[ids])`)
+                h = (h + biases[0][ex.ids]).to(h.dtype)
         h = experts_gate(m, h) if m.has_gate else m.act_fn(h)
         with no_autocast(h):
             return grouped_mm_combine(
-                h, weights[1], newest_2, stored_2, ex, margin, backend, wire_g
+                h, weights[1], newest_2, stored_2, ex, margin, backend, wire_g, scaled, biases[1]
             )
 
     def _high_precision(self, x, ex, weight_dtype):
@@ -129,10 +170,10 @@ class _ExpertParallelForward:
         m = self.module
         x = send_rows(x, ex)
         params = module_parameters(m)
-        held = {a: params[a] for a in self.attrs}
+        held = {a: params[a] for a in self.attrs + self.biases}
         held_experts = m.num_experts
         try:
-            for a in self.attrs:
+            for a in held:
                 params[a] = local_shard(held[a])
             m.num_experts = ex.local
             ones = x.new_ones(x.shape[0], 1, dtype=weight_dtype)
@@ -166,8 +207,9 @@ def _wires_read(known: list, flags: list | None, experts: int) -> tuple:
 
 
 def _experts_modules(model) -> list:
-    """`[(path, module, attrs)]`: the modules holding experts weights (3-D floating parameters,
-    as `transform` finds them), each checked against `_CONTRACT`."""
+    """`[(path, module, attrs, biases)]`: the modules holding experts weights (3-D floating
+    parameters, as `transform` finds them), each checked against `_CONTRACT`; `biases`: the
+    names of their `(E, N)` biases (`has_bias`: GPT-OSS), or `()`."""
     owners = {}
     for entry in find_experts(model, lambda name, owner: True):
         path = entry.path.rpartition(".")[0]
@@ -179,17 +221,19 @@ def _experts_modules(model) -> list:
         if gate is None or not set(attrs) <= set(held) or not hasattr(module, "num_experts"):
             raise ValueError(
                 f"fp8fn.expert_parallel: expected experts modules with {_CONTRACT}, got "
-                f"{path!r} ({type(module).__name__}) holding 3-D weights {held}. User experts "
-                "forms run in float8 through fp8fn.transform without expert parallelism."
+                f"{path!r} ({type(module).__name__}) holding 3-D weights {held}: its "
+                "forward's arguments are its own (fp8fn's user experts forms; Llama 4's "
+                "experts, which take every token for every expert, already weighted), so which "
+                "rows go to which expert's rank is not known. Such experts run in float8 "
+                "through fp8fn.transform without expert parallelism."
             )
-        unsupported = [a for a in ("has_bias", "has_post_expert_norm") if getattr(module, a, 0)]
-        if unsupported:
+        if getattr(module, "has_post_expert_norm", False):
             raise ValueError(
-                f"fp8fn.expert_parallel: expected experts without biases or a post-expert "
-                f"norm, got {path!r} ({type(module).__name__}) with {unsupported}: not "
-                "supported yet."
+                f"fp8fn.expert_parallel: expected experts without a post-expert norm, got "
+                f"{path!r} ({type(module).__name__}) with one: not supported yet."
             )
-        found.append((path, module, attrs))
+        biases = tuple(f"{a}_bias" for a in attrs) if getattr(module, "has_bias", False) else ()
+        found.append((path, module, attrs, biases))
     return found
 
 
@@ -211,7 +255,7 @@ def _group_of(mesh, mesh_dim):
     return sub, sub.get_group()
 
 
-def expert_parallel(model: nn.Module, mesh, *, mesh_dim=None, float8_wire: bool = True):
+def expert_parallel(model: nn.Module, mesh, *, mesh_dim=None, float8_wire: bool | str = True):
     """Shard `model`'s experts over the ranks of `mesh` (expert parallelism), in place.
 
     Each experts module (transformers 5.x's experts interface: `gate_up_proj` or `up_proj`,
@@ -228,20 +272,28 @@ def expert_parallel(model: nn.Module, mesh, *, mesh_dim=None, float8_wire: bool 
     while some experts are filled and others not). Every rank must hold the same state
     (`fp8fn.all_reduce` the observations over every rank: the expert-parallel group and any
     data-parallel one). With FSDP2 over a data-parallel dim, shard each experts module over
-    it with `set_gradient_divide_factor(world)` (docs/moe.md, "With data parallelism").
+    it with `set_gradient_divide_factor(world)` (docs/moe.md, "With data parallelism"): a
+    forward of the experts raises while an FSDP2 group inside `model` holds them over more
+    than one data-parallel rank with FSDP2's default division.
 
     Args:
       model: an nn.Module holding experts modules.
       mesh: a `DeviceMesh`; 1-D, or give `mesh_dim`.
       mesh_dim: the name of the expert-parallel dim of a multi-dim `mesh`.
-      float8_wire: send float8 under DelayedScaling (False: the rows travel in the activation
-        dtype, and the receiver casts them; the same bits, twice the bytes at bfloat16).
+      float8_wire: True: dispatch forward and combine backward in float8 under DelayedScaling,
+        with the state's scales (the GEMMs' bits unchanged). False: the rows travel in the
+        activation dtype, and the receiver casts them (the same bits, twice the bytes at
+        bfloat16). "all": as True, and combine forward and dispatch backward (the GEMM outputs
+        `y` and `grad_x`, under DelayedScaling or CurrentScaling) as e4m3 with a power-of-two
+        scale per row, sent as one byte with it (K + 1 bytes a row): not bit-identical to one
+        process; the error is measured in docs/moe.md.
 
     Returns:
       `model`, changed in place.
 
     Raises:
-      ValueError: no experts module; one outside the experts interface (or with biases); a
+      ValueError: `float8_wire` not True, False or "all"; no experts module; one outside the
+        experts interface (Llama 4's, fp8fn's user forms) or with a post-expert norm; a
         number of experts that the mesh's size does not divide; experts weights already
         DTensors (sharded by something else). Nothing is changed then.
     """
@@ -249,6 +301,11 @@ def expert_parallel(model: nn.Module, mesh, *, mesh_dim=None, float8_wire: bool 
         raise TypeError(
             f"fp8fn.expert_parallel: expected `model` to be an nn.Module, got "
             f"{type(model).__name__}."
+        )
+    if not (float8_wire is True or float8_wire is False or float8_wire == "all"):
+        raise ValueError(
+            f'fp8fn.expert_parallel: expected `float8_wire` True, False or "all", got '
+            f"{float8_wire!r}."
         )
     sub, group = _group_of(mesh, mesh_dim)
     world = sub.size()
@@ -258,8 +315,8 @@ def expert_parallel(model: nn.Module, mesh, *, mesh_dim=None, float8_wire: bool 
             f"fp8fn.expert_parallel: expected a model with experts modules, got "
             f"{type(model).__name__} with no 3-D floating parameter."
         )
-    for path, module, attrs in found:
-        for a in attrs:
+    for path, module, attrs, biases in found:
+        for a in attrs + biases:
             p = getattr(module, a)
             if as_dtensor(p) is not None:
                 raise ValueError(
@@ -276,12 +333,14 @@ def expert_parallel(model: nn.Module, mesh, *, mesh_dim=None, float8_wire: bool 
     from torch.distributed.tensor import DTensor, Shard
 
     rank = sub.get_local_rank()
-    for _, module, attrs in found:
-        for a in attrs:
+    for path, module, attrs, biases in found:
+        for a in attrs + biases:
             p = getattr(module, a)
             local = p.shape[0] // world
             shard = p.detach()[rank * local : (rank + 1) * local].clone()
             d = DTensor.from_local(shard, sub, [Shard(0)], run_check=False)
             setattr(module, a, nn.Parameter(d, requires_grad=p.requires_grad))
-        module.forward = _ExpertParallelForward(module, group, attrs, float8_wire)
+        module.forward = _ExpertParallelForward(
+            module, group, attrs, biases, float8_wire, model, path
+        )
     return model

@@ -16,11 +16,11 @@ from .._core.recipes import (
     MXScaling,
     RowwiseScaling,
 )
+from .._core.registries import GATHER_SCALES
 from .._core.state import site_name
 from .._parallel.dtensor import sharded_operands
 from .._parallel.fsdp_finer import FinerGatheredWeight, finer_scales
 from .._parallel.fsdp_gather import (
-    SCALES,
     Float8GatheredWeight,
     ScalesForCall,
     is_float8_gathered,
@@ -203,8 +203,8 @@ def _reshard_gathered(module, gathered):
 
 @contextlib.contextmanager
 def _scales_for_call(scales: ScalesForCall):
-    token = SCALES.set(scales)
+    token = GATHER_SCALES.set(scales)
     try:
         yield
     finally:
-        SCALES.reset(token)
+        GATHER_SCALES.reset(token)

@@ -2,23 +2,20 @@
 
 While an `apply` runs, each chosen module has an instance `forward` (installed by
 `_checkpoint_forwards`, removed after) that checkpoints its pass when the `Call` of this thread
-(`_ACTIVE`) chose it.
+(`RUNNING_CALL`) chose it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import threading
 
 import torch
 
+from .._core.registries import CHECKPOINT_FORWARDS, RUNNING_CALL
 from .checkpoint import checkpoint_with_constants
 from .routing import Call
 from .swap import Holder, exclusive, swapped_call
-
-# The `Call` running in this thread, for the modules chosen by `checkpoint_fn`.
-_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("fp8fn_call", default=None)
 
 
 @contextlib.contextmanager
@@ -34,16 +31,14 @@ def recomputing(call, modules):
 
 @contextlib.contextmanager
 def _activated(call):
-    token = _ACTIVE.set(call)
+    token = RUNNING_CALL.set(call)
     try:
         yield
     finally:
-        _ACTIVE.reset(token)
+        RUNNING_CALL.reset(token)
 
 
-# Modules given a checkpointing `forward` while some `apply` runs: {id: [count, saved, module]}.
-_INSTALLED: dict = {}
-_INSTALL_LOCK = threading.Lock()
+_INSTALL_LOCK = threading.Lock()  # guards CHECKPOINT_FORWARDS (`_core/registries.py`)
 _MISSING = object()
 
 
@@ -52,7 +47,7 @@ def _checkpointing_forward(module, forward):
     `Call` (of this thread) chose it, else the module's own (another thread's plain call)."""
 
     def checkpointing(*args, **kwargs):
-        call = _ACTIVE.get()
+        call = RUNNING_CALL.get()
         # Without gradients (evaluation, `fn.init`) there is no backward to recompute in.
         if call is None or call.state is None or call.recompute or not torch.is_grad_enabled():
             return forward(*args, **kwargs)
@@ -70,12 +65,12 @@ def _checkpoint_forwards(modules):
     shared between concurrent calls, and removed when the last one ends."""
     with _INSTALL_LOCK:
         for m in modules:
-            entry = _INSTALLED.get(id(m))
+            entry = CHECKPOINT_FORWARDS.get(id(m))
             if entry is None:
                 saved = m.__dict__.get("forward", _MISSING)
                 forward = saved if saved is not _MISSING else type(m).forward.__get__(m)
                 m.__dict__["forward"] = _checkpointing_forward(m, forward)
-                _INSTALLED[id(m)] = [1, saved, m]
+                CHECKPOINT_FORWARDS[id(m)] = [1, saved, m]
             else:
                 entry[0] += 1
     try:
@@ -83,10 +78,10 @@ def _checkpoint_forwards(modules):
     finally:
         with _INSTALL_LOCK:
             for m in modules:
-                entry = _INSTALLED[id(m)]
+                entry = CHECKPOINT_FORWARDS[id(m)]
                 entry[0] -= 1
                 if entry[0] == 0:
-                    del _INSTALLED[id(m)]
+                    del CHECKPOINT_FORWARDS[id(m)]
                     if entry[1] is _MISSING:
                         del m.__dict__["forward"]
                     else:

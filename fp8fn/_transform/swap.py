@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import weakref
 
 import torch
 from torch import nn
 
 from .._core.owners import held, owner_of
+from .._core.registries import MODULE_LOCKS
 from .._torch_private import differentiated
 
 
@@ -130,17 +130,16 @@ def module_tensors(module):
     return slots, params, buffers
 
 
-_LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_LOCKS_LOCK = threading.Lock()
+_LOCKS_LOCK = threading.Lock()  # guards MODULE_LOCKS (`_core/registries.py`)
 
 
 def _module_lock(module) -> threading.RLock:
     """One lock per module: `functional_call` swaps tensors into the module for a call, so
     calls with other tensors must not overlap (two transforms of one module share it)."""
     with _LOCKS_LOCK:
-        lock = _LOCKS.get(module)
+        lock = MODULE_LOCKS.get(module)
         if lock is None:
-            lock = _LOCKS[module] = threading.RLock()
+            lock = MODULE_LOCKS[module] = threading.RLock()
         return lock
 
 

@@ -207,7 +207,7 @@ class _FinerLinear(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x, weight, bias, recipe, backend):
+    def forward(x, weight, bias, recipe, backend, api):
         # (called by fp8fn.linear with autocast off, as the per-tensor op)
         out = weight_gemm(0, x, weight, recipe, backend, (x.shape[0], weight.shape[0]), x.dtype)
         if bias is not None:
@@ -216,9 +216,9 @@ class _FinerLinear(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, weight, bias, recipe, backend = inputs
+        x, weight, bias, recipe, backend, api = inputs
         ctx.save_for_backward(x, weight)
-        ctx.recipe, ctx.backend = recipe, backend
+        ctx.recipe, ctx.backend, ctx.api = recipe, backend, api
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
 
     @staticmethod
@@ -240,8 +240,8 @@ class _FinerLinear(torch.autograd.Function):
                 grad_w = grad_w.to(w_dtype)
             if needs[2]:
                 grad_b = g.float().sum(0).to(b_dtype)
-        grad_x, grad_w = first_order_only((grad_x, grad_w), grad_out, x, weight)
-        return grad_x, grad_w, grad_b, None, None
+        grad_x, grad_w = first_order_only((grad_x, grad_w), grad_out, x, weight, api=ctx.api)
+        return grad_x, grad_w, grad_b, None, None, None
 
 
 def check_finer(x, weight, recipe, api: str = "linear") -> None:
@@ -253,7 +253,7 @@ def check_finer(x, weight, recipe, api: str = "linear") -> None:
         )
 
 
-def finer_linear(x, weight, bias, recipe, backend):
+def finer_linear(x, weight, bias, recipe, backend, api: str = "linear"):
     """`x @ weight.T + bias` under a stateless fine-grained float8 recipe.
 
     Each of the three GEMMs (output, grad_input, grad_weight) quantizes both of its operands
@@ -271,10 +271,11 @@ def finer_linear(x, weight, bias, recipe, backend):
       bias: `(out_features,)` or None.
       recipe: `RowwiseScaling`, `BlockwiseScaling` or `MXScaling`.
       backend: `"emulated"` or (rowwise) `"scaled_mm"`, from `resolve_backend`.
+      api: what the user called, for errors (`fp8fn.{api}:`, e.g. a second derivative).
 
     Returns:
       `(..., out_features)` in `x.dtype`.
     """
     rows = x.reshape(x.shape[:-1].numel(), x.shape[-1])  # (not -1: x may have no elements)
-    out = _FinerLinear.apply(rows, weight, bias, recipe, backend)
+    out = _FinerLinear.apply(rows, weight, bias, recipe, backend, api)
     return out.reshape(*x.shape[:-1], weight.shape[0])
