@@ -70,6 +70,46 @@ def loss_of(fn):
     return lambda p, s, x: fn.apply(p, s, x).square().mean()
 
 
+def gelu_mlp():
+    """Linear 16->32, GELU, Linear 32->32, GELU, Linear 32->8, made after seeding the global RNG
+    with 0 (so the inputs a test draws next are the same at every run)."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(16, 32),
+        torch.nn.GELU(),
+        torch.nn.Linear(32, 32),
+        torch.nn.GELU(),
+        torch.nn.Linear(32, 8),
+    )
+
+
+def params_of(module) -> dict:
+    """Detached copies of `module`'s parameters, keyed like `named_parameters()`."""
+    return {k: v.detach().clone() for k, v in module.named_parameters()}
+
+
+def transformed_mlp(batch: int):
+    """`(model, fn, x, params, state)`: `gelu_mlp()`, its DELAYED transform, an input
+    `(batch, 16)`, detached copies of its parameters and `fn.init(x)`."""
+    model = gelu_mlp()
+    fn = fp8fn.transform(model, DELAYED)
+    x = torch.randn(batch, 16)
+    return model, fn, x, params_of(model), fn.init(x)
+
+
+def stepped(fn, params, state, x):
+    """`state` updated with the observation of one torch.func.grad of `loss_of(fn)` on `x`."""
+    return fp8fn.update(state, torch.func.grad(loss_of(fn), argnums=1)(params, state, x))
+
+
+def autograd_step(fn, params, state, x, loss=None):
+    """Gradients and observations with `loss.backward()`, through `fp8fn.observe`."""
+    p = {k: v.clone().requires_grad_() for k, v in params.items()}
+    s = fp8fn.observe(state)
+    (loss or loss_of(fn))(p, s, x).backward()
+    return {k: v.grad for k, v in p.items()}, fp8fn.observations(s)
+
+
 def assert_bit_identical(a, b) -> None:
     """Two pytrees have the same structure (for a `State`: its sites and static config) and
     bit-identical tensor leaves (other leaves equal); a None leaf (autograd's gradient of an

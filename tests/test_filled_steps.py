@@ -12,7 +12,7 @@ from _helpers import CountHostReads, assert_bit_identical
 
 import fp8fn
 
-DELAYED = fp8fn.DelayedScaling(history_len=4, margin=2, backend="emulated")
+DELAYED_MARGIN_2 = fp8fn.DelayedScaling(history_len=4, margin=2, backend="emulated")
 STEPS = 4
 
 
@@ -90,7 +90,7 @@ def _mlp(zero, seed=0):
     with torch.no_grad():
         for i in zero:
             model[i].weight.zero_()
-    fn = fp8fn.transform(model, DELAYED)
+    fn = fp8fn.transform(model, DELAYED_MARGIN_2)
     x = torch.randn(6, 16) * torch.logspace(-3, 1, 6)[:, None]
     return fn, {k: v.detach() for k, v in model.named_parameters()}, x
 
@@ -127,7 +127,7 @@ class _Skip(torch.nn.Module):
 
 def test_a_middle_site_that_does_not_run_at_step_1():
     model = _Skip()
-    fn = fp8fn.transform(model, DELAYED)
+    fn = fp8fn.transform(model, DELAYED_MARGIN_2)
     x = torch.randn(5, 16)
     params = {k: v.detach() for k, v in model.named_parameters()}
     init = fn.init(x)
@@ -148,7 +148,7 @@ def test_a_site_that_never_runs_costs_update_two_host_reads_in_all():
     its first 2 calls only (warm-up), then leaves the empty ones to the graph: 0 reads per step,
     and the steps still match the loop that reads them every time (`_forget`)."""
     model = _Skip()
-    fn = fp8fn.transform(model, DELAYED)
+    fn = fp8fn.transform(model, DELAYED_MARGIN_2)
     x = torch.randn(5, 16)
     params = {k: v.detach() for k, v in model.named_parameters()}
     state = fn.init(x)

@@ -11,7 +11,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from _helpers import DELAYED, assert_bit_identical, loss_of
+from _helpers import DELAYED, assert_bit_identical, loss_of, stepped
 from torch import nn
 
 import fp8fn
@@ -28,15 +28,10 @@ def _step(fn, params, state, x):
     return out, torch.func.grad(loss_of(fn), argnums=(0, 1))(params, state, x)
 
 
-def _warm_state(fn, params, x):
-    state = fn.init(x)
-    return fp8fn.update(state, torch.func.grad(loss_of(fn), argnums=1)(params, state, x))
-
-
 def _own_params_warmed(fn, model, x):
     """The module's own parameters, as a dict, and a state warmed on `x`."""
     params = dict(model.named_parameters())
-    return params, _warm_state(fn, params, x)
+    return params, stepped(fn, params, fn.init(x), x)
 
 
 def _transformed_and_warmed():
@@ -206,7 +201,7 @@ def test_one_transform_applied_from_several_threads():
     gen = torch.Generator().manual_seed(0)
     xs = [torch.randn(8, 16, generator=gen) for _ in range(4)]
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
-    state = _warm_state(fn, params, xs[0])
+    state = stepped(fn, params, fn.init(xs[0]), xs[0])
     # Each thread its own inputs and parameters (not the module's: functional_call swaps them).
     inputs = [({k: v * (1 + i) for k, v in params.items()}, xs[i]) for i in range(4)]
     expected = [_step(fn, p, state, x) for p, x in inputs]

@@ -6,16 +6,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from _helpers import DELAYED, assert_bit_identical, loss_of, observation
+from _helpers import DELAYED, assert_bit_identical, loss_of, observation, stepped
 from _models import ReusedLayer
 from torch import nn
 
 import fp8fn
-
-
-def _warm(fn, params, x):
-    state = fn.init(x)
-    return fp8fn.update(state, torch.func.grad(loss_of(fn), argnums=1)(params, state, x))
 
 
 def _setup():
@@ -72,7 +67,7 @@ def test_linear_refuses_a_recipe_that_disagrees_with_the_site_state():
 
 def test_an_observation_or_a_bad_scale_where_the_state_belongs_is_refused():
     fn, params, x = _setup()
-    state = _warm(fn, params, x)
+    state = stepped(fn, params, fn.init(x), x)
     obs = torch.func.grad(loss_of(fn), argnums=1)(params, state, x)
     assert torch.equal(obs.scale, torch.zeros_like(obs.scale))
     for bad, name in (
@@ -95,7 +90,7 @@ def test_an_observation_or_a_bad_scale_where_the_state_belongs_is_refused():
 
 def test_update_refuses_swapped_or_state_arguments():
     fn, params, x = _setup()
-    state = _warm(fn, params, x)
+    state = stepped(fn, params, fn.init(x), x)
     obs = torch.func.grad(loss_of(fn), argnums=1)(params, state, x)
     with pytest.raises(ValueError, match=r"fp8fn.update: expected the scales of `state` finite"):
         fp8fn.update(obs, state)
@@ -107,7 +102,7 @@ def test_update_refuses_swapped_or_state_arguments():
 
 def test_dropping_the_result_of_update_warns():
     fn, params, x = _setup()
-    state = _warm(fn, params, x)
+    state = stepped(fn, params, fn.init(x), x)
     obs = torch.func.grad(loss_of(fn), argnums=1)(params, state, x)
     fp8fn.update(state, obs)  # the result dropped: the old state is used again
     with pytest.warns(UserWarning, match=r"fp8fn.observe: this state was already updated"):
@@ -125,7 +120,10 @@ def test_two_runs_from_one_initial_state_do_not_warn():
     # an A/B comparison (or a re-run notebook cell): each run keeps its updates
     fn, params, x = _setup()
     finals = []
-    for initial in (fn.init(x), _warm(fn, params, x)):  # fresh from init, or updated once
+    for initial in (
+        fn.init(x),
+        stepped(fn, params, fn.init(x), x),
+    ):  # fresh from init, or updated once
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             for scale in (1.0, 2.0):  # two experiments from `initial`, from other weights
@@ -170,7 +168,7 @@ def test_a_flat_state_of_eleven_or_more_layers_comes_back_in_module_order():
     fn = fp8fn.transform(model, DELAYED)
     x = torch.randn(3, 4)
     params = {k: v.detach() for k, v in model.named_parameters()}
-    state = _warm(fn, params, x)
+    state = stepped(fn, params, fn.init(x), x)
     assert state.sites == tuple(str(i) for i in range(12))
     flat = fp8fn.flatten_state(state)
     restored = fp8fn.unflatten_state(flat, DELAYED)

@@ -48,6 +48,12 @@ DEFAULT_TESTS = [
     "tests/test_finer.py",
     "tests/test_reference.py",
     "tests/test_transform.py",
+    "tests/test_plan.py",
+    "tests/test_arguments.py",
+    "tests/test_routing.py",
+    "tests/test_swap.py",
+    "tests/test_discovery.py",
+    "tests/test_state_trees.py",
     "tests/test_never_silent.py",
 ]
 QUICK_TESTS = ["tests/test_reference.py"]
@@ -299,21 +305,21 @@ MUTATIONS = [
     Mutation(
         "sites-call-order",
         "fn.init orders the sites by the example's call order, not by the module tree",
-        "_transform/transformed.py",
+        "_transform/plan.py",
         (
             (
-                "for p in self._stateful for k in range(max(calls.get(p, 0), 1))",
-                "for p in sorted(self._stateful, key=lambda p: list(calls).index(p) if p in "
+                "for p in plan.stateful for k in range(max(calls.get(p, 0), 1))",
+                "for p in sorted(plan.stateful, key=lambda p: list(calls).index(p) if p in "
                 "calls else len(calls)) for k in range(max(calls.get(p, 0), 1))",
             ),
         ),
     ),
     Mutation(
         "live-identity-only",
-        "live-model routing by weight identity only (no `_holder_of` fallback: swapped-in "
+        "live-model routing by weight identity only (no `holder_of` fallback: swapped-in "
         "weights run in high precision)",
         "_transform/routing.py",
-        (("return self.transformed._holder_of(weight, transposed)", "return None"),),
+        (("return self.plan.holder_of(weight, transposed, self.held)", "return None"),),
     ),
     Mutation(
         "recompute-live-buffers",
@@ -352,7 +358,7 @@ MUTATIONS = [
         "checkpoint-fn-prefix",
         "checkpoint_fn: `blocks.10` taken for a submodule of the chosen `blocks.1` (a path "
         "prefix, not a path)",
-        "_transform/transformed.py",
+        "_transform/plan.py",
         (
             (
                 'p == "" or name.startswith(p + ".") for p in chosen',
@@ -363,7 +369,7 @@ MUTATIONS = [
     Mutation(
         "linear-bias-keyword",
         "F.linear's bias passed by keyword dropped",
-        "_transform/routing.py",
+        "_transform/forms.py",
         (
             (
                 'bound["input"], bound["weight"], bound.get("bias"), False',
@@ -399,11 +405,11 @@ MUTATIONS = [
         "structure-not-reread",
         "the module's structure not re-read by apply (a layer replaced after transform runs "
         "in high precision, a tie made after it loses gradients)",
-        "_transform/transformed.py",
+        "_transform/plan.py",
         (
             (
-                "    for m, children, n_params, params in structure:",
-                "    for m, children, n_params, params in structure[:0]:",
+                "        for m, children, n_params, params in self.structure:",
+                "        for m, children, n_params, params in self.structure[:0]:",
             ),
         ),
     ),
@@ -427,8 +433,8 @@ MUTATIONS = [
     Mutation(
         "torch-checkpoint-around-apply-refused",
         "torch.utils.checkpoint around fn.apply: its recompute taken for a second observation",
-        "_transform/transformed.py",
-        (("            if not recomputing_in_torch_checkpoint():", "            if True:"),),
+        "_transform/arguments.py",
+        (("        if not recomputing_in_torch_checkpoint():", "        if True:"),),
     ),
     Mutation(
         "mode-on-top",
@@ -829,10 +835,10 @@ MUTATIONS += [
     Mutation(
         "copy-of-layer-weight-not-followed",
         "a copy of a layer's weight (`.to`, `.clone`) not routed to its site",
-        "_transform/routing.py",
+        "_transform/tracking.py",
         (
             (
-                "        for layer, _, bias in self._given(source):",
+                "        for layer, _, bias in self.given(source):",
                 "        for layer, _, bias in []:",
             ),
         ),

@@ -423,14 +423,15 @@ def _tp_linear(api, x, xd, weight, wd, bias, bd, scaling, unobserved):
 # -- `fn.apply`: params and errors --------------------------------------------------------------
 
 
-def gather_params(transformed, params: dict, state):
+def gather_params(plan, params: dict, state):
     """`(tensors, kept)`: `params` with each DTensor the module does not hold as one
     (functional FSDP) replaced by its whole value, all-gathered in high precision, except the
     weights of the per-tensor float8 layers (gathered in float8 by the op); a DTensor the module
     holds as one (tensor parallel, FSDP2) stays as it is. `kept` (`_BuffersKept`), a context
     manager around the call, raises when the model changed a buffer given as a DTensor (a batch
     norm's running statistics in train mode: each rank's own, which one sharded tensor cannot
-    hold); nothing is written back. `state` (the call's) must be plain and unbatched.
+    hold); nothing is written back. `state` (the call's) must be plain and unbatched; `plan`
+    the transform's `Plan` (its module, layers and slots).
     """
     if torch.compiler.is_compiling():
         raise RuntimeError(
@@ -438,13 +439,13 @@ def gather_params(transformed, params: dict, state):
             "DTensors, which fp8fn compiles not yet. Run the sharded model eagerly."
         )
     _check_state("fp8fn.apply", state)
-    tied = transformed._slots.others
+    tied = plan.slots.others
     in_op = {  # (HF Conv1D's transposed weight and tied weights are gathered)
         m.weight
-        for m in transformed._layers
+        for m in plan.layers
         if isinstance(m.recipe, _TENSORWISE) and not m.transposed and m.weight not in tied
     }
-    module, out = transformed.module, dict(params)
+    module, out = plan.module, dict(params)
     buffers = {name for name, _ in module.named_buffers()}
     kept = _BuffersKept()
     for name, t in params.items():

@@ -23,51 +23,51 @@ def _format(recipe) -> str:
     return "NVFP4" if isinstance(recipe, NVFP4Scaling) else "float8"
 
 
-def _rows(transformed, weights: dict) -> list[tuple[str, int, str]]:
+def _rows(plan, weights: dict) -> list[tuple[str, int, str]]:
     """`[(weight name, elements, how it runs)]`, float8 and NVFP4 first, in module order."""
-    params = dict(transformed.module.named_parameters())
-    how = {m.weight: f"{_format(m.recipe)} {type(m.recipe).__name__}" for m in transformed._layers}
-    for entry in transformed._experts:
-        if entry.path in transformed._confirmed:
+    params = dict(plan.module.named_parameters())
+    how = {m.weight: f"{_format(m.recipe)} {type(m.recipe).__name__}" for m in plan.layers}
+    for entry in plan.experts:
+        if entry.path in plan.confirmed:
             recipe = entry.recipe
             how[entry.path] = f"{_format(recipe)} {type(recipe).__name__}, per expert"
     for name, op in weights.items():
         if op is not None and name in how and name in params:  # a converted layer's weight,
             how[name] = f"high precision ({op}; not converted)"  # in a form not followed only
         elif name not in how and name in params:
-            chosen = "chosen" if _chosen_out(transformed, name) else "not converted"
+            chosen = "chosen" if _chosen_out(plan, name) else "not converted"
             layer = name.rpartition(".")[0]
-            sub = transformed.module.get_submodule(layer)
-            every = transformed.module.named_modules(remove_duplicate=False)
+            sub = plan.module.get_submodule(layer)
+            every = plan.module.named_modules(remove_duplicate=False)
             paths = {n for n, m in every if m is sub}  # a router shared by blocks: any of them
-            if transformed._gates & paths:  # left out by default: reported as the routers
+            if plan.gates & paths:  # left out by default: reported as the routers
                 asked = layer if isinstance(sub, nn.Linear) else name  # as `filter_fn` is asked
-                chosen = "chosen" if transformed._chosen(asked, sub) is None else ROUTER
+                chosen = "chosen" if plan.chosen(asked, sub) is None else ROUTER
             how[name] = "float8" if op is None else f"high precision ({op}; {chosen})"
     order = {n: i for i, n in enumerate(params)}
     rows = [(n, params[n].numel(), h) for n, h in how.items() if n in params]
     return sorted(rows, key=lambda r: (not r[2].startswith(LOW), order[r[0]]))
 
 
-def _chosen_out(transformed, name: str) -> bool:
+def _chosen_out(plan, name: str) -> bool:
     """Whether `filter_fn` or a recipe of None left the weight `name` in high precision."""
-    module = transformed.module
+    module = plan.module
     owner, _ = owner_of(module, name)
     if is_linear_weight(module, name):
         base = linear_base(owner)
         if base is None or type(owner).forward is base.forward:
             return True  # a layer fp8fn converts (or an attention projection), not chosen
         name = name.rpartition(".")[0]  # a subclass with its own forward: asked as a layer
-    return transformed._chosen(name, owner) is None
+    return plan.chosen(name, owner) is None
 
 
 def _share(part: int, whole: int) -> str:
     return f"{100 * part / whole:.1f}%" if whole else "0%"
 
 
-def summarize(transformed, weights: dict) -> str:
+def summarize(plan, weights: dict) -> str:
     """The table of `Transformed.summary()`."""
-    rows = _rows(transformed, weights)
+    rows = _rows(plan, weights)
     total = sum(n for _, n, _ in rows)
     fp8 = sum(n for _, n, h in rows if h.startswith("float8"))
     fp4 = sum(n for _, n, h in rows if h.startswith("NVFP4"))
@@ -80,11 +80,11 @@ def summarize(transformed, weights: dict) -> str:
     return "\n".join(lines)
 
 
-def report_high_precision(transformed, weights: dict) -> bool:
+def report_high_precision(plan, weights: dict) -> bool:
     """Warn (once: returns True when it did) about the weights whose GEMMs ran in high
     precision during `init` though neither `filter_fn` nor a recipe of None chose so, and that
     are not routers or gates next to experts (high precision by default, nothing to act on)."""
-    rows = _rows(transformed, weights)
+    rows = _rows(plan, weights)
     total = sum(n for _, n, _ in rows)
     silent = [(n, k, h) for n, k, h in rows if h.endswith("not converted)")]
     if not silent:

@@ -34,6 +34,7 @@ from .._torch_private import (
     module_parameters,
     refuse_fullgraph_trace,
 )
+from .expert_calls import expert_parallel_rows
 from .routing import Call
 
 _NO_COMPILE = (
@@ -92,7 +93,7 @@ class _ExpertParallelForward:
         order = torch.argsort(ids, stable=True)
         x = hidden_states.repeat_interleave(k, dim=0)[order]
         call = _running_call()
-        rows = None if call is None else call.expert_parallel_rows(m, self.attrs)
+        rows = None if call is None else expert_parallel_rows(call, m, self.attrs)
         if rows is None or call.state is None:
             ex = plan_exchange(ids[order], experts, self.group)
             y = self._high_precision(x, ex, top_k_weights.dtype)

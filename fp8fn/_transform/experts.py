@@ -112,6 +112,10 @@ class Derived:
         """`(E, ., .)`: `M(e)` for every expert."""
         return self.source.transpose(-2, -1) if self.flipped else self.source
 
+    def expert_layer(self) -> ExpertLayer:
+        """Expert `expert` (an int) of its experts weight, as a layer of its own."""
+        return ExpertLayer(self.entry.expert(self.expert), self.entry.recipe)
+
 
 def _index(idx):
     """An int, an int64 `(n,)` tensor of ids, or None for an index of another kind."""

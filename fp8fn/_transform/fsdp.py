@@ -41,7 +41,8 @@ class Fsdp2:
 
     Attributes:
       managed: `{name: (submodule, attribute, sharded parameter)}` of the parameters FSDP2
-        manages (found again at the first `apply` when `fully_shard` came after `transform`).
+        manages (when `fully_shard` came after `transform`, `apply` reads the module into a
+        new `Plan`, and so a new `Fsdp2`: `Plan.current`).
       gathered: `_Gathered`, one per layer or experts weight that FSDP2 all-gathers in float8.
     """
 
@@ -73,8 +74,6 @@ class Fsdp2:
 
     def without_params(self, params: dict) -> dict:
         """`params` without the FSDP2-managed parameters, which must be the model's own."""
-        if not self.managed and is_fsdp_module(self.module):  # fully_shard after transform
-            self.managed = self._managed()
         if not self.managed:
             return params
         for name, (module, attr, shard) in self.managed.items():

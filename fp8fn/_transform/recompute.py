@@ -51,7 +51,7 @@ def _checkpointing_forward(module, forward):
         # Without gradients (evaluation, `fn.init`) there is no backward to recompute in.
         if call is None or call.state is None or call.recompute or not torch.is_grad_enabled():
             return forward(*args, **kwargs)
-        path = call.transformed._checkpointed_ids.get(id(module))
+        path = call.plan.checkpointed_ids.get(id(module))
         if path is None:
             return forward(*args, **kwargs)
         return recomputed(call, module, path, forward, args, kwargs)
@@ -93,7 +93,7 @@ def recomputed(call, module, path, forward, args, kwargs):
     `call`, recomputed in the backward with the tensors it holds now (each tied layer's own
     view included), from `call`'s counts."""
     prefix = path + "." if path else ""
-    params, buffers, layout = call.transformed._block_slots[id(module)].current()
+    params, buffers, layout = call.plan.block_slots[id(module)].current()
     start, end = dict(call.counts), {}
     holder = Holder(module, forward)
 
@@ -101,13 +101,15 @@ def recomputed(call, module, path, forward, args, kwargs):
         given = {**buffers, **params}
         tensors = {name: given[first] for name, first in layout.items()}
         inner = Call(
-            call.transformed,
+            call.plan,
             {prefix + n: t for n, t in tensors.items()},
             state,
+            call.held,
+            call.stop_at,
             dict(start),
             recompute=True,
         )
-        with exclusive(call.transformed.module), inner, _activated(inner):
+        with exclusive(call.plan.module), inner, _activated(inner):
             held = {"m." + n: t for n, t in tensors.items()}
             out = swapped_call(holder, None, held, args, kwargs)
         end.update(inner.counts)

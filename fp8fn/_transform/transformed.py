@@ -1,120 +1,50 @@
 """`transform`: an nn.Module as a pure `(init, apply)` pair with explicit scaling state.
 
-`apply` runs the user's own module as it is at the call (its buffers, dtype, device, training
-flags and hooks) under `torch.func.functional_call` with the given parameters. A `Call` (one
-per forward pass, a `TorchFunctionMode`, `routing.py`) routes the linear calls of the chosen
-layers (`layers.py`), known by the identity of their weight, to `fp8fn.linear` with their site's
-state. `transform` reads the module (its layers and recipes, parameter slots and ties, the
-`checkpoint_fn` submodules, FSDP2's) and `apply` reads it again when its structure changed; during
-`apply` the `checkpoint_fn` submodules get an instance `forward`, removed after the call (the full
-list: docs/semantics.md, "What fp8fn touches outside the state").
-
-This module is the facade: `apply` checks its arguments, then enters in one `with` the context
-managers a call needs (torch's errors translated, `_torch_errors.py`; FSDP2's float8 weight
-scales, `fsdp.py`; the module's lock, `swap.py`; the routing `Call`; the `checkpoint_fn`
-recompute, `recompute.py`), then calls the module.
+The facade over a frozen `Plan` (`plan.py`: what `transform` reads from the module, read again
+into a new plan when the module's structure changed). `apply` checks its arguments
+(`arguments.py`), enters in one `with` the context managers a call needs (torch's errors
+translated, `_torch_errors.py`; FSDP2's float8 weight scales, `fsdp.py`; the module's lock,
+`swap.py`; the routing `Call`, `routing.py`, which sends the chosen layers' linear calls to
+`fp8fn.linear`; the `checkpoint_fn` recompute, `recompute.py`), then calls the user's module
+under `torch.func.functional_call` with the given parameters.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-import weakref
 
 import torch
-from torch import nn
 
-from .._core.checks import check_function
-from .._core.error_origin import init_error
-from .._core.experts import find_experts, find_gates
-from .._core.keys import initial_key, seed_key
-from .._core.observe import refuse_untrained_backward
-from .._core.owners import held
-from .._core.recipes import RECIPES, DelayedScaling, NVFP4Scaling
-from .._core.state import (
-    State,
-    check_scales,
-    check_state,
-    claim,
-    init_state,
-    parse_site,
-    site_name,
-    warn_if_never_updated,
-    warn_if_superseded,
-)
+from .._core.keys import seed_key
+from .._core.state import State
 from .._parallel.dtensor import gather_params, sharded_operands
-from .._parallel.wrappers import ddp_parameter, refuse_ddp_inner_module, reshard_fsdp
+from .._parallel.wrappers import refuse_ddp_inner_module
 from .._torch_errors import translated_errors
-from .._torch_private import (
-    constant_under_compile,
-    innermost_function_mode,
-    module_children,
-    module_parameters,
-    recomputing_in_torch_checkpoint,
-    refuse_fullgraph_trace,
-    tree_map,
-)
+from .._torch_private import constant_under_compile, innermost_function_mode
+from .arguments import check_apply, check_sites, check_transform, claim_for_apply
 from .checkpoint import refuse_compile
 from .coverage import report_high_precision, summarize
-from .expert_parallel import expert_parallel_in
+from .discovery import discover
 from .expert_parallel import refuse_compile as refuse_expert_parallel_compile
-from .experts import grouped_ops
-from .fsdp import Fsdp2
-from .layers import find_layers, is_linear_weight, recipe_for
+from .plan import initial_state, read_module
 from .recompute import recomputing
+from .refusals import refuse_unrouted_grouped_mm
 from .routing import Call
-from .swap import Slots, exclusive, swapped_call
+from .swap import exclusive, swapped_call
 
 
 @constant_under_compile
 def _reread_if_changed(transformed) -> bool:
-    """`transformed._read_module()` when its module's structure changed since it last ran.
+    """`transformed`'s plan read again when it is no longer current (`Plan.current`).
 
     Run as it is, in eager; while torch.compile traces `apply`, run at trace time only (its
     result a constant): a change that makes dynamo trace again (it guards on the submodules
     and parameters a forward reads) is re-read then.
     """
-    if not _unchanged(transformed._structure):
+    if not transformed.plan.current():
         with exclusive(transformed.module):
-            if not _unchanged(transformed._structure):
-                transformed._read_module()
-    return True
-
-
-def _inside(name: str, path: str) -> bool:
-    """Whether the tensor `name` belongs to the submodule at `path` ("" is the root)."""
-    return not path or name.startswith(path + ".")
-
-
-# The parameters of the user's choice functions: the recipe function, `filter_fn`, `checkpoint_fn`.
-_CHOICE = ("name", "module")
-
-
-def _structure(module, managed) -> list:
-    """`[(submodule, its children, its parameters' (name, tensor))]`, by identity, less the
-    slots FSDP2 manages (`managed`: `{(id(submodule), name)}`; FSDP2 swaps them at each
-    forward): what `_read_module` read the module's layers, ties and slots from."""
-    return [
-        (
-            m,
-            tuple(module_children(m).values()),
-            len(module_parameters(m)),
-            tuple((a, p) for a, p in module_parameters(m).items() if (id(m), a) not in managed),
-        )
-        for m in module.modules()
-    ]
-
-
-def _unchanged(structure) -> bool:
-    """Whether every submodule of `structure` (from `_structure`) still holds the same children
-    and parameters (compared by identity: a few microseconds per submodule)."""
-    for m, children, n_params, params in structure:
-        now = module_children(m)
-        if len(now) != len(children) or any(a is not b for a, b in zip(now.values(), children)):
-            return False
-        now = module_parameters(m)
-        if len(now) != n_params or any(now.get(a) is not p for a, p in params):
-            return False
+            if not transformed.plan.current():
+                transformed._read(transformed.plan.confirmed)
     return True
 
 
@@ -128,109 +58,30 @@ class Transformed:
     """
 
     def __init__(self, module, recipe, filter_fn=None, checkpoint_fn=None):
-        if not isinstance(module, nn.Module):
-            raise TypeError(
-                "fp8fn.transform: expected `module` to be an nn.Module, "
-                f"got {type(module).__name__}."
-            )
-        if isinstance(recipe, type) and issubclass(recipe, RECIPES):
-            raise TypeError(
-                f"fp8fn.transform: expected `recipe` to be a recipe instance, got the class "
-                f"{recipe.__name__}. Pass an instance: fp8fn.{recipe.__name__}()."
-            )
-        if not (isinstance(recipe, RECIPES) or callable(recipe)):
-            raise TypeError(
-                "fp8fn.transform: expected `recipe` to be an fp8fn recipe (e.g. "
-                "fp8fn.DelayedScaling()) or a function (name, module) -> recipe or None, "
-                f"got {type(recipe).__name__}."
-            )
-        if not isinstance(recipe, RECIPES):
-            check_function("transform", "recipe", recipe, _CHOICE, "recipe or None")
-        for arg, f in (("filter_fn", filter_fn), ("checkpoint_fn", checkpoint_fn)):
-            if f is not None:
-                check_function("transform", arg, f, _CHOICE, "bool")
+        check_transform(module, recipe, filter_fn, checkpoint_fn)
         refuse_ddp_inner_module(module)
         self.module = module
         self._choices = (recipe, filter_fn, checkpoint_fn)
-        self._confirmed = set()  # the experts weights `init` saw in a GEMM
-        self._torch_grouped = set()  # those among them `init` saw in torch._grouped_mm
+        self._torch_grouped = frozenset()  # the experts weights `init` saw in torch._grouped_mm
         self._weights = None  # {weight name: None (float8) or the op}, from `init`
         self._reported = False  # the high-precision GEMMs were reported (once)
-        self._read_module()
+        self._read(frozenset())
 
-    def _read_module(self):
-        """Read what `apply` needs from the module: its layers and their recipes, its slots and
-        ties, the submodules `checkpoint_fn` chooses, FSDP2's. Done by `transform`, and again
-        by `apply` when the module's structure changed since (`_structure`: a submodule
-        replaced, a parameter reassigned or tied), so that a transform made before such a
-        change runs as one made after it."""
-        module, (recipe, filter_fn, checkpoint_fn) = self.module, self._choices
-        self._ddp_param = ddp_parameter(module)  # (name, parameter) of a DDP model, else None
-        self._experts = find_experts(module, self._chosen)
-        self._expert_parallel = expert_parallel_in(self._experts)  # (fp8fn.expert_parallel)
-        self._grouped_ops = grouped_ops()  # the grouped GEMM ops (transformers' custom one)
-        # routers and gates next to the experts: high precision, unless a recipe function
-        # chooses for them
-        self._gates = find_gates(module, self._experts) if isinstance(recipe, RECIPES) else set()
-        self._layers = find_layers(
-            module, recipe, filter_fn, warn=not self._experts, gates=self._gates
-        )
-        self.recipes = {layer.path: layer.recipe for layer in self._layers}
-        self.recipes.update({e.path: e.recipe for e in self._experts if e.path in self._confirmed})
-        self.layers = list(self.recipes)
-        self._delayed = self._delayed_recipe()
-        self._stateful = [m.path for m in self._layers if isinstance(m.recipe, DelayedScaling)]
-        self._stateful_experts = {  # `path[e]` of the delayed experts weights
-            e.expert(i): e
-            for e in self._experts
-            if isinstance(e.recipe, DelayedScaling)
-            for i in range(e.experts)
-        }
-        self._fsdp = Fsdp2(module, self._layers, self._experts)  # slots, float8 all-gathers
-        own = [m.slot for m in self._layers if m.slot not in self._fsdp.managed]
-        self._slots = Slots(module, own)
-        self._refuse_fsdp_ties()
+    def _read(self, confirmed: frozenset):
+        """Read the module into a new `plan` (`read_module`), with the experts weights
+        `confirmed` by `init`; the caches of the old plan go with it."""
+        self.plan = plan = read_module(self.module, *self._choices, confirmed)
+        # `fn.layers`, `fn.recipes`, `fn.checkpointed`: copies (the plan's own never change)
+        self.layers, self.recipes = list(plan.recipes), dict(plan.recipes)
+        self.checkpointed = list(plan.checkpointed)
         self._held = {}  # {id(weight): (weakref, layer)}: weights swapped into layers (FSDP2)
-        self.checkpointed = self._checkpoint_modules(checkpoint_fn)
-        self._checkpointed_ids = {id(module.get_submodule(p)): p for p in self.checkpointed}
-        self._checkpointed_modules = [module.get_submodule(p) for p in self.checkpointed]
-        self._block_slots = {
-            id(m): Slots(m, [n[len(p) + 1 :] if p else n for n in own if _inside(n, p)])
-            for p, m in zip(self.checkpointed, self._checkpointed_modules)
-        }
         self._known_sites = None  # the `state.sites` last checked by `apply`
-        managed = {(id(m), attr) for m, attr, _ in self._fsdp.managed.values()}
-        self._structure = _structure(module, managed)
 
-    def _reread_if_changed(self):
-        """`_read_module` again when the module's structure changed since it last ran."""
+    def _current_plan(self):
+        """`plan`, read again first when the module's structure changed since it was read (a
+        layer replaced, weights tied, fully_shard: since transform)."""
         _reread_if_changed(self)
-
-    def _refuse_fsdp_ties(self):
-        """Raise when layers sharing one FSDP2-managed weight get different choices (one left
-        in high precision, or another recipe): FSDP2 swaps the one unsharded weight into each,
-        so fp8fn cannot give each layer its own view of it, and would run them all as one."""
-        choice = {m.slot: m.recipe for m in self._layers}
-        for first, names in self._slots.others.items():
-            group = [n for n in (first, *names) if is_linear_weight(self.module, n)]
-            if len(group) < 2 or not any(n in self._fsdp.managed for n in group):
-                continue
-            if len({repr(choice.get(n)) for n in group}) > 1:
-                chosen = ", ".join(f"{n!r}: {choice.get(n)}" for n in group)
-                raise ValueError(
-                    "fp8fn.transform: expected the layers sharing one FSDP2-managed weight to "
-                    f"have one recipe, got {chosen}. Under FSDP2 they run as one layer: give "
-                    "them the same choice in `filter_fn` and the recipe function, or untie the "
-                    "weights."
-                )
-
-    def _chosen(self, name, owner):
-        """The recipe `filter_fn` and the recipe (function) give the weight `name` of `owner`
-        (for a linear layer: its path and itself), or None for high precision."""
-        recipe, filter_fn, _ = self._choices
-        if filter_fn is not None and not filter_fn(name, owner):
-            return None
-        return recipe_for(recipe, name, owner)
+        return self.plan
 
     def summary(self) -> str:
         """What runs in float8 and what does not, as a table of the model's matmul weights
@@ -245,50 +96,7 @@ class Transformed:
                 "fp8fn.Transformed.summary: expected `fn.init(...)` first, got none: init runs "
                 "the model once and sees which weights reach a GEMM."
             )
-        return summarize(self, self._weights)
-
-    def _delayed_recipe(self) -> DelayedScaling | None:
-        """The one DelayedScaling config of the stateful layers (they share one packed state)."""
-        delayed = {r for r in self.recipes.values() if isinstance(r, DelayedScaling)}
-        delayed |= {e.recipe for e in self._experts if isinstance(e.recipe, DelayedScaling)}
-        configs = {(r.history_len, r.amax_compute, r.margin) for r in delayed}
-        if len(configs) > 1:
-            raise ValueError(
-                "fp8fn.transform: all DelayedScaling layers of one model share one packed state, "
-                "so they need the same history_len, amax_compute and margin; got "
-                f"{sorted(configs)}."
-            )
-        return min(delayed, key=repr) if delayed else None
-
-    def _checkpoint_modules(self, checkpoint_fn) -> list[str]:
-        """The submodules `checkpoint_fn` chooses (the outermost choice wins)."""
-        chosen = []
-        if checkpoint_fn is None:
-            return chosen
-        for name, sub in self.module.named_modules():
-            if checkpoint_fn(name, sub) and not any(
-                p == "" or name.startswith(p + ".") for p in chosen
-            ):
-                chosen.append(name)
-        return chosen
-
-    def _holder_of(self, weight, transposed):
-        """The layer that holds `weight` now, though `apply` was not given it: a module that
-        swaps in its own tensors for its forward (FSDP2's unsharded weights). None if none."""
-        if not isinstance(weight, torch.Tensor):
-            return None
-        # (compiling: no lookup by `id`, on which dynamo would guard: a recompile per step of
-        # new weights; the layers are compared with `is`)
-        known = None if torch.compiler.is_compiling() else self._held.get(id(weight))
-        if known is not None and known[0]() is weight and known[1].holds(weight):
-            layer = known[1]
-        else:
-            layer = next((m for m in self._layers if m.holds(weight)), None)
-            if layer is None:
-                return None
-            if not torch.compiler.is_compiling():
-                self._held[id(weight)] = (weakref.ref(weight), layer)
-        return layer if layer.transposed == transposed else None
+        return summarize(self.plan, self._weights)
 
     def init(self, *args, seed: int = 0, **kwargs) -> State:
         """Find every fp8 call site and return the initial scaling state.
@@ -321,97 +129,27 @@ class Transformed:
           layer uses NVFP4Scaling (else `state.key` is None).
         """
         seed_key(seed)  # checks the seed before the model runs
-        self._reread_if_changed()
-        call = self._discover(args, kwargs)
-        calls = {}
-        for name in call.sites:
-            path, k = parse_site(name)
-            calls[path] = max(calls.get(path, 0), k + 1)
-        self._weights = call.weights
-        confirmed = {e.path for e in self._experts if call.weights.get(e.path, "") is None}
+        call = discover(self._current_plan(), args, kwargs, self._held)
+        self._weights = call.tracked.weights
+        plan = self.plan
+        confirmed = {e.path for e in plan.experts if self._weights.get(e.path, "") is None}
         self._torch_grouped |= call.torch_grouped
-        if not confirmed <= self._confirmed:
-            self._confirmed |= confirmed
-            self._read_module()
-        self._fsdp.refuse_unused(self._confirmed)
+        if not confirmed <= plan.confirmed:
+            self._read(plan.confirmed | confirmed)
+        self.plan.fsdp.refuse_unused(self.plan.confirmed)
         if not self._reported:
-            self._reported = report_high_precision(self, call.weights)
-        recipe = self._delayed or DelayedScaling(history_len=1)
-        names = [site_name(p, k) for p in self._stateful for k in range(max(calls.get(p, 0), 1))]
-        experts = [
-            e
-            for e in self._experts
-            if isinstance(e.recipe, DelayedScaling) and e.path in self._confirmed
-        ]
-        for entry in experts:  # each call: one row per expert, contiguous
-            paths = [entry.expert(e) for e in range(entry.experts)]
-            calls_made = max(1, *(calls.get(p, 0) for p in paths))
-            names += [site_name(p, k) for k in range(calls_made) for p in paths]
-        stateful = set(self._stateful)
-        first = next((m for m in self._layers if m.path in stateful), None)
-        nvfp4 = [m for m in self._layers if isinstance(m.recipe, NVFP4Scaling)]
-        nvfp4_experts = [
-            e
-            for e in self._experts
-            if isinstance(e.recipe, NVFP4Scaling) and e.path in self._confirmed
-        ]
-        first = first or next(iter(nvfp4), None)
-        device = None if first is None else first.own({})[0].device
-        if first is None and (experts or nvfp4_experts):
-            device = (experts or nvfp4_experts)[0].own({}).device
-        state = init_state(recipe, names, device)
-        return state._replace(key=initial_key(seed, device)) if nvfp4 or nvfp4_experts else state
-
-    def _discover(self, args, kwargs) -> Call:
-        """The `Call` of one forward pass on the example inputs (its `sites`, in call order,
-        and its `weights`)."""
-        tensors = {**dict(self.module.named_parameters()), **dict(self.module.named_buffers())}
-        memo = {}
-
-        def to_meta(t):
-            if not isinstance(t, torch.Tensor):
-                return t
-            if id(t) not in memo:  # tied tensors stay tied
-                memo[id(t)] = torch.empty_like(t, device="meta")
-            return memo[id(t)]
-
-        with torch.random.fork_rng(devices=[]):  # discovery must not consume the RNG
-            # Sharded (DTensor) parameters: FSDP2's lazy init would adopt meta tensors as its
-            # shards, so such a model runs for real (FSDP2 all-gathers: every rank calls init).
-            if not any(sharded_operands(t) for t in tensors.values()):
-                try:
-                    meta = {k: to_meta(v) for k, v in tensors.items()}
-                    return self._run_discovery(meta, tree_map(to_meta, (args, kwargs)))
-                except Exception:  # data-dependent control flow, or an op without a meta kernel
-                    pass
-            try:
-                call = self._run_discovery({}, (args, kwargs))
-            except Exception as e:
-                if str(e).startswith("fp8fn."):  # fp8fn refuses a call of the model's
-                    raise
-                raise init_error(e) from e
-        if any(p is not tensors[n] for n, p in self.module.named_parameters()):
-            reshard_fsdp(self.module)  # FSDP2 keeps the root unsharded after a forward
-        return call
-
-    def _run_discovery(self, tensors, args_kwargs) -> Call:
-        args, kwargs = args_kwargs
-        tensors = self._slots.expand(tensors, "init")
-        call = Call(self, tensors, None)
-        with torch.no_grad(), self._fsdp.scales(None), exclusive(self.module), call:
-            swapped_call(self.module, None, tensors, args, kwargs)
-        return call
+            self._reported = report_high_precision(self.plan, self._weights)
+        return initial_state(self.plan, call.sites, seed)
 
     def apply(self, params: dict, state: State, *args, **kwargs):
         """Run the module with `params`, in fp8 with the scales in `state`.
 
         Not pure in memory (docs/semantics.md, "What fp8fn touches outside the state"): it
         writes caches on this `Transformed` (the state's sites last checked, the layer holding
-        each weight a module swapped in itself, the module re-read when its structure changed);
-        it marks `state.amax_history` as used when gradients are recorded for it (a second use
-        is refused); an FSDP2 float8 weight keeps the scale of its forward all-gather; and
-        during the call the `checkpoint_fn` submodules have an instance `forward` (removed when
-        the call ends).
+        each weight a module swapped in itself, the plan re-read when the module's structure
+        changed); it marks `state.amax_history` as used when gradients are recorded for it (a
+        second use is refused); an FSDP2 float8 weight keeps the scale of its forward
+        all-gather; during the call the `checkpoint_fn` submodules have an instance `forward`.
 
         The module runs as it is now: its buffers, dtype, device, training flags and hooks.
 
@@ -440,127 +178,43 @@ class Transformed:
           RuntimeError: when `state` already took part in another `apply` of the gradient being
             recorded: autograd would sum the two calls' observations, fp8fn combines by max.
         """
-        self._reread_if_changed()  # a layer replaced, weights tied, fully_shard: since transform
-        self._check(params, state)
-        try:
-            claim(state.amax_history, "apply", "state")
-        except RuntimeError:
-            # torch.utils.checkpoint around apply: its recompute reruns the forward whose
-            # observations are recorded (bit for bit), and observes nothing a second time.
-            if not recomputing_in_torch_checkpoint():
-                raise
-        params = self._fsdp.without_params(params)
-        tensors, kept = params, contextlib.nullcontext()
-        if params and sharded_operands(next(iter(params.values()))):  # the first tells
-            tensors, kept = gather_params(self, params, state)
-        tensors = self._slots.expand(tensors)
-        call = Call(self, tensors, state)
-        if self._checkpointed_modules:
-            refuse_compile()  # before the `with`: dynamo then runs this frame eagerly
-        if self._expert_parallel:
-            refuse_expert_parallel_compile()
-
+        check_apply(self._current_plan(), params, state)
+        tensors, call, kept = self._prepare(params, state)
         with (
             translated_errors(self.module, params),
-            self._fsdp.scales(state),
+            self.plan.fsdp.scales(state),
             exclusive(self.module),
             innermost_function_mode(call),
-            recomputing(call, self._checkpointed_modules),
+            recomputing(call, self.plan.checkpointed_modules),
             kept,
         ):
             out = swapped_call(self.module, None, tensors, args, kwargs)
             if self._torch_grouped:
-                self._refuse_unrouted_grouped_mm(call)
+                refuse_unrouted_grouped_mm(self.plan, call, self._torch_grouped)
             return out
 
-    def _refuse_unrouted_grouped_mm(self, call):
-        """Raise when this forward used an experts weight that `init` saw in `torch._grouped_mm`
-        (or `F.grouped_mm`) but no GEMM of it reached fp8fn: under torch.compile, dynamo (torch
-        2.13) does not hand that call to a `TorchFunctionMode`, so it ran in high precision.
-        (transformers' grouped_mm experts, compiled, call their own custom op, which dynamo
-        hands over.) Under fullgraph the user sees this error at trace time; without it, when
-        the frame runs."""
-        watched = call.touched & self._torch_grouped & self._confirmed
-        names = sorted(
-            e.path
-            for e in self._experts
-            if e.path in watched and not any(call.counts.get(e.expert(i)) for i in range(e.experts))
-        )
-        if names:
-            message = (
-                f"fp8fn.apply: expected the GEMMs of experts weights {names} routed to fp8fn, "
-                "as in fn.init, got none: under torch.compile, dynamo does not hand "
-                "torch._grouped_mm (F.grouped_mm) to fp8fn, so they ran in high precision. "
-                "Call the experts as torch.bmm or a loop of F.linear(x, weight[e]), or run "
-                "apply uncompiled."
-            )
-            if torch.compiler.is_compiling():
-                refuse_fullgraph_trace(message)
-            raise RuntimeError(message)
-
-    def _check(self, params, state):
-        if not isinstance(params, dict):
-            raise TypeError(
-                f"fp8fn.apply: expected `params` to be a dict of tensors keyed like "
-                f"module.named_parameters(), got {type(params).__name__}."
-            )
-        if not params.keys() <= self._slots.first.keys():
-            raise ValueError(
-                "fp8fn.apply: `params` must be keyed like module.named_parameters() (or "
-                f"named_buffers()); unexpected {sorted(params.keys() - self._slots.first.keys())}. "
-                "Key them as the model is now (apply re-reads parameters and submodules "
-                "changed after fp8fn.transform; a buffer registered after it needs a new "
-                "fp8fn.transform)."
-            )
-        check_state("apply", state)
-        check_scales("apply", state.scale)
-        warn_if_superseded("apply", state)
-        warn_if_never_updated("apply", state, params)
-        refuse_untrained_backward(params, functools.partial(held, self.module), state)
-        if self._ddp_param is not None and torch.is_grad_enabled():
-            name, own = self._ddp_param
-            if params.get(name, own) is not own:
-                raise ValueError(
-                    "fp8fn.apply: a DistributedDataParallel model averages gradients only in "
-                    "loss.backward() into its own parameters, and these are other tensors "
-                    "(torch.func.grad, fp8fn.value_and_grad): gradients would silently differ "
-                    "across ranks. Use plain autograd with `dict(ddp.named_parameters())` "
-                    "(fp8fn.observe, loss.backward()), or transform the model without DDP and "
-                    "all-reduce the gradients yourself."
-                )
-        if state.key is None and any(isinstance(r, NVFP4Scaling) for r in self.recipes.values()):
-            raise ValueError(
-                "fp8fn.apply: expected `state` with a random key (`state.key`) for the model's "
-                "NVFP4Scaling layers, got a state without one. Make it with fn.init(..., seed=...) "
-                "of this transform."
-            )
-        recipe = self._delayed
-        if recipe is not None and (
-            state.history_len != recipe.history_len
-            or (state.amax_compute, state.margin) != (recipe.amax_compute, recipe.margin)
-        ):
-            raise ValueError(
-                f"fp8fn.apply: `state` was made for another recipe: {state!r} with history_len "
-                f"{state.history_len}, but the model's layers use {recipe}. Make it with fn.init."
-            )
+    def _prepare(self, params: dict, state: State):
+        """What `apply` makes before its `with`, once `check_apply` passed: `(tensors, call,
+        kept)`, the tensors to swap in, the routing `Call`, and the context manager of the
+        gathered buffers (`gather_params`). Raises what `apply` raises for `state`'s sites and
+        for a state already used in the gradient being recorded."""
+        plan = self.plan
         if state.sites is not self._known_sites:
-            missing = [p for p in self._stateful if site_name(p, 0) not in state] + [
-                e.expert(0)
-                for e in self._experts
-                if e.path in self._confirmed
-                and isinstance(e.recipe, DelayedScaling)
-                and e.expert(0) not in state
-            ]
-            stateful = set(self._stateful)
-            known = stateful | self._stateful_experts.keys()
-            extra = [n for n in state.sites if parse_site(n)[0] not in known]
-            if missing or extra:
-                raise ValueError(
-                    "fp8fn.apply: `state` does not belong to this model: "
-                    f"missing sites {missing}, unknown sites {extra}. Make it with fn.init."
-                )
+            check_sites(plan, state)
             if not torch.compiler.is_compiling():  # no attribute write for dynamo to guard on
                 self._known_sites = state.sites
+        claim_for_apply(state)
+        params = plan.fsdp.without_params(params)
+        tensors, kept = params, contextlib.nullcontext()
+        if params and sharded_operands(next(iter(params.values()))):  # the first tells
+            tensors, kept = gather_params(plan, params, state)
+        tensors = plan.slots.expand(tensors)
+        call = Call(plan, tensors, state, self._held, type(self).apply.__code__)
+        if plan.checkpointed_modules:
+            refuse_compile()  # before the `with`: dynamo then runs this frame eagerly
+        if plan.expert_parallel:
+            refuse_expert_parallel_compile()
+        return tensors, call, kept
 
 
 def transform(module, recipe, filter_fn=None, checkpoint_fn=None) -> Transformed:

@@ -1,0 +1,165 @@
+"""The weights one forward pass follows by identity, for its `Call` (`routing.py`): each chosen
+layer's weight and the copies and pieces made of it, each experts weight and the views, copies
+and indexings made of it (`experts.Derived`), and, while discovering, every weight that may
+reach a GEMM, under its name."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn.parameter import is_lazy
+
+from .._parallel.dtensor import gathered_for_split, sharded_operands
+from .._torch_private import module_parameters, view_base
+from .experts import Derived, derive
+
+
+class Tracked:
+    """What a forward pass knows by identity (made per call, with its `Call`).
+
+    Args:
+      plan: the `Plan`.
+      tensors: `{name: tensor}` given to the call (as in `functional_call`).
+      discovering: whether the call is `fn.init`'s (then every weight is noted by name).
+      held: the `Transformed`'s memo of the layers holding swapped-in weights (`holder_of`).
+
+    Attributes:
+      entries: `[(layer, weight, bias)]`: what each layer runs with (copies and pieces added).
+      weights: while discovering, `{name: op or None}`: which weights' GEMMs run in float8
+        (None) or in high precision through `op`, for `fn.summary()`.
+      touched: the experts weights viewed, indexed or transposed in this call.
+    """
+
+    def __init__(self, plan, tensors, discovering: bool, held: dict):
+        self.plan, self.held = plan, held
+        self._derived = {} if not torch.compiler.is_compiling() else None  # {id: (tensor, d)}
+        self._derived_list = []  # [(tensor, Derived)], searched with `is` while compiling
+        for entry in plan.experts:
+            weight = entry.own(tensors)
+            self.track(weight, Derived(entry, weight))
+        self.weights, self.touched = {}, set()
+        self._names = None
+        if discovering:  # every weight that may reach a GEMM, by identity
+            given = {**dict(plan.module.named_parameters()), **tensors}
+            self._names = {id(t): n for n, t in given.items() if is_lazy(t) or t.dim() >= 2}
+        self._kept = []  # the copies `_names` knows by id
+        self.entries = [(layer, *layer.own(tensors)) for layer in plan.layers]
+        self._by_weight = None  # {id(weight): entries}; None while compiling (see `given`)
+        self._held_before = {}  # {id(layer): the weight it held before the call}, if sharded
+        if not torch.compiler.is_compiling():
+            self._by_weight = {}
+            for entry in self.entries:
+                self._by_weight.setdefault(id(entry[1]), []).append(entry)
+                if sharded_operands(entry[1]):
+                    self._held_before[id(entry[0])] = entry[0].held()
+
+    def track(self, tensor, derived):
+        if self._derived is not None:
+            self._derived[id(tensor)] = (tensor, derived)  # (the tensor kept: its id stays its)
+        else:
+            self._derived_list.append((tensor, derived))
+
+    def derived_of(self, t) -> Derived | None:
+        """The `Derived` of an experts weight or a tensor made from one, else None."""
+        if self._derived is None:
+            hit = next((d for u, d in self._derived_list if u is t), None)
+        else:
+            hit = self._derived.get(id(t))
+            hit = None if hit is None or hit[0] is not t else hit[1]
+        if hit is None and isinstance(t, nn.Parameter):
+            hit = self._swapped_in(t)
+        return hit
+
+    def _swapped_in(self, t) -> Derived | None:
+        """The `Derived` of `t` when an experts module holds it now though `apply` was not
+        given it (FSDP2's unsharded weight, swapped in for the forward); tracked from then on.
+        """
+        for entry in self.plan.experts:
+            if module_parameters(entry.module).get(entry.attr) is t:
+                derived = Derived(entry, t)
+                self.track(t, derived)
+                return derived
+        return None
+
+    def derive(self, func, args, kwargs):
+        """Run a view, index or transpose of a tracked tensor, and track what it made."""
+        result = func(*args, **kwargs)
+        derived = derive(func, args, kwargs, self.derived_of(args[0]), result)
+        if isinstance(derived, list):
+            for piece, d in zip(result, derived):
+                self.track(piece, d)
+                self.touched.add(d.entry.path)
+        elif derived is not None:
+            self.track(result, derived)
+            self.touched.add(derived.entry.path)
+        return result
+
+    def copy(self, func, args, kwargs):
+        """A copy of a tensor (`.to`, `.clone`, `.detach`, ...): a copy of a layer's weight is
+        that layer's weight in the calls it reaches (the gradient flows back through the copy
+        as autograd takes it), one of an experts weight (or of a tensor made from one) is
+        followed like it, one of any other weight is noted under its name (`fn.summary()`)."""
+        source, result = args[0], func(*args, **kwargs)
+        if result is source or not isinstance(result, torch.Tensor):
+            return result
+        derived = self.derived_of(source)
+        if derived is not None:
+            copied = derived if derived.expert is not None else Derived(derived.entry, result)
+            self.track(result, copied)
+        for layer, _, bias in self.given(source):
+            self._add((layer, result, bias))
+        if self._names is not None:
+            name = self._names.get(id(source))
+            if name is None and view_base(source) is not None:
+                name = self._names.get(id(view_base(source)))
+            if name is not None:
+                self._names[id(result)] = name
+                self._kept.append(result)  # (alive for the call: its id stays its own)
+        return result
+
+    def note(self, t, op):
+        """While discovering: the weight `t` (or its source) runs a GEMM, in float8 when `op`
+        is None, else in high precision through `op` (a float8 note is never overwritten)."""
+        if self._names is None or not isinstance(t, torch.Tensor):
+            return
+        derived = self.derived_of(t)
+        name = self._names.get(id(t)) if derived is None else derived.entry.path
+        if name is None and view_base(t) is not None:
+            name = self._names.get(id(view_base(t)))
+        if name is not None and self.weights.get(name, "") is not None:
+            self.weights[name] = op
+
+    def split(self, func, args, kwargs):
+        """`weight.split(...)` or `.chunk(...)`: the pieces of a layer's weight are that
+        layer's weights too (nn.MultiheadAttention's packed in_proj, for cross-attention)."""
+        whole = args[0]
+        layer = self.layer_given(whole)
+        if layer is None and isinstance(whole, nn.Parameter):  # swapped in (FSDP2)
+            layer = self.plan.holder_of(whole, False, self.held)
+        if layer is not None and self._held_before:  # sharded operands (never compiled)
+            held = self._held_before.get(id(layer))
+            args = (gathered_for_split(whole, held), *args[1:])
+        pieces = func(*args, **kwargs)
+        if layer is not None:
+            for piece in pieces:
+                self._add((layer, piece, None), alone=True)
+        return pieces
+
+    def _add(self, entry, alone=False):
+        self.entries.append(entry)
+        if self._by_weight is not None:
+            if alone:
+                self._by_weight[id(entry[1])] = [entry]
+            else:
+                self._by_weight.setdefault(id(entry[1]), []).append(entry)
+
+    def given(self, weight) -> list:
+        """The entries whose weight `weight` is (compiling: compared with `is`, since a dict
+        keyed by `id` would make dynamo guard on the ids)."""
+        if self._by_weight is None:
+            return [e for e in self.entries if e[1] is weight]
+        return self._by_weight.get(id(weight), [])
+
+    def layer_given(self, weight):
+        """The first layer whose weight `weight` is, else None."""
+        return next(iter(self.given(weight)), (None,))[0]
