@@ -20,7 +20,7 @@ from .._core.device import scaled_mm_supported
 from .._core.recipes import FAST_ACCUM
 from .._kernels.cast import backward_cast, forward_cast
 from .._numerics.fp8 import E4M3, E5M2, amax, cast_to_fp8, scale_from_amax
-from .._torch_private import tracked_below
+from .._torch_private import apply_function, tracked_below
 from .first_order import first_order_only
 from .gemm import fp8_mm, widen_operand
 
@@ -405,5 +405,5 @@ def tensorwise_linear(
     rows = x if flat else x.reshape(-1, x.shape[-1])  # (a reshape is a kernel call)
     with no_autocast(x):
         args = (newest, stored, margin, backend, place, filled, fast_accum)
-        out = _Fp8Linear.apply(rows, weight, bias, *args)[0]
+        out = apply_function(_Fp8Linear, rows, weight, bias, *args)[0]
     return out if flat else out.reshape(*x.shape[:-1], weight.shape[0])
