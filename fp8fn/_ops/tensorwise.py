@@ -150,12 +150,13 @@ def _after_gemm(amax_or_none, hp, transposed: bool = False):
     return amax(hp)
 
 
-def _weight_once(hp, fp8, inv):
-    """`(keep, inv, amax)` of a weight cast with its stored scale, for a compiled step whose
-    backward takes `grad_input` by `torch._scaled_mm`: `keep` the e4m3 `(n, k)` transpose of a
-    row-major `(k, n)` copy of `fp8` (the layout that GEMM wants), `inv` the float32 `()`
-    reciprocal scale, unchanged, and `amax` the float32 `()` amax of `hp` `(n, k)`, all made in
-    the forward, in the loop that casts the weight, so that the step reads the weight once.
+def _weight_once(hp, fp8, stored):
+    """`(keep, x_inv, w_inv, amax)` of a weight cast with its stored scale, for a compiled step
+    whose backward takes `grad_input` by `torch._scaled_mm`: `keep` the e4m3 `(n, k)` transpose
+    of a row-major `(k, n)` copy of `fp8` (the layout that GEMM wants), `x_inv`, `w_inv` the
+    float32 `()` reciprocals of the stored scales `stored` `(3,)` (one kernel), and `amax` the
+    float32 `()` amax of `hp` `(n, k)`, all made in the forward, in the loop that casts the
+    weight, so that the step reads the weight once.
 
     torch.compile's partitioner treats Parameters as free to save
     (`torch._functorch.config.treat_parameters_as_free_to_save`): it would recompute the
@@ -164,11 +165,13 @@ def _weight_once(hp, fp8, inv):
     recompute allowlist (`aten.copy`) consumes, nor anything the forward's output depends on:
     so the copy is made by `copy_`, the amax is taken over the copy's loop (plus a zero made
     from the copy's bytes: the same value, bit for bit, NaN and inf included) and the GEMM's
-    `inv` passes through a select on it that always picks `inv` (an amax is never < 0)."""
+    reciprocal scales pass through a select on it that always picks them (an amax is never
+    < 0)."""
     copy = fp8.new_empty(fp8.shape[::-1]).copy_(fp8.t()).t()
     zero = (copy.view(torch.uint8) & 0).to(hp.dtype)
     amax = (hp.abs() + zero).amax(1).float().amax()  # by rows: the copy's two-dim loop
-    return copy, torch.where(amax < 0, amax, inv), amax
+    x_inv, w_inv, _ = torch.where(amax < 0, amax, stored.reciprocal()).unbind()
+    return copy, x_inv, w_inv, amax
 
 
 def _observation(x_amax, w_amax, g_amax):
@@ -266,8 +269,8 @@ class _Fp8LinearOp(torch.autograd.Function):
         # Compiled, a scaled_mm backward that needs `grad_input` (`x` differentiated) wants the
         # weight transposed too; inductor writes both layouts from one loop over `w`'s two dims.
         both = backend == "scaled_mm" and x.requires_grad and torch.compiler.is_compiling()
-        if both and w_amax is None:  # the stored scale: the transposed copy kept, W read once
-            w_keep, w_inv, w_amax = _weight_once(w, w_keep, w_inv)
+        if both and w_amax is None:  # the stored scales: the transposed copy kept, W read once
+            w_keep, x_inv, w_inv, w_amax = _weight_once(w, w_keep, stored)
         w_gemm, b_gemm = place.gemm_weight(w_fp8), place.gemm_bias(bias)
         out = _fp8_gemm(x_fp8, w_gemm, x_inv, w_inv, b_gemm, x.dtype, backend, fast_accum[0])
         x_amax, w_amax = _after_gemm(x_amax, x), _after_gemm(w_amax, w, both)
