@@ -563,3 +563,64 @@ def test_compiled_transformer_backward_with_two_threads():
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "1 passed" in result.stdout, result.stdout[-3000:]
+
+
+def _kernels_reading_input(numel: int) -> int:
+    """How many of the kernels inductor generated since `metrics.reset()` read a graph input
+    (`primals_*`: a forward input, or one the backward keeps) of `numel` elements."""
+    from torch._inductor import metrics
+    from torch._inductor.dependencies import MemoryDep
+
+    return sum(
+        any(
+            isinstance(dep, MemoryDep)
+            and dep.name.startswith("primals")
+            and dep.get_numel() == numel
+            for dep in node.read_writes.reads
+        )
+        for node, _ in metrics.nodes_num_elem
+        if not node.is_extern()
+    )
+
+
+@pytest.mark.parametrize("plain", [False, True], ids=["parameter", "plain"])
+def test_compiled_middle_layer_reads_its_weight_once(plain, monkeypatch):
+    # A middle layer (x needs its gradient) at steady state on the scaled_mm path: the compiled
+    # step (forward and backward graphs) reads the bf16 weight in one kernel, which also writes
+    # both float8 layouts and takes the amax, whether the weight is the module's Parameter
+    # (which the partitioner would rather re-read in the backward than save the float8 copy)
+    # or a plain tensor; the step is eager's, bit for bit (output gradient, weight gradient,
+    # observations).
+    from torch._inductor import metrics
+
+    monkeypatch.setattr(torch._inductor.config, "force_disable_caches", True)  # count compiles
+    torch._logging.set_logs(inductor_metrics=True)  # inductor counts reads per kernel
+    try:
+        torch.manual_seed(0)
+        model = nn.Linear(48, 80, bias=False).to(torch.bfloat16)  # weight 3840 elements
+        x = torch.randn(32, 48, dtype=torch.bfloat16)  # 1536; output 2560
+        recipe = fp8fn.DelayedScaling(backend="scaled_mm")
+        fn = fp8fn.transform(model, recipe)
+        state = fn.init(x)
+        params = dict(model.named_parameters())
+        if plain:
+            params = {k: v.detach().requires_grad_() for k, v in params.items()}
+        observed = fp8fn.observe(state)
+        fn.apply(params, observed, x).float().square().mean().backward()
+        state = fp8fn.update(state, fp8fn.observations(observed))
+
+        def step(run):
+            xi = x.clone().requires_grad_()
+            for p in params.values():
+                p.grad = None
+            observed = fp8fn.observe(state)
+            run(params, observed, xi).float().square().mean().backward()
+            return xi.grad, params["weight"].grad, fp8fn.observations(observed)
+
+        eager = step(fn.apply)
+        metrics.reset()
+        compiled = step(torch.compile(fn.apply, fullgraph=True))
+        assert _kernels_reading_input(80 * 48) == 1
+    finally:
+        torch._logging.set_logs()
+    assert_bit_identical(compiled, eager)

@@ -733,3 +733,41 @@ def test_fsdp_gradient_divisions_are_the_factor_and_size_of_the_groups_holding_t
     assert private.fsdp_gradient_divisions(model, held, ("other",)) == []
     held.set_gradient_divide_factor(4.0)
     assert private.fsdp_gradient_divisions(model, held, ("weight", "bias")) == [(4.0, 1)]
+
+
+class _Scale(torch.autograd.Function):
+    """`x * k`, backward `g * k`: a Function with `setup_context`, for `apply_function`."""
+
+    @staticmethod
+    def forward(x, k):
+        return x * k
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.k = inputs[1]
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.k, None
+
+
+def test_apply_function_is_function_apply_without_binding_the_signature(monkeypatch):
+    # Plain autograd (the Function's own backward node) and under torch.func.grad (the
+    # functorch route): the same values and gradients as `apply`, and no call of
+    # `inspect.signature` (what `Function.apply` binds with). (Compiled, it is `apply`: the
+    # compiled steps of test_compile.py run through it.)
+    x = torch.tensor([1.0, -2.0, 3.0], requires_grad=True)
+    y = private.apply_function(_Scale, x, 3.0)
+    assert type(y.grad_fn).__name__ == "_ScaleBackward"
+    y.sum().backward()
+    assert x.grad.tolist() == [3.0, 3.0, 3.0]
+    grad = torch.func.grad(lambda t: private.apply_function(_Scale, t, 5.0).sum())(x.detach())
+    assert grad.tolist() == [5.0, 5.0, 5.0]
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("inspect.signature called")
+
+    monkeypatch.setattr(private.inspect, "signature", refuse)
+    assert private.apply_function(_Scale, x, 2.0).tolist() == [2.0, -4.0, 6.0]
+    with pytest.raises(AssertionError, match="inspect.signature called"):
+        _Scale.apply(x, 2.0)  # (the module is torch's `inspect`: Function.apply binds)

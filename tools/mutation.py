@@ -130,7 +130,7 @@ MUTATIONS = [
         "vmap-no-fold",
         "the op's vmap rule does not fold the batch (the generated per-member rule)",
         "_ops/tensorwise.py",
-        (("out = _Fp8Linear.apply(", "out = _Fp8LinearOp.apply("),),
+        (("apply_function(_Fp8Linear, rows", "apply_function(_Fp8LinearOp, rows"),),
     ),
     Mutation(
         "grad-output-observes-weight",

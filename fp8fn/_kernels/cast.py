@@ -50,6 +50,7 @@ import torch
 
 from .._core.checks import HP_DTYPES
 from .._numerics.fp8 import E4M3, E5M2, FP8_DTYPES, check_margin
+from .._torch_private import apply_function
 
 
 def _kernels():
@@ -237,7 +238,9 @@ def forward_cast(hp, newest, stored, margin: int, filled: bool, transposed: bool
       itself, or when `transposed` the transpose of the `(k, m)` row-major copy written in the
       same pass (so the backward's `keep.t()` is contiguous and no GEMM copies it).
     """
-    out = TritonCast.apply(hp, newest, stored, margin, E4M3, transposed, filled, None, None)
+    out = apply_function(
+        TritonCast, hp, newest, stored, margin, E4M3, transposed, filled, None, None
+    )
     fp8, inverse, amax = out[0], out[-2], out[-1]
     return fp8, inverse, amax, out[1].t() if transposed else fp8
 
@@ -258,6 +261,8 @@ def backward_cast(grad, newest, stored, margin: int, filled: bool, transposed: b
       None without `observe`.
     """
     before = (None, None) if observe is None else observe
-    out = TritonCast.apply(grad, newest, stored, margin, E5M2, transposed, filled, *before)
+    out = apply_function(
+        TritonCast, grad, newest, stored, margin, E5M2, transposed, filled, *before
+    )
     fp8, inverse, observed = out[0], out[-2], out[-1]
     return fp8, out[1] if transposed else fp8.t(), inverse, None if observe is None else observed

@@ -20,7 +20,7 @@ from .._core.device import scaled_mm_supported
 from .._core.recipes import FAST_ACCUM
 from .._kernels.cast import backward_cast, forward_cast
 from .._numerics.fp8 import E4M3, E5M2, amax, cast_to_fp8
-from .._torch_private import tracked_below
+from .._torch_private import apply_function, tracked_below
 from .first_order import first_order_only
 from .gemm import fp8_mm, widen_operand
 from .roles import cast_grad_output, keep_for_backward, observation, scales_for
@@ -142,6 +142,30 @@ def _after_gemm(amax_or_none, hp, transposed: bool = False):
     return amax(hp)
 
 
+def _weight_once(hp, fp8, stored):
+    """`(keep, x_inv, w_inv, amax)` of a weight cast with its stored scale, for a compiled step
+    whose backward takes `grad_input` by `torch._scaled_mm`: `keep` the e4m3 `(n, k)` transpose
+    of a row-major `(k, n)` copy of `fp8` (the layout that GEMM wants), `x_inv`, `w_inv` the
+    float32 `()` reciprocals of the stored scales `stored` `(3,)` (one kernel), and `amax` the
+    float32 `()` amax of `hp` `(n, k)`, all made in the forward, in the loop that casts the
+    weight, so that the step reads the weight once.
+
+    torch.compile's partitioner treats Parameters as free to save
+    (`torch._functorch.config.treat_parameters_as_free_to_save`): it would recompute the
+    transposed float8 copy and the amax in the backward from the high-precision Parameter, a
+    second read of it. It never recomputes a forward value that a backward op outside its
+    recompute allowlist (`aten.copy`) consumes, nor anything the forward's output depends on:
+    so the copy is made by `copy_`, the amax is taken over the copy's loop (plus a zero made
+    from the copy's bytes: the same value, bit for bit, NaN and inf included) and the GEMM's
+    reciprocal scales pass through a select on it that always picks them (an amax is never
+    < 0)."""
+    copy = fp8.new_empty(fp8.shape[::-1]).copy_(fp8.t()).t()
+    zero = (copy.view(torch.uint8) & 0).to(hp.dtype)
+    amax = (hp.abs() + zero).amax(1).float().amax()  # by rows: the copy's two-dim loop
+    x_inv, w_inv, _ = torch.where(amax < 0, amax, stored.reciprocal()).unbind()
+    return copy, x_inv, w_inv, amax
+
+
 def _role(newest, stored, filled, role: int):
     """`(newest, stored, filled)` of one role (0 input, 1 weight, 2 grad_output): float32 `()`
     views, or None for current scaling; whether its history is known non-empty."""
@@ -224,11 +248,13 @@ class _Fp8LinearOp(torch.autograd.Function):
         x_fp8, w_fp8, x_inv, w_inv, x_amax, w_amax, x_keep, w_keep = _cast_operands(
             x, w, newest, stored, margin, backend, place, filled
         )
-        w_gemm, b_gemm = place.gemm_weight(w_fp8), place.gemm_bias(bias)
-        out = _fp8_gemm(x_fp8, w_gemm, x_inv, w_inv, b_gemm, x.dtype, backend, fast_accum[0])
         # Compiled, a scaled_mm backward that needs `grad_input` (`x` differentiated) wants the
         # weight transposed too; inductor writes both layouts from one loop over `w`'s two dims.
         both = backend == "scaled_mm" and x.requires_grad and torch.compiler.is_compiling()
+        if both and w_amax is None:  # the stored scales: the transposed copy kept, W read once
+            w_keep, x_inv, w_inv, w_amax = _weight_once(w, w_keep, stored)
+        w_gemm, b_gemm = place.gemm_weight(w_fp8), place.gemm_bias(bias)
+        out = _fp8_gemm(x_fp8, w_gemm, x_inv, w_inv, b_gemm, x.dtype, backend, fast_accum[0])
         x_amax, w_amax = _after_gemm(x_amax, x), _after_gemm(w_amax, w, both)
         return place.output(out), x_keep, w_keep, x_inv, w_inv, w_amax, x_amax
 
@@ -363,5 +389,5 @@ def tensorwise_linear(
     rows = x if flat else x.reshape(-1, x.shape[-1])  # (a reshape is a kernel call)
     with no_autocast(x):
         args = (newest, stored, margin, backend, place, filled, fast_accum, api)
-        out = _Fp8Linear.apply(rows, weight, bias, *args)[0]
+        out = apply_function(_Fp8Linear, rows, weight, bias, *args)[0]
     return out if flat else out.reshape(*x.shape[:-1], weight.shape[0])
