@@ -249,3 +249,21 @@ def test_update_refuses_the_state_itself_as_its_observation_even_when_empty():
         fp8fn.update(state, state)
     with pytest.raises(ValueError, match=r"^fp8fn\.update: expected `obs` an observation"):
         fp8fn.update(state, state._replace(scale=state.scale.clone()))  # its history, other scales
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -1.0])
+def test_a_history_changed_in_place_to_a_non_amax_is_refused_by_update(value):
+    """A history entry that is not a finite amax >= 0 would give its role the scale 1 (NaN) or a
+    negative one, for as long as it stays in the window: `update` refuses it, in the graph (no
+    host read), and leaves the state as it was."""
+    fn, params, x = _mlp()
+    state = _warmed(fn, params, x)
+    obs = _func_route(fn, params, state, x)[2]
+    state.amax_history[0, 1, 3] = value
+    before = state.amax_history.clone(), state.scale.clone()
+    with pytest.raises(
+        RuntimeError, match=r"fp8fn\.update: expected `state\.amax_history` to hold"
+    ):
+        fp8fn.update(state, obs)
+    assert torch.equal(state.amax_history.nan_to_num(), before[0].nan_to_num())
+    assert torch.equal(state.scale, before[1])

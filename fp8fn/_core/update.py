@@ -55,6 +55,13 @@ _NOT_AN_OBSERVATION = (
 )
 
 
+_NOT_A_HISTORY = (
+    "fp8fn.update: expected `state.amax_history` to hold finite amaxes >= 0 (what fn.init and "
+    "update write), got NaN, inf or a negative value: changed in place? Pass a state from fn.init "
+    "or update, or a saved one loaded as it was saved."
+)
+
+
 def update(state: State, obs: State) -> State:
     """Push each observed amax into its history and recompute the scale, for all sites at once.
 
@@ -136,6 +143,9 @@ def update(state: State, obs: State) -> State:
         if obs.key is not None:
             older = older | obs.key.any()
         assert_in_graph(~older, _NOT_AN_OBSERVATION)
+        # A history holds amaxes >= 0 (`init`'s zeros, pushed observations): anything else was
+        # written in place and would set a scale from NaN (1) or from a negative amax.
+        assert_in_graph((history >= 0).all() & history.isfinite().all(), _NOT_A_HISTORY)
         amax = obs.amax_history[..., 0]
         push = (amax > 0) & torch.isfinite(amax)
         rolled = torch.cat([amax.unsqueeze(-1), history[..., :-1]], dim=-1)
