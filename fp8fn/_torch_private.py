@@ -147,6 +147,25 @@ def innermost_function_mode(mode):
             torch.overrides._push_mode(m)
 
 
+def never_compiled_alone(fn):
+    """Have torch.compile never compile `fn` as a frame of its own (dynamo still traces it where
+    a compiled frame calls it, and compiles the frames it calls); returns `fn`.
+
+    For a `TorchFunctionMode`'s `__torch_function__`: where a compiled function falls back to
+    running eagerly (a graph break dynamo cannot resume, e.g. inside a context manager),
+    dynamo compiles each call the mode receives from eager code as a frame, and (torch 2.13)
+    its guards do not tell one tensor property getter from another (`Tensor.shape.__get__`,
+    `Tensor.device.__get__`): a frame compiled for `x.shape` answers `x.device` with a shape.
+    Sets the code's frame strategy (what `torch._dynamo.skip` sets) without importing dynamo.
+    """
+    frames = torch._C._dynamo.eval_frame
+    action = frames._FrameAction
+    frames.set_code_exec_strategy(
+        fn.__code__, frames._FrameExecStrategy(action.SKIP, action.DEFAULT)
+    )
+    return fn
+
+
 def saved_tensor_hooks_active() -> bool:
     """Whether `torch.autograd.graph.saved_tensors_hooks` are in effect (e.g. the non-reentrant
     `torch.utils.checkpoint`, or offloading to CPU)."""

@@ -120,7 +120,7 @@ def _index(idx):
     if isinstance(idx, int) and not isinstance(idx, bool):
         return idx
     if isinstance(idx, torch.Tensor) and not idx.is_floating_point() and idx.dtype != torch.bool:
-        if idx.dim() == 0 and not torch.compiler.is_compiling():
+        if idx.dim() == 0:  # (compiled: a graph break; dynamo runs the indexing eagerly)
             return int(idx)
         if idx.dim() == 1:
             return idx.long()

@@ -21,6 +21,7 @@ from .._torch_private import (
     attention_forward,
     inside_torch_checkpoint,
     module_parameters,
+    never_compiled_alone,
     saved_tensor_hooks_active,
     view_base,
 )
@@ -35,6 +36,7 @@ from .experts import (
     expert_rows,
     read_gemm,
 )
+from .identity import ByIdentity
 
 _SPLITS = (torch.Tensor.split, torch.Tensor.chunk)
 
@@ -111,8 +113,7 @@ class Call(TorchFunctionMode):
         # `[input, weight, grad_output]` bools a site, whether its histories are empty: read to
         # the host once per sharded forward (`_parallel.dtensor`), None until then
         self.unobserved = None
-        self._derived = {} if not torch.compiler.is_compiling() else None  # {id: (tensor, d)}
-        self._derived_list = []  # [(tensor, Derived)], searched with `is` while compiling
+        self._derived = ByIdentity()  # {tensor: [Derived]}
         for entry in transformed._experts:
             weight = entry.own(tensors)
             self._track(weight, Derived(entry, weight))
@@ -125,16 +126,15 @@ class Call(TorchFunctionMode):
             self._names = {id(t): n for n, t in given.items() if is_lazy(t) or t.dim() >= 2}
         self._kept = []  # the copies `_names` knows by id
         # (layer, weight, bias): what each layer runs with
-        self._entries = [(layer, *layer.own(tensors)) for layer in transformed._layers]
-        self._by_weight = None  # {id(weight): entries}; None while compiling (see _layer_of)
+        self._entries = ByIdentity()  # {weight: [(layer, weight, bias)]}
         self._held_before = {}  # {id(layer): the weight it held before the call}, if sharded
-        if not torch.compiler.is_compiling():
-            self._by_weight = {}
-            for entry in self._entries:
-                self._by_weight.setdefault(id(entry[1]), []).append(entry)
-                if sharded_operands(entry[1]):
-                    self._held_before[id(entry[0])] = entry[0].held()
+        for layer in transformed._layers:
+            weight, bias = layer.own(tensors)
+            self._entries.add(weight, (layer, weight, bias))
+            if not torch.compiler.is_compiling() and sharded_operands(weight):
+                self._held_before[id(layer)] = layer.held()
 
+    @never_compiled_alone  # (dynamo traces it inside the frames it compiles)
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if self.passive:  # a `checkpoint_fn` module's own pass is under way
@@ -193,18 +193,12 @@ class Call(TorchFunctionMode):
         return func(*args, **kwargs)
 
     def _track(self, tensor, derived):
-        if self._derived is not None:
-            self._derived[id(tensor)] = (tensor, derived)  # (the tensor kept: its id stays its)
-        else:
-            self._derived_list.append((tensor, derived))
+        self._derived.add(tensor, derived)
 
     def _derived_of(self, t) -> Derived | None:
         """The `Derived` of an experts weight or a tensor made from one, else None."""
-        if self._derived is None:
-            hit = next((d for u, d in self._derived_list if u is t), None)
-        else:
-            hit = self._derived.get(id(t))
-            hit = None if hit is None or hit[0] is not t else hit[1]
+        hits = self._derived.values(t) if isinstance(t, torch.Tensor) else []
+        hit = hits[-1] if hits else None
         if hit is None and isinstance(t, nn.Parameter):
             hit = self._swapped_in(t)
         return hit
@@ -246,10 +240,7 @@ class Call(TorchFunctionMode):
             copied = derived if derived.expert is not None else Derived(derived.entry, result)
             self._track(result, copied)
         for layer, _, bias in self._given(source):
-            entry = (layer, result, bias)
-            self._entries.append(entry)
-            if self._by_weight is not None:
-                self._by_weight.setdefault(id(result), []).append(entry)
+            self._entries.add(result, (layer, result, bias))
         if self._names is not None:
             name = self._names.get(id(source))
             if name is None and view_base(source) is not None:
@@ -416,18 +407,12 @@ class Call(TorchFunctionMode):
         pieces = func(*args, **kwargs)
         if layer is not None:
             for piece in pieces:
-                entry = (layer, piece, None)
-                self._entries.append(entry)
-                if self._by_weight is not None:
-                    self._by_weight[id(piece)] = [entry]
+                self._entries.add(piece, (layer, piece, None))
         return pieces
 
     def _given(self, weight) -> list:
-        """The entries whose weight `weight` is (compiling: compared with `is`, since a dict
-        keyed by `id` would make dynamo guard on the ids)."""
-        if self._by_weight is None:
-            return [e for e in self._entries if e[1] is weight]
-        return self._by_weight.get(id(weight), [])
+        """The entries `(layer, weight, bias)` whose weight `weight` is."""
+        return self._entries.values(weight)
 
     def _layer_of(self, weight, bias, transposed):
         """The layer whose weight `weight` is, or None for any other linear call.
