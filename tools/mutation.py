@@ -596,6 +596,12 @@ MUTATIONS += [
         (("expert_keys, recipe, site, keys.process_rank())", "expert_keys, recipe, site, 0)"),),
     ),
     Mutation(
+        "nvfp4-bias-grad-quantized",
+        "NVFP4: the bias gradient summed from the quantized output gradient (a fused dbias)",
+        "_ops/nvfp4.py",
+        (("grad_b = g.sum(0).to(b_dtype)", "grad_b = _deq(quantize_nvfp4(g)).sum(0).to(b_dtype)"),),
+    ),
+    Mutation(
         "update-obs-key-unchecked",
         "update takes a keyed state (a nonzero key) for an observation",
         "_core/update.py",
