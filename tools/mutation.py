@@ -602,6 +602,18 @@ MUTATIONS += [
         (("grad_b = g.sum(0).to(b_dtype)", "grad_b = _deq(quantize_nvfp4(g)).sum(0).to(b_dtype)"),),
     ),
     Mutation(
+        "fsdp-batched-scales-margin-dropped",
+        "FSDP2 float8 gather: the weights' current scales computed in one batch without their "
+        "shared margin",
+        "_parallel/fsdp_gather.py",
+        (
+            (
+                "scales = scale_from_amax(flat, FP8_MAX[E4M3], margins[0])",
+                "scales = scale_from_amax(flat, FP8_MAX[E4M3], 0)",
+            ),
+        ),
+    ),
+    Mutation(
         "update-obs-key-unchecked",
         "update takes a keyed state (a nonzero key) for an observation",
         "_core/update.py",
