@@ -614,6 +614,18 @@ MUTATIONS += [
         ),
     ),
     Mutation(
+        "attention-aliases-kept-apart",
+        "nn.MultiheadAttention: a key and value that FSDP2 hands over as two tensors of the same "
+        "memory kept apart (three GEMMs of the packed in_proj, fn.init saw two)",
+        "_transform/routing.py",
+        (
+            (
+                "    if _aliases(key, value):\n        value = key",
+                "    if False:\n        value = key",
+            ),
+        ),
+    ),
+    Mutation(
         "update-obs-key-unchecked",
         "update takes a keyed state (a nonzero key) for an observation",
         "_core/update.py",

@@ -20,9 +20,11 @@ from .._torch_errors import USE_CHECKPOINT_FN
 from .._torch_private import (
     attention_forward,
     inside_torch_checkpoint,
+    is_fake,
     module_parameters,
     never_compiled_alone,
     saved_tensor_hooks_active,
+    unwrapped,
     view_base,
 )
 from .experts import (
@@ -75,6 +77,42 @@ def _operands(func, args, kwargs):
     if bound.get("out") is not None:
         options["out"] = "a tensor"
     return bound["mat1"], bound["mat2"], bound["input"], True, options
+
+
+def _aliases(a, b) -> bool:
+    """Whether the plain tensors `a` and `b` are the same elements of the same memory (so the
+    same values) though not the same tensor object. False while torch.compile traces, and for
+    tensors without memory (meta, fake)."""
+    return (
+        isinstance(a, torch.Tensor)
+        and isinstance(b, torch.Tensor)
+        and a is not b
+        and not torch.compiler.is_compiling()
+        and unwrapped(a) is a
+        and unwrapped(b) is b
+        and a.device.type != "meta"
+        and not (is_fake(a) or is_fake(b))
+        and (a.device, a.dtype, a.shape, a.stride()) == (b.device, b.dtype, b.shape, b.stride())
+        and a.data_ptr() == b.data_ptr()
+    )
+
+
+def _one_tensor_each(args: tuple) -> tuple:
+    """`F.multi_head_attention_forward`'s positional `(query, key, value, ...)` with `key` made
+    `query` and `value` made `key` where they alias it: torch projects `query is key` and `key
+    is value` with fewer GEMMs of the packed `in_proj_weight` (one, or q and kv: sites
+    `in_proj`, `#1`), and FSDP2 with gradients recorded hands each input of a wrapped module's
+    forward over as a tensor of its own (a tensor given as key and value, not as query), so the
+    attention would take another path (three GEMMs) than in `fn.init` (no gradients) and than
+    one process."""
+    if len(args) < 3:
+        return args
+    query, key, value = args[:3]
+    if _aliases(query, key):
+        key = query
+    if _aliases(key, value):
+        value = key
+    return (query, key, value, *args[3:])
 
 
 class Call(TorchFunctionMode):
@@ -143,7 +181,7 @@ class Call(TorchFunctionMode):
             self._refuse_torch_checkpoint()
         if func is F.multi_head_attention_forward:
             with self:  # its own linear calls come back here (see `attention_forward`)
-                return attention_forward(*args, **kwargs)
+                return attention_forward(*_one_tensor_each(args), **kwargs)
         if func in _SPLITS:  # the packed in_proj weight, split into q, k, v
             return self._split(func, args, kwargs)
         if func in COPIES and args and isinstance(args[0], torch.Tensor):
