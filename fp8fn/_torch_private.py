@@ -148,21 +148,22 @@ def innermost_function_mode(mode):
 
 
 def never_compiled_alone(fn):
-    """Have torch.compile never compile `fn` as a frame of its own (dynamo still traces it where
-    a compiled frame calls it, and compiles the frames it calls); returns `fn`.
+    """Have torch.compile never compile `fn`, nor what it calls, when `fn` is called from code
+    that runs eagerly (dynamo still traces `fn` where a frame it compiles calls it); returns
+    `fn`.
 
     For a `TorchFunctionMode`'s `__torch_function__`: where a compiled function falls back to
-    running eagerly (a graph break dynamo cannot resume, e.g. inside a context manager),
-    dynamo compiles each call the mode receives from eager code as a frame, and (torch 2.13)
-    its guards do not tell one tensor property getter from another (`Tensor.shape.__get__`,
-    `Tensor.device.__get__`): a frame compiled for `x.shape` answers `x.device` with a shape.
-    Sets the code's frame strategy (what `torch._dynamo.skip` sets) without importing dynamo.
+    running eagerly (a graph break dynamo cannot resume, e.g. inside a context manager), dynamo
+    would compile each call the mode receives from eager code as a frame of its own, (torch
+    2.13) with guards that do not tell one tensor property getter from another
+    (`Tensor.shape.__get__`, `Tensor.device.__get__`: a frame compiled for `x.shape` answers
+    `x.device` with a shape), and the frames it calls once per call site (each a compile, up to
+    dynamo's recompile limit). Sets the code's frame strategy (as `torch._dynamo.skip` does,
+    and for the frames it calls) without importing dynamo.
     """
     frames = torch._C._dynamo.eval_frame
-    action = frames._FrameAction
-    frames.set_code_exec_strategy(
-        fn.__code__, frames._FrameExecStrategy(action.SKIP, action.DEFAULT)
-    )
+    skip = frames._FrameAction.SKIP
+    frames.set_code_exec_strategy(fn.__code__, frames._FrameExecStrategy(skip, skip))
     return fn
 
 

@@ -65,7 +65,8 @@ def _entries_per_frame() -> dict:
     for ref in convert_frame.input_codes.seen:
         code = ref()
         if code is not None and cache_entries(code):
-            entries[f"{code.co_name}:{code.co_firstlineno}"] = len(cache_entries(code))
+            name = f"{os.path.basename(code.co_filename)}:{code.co_firstlineno} {code.co_name}"
+            entries[name] = len(cache_entries(code))
     return entries
 
 
@@ -102,12 +103,32 @@ def _compiles(model, batch, loss_of, route):
     return frames, entries
 
 
-def _twice(frames, entries):
-    """Each frame compiles at most twice (the warm-up step, the steady state), and nothing
-    compiles after the second step. (A model without graph breaks: one frame per step.)"""
+def _plain_entries(model, batch, loss_of) -> dict:
+    """`_entries_per_frame()` of one step of `model` compiled without fp8fn (plain autograd)."""
+    torch._dynamo.reset()
+    params = {k: v.detach().clone().requires_grad_() for k, v in model.named_parameters()}
+
+    def apply(p, _, *args, **kwargs):
+        return torch.func.functional_call(model, p, args, kwargs)
+
+    torch.compile(loss_of(apply), backend=CompileCounter())(params, None, batch).backward()
+    entries = _entries_per_frame()
+    torch._dynamo.reset()
+    return entries
+
+
+def _twice(frames, entries, plain):
+    """Nothing compiles after the second step, and each frame compiles at most twice per
+    compile torch makes of it without fp8fn (`plain()`: its entries; a frame of a model layer
+    is compiled once per layer when the model breaks the graph): the warm-up step and the
+    steady state. A model without graph breaks: one frame, compiled twice."""
     assert frames[1:] == [frames[1]] * (STEPS - 1), frames
     assert frames[0] < frames[1] <= 2 * frames[0], frames
-    assert max(entries.values()) == 2, entries
+    assert 2 in entries.values(), entries
+    more = {k: n for k, n in entries.items() if n > 2}
+    if more:  # (a model layer's frame: compare with torch's own)
+        without = plain()
+        assert all(n <= 2 * without.get(k, 0) for k, n in more.items()), (more, without)
 
 
 class _SmallMoE(nn.Module):
@@ -205,7 +226,8 @@ MOE_CASES = [
 def test_a_transformers_moe_model_compiles_twice(arch, impl, route):
     from _moe_models import batch, build
 
-    _twice(*_compiles(build(arch, impl), batch(), _lm_loss, route))
+    model, ids = build(arch, impl), batch()
+    _twice(*_compiles(model, ids, _lm_loss, route), lambda: _plain_entries(model, ids, _lm_loss))
 
 
 @pytest.mark.parametrize(
@@ -221,4 +243,4 @@ def test_a_transformers_dense_model_compiles_twice(kind, route):
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(tiny_hf_config(kind))
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
-    _twice(*_compiles(model, ids, _lm_loss, route))
+    _twice(*_compiles(model, ids, _lm_loss, route), lambda: _plain_entries(model, ids, _lm_loss))
