@@ -626,6 +626,18 @@ MUTATIONS += [
         ),
     ),
     Mutation(
+        "identity-table-id-while-tracing",
+        "Call's identity tables looked up by `id` while dynamo traces (a guard on the ids: a "
+        "recompile per step of new tensors)",
+        "_transform/identity.py",
+        (
+            (
+                "        if self._ids is None or torch.compiler.is_compiling():",
+                "        if self._ids is None:",
+            ),
+        ),
+    ),
+    Mutation(
         "update-obs-key-unchecked",
         "update takes a keyed state (a nonzero key) for an observation",
         "_core/update.py",
