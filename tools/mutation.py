@@ -638,6 +638,13 @@ MUTATIONS += [
         ),
     ),
     Mutation(
+        "weight-data-not-routed",
+        "`F.linear(x, lin.weight.data)` not routed to the layer's site (summary said float8, "
+        "it ran in float32)",
+        "_transform/experts.py",
+        (("    torch.detach,\n    torch.Tensor.data.__get__,\n)", "    torch.detach,\n)"),),
+    ),
+    Mutation(
         "update-obs-key-unchecked",
         "update takes a keyed state (a nonzero key) for an observation",
         "_core/update.py",

@@ -62,7 +62,8 @@ _TRANSPOSES = (
     torch.swapdims,
 )
 _FLIPS = (torch.Tensor.t, torch.t, torch.Tensor.T.__get__, torch.Tensor.mT.__get__)
-# Copies of a tensor, whatever their dtype, device or layout: a copy of a weight is the weight.
+# Copies of a tensor, whatever their dtype, device or layout (`.data`: a detached alias): a
+# copy of a weight is the weight.
 COPIES = (
     torch.Tensor.to,
     torch.Tensor.type,
@@ -75,6 +76,7 @@ COPIES = (
     torch.Tensor.contiguous,
     torch.Tensor.detach,
     torch.detach,
+    torch.Tensor.data.__get__,
 )
 DERIVING = (
     torch.Tensor.__getitem__,
