@@ -201,6 +201,7 @@ CI_CASES = {
     ("qwen3_moe", "grouped_mm", "value_and_grad"),
     ("qwen3_moe", "grouped_mm", "autograd"),
     ("mixtral", "eager", "value_and_grad"),  # W[expert_idx]: graph breaks, 0-dim indices
+    ("mixtral", "batched_mm", "autograd"),  # W[ids] by bmm: one graph (no bincount)
     ("llama4", "bmm", "autograd"),
     ("llama", None, "value_and_grad"),
 }

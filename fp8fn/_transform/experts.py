@@ -190,7 +190,9 @@ def _grouped_by_ids(d: Derived, a: torch.Tensor, weight: torch.Tensor, left: boo
     expert (stable), grouped, and put back in order."""
     rows, m, k = a.shape
     perm = torch.argsort(d.expert, stable=True)
-    counts = torch.bincount(d.expert, minlength=d.entry.experts)
+    # (not `bincount`, whose shape depends on the ids: a graph break under torch.compile)
+    counts = torch.zeros(d.entry.experts, dtype=torch.int64, device=a.device)
+    counts = counts.scatter_add(0, d.expert, torch.ones_like(d.expert))
     offs = (counts * m).cumsum(0).int()
     back = torch.argsort(perm)
 
