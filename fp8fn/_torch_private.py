@@ -167,6 +167,26 @@ def innermost_function_mode(mode):
             torch.overrides._push_mode(m)
 
 
+def never_compiled_alone(fn):
+    """Have torch.compile never compile `fn`, nor what it calls, when `fn` is called from code
+    that runs eagerly (dynamo still traces `fn` where a frame it compiles calls it); returns
+    `fn`.
+
+    For a `TorchFunctionMode`'s `__torch_function__`: where a compiled function falls back to
+    running eagerly (a graph break dynamo cannot resume, e.g. inside a context manager), dynamo
+    would compile each call the mode receives from eager code as a frame of its own, (torch
+    2.13) with guards that do not tell one tensor property getter from another
+    (`Tensor.shape.__get__`, `Tensor.device.__get__`: a frame compiled for `x.shape` answers
+    `x.device` with a shape), and the frames it calls once per call site (each a compile, up to
+    dynamo's recompile limit). Sets the code's frame strategy (as `torch._dynamo.skip` does,
+    and for the frames it calls) without importing dynamo.
+    """
+    frames = torch._C._dynamo.eval_frame
+    skip = frames._FrameAction.SKIP
+    frames.set_code_exec_strategy(fn.__code__, frames._FrameExecStrategy(skip, skip))
+    return fn
+
+
 def saved_tensor_hooks_active() -> bool:
     """Whether `torch.autograd.graph.saved_tensors_hooks` are in effect (e.g. the non-reentrant
     `torch.utils.checkpoint`, or offloading to CPU)."""

@@ -739,6 +739,64 @@ def fsdp2_split_attention(rank):
         assert ((_full(p) - want).norm() / want.norm()).item() < 1e-5, name
 
 
+class PackedCrossAttention(nn.Module):
+    """Cross-attention with nn.MultiheadAttention's packed `in_proj_weight` (kdim = vdim =
+    embed_dim): `kv` with key and value one tensor (torch splits the weight into q and kv
+    slices), `qkv` with key and value apart (three slices); then self-attention (one GEMM).
+    Input `(2 * n, 16)`."""
+
+    def __init__(self, seed=1):
+        super().__init__()
+        with _seeded(seed):
+            self.mem, self.v_in = nn.Linear(16, 16), nn.Linear(16, 16)
+            self.kv = nn.MultiheadAttention(16, 2, batch_first=True)
+            self.qkv = nn.MultiheadAttention(16, 2, batch_first=True)
+            self.self_attn = nn.MultiheadAttention(16, 2, batch_first=True)
+            self.head = nn.Linear(16, 8)
+
+    def forward(self, x):
+        x = x.view(-1, 2, 16)
+        mem = self.mem(x)
+        h, _ = self.kv(x, mem, mem, need_weights=False)
+        h, _ = self.qkv(h, mem, self.v_in(x), need_weights=False)
+        h, _ = self.self_attn(h, h, h, need_weights=False)
+        return self.head(h).flatten(0, 1)
+
+
+def fsdp2_packed_cross_attention(rank):
+    """The slices of a packed `in_proj_weight` under FSDP2 (the unsharded weight swapped in,
+    then split by torch): each slice is a site of its own in float8 (`kv.in_proj`,
+    `kv.in_proj#1`; `qkv.in_proj`, `#1`, `#2`), and 2 steps keep the states bitwise those of
+    one process, the params within 1e-5. Each attention is wrapped by FSDP2, which hands its
+    inputs over as tensors of their own when gradients are recorded (`key is value` false):
+    fp8fn 0.4 then ran three GEMMs where `fn.init` saw two and refused the first step."""
+    from torch.distributed.fsdp import fully_shard
+
+    ref = PackedCrossAttention()
+    ref_fn = fp8fn.transform(ref, RECIPE)
+    ref_state = ref_fn.init(_batch(0))
+    model = PackedCrossAttention()
+    for attention in (model.kv, model.qkv, model.self_attn):
+        fully_shard(attention)
+    fully_shard(model)
+    fn = fp8fn.transform(model, RECIPE)
+    state = fn.init(_shard(_batch(0), rank))
+    slices = ["kv.in_proj", "kv.in_proj#1", "qkv.in_proj", "qkv.in_proj#1", "qkv.in_proj#2"]
+    assert "self_attn.in_proj" in state and "self_attn.in_proj#1" not in state
+    assert list(state) == list(ref_state) and set(slices) <= set(state)
+    assert "float8 DelayedScaling" in fn.summary().split("qkv.in_proj_weight")[1].split("\n")[0]
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for step in range(2):
+        ref_state = reference_step(ref, ref_fn, ref_state, _batch(step), ref_opt)
+        state = rank_step(model, fn, state, _shard(_batch(step), rank), opt)
+        assert_bit_identical(state, ref_state)
+        assert all(bool(state[s].input.amax_history[0] > 0) for s in slices)  # each observed
+    for name, p in model.named_parameters():
+        want = dict(ref.named_parameters())[name]
+        assert ((_full(p) - want).norm() / want.norm()).item() < 1e-5, name
+
+
 def fp8_all_gather_errors(rank):
     """Misuse raises a clear fp8fn error, the same on every rank (no rank left waiting in a
     collective)."""
@@ -1190,6 +1248,7 @@ SCENARIOS = [
     fp8_all_gather_tied_weights,
     fp8_all_gather_sharded_classes,
     fsdp2_split_attention,
+    fsdp2_packed_cross_attention,
     fp8_all_gather_errors,
     fp8_all_gather_finer_recipes,
     fp8_all_gather_finer_bytes,

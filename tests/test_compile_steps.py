@@ -6,7 +6,10 @@ reuses the second. fp8fn 0.4 recompiled at every step on a tiny transformers Qwe
 14, 17 ... s per step until torch's recompile limit, then eager): dynamo guarded on a lookup by
 `id(weight)` (a router's `F.linear` on its own weight), and the parameters are new tensors at
 each step. Counted with dynamo's own counter (`CompileCounter`, a backend that runs the traced
-graphs as they are: the guards, and so the compiles, are dynamo's, whatever the backend).
+graphs as they are: the guards, and so the compiles, are dynamo's, whatever the backend). A
+model whose forward breaks the graph (transformers' eager experts loop: `nonzero`) runs `apply`
+eagerly and compiles the frames it calls: each of those compiles at most twice too, and every
+step's numbers are the uncompiled route's, bit for bit.
 """
 
 import os
@@ -17,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from _models import tiny_hf_config
 from torch import nn
+from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list as cache_entries
+from torch._dynamo import convert_frame
 from torch._dynamo.testing import CompileCounter
 
 import fp8fn
@@ -27,23 +32,25 @@ STEPS = 4
 
 
 def _value_and_grad_route(fn, loss_of, backend):
-    step = torch.compile(fp8fn.value_and_grad(loss_of(fn.apply), argnums=(0, 1)), backend=backend)
+    step = fp8fn.value_and_grad(loss_of(fn.apply), argnums=(0, 1))
+    step = step if backend is None else torch.compile(step, backend=backend)
 
     def run(params, state, batch):
-        _, (grads, obs) = step(params, state, batch)
-        return grads, obs
+        loss, (grads, obs) = step(params, state, batch)
+        return loss, grads, obs
 
     return run
 
 
 def _autograd_route(fn, loss_of, backend):
-    apply = torch.compile(fn.apply, backend=backend)
+    apply = fn.apply if backend is None else torch.compile(fn.apply, backend=backend)
 
     def run(params, state, batch):
-        leaves = {k: v.requires_grad_() for k, v in params.items()}
+        leaves = {k: v.clone().requires_grad_() for k, v in params.items()}
         observed = fp8fn.observe(state)
-        loss_of(apply)(leaves, observed, batch).backward()
-        return {k: v.grad for k, v in leaves.items()}, fp8fn.observations(observed)
+        loss = loss_of(apply)(leaves, observed, batch)
+        loss.backward()
+        return loss, {k: v.grad for k, v in leaves.items()}, fp8fn.observations(observed)
 
     return run
 
@@ -51,9 +58,23 @@ def _autograd_route(fn, loss_of, backend):
 ROUTES = {"value_and_grad": _value_and_grad_route, "autograd": _autograd_route}
 
 
+def _entries_per_frame() -> dict:
+    """`{frame: compiled entries}` for every frame dynamo compiled since its reset (the
+    frames a graph break resumes in included), by name and first line."""
+    entries = {}
+    for ref in convert_frame.input_codes.seen:
+        code = ref()
+        if code is not None and cache_entries(code):
+            name = f"{os.path.basename(code.co_filename)}:{code.co_firstlineno} {code.co_name}"
+            entries[name] = len(cache_entries(code))
+    return entries
+
+
 def _compiles(model, batch, loss_of, route):
     """Dynamo's compiled frames after each of `STEPS` SGD steps from `fn.init`, new parameter
-    tensors every step (as an optimizer's functional loop makes them)."""
+    tensors every step (as an optimizer's functional loop makes them); each step's loss,
+    gradients and observations are checked bit for bit against the same route uncompiled.
+    Returns `(frames after each step, {frame: compiled entries})`."""
     torch._dynamo.reset()
     fn = fp8fn.transform(model, fp8fn.DelayedScaling())
     with warnings.catch_warnings():
@@ -61,20 +82,53 @@ def _compiles(model, batch, loss_of, route):
         state = fn.init(batch)
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
     counter = CompileCounter()
-    step = ROUTES[route](fn, loss_of, counter)
+    compiled, eager = ROUTES[route](fn, loss_of, counter), ROUTES[route](fn, loss_of, None)
     frames = []
     for _ in range(STEPS):
-        grads, obs = step(params, state, batch)
+        loss, grads, obs = compiled(params, state, batch)
+        want_loss, want_grads, want_obs = eager(params, state, batch)
+        assert torch.equal(loss, want_loss)
+        assert {k for k, g in grads.items() if g is None} == {
+            k for k, g in want_grads.items() if g is None
+        }
+        assert all(torch.equal(g, want_grads[k]) for k, g in grads.items() if g is not None)
+        assert torch.equal(obs.amax_history, want_obs.amax_history)
         state = fp8fn.update(state, obs)
-        params = {k: (v - 0.1 * grads[k]).detach() for k, v in params.items()}
+        params = {
+            k: v if grads[k] is None else (v - 0.1 * grads[k]).detach() for k, v in params.items()
+        }
         frames.append(counter.frame_count)
+    entries = _entries_per_frame()
     torch._dynamo.reset()
-    return frames
+    return frames, entries
 
 
-def _twice(frames):
-    """The second step compiles as many frames as the first (the steady graph), none after."""
-    assert frames == [frames[0], 2 * frames[0], *[2 * frames[0]] * (STEPS - 2)], frames
+def _plain_entries(model, batch, loss_of) -> dict:
+    """`_entries_per_frame()` of one step of `model` compiled without fp8fn (plain autograd)."""
+    torch._dynamo.reset()
+    params = {k: v.detach().clone().requires_grad_() for k, v in model.named_parameters()}
+
+    def apply(p, _, *args, **kwargs):
+        return torch.func.functional_call(model, p, args, kwargs)
+
+    torch.compile(loss_of(apply), backend=CompileCounter())(params, None, batch).backward()
+    entries = _entries_per_frame()
+    torch._dynamo.reset()
+    return entries
+
+
+def _twice(frames, entries, plain):
+    """Nothing compiles after the second step, and each frame compiles at most twice per
+    compile torch makes of it without fp8fn (`plain()`: its entries; a frame of a model layer
+    is compiled once per layer when the model breaks the graph): the warm-up step and the
+    steady state. A model without graph breaks: one frame, compiled twice."""
+    assert frames[1:] == [frames[1]] * (STEPS - 1), frames
+    assert frames[0] < frames[1] <= 2 * frames[0], frames
+    assert 2 in entries.values(), entries
+    more = {k: n for k, n in entries.items() if n > 2}
+    if more:  # (a model layer's frame: compare with torch's own)
+        without = plain()
+        assert all(n <= 2 * without.get(k, 0) for k, n in more.items()), (more, without)
 
 
 class _SmallMoE(nn.Module):
@@ -99,21 +153,46 @@ def test_a_small_moe_compiles_twice(route):
     def loss_of(apply):
         return lambda p, s, x: apply(p, s, x).square().mean()
 
-    frames = _compiles(_SmallMoE(), torch.randn(8, 16), loss_of, route)
+    frames, entries = _compiles(_SmallMoE(), torch.randn(8, 16), loss_of, route)
     assert frames == [1, 2, 2, 2]
+    assert list(entries.values()) == [2]
+
+
+class _IndexedExperts(nn.Module):
+    """Experts called as `F.linear(h, W[i])` with `i` a 0-dim tensor, as transformers' eager
+    experts loop does (`for expert_idx in expert_hit: ... W[expert_idx]`)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.experts = nn.Parameter(torch.randn(3, 16, 16) / 4)
+
+    def forward(self, x, ids):
+        for i in ids:
+            x = F.linear(x, self.experts[i])
+        return x
+
+
+def test_an_expert_indexed_by_a_0_dim_tensor_runs_in_float8_compiled():
+    """fp8fn 0.4 ran `W[i]` (i a 0-dim tensor) in high precision under torch.compile, silently:
+    the compiled output was the float32 model's. The indexing now breaks the graph and runs
+    eagerly, where the expert (and so its site) is known: the eager output, bit for bit."""
+    model, x, ids = _IndexedExperts(), torch.randn(4, 16), torch.tensor([2, 0, 1])
+    fn = fp8fn.transform(model, fp8fn.DelayedScaling())
+    state = fn.init(x, ids)
+    params = dict(model.named_parameters())
+    want = fn.apply(params, state, x, ids)
+    torch._dynamo.reset()
+    got = torch.compile(fn.apply, backend="eager")(params, state, x, ids)
+    torch._dynamo.reset()
+    assert not torch.equal(want, model(x, ids))  # (float8 is not the float32 model)
+    assert torch.equal(got, want)
 
 
 def _lm_loss(apply):
     return lambda p, s, ids: apply(p, s, ids, labels=ids).loss
 
 
-# Compiled, transformers' "eager" and "batched_mm" experts implementations raise torch's
-# TypeError ("arange() received ... device=torch.Size": `inputs_embeds.device` read as a shape
-# in the model's forward) with fp8fn 0.4 as now, whatever the backend (seen on Mixtral; its
-# grouped_mm compiles): not fixed here.
-EAGER_EXPERTS_BUG = pytest.mark.xfail(
-    raises=TypeError, strict=True, reason="compiled eager/batched_mm experts: TypeError (0.4 too)"
-)
 # Each case traces a model 2 x 2 times (30-70 s on 2 cores): the CI tier runs one per kind of
 # model and experts form, both routes on the MoE the issue saw recompile (Qwen3-MoE); every
 # model x experts implementation x route (46 cases, ~35 min) with FP8FN_EXHAUSTIVE=1.
@@ -121,7 +200,8 @@ EVERY = os.environ.get("FP8FN_EXHAUSTIVE") == "1"
 CI_CASES = {
     ("qwen3_moe", "grouped_mm", "value_and_grad"),
     ("qwen3_moe", "grouped_mm", "autograd"),
-    ("mixtral", "eager", "value_and_grad"),  # the compiled eager-experts failure, pinned
+    ("mixtral", "eager", "value_and_grad"),  # W[expert_idx]: graph breaks, 0-dim indices
+    ("mixtral", "batched_mm", "autograd"),  # W[ids] by bmm: one graph (no bincount)
     ("llama4", "bmm", "autograd"),
     ("llama", None, "value_and_grad"),
 }
@@ -132,23 +212,23 @@ def _case(*key):
 
 
 MOE = [
-    (arch, impl, EAGER_EXPERTS_BUG if impl != "grouped_mm" else ())
+    (arch, impl)
     for arch in ("mixtral", "qwen3_moe", "olmoe", "gpt_oss", "qwen2_moe", "deepseek_v3")
     for impl in ("eager", "batched_mm", "grouped_mm")
-] + [("llama4", "bmm", ())]
+] + [("llama4", "bmm")]
 MOE_CASES = [
-    pytest.param(arch, impl, route, marks=[*([bug] if bug else []), *_case(arch, impl, route)],
-                 id=f"{arch}-{impl}-{route}")
-    for arch, impl, bug in MOE
+    pytest.param(arch, impl, route, marks=_case(arch, impl, route), id=f"{arch}-{impl}-{route}")
+    for arch, impl in MOE
     for route in ROUTES
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(("arch", "impl", "route"), MOE_CASES)
 def test_a_transformers_moe_model_compiles_twice(arch, impl, route):
     from _moe_models import batch, build
 
-    _twice(_compiles(build(arch, impl), batch(), _lm_loss, route))
+    model, ids = build(arch, impl), batch()
+    _twice(*_compiles(model, ids, _lm_loss, route), lambda: _plain_entries(model, ids, _lm_loss))
 
 
 @pytest.mark.parametrize(
@@ -164,4 +244,4 @@ def test_a_transformers_dense_model_compiles_twice(kind, route):
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(tiny_hf_config(kind))
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
-    _twice(_compiles(model, ids, _lm_loss, route))
+    _twice(*_compiles(model, ids, _lm_loss, route), lambda: _plain_entries(model, ids, _lm_loss))

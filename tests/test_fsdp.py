@@ -22,6 +22,7 @@ from fp8fn._parallel.fsdp_gather import (
     Float8GatheredWeight,
     Float8ShardWeight,
     ScalesForCall,
+    weight_scales,
 )
 
 _TIMEOUT_S = 480  # (the spawn runs 19 scenarios: 136 s on 2 busy cores)
@@ -391,6 +392,28 @@ def test_transform_refuses_a_float8_gathered_experts_weight_with_another_recipe(
         r"ht of experts weight 'w' to be sharded by FSDP2",
     ):
         fp8fn.transform(model, fp8fn.CurrentScaling())
+
+
+def test_float8_gathered_current_scales_share_one_margin_in_one_batch(one_rank_mesh):
+    """Step 1 (empty histories): the weight scales of every float8-gathered weight are computed
+    in one batch when they share a margin, here 2: each is `448 / (amax * 2**2)` of the whole
+    weight (per expert for an experts weight), in float64 then float32, bit for bit."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.a, model.b, model.e = torch.nn.Linear(8, 8), torch.nn.Linear(8, 4), _GroupedExperts(3)
+    with torch.no_grad():
+        model.b.weight.mul_(7)
+        model.e.w.mul_(torch.tensor([1.0, 30.0, 0.01]).reshape(3, 1, 1))
+    fully_shard(fp8fn.float8_all_gather(model), mesh=one_rank_mesh)
+    names = ["a", "b", "e.w[0]", "e.w[1]", "e.w[2]"]
+    state = fp8fn.init_state(fp8fn.DelayedScaling(margin=2), names)
+    weights = [(model.a, "weight", 0), (model.b, "weight", 1), (model.e, "w", 2)]
+    scales = weight_scales([(m, attr, row, 2) for m, attr, row in weights], state)
+    for module, attr, _ in weights:
+        amax = getattr(module, attr).full_tensor().detach().abs().amax(dim=(-2, -1))
+        assert torch.equal(scales[(module, attr)], (448 / (amax.double() * 2**2)).float())
 
 
 def test_float8_gathered_experts_scales_refuse_sites_apart_in_the_state():

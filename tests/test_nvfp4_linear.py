@@ -127,6 +127,19 @@ def test_op_bfloat16_operands_and_leading_dims():
     assert torch.equal(grad_w, (gw @ xw.t()).bfloat16())
 
 
+def test_bias_gradient_in_bfloat16_is_the_float32_sum_rounded_once():
+    # The bias gradient is high precision: the output gradient (not its NVFP4 quantization, as
+    # a fused bias-gradient kernel would take it) summed over the rows in float32 and rounded
+    # to bfloat16 once: within bfloat16's rounding of the float64 sum.
+    x, w, b, g = _data(dtype=torch.bfloat16)
+    grad_b = _run(x, w, b, g, (_key(7), "fc"), ALL_ON)[3]
+    assert grad_b.dtype == torch.bfloat16
+    assert torch.equal(grad_b, g.float().sum(0).bfloat16())
+    exact = g.double().sum(0)  # bfloat16's rounding, plus float32's summation error
+    bound = 2**-8 * exact.abs() + g.shape[0] * 2**-24 * g.double().abs().sum(0)
+    assert bool(((grad_b.double() - exact).abs() <= bound).all())
+
+
 def test_weight_2d_forward_and_grad_input_see_one_quantized_weight():
     # With one-hot inputs and gradients (quantized exactly), the output's columns are the
     # weight the forward used and grad_input's rows the weight the backward used.

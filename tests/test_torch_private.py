@@ -166,6 +166,28 @@ def test_constant_under_compile_marks_as_torch_compiler_assume_constant_result()
     assert marks and vars(f) == marks
 
 
+@pytest.mark.slow  # (dynamo's import and two traces: ~10 s on 2 busy cores)
+def test_never_compiled_alone_runs_eagerly_from_eager_code_and_is_traced_where_inlined():
+    from torch._dynamo.testing import CompileCounter
+
+    def helper(x):
+        return x * 2
+
+    def marked(x):
+        return helper(x) + 1
+
+    assert private.never_compiled_alone(marked) is marked
+    x = torch.ones(3)
+    counter = CompileCounter()
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(marked, backend=counter)(x), x * 2 + 1)
+    assert counter.frame_count == 0  # neither `marked` nor `helper`, which it calls
+    out = torch.compile(lambda x: marked(x) * 3, backend=counter, fullgraph=True)(x)
+    assert torch.equal(out, (x * 2 + 1) * 3)
+    assert (counter.frame_count, counter.op_count) == (1, 3)  # traced inside: one graph
+    torch._dynamo.reset()
+
+
 def test_recomputing_in_torch_checkpoint_is_seen_in_the_recompute_only():
     seen = []
 

@@ -33,6 +33,18 @@ COPIES = {  # (copy of weight w for activations x; the dtype of x)
     "detach": (lambda w, x: w.detach(), torch.float32),
     "t_contiguous_t": (lambda w, x: w.t().contiguous().t(), torch.float32),
     "to_device": (lambda w, x: w.to("cpu", copy=True), torch.float32),
+    "to_memory_format": (lambda w, x: w.to(memory_format=torch.contiguous_format), torch.float32),
+    "torch_clone": (lambda w, x: torch.clone(w), torch.float32),
+    "data": (lambda w, x: w.data, torch.float32),  # (0.4: summary said float8, it ran float32)
+}
+# Views fp8fn does not follow (a layer's weight, an expert's matrix): reported as high precision.
+VIEWS = {
+    "t_contiguous_t": COPIES["t_contiguous_t"][0],  # (of an expert's matrix: followed)
+    "view": lambda w, x: w.view(w.shape),
+    "view_as": lambda w, x: w.view_as(w),
+    "reshape": lambda w, x: w.reshape(w.shape),
+    "expand": lambda w, x: w.expand(w.shape),
+    "index_all": lambda w, x: w[:],
 }
 
 
@@ -188,21 +200,28 @@ def test_a_router_shared_by_two_moe_blocks_stays_high_precision_under_every_name
     ]
 
 
-def test_a_layer_weight_in_a_form_not_followed_is_reported_as_high_precision():
-    """`F.linear(x, lin.weight.t().contiguous().t())` from another module: the layer never
-    runs its own call, its weight reaches a GEMM through views fp8fn does not follow (0.4:
-    summary said float8, nothing warned)."""
+VIEW_CASES = [(m, v) for m in (_Experts, _UsesLinear) for v in VIEWS]
+VIEW_CASES.remove((_Experts, "t_contiguous_t"))
+
+
+@pytest.mark.parametrize(("make", "view"), VIEW_CASES)
+def test_a_weight_in_a_view_not_followed_is_reported_as_high_precision(make, view):
+    """`F.linear(x, lin.weight.t().contiguous().t())` (or `.view`, `.reshape`, `.expand`,
+    `[:]`) from another module, likewise of an expert's matrix `W[e]`: the weight reaches a
+    GEMM through a view fp8fn does not follow, and runs in high precision: warned, and so in
+    `summary()` (0.4: summary said float8 of `t().contiguous().t()`, nothing warned)."""
     torch.manual_seed(0)
-    model = _UsesLinear(COPIES["t_contiguous_t"][0])
+    model = make(VIEWS[view])
     fn = fp8fn.transform(model, DELAYED_AUTO)
     x = torch.randn(8, 16)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         state = fn.init(x)
-    assert any("'lin.weight' (F.linear)" in str(w.message) for w in caught), caught
+    name, size = ("w", 512) if make is _Experts else ("lin.weight", 256)
+    assert any(f"'{name}' (F.linear)" in str(w.message) for w in caught), caught
     assert fn.summary().splitlines()[2].split() == [
-        "lin.weight",
-        "256",
+        name,
+        str(size),
         "100.0%",
         "high",
         "precision",

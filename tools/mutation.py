@@ -714,6 +714,55 @@ MUTATIONS += [
         (("expert_keys, recipe, site, keys.process_rank())", "expert_keys, recipe, site, 0)"),),
     ),
     Mutation(
+        "nvfp4-bias-grad-quantized",
+        "NVFP4: the bias gradient summed from the quantized output gradient (a fused dbias)",
+        "_ops/nvfp4.py",
+        (("grad_b = g.sum(0).to(b_dtype)", "grad_b = _deq(quantize_nvfp4(g)).sum(0).to(b_dtype)"),),
+    ),
+    Mutation(
+        "fsdp-batched-scales-margin-dropped",
+        "FSDP2 float8 gather: the weights' current scales computed in one batch without their "
+        "shared margin",
+        "_parallel/fsdp_gather.py",
+        (
+            (
+                "scales = scale_from_amax(flat, FP8_MAX[E4M3], margins[0])",
+                "scales = scale_from_amax(flat, FP8_MAX[E4M3], 0)",
+            ),
+        ),
+    ),
+    Mutation(
+        "attention-aliases-kept-apart",
+        "nn.MultiheadAttention: a key and value that FSDP2 hands over as two tensors of the same "
+        "memory kept apart (three GEMMs of the packed in_proj, fn.init saw two)",
+        "_transform/forms.py",
+        (
+            (
+                "    if _aliases(key, value):\n        value = key",
+                "    if False:\n        value = key",
+            ),
+        ),
+    ),
+    Mutation(
+        "identity-table-id-while-tracing",
+        "Call's identity tables looked up by `id` while dynamo traces (a guard on the ids: a "
+        "recompile per step of new tensors)",
+        "_transform/identity.py",
+        (
+            (
+                "        if self._ids is None or torch.compiler.is_compiling():",
+                "        if self._ids is None:",
+            ),
+        ),
+    ),
+    Mutation(
+        "weight-data-not-routed",
+        "`F.linear(x, lin.weight.data)` not routed to the layer's site (summary said float8, "
+        "it ran in float32)",
+        "_transform/experts.py",
+        (("    torch.detach,\n    torch.Tensor.data.__get__,\n)", "    torch.detach,\n)"),),
+    ),
+    Mutation(
         "update-obs-key-unchecked",
         "update takes a keyed state (a nonzero key) for an observation",
         "_core/update.py",

@@ -34,7 +34,7 @@ from .._core.checks import no_autocast, refuse_compile_under_func
 from .._core.device import cuda_capability
 from .._core.recipes import NVFP4Scaling
 from .._numerics.fp8 import E4M3, cast_to_fp8
-from .._torch_private import scaled_grouped_mm, scaled_grouped_mm_available
+from .._torch_private import never_compiled_alone, scaled_grouped_mm, scaled_grouped_mm_available
 from .first_order import first_order_only
 from .gemm import resolve_backend
 from .grouped_block_scaled import finer_grouped_mm, nvfp4_grouped_mm
@@ -155,6 +155,7 @@ class _Fp8GroupedMM(torch.autograd.Function):
         ctx.place = place
 
     @staticmethod
+    @never_compiled_alone  # (run by autograd from eager code: see the fence)
     def backward(ctx, grad_out, *_):
         x_fp8, w_fp8, x_inv, w_inv, w_amax, x_amax, offs, newest, stored = ctx.saved_tensors
         experts = w_fp8.shape[0]

@@ -45,6 +45,7 @@ from .._core import keys
 from .._core.checks import no_autocast
 from .._core.recipes import BlockwiseScaling, MXScaling, NVFP4Scaling, RowwiseScaling
 from .._numerics.nvfp4 import dequantize_nvfp4
+from .._torch_private import never_compiled_alone
 from .first_order import first_order_only
 from .grouped_gemm import bounds, custom_op_when_compiling
 from .member_loop import each_member, vmap_per_member
@@ -166,6 +167,7 @@ class _FinerGroupedMM(torch.autograd.Function):
         ctx.recipe, ctx.backend = recipe, backend
 
     @staticmethod
+    @never_compiled_alone  # (run by autograd from eager code: see the fence)
     def backward(ctx, grad_out):
         x, weight, offs = ctx.saved_tensors
         args, needs = (*_recipe_args(ctx.recipe), ctx.backend), ctx.needs_input_grad
@@ -298,6 +300,7 @@ class _NVFP4GroupedMM(torch.autograd.Function):
         ctx.args = (recipe.stochastic_rounding, recipe.hadamard, recipe.weight_2d, site, rank)
 
     @staticmethod
+    @never_compiled_alone  # (run by autograd from eager code: see the fence)
     def backward(ctx, grad_out, _):
         x, weight, offs, expert_keys, anchor = ctx.saved_tensors
         needs, args = ctx.needs_input_grad, ctx.args

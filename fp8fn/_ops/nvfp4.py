@@ -45,6 +45,7 @@ from .._numerics.nvfp4 import (
     random_hadamard,
     unpack_e2m1,
 )
+from .._torch_private import never_compiled_alone
 from .first_order import first_order_only
 
 # The draws' indices (`random_bits`' `role` argument; not the state's roles, `input`, `weight`
@@ -175,6 +176,7 @@ class _NVFP4Linear(torch.autograd.Function):
         ctx.save_for_backward(*w_saved, *x_saved, key, output[1])
 
     @staticmethod
+    @never_compiled_alone  # (run by autograd from eager code: see the fence)
     def backward(ctx, grad_out, _):
         *saved, key, anchor = ctx.saved_tensors
         with no_autocast(grad_out):

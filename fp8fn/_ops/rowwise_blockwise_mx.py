@@ -16,6 +16,7 @@ from .._core.checks import no_autocast
 from .._core.device import cuda_capability
 from .._core.recipes import BlockwiseScaling, MXScaling, RowwiseScaling
 from .._numerics import fp8 as q
+from .._torch_private import never_compiled_alone
 from .first_order import first_order_only
 from .gemm import scaled_mm
 
@@ -222,6 +223,7 @@ class _FinerLinear(torch.autograd.Function):
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
 
     @staticmethod
+    @never_compiled_alone  # (run by autograd from eager code: see the fence)
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
         grad_weight = FINER_GEMMS[type(ctx.recipe)][2]

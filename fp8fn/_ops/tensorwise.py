@@ -20,7 +20,7 @@ from .._core.device import scaled_mm_supported
 from .._core.recipes import FAST_ACCUM
 from .._kernels.cast import backward_cast, forward_cast
 from .._numerics.fp8 import E4M3, E5M2, amax, cast_to_fp8
-from .._torch_private import apply_function, tracked_below
+from .._torch_private import apply_function, never_compiled_alone, tracked_below
 from .first_order import first_order_only
 from .gemm import fp8_mm, widen_operand
 from .roles import cast_grad_output, keep_for_backward, observation, scales_for
@@ -267,6 +267,7 @@ class _Fp8LinearOp(torch.autograd.Function):
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
 
     @staticmethod
+    @never_compiled_alone  # (run by autograd from eager code: see the fence)
     def backward(ctx, grad_out, *_):
         x_fp8, w_fp8, x_inv, w_inv, w_amax, x_amax, newest, stored = ctx.saved_tensors
         grad_out = ctx.place.grad_rows(grad_out)

@@ -62,7 +62,8 @@ _TRANSPOSES = (
     torch.swapdims,
 )
 _FLIPS = (torch.Tensor.t, torch.t, torch.Tensor.T.__get__, torch.Tensor.mT.__get__)
-# Copies of a tensor, whatever their dtype, device or layout: a copy of a weight is the weight.
+# Copies of a tensor, whatever their dtype, device or layout (`.data`: a detached alias): a
+# copy of a weight is the weight.
 COPIES = (
     torch.Tensor.to,
     torch.Tensor.type,
@@ -75,6 +76,7 @@ COPIES = (
     torch.Tensor.contiguous,
     torch.Tensor.detach,
     torch.detach,
+    torch.Tensor.data.__get__,
 )
 DERIVING = (
     torch.Tensor.__getitem__,
@@ -124,7 +126,7 @@ def _index(idx):
     if isinstance(idx, int) and not isinstance(idx, bool):
         return idx
     if isinstance(idx, torch.Tensor) and not idx.is_floating_point() and idx.dtype != torch.bool:
-        if idx.dim() == 0 and not torch.compiler.is_compiling():
+        if idx.dim() == 0:  # (compiled: a graph break; dynamo runs the indexing eagerly)
             return int(idx)
         if idx.dim() == 1:
             return idx.long()
@@ -192,7 +194,9 @@ def _grouped_by_ids(d: Derived, a: torch.Tensor, weight: torch.Tensor, left: boo
     expert (stable), grouped, and put back in order."""
     rows, m, k = a.shape
     perm = torch.argsort(d.expert, stable=True)
-    counts = torch.bincount(d.expert, minlength=d.entry.experts)
+    # (not `bincount`, whose shape depends on the ids: a graph break under torch.compile)
+    counts = torch.zeros(d.entry.experts, dtype=torch.int64, device=a.device)
+    counts = counts.scatter_add(0, d.expert, torch.ones_like(d.expert))
     offs = (counts * m).cumsum(0).int()
     back = torch.argsort(perm)
 

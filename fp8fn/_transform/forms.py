@@ -1,10 +1,13 @@
 """The forms of a linear call that fp8fn converts: `F.linear(x, weight, bias)` and HF Conv1D's
-`torch.addmm(bias, x, weight)`, each argument given by position or by keyword."""
+`torch.addmm(bias, x, weight)`, each argument given by position or by keyword; and the inputs of
+`F.multi_head_attention_forward` as one forward pass gives them (`one_tensor_each`)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from .._torch_private import is_fake, unwrapped
 
 # A layer's weight split into pieces (nn.MultiheadAttention's packed in_proj, into q, k, v).
 SPLITS = (torch.Tensor.split, torch.Tensor.chunk)
@@ -49,3 +52,39 @@ def linear_operands(func, args, kwargs):
 def op_name(func) -> str:
     """How an error names the op `func` (`F.linear`, `torch.addmm`, ...)."""
     return f"torch.{func.__name__}" if func is not F.linear else "F.linear"
+
+
+def _aliases(a, b) -> bool:
+    """Whether the plain tensors `a` and `b` are the same elements of the same memory (so the
+    same values) though not the same tensor object. False while torch.compile traces, and for
+    tensors without memory (meta, fake)."""
+    return (
+        isinstance(a, torch.Tensor)
+        and isinstance(b, torch.Tensor)
+        and a is not b
+        and not torch.compiler.is_compiling()
+        and unwrapped(a) is a
+        and unwrapped(b) is b
+        and a.device.type != "meta"
+        and not (is_fake(a) or is_fake(b))
+        and (a.device, a.dtype, a.shape, a.stride()) == (b.device, b.dtype, b.shape, b.stride())
+        and a.data_ptr() == b.data_ptr()
+    )
+
+
+def one_tensor_each(args: tuple) -> tuple:
+    """`F.multi_head_attention_forward`'s positional `(query, key, value, ...)` with `key` made
+    `query` and `value` made `key` where they alias it: torch projects `query is key` and `key
+    is value` with fewer GEMMs of the packed `in_proj_weight` (one, or q and kv: sites
+    `in_proj`, `#1`), and FSDP2 with gradients recorded hands each input of a wrapped module's
+    forward over as a tensor of its own (a tensor given as key and value, not as query), so the
+    attention would take another path (three GEMMs) than in `fn.init` (no gradients) and than
+    one process."""
+    if len(args) < 3:
+        return args
+    query, key, value = args[:3]
+    if _aliases(query, key):
+        key = query
+    if _aliases(key, value):
+        value = key
+    return (query, key, value, *args[3:])

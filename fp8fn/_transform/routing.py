@@ -12,10 +12,10 @@ from .._core.recipes import DelayedScaling, NVFP4Scaling
 from .._core.state import known_filled, site_name
 from .._ops.linear import fp8_linear
 from .._parallel.dtensor import sharded_linear, sharded_operands
-from .._torch_private import attention_forward, saved_tensor_hooks_active
+from .._torch_private import attention_forward, never_compiled_alone, saved_tensor_hooks_active
 from .expert_calls import grouped, note_orientation
 from .experts import COPIES, DERIVING, GEMMS, GROUPED_MM, read_gemm
-from .forms import LINEARS, SPLITS, linear_operands, op_name
+from .forms import LINEARS, SPLITS, linear_operands, one_tensor_each, op_name
 from .refusals import refuse_call, refuse_other_form, refuse_torch_checkpoint
 from .tracking import Tracked
 
@@ -62,6 +62,7 @@ class Call(TorchFunctionMode):
         self.tracked = Tracked(plan, tensors, state is None, held)  # (its `weights`, `touched`)
         self.torch_grouped = set()  # experts weights in torch._grouped_mm, while discovering
 
+    @never_compiled_alone  # (dynamo traces it inside the frames it compiles)
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs, tracked = kwargs or {}, self.tracked
         if self.passive:
@@ -70,7 +71,7 @@ class Call(TorchFunctionMode):
             refuse_torch_checkpoint(self.stop_at)
         if func is F.multi_head_attention_forward:
             with self:  # its own linear calls come back here (see `attention_forward`)
-                return attention_forward(*args, **kwargs)
+                return attention_forward(*one_tensor_each(args), **kwargs)
         if func in SPLITS:  # the packed in_proj weight, split into q, k, v
             return tracked.split(func, args, kwargs)
         if func in COPIES and args and isinstance(args[0], torch.Tensor):

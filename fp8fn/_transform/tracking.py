@@ -12,6 +12,7 @@ from torch.nn.parameter import is_lazy
 from .._parallel.dtensor import gathered_for_split, sharded_operands
 from .._torch_private import module_parameters, view_base
 from .experts import Derived, derive
+from .identity import ByIdentity
 
 
 class Tracked:
@@ -24,7 +25,8 @@ class Tracked:
       held: the `Transformed`'s memo of the layers holding swapped-in weights (`holder_of`).
 
     Attributes:
-      entries: `[(layer, weight, bias)]`: what each layer runs with (copies and pieces added).
+      entries: `{weight: [(layer, weight, bias)]}` by identity: what each layer runs with
+        (copies and pieces added).
       weights: while discovering, `{name: op or None}`: which weights' GEMMs run in float8
         (None) or in high precision through `op`, for `fn.summary()`.
       touched: the experts weights viewed, indexed or transposed in this call.
@@ -32,8 +34,7 @@ class Tracked:
 
     def __init__(self, plan, tensors, discovering: bool, held: dict):
         self.plan, self.held = plan, held
-        self._derived = {} if not torch.compiler.is_compiling() else None  # {id: (tensor, d)}
-        self._derived_list = []  # [(tensor, Derived)], searched with `is` while compiling
+        self._derived = ByIdentity()  # {tensor: [Derived]}
         for entry in plan.experts:
             weight = entry.own(tensors)
             self.track(weight, Derived(entry, weight))
@@ -43,29 +44,21 @@ class Tracked:
             given = {**dict(plan.module.named_parameters()), **tensors}
             self._names = {id(t): n for n, t in given.items() if is_lazy(t) or t.dim() >= 2}
         self._kept = []  # the copies `_names` knows by id
-        self.entries = [(layer, *layer.own(tensors)) for layer in plan.layers]
-        self._by_weight = None  # {id(weight): entries}; None while compiling (see `given`)
+        self.entries = ByIdentity()
         self._held_before = {}  # {id(layer): the weight it held before the call}, if sharded
-        if not torch.compiler.is_compiling():
-            self._by_weight = {}
-            for entry in self.entries:
-                self._by_weight.setdefault(id(entry[1]), []).append(entry)
-                if sharded_operands(entry[1]):
-                    self._held_before[id(entry[0])] = entry[0].held()
+        for layer in plan.layers:
+            weight, bias = layer.own(tensors)
+            self.entries.add(weight, (layer, weight, bias))
+            if not torch.compiler.is_compiling() and sharded_operands(weight):
+                self._held_before[id(layer)] = layer.held()
 
     def track(self, tensor, derived):
-        if self._derived is not None:
-            self._derived[id(tensor)] = (tensor, derived)  # (the tensor kept: its id stays its)
-        else:
-            self._derived_list.append((tensor, derived))
+        self._derived.add(tensor, derived)
 
     def derived_of(self, t) -> Derived | None:
         """The `Derived` of an experts weight or a tensor made from one, else None."""
-        if self._derived is None:
-            hit = next((d for u, d in self._derived_list if u is t), None)
-        else:
-            hit = self._derived.get(id(t))
-            hit = None if hit is None or hit[0] is not t else hit[1]
+        hits = self._derived.values(t) if isinstance(t, torch.Tensor) else []
+        hit = hits[-1] if hits else None
         if hit is None and isinstance(t, nn.Parameter):
             hit = self._swapped_in(t)
         return hit
@@ -107,7 +100,7 @@ class Tracked:
             copied = derived if derived.expert is not None else Derived(derived.entry, result)
             self.track(result, copied)
         for layer, _, bias in self.given(source):
-            self._add((layer, result, bias))
+            self.entries.add(result, (layer, result, bias))
         if self._names is not None:
             name = self._names.get(id(source))
             if name is None and view_base(source) is not None:
@@ -142,23 +135,12 @@ class Tracked:
         pieces = func(*args, **kwargs)
         if layer is not None:
             for piece in pieces:
-                self._add((layer, piece, None), alone=True)
+                self.entries.add(piece, (layer, piece, None))
         return pieces
 
-    def _add(self, entry, alone=False):
-        self.entries.append(entry)
-        if self._by_weight is not None:
-            if alone:
-                self._by_weight[id(entry[1])] = [entry]
-            else:
-                self._by_weight.setdefault(id(entry[1]), []).append(entry)
-
     def given(self, weight) -> list:
-        """The entries whose weight `weight` is (compiling: compared with `is`, since a dict
-        keyed by `id` would make dynamo guard on the ids)."""
-        if self._by_weight is None:
-            return [e for e in self.entries if e[1] is weight]
-        return self._by_weight.get(id(weight), [])
+        """The entries `(layer, weight, bias)` whose weight `weight` is."""
+        return self.entries.values(weight)
 
     def layer_given(self, weight):
         """The first layer whose weight `weight` is, else None."""
