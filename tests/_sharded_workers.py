@@ -34,9 +34,14 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _helpers import assert_bit_identical
+from _helpers import assert_bit_identical, bits
 from _models import Tied, _seeded
-from _spawn import assert_state_same_on_all_ranks, run_scenarios, same_on_all_ranks
+from _spawn import (
+    assert_on_every_rank,
+    assert_state_same_on_all_ranks,
+    run_scenarios,
+    same_on_all_ranks,
+)
 from torch import nn
 
 import fp8fn
@@ -799,6 +804,99 @@ def sharded_margin_bias_and_rows(rank):
             assert_bit_identical(fp8fn.observations(observed), fp8fn.observations(site))
 
 
+class RowHeadNet(nn.Module):
+    """fc1 (16 -> 8) -> GELU -> head (8 -> 1); sites `fc1`, `head`. The head's weight and bias
+    hold 1 row: on 2 ranks, rank 1 holds none of either. The head's weight starts at zero (a
+    zero-initialized output layer), so its history fills one step after the others."""
+
+    def __init__(self):
+        super().__init__()
+        with _seeded(8):
+            self.fc1, self.head = nn.Linear(16, 8), nn.Linear(8, 1)
+        with torch.no_grad():
+            self.head.weight.zero_()
+
+    def forward(self, x):
+        return self.head(F.gelu(self.fc1(x)))
+
+
+def fsdp_rank_without_rows_steps(rank):
+    """Functional FSDP where the last rank holds no rows of a weight (a 1-row head on 2 ranks),
+    over 5 steps with `fp8fn.update` and SGD between them (DelayedScaling(history_len=4,
+    margin=2)), bit for bit against the plain params on the same process and data (the
+    observations all-reduced as data parallel does, the gradients the mean over the ranks):
+    outputs, input gradients, weight and bias gradients, params, observations and states after
+    each update. Step 1 is cold; the zero head weight observes 0 and keeps its history empty,
+    so at step 2 only it is cast with the whole weight's amax (one all-reduce in the steps, 2
+    at step 1, none from step 3: every weight cast with its stored scale). Each rank's own
+    weight observation is its shard's amax, exactly 0 on the rank without rows. The checks of a
+    rank's own values are agreed over the ranks before any raises (`assert_on_every_rank`), so
+    that a slip fails every rank by an assertion, none by a collective's timeout."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    assert dist.get_world_size() == 2  # (the gradients' mean over 2 ranks is exact)
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    model, lr = RowHeadNet(), 0.1
+    probe_subnormal(model.fc1.weight.data)
+    fn = fp8fn.transform(model, fp8fn.DelayedScaling(history_len=4, margin=2))
+    g = torch.Generator().manual_seed(30 + rank)  # each rank its own rows
+    x, c = torch.randn(32, 16, generator=g), torch.randn(32, 1, generator=g)
+    x[0, 0] = 4.0
+    probe_subnormal(x)
+    ref_params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    params = {k: distribute_tensor(v.clone(), mesh, [Shard(0)]) for k, v in ref_params.items()}
+    assert [params[k].to_local().shape[0] for k in ("head.weight", "head.bias")] == [1 - rank] * 2
+    state = ref_state = fn.init(x)
+
+    def loss(p, s, x):
+        return (fn.apply(p, s, x) * c).sum()
+
+    site_of = {k: state._positions()[k.split(".")[0]] for k in ("fc1.weight", "head.weight")}
+    reduces = []
+    for step in range(5):
+        with _Counting() as counted:
+            out = fn.apply(params, state, x)
+            grads, obs, gx = torch.func.grad(loss, argnums=(0, 1, 2))(params, state, x)
+        reduces.append([call[0] for call in counted.calls].count("all_reduce"))
+        ref_grads, ref_obs, ref_gx = torch.func.grad(loss, argnums=(0, 1, 2))(
+            ref_params, ref_state, x
+        )
+        # this rank's own (checked on all ranks at once): output and input gradient as the plain
+        # run's; observations of inputs and output gradients as its, of weights the shard's
+        # amax (0 for no rows)
+        mine, want = obs.amax_history[..., 0], ref_obs.amax_history[..., 0]
+        checks = {
+            "output": torch.equal(bits(out), bits(fn.apply(ref_params, ref_state, x))),
+            "input gradient": torch.equal(bits(gx), bits(ref_gx)),
+            "input, grad_output observations": torch.equal(mine[:, 0::2], want[:, 0::2]),
+        }
+        for k, i in site_of.items():
+            local = params[k].to_local()
+            shard_amax = local.abs().max() if local.numel() else torch.tensor(0.0)
+            checks[f"{k} observation"] = torch.equal(mine[i, 1], shard_amax)
+        assert_on_every_rank({f"step {step + 1}: {what}": v for what, v in checks.items()})
+        for k, grad in grads.items():  # the same on every rank
+            assert torch.equal(grad.full_tensor(), _mean_over_ranks(ref_grads[k])), (step, k)
+        obs, ref_obs = fp8fn.all_reduce(obs), fp8fn.all_reduce(ref_obs)
+        assert_bit_identical(obs, ref_obs)
+        state, ref_state = fp8fn.update(state, obs), fp8fn.update(ref_state, ref_obs)
+        assert_bit_identical(state, ref_state)
+        if step == 0:  # empty after step 1: the head's weight, fc1's output gradient
+            empty = (state.amax_history[..., 0] == 0).nonzero().tolist()
+            assert empty == sorted([[site_of["head.weight"], 1], [site_of["fc1.weight"], 2]])
+        params = {k: v - lr * grads[k] for k, v in params.items()}
+        ref_params = {k: v - lr * _mean_over_ranks(ref_grads[k]) for k, v in ref_params.items()}
+        for k, v in params.items():
+            assert torch.equal(v.full_tensor(), ref_params[k]), (step, k)
+    # one all-reduce of a scalar per weight cast from its whole amax, in each of a step's two
+    # forwards (the call, the one under grad): none once every history is filled
+    assert reduces == [4, 2, 0, 0, 0], reduces
+    assert (state.amax_history[:, :, 0] > 0).all()
+    assert (state.amax_history[site_of["head.weight"], 1] > 0).all()  # 4 entries: steps 2-5
+    assert_state_same_on_all_ranks(state)
+
+
 # --- 2-D: TP inside, FSDP2 over the data-parallel mesh dim -------------------------------------
 
 
@@ -866,6 +964,7 @@ SCENARIOS = {
         tp_sequence_parallel,
         current_scaling_sharded,
         sharded_margin_bias_and_rows,
+        fsdp_rank_without_rows_steps,
         two_d_tp_and_fsdp2,
     )
 }

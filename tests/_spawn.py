@@ -112,6 +112,18 @@ def same_on_all_ranks(t: torch.Tensor, group=None) -> bool:
     return all(torch.equal(gathered[0], g) for g in gathered[1:])
 
 
+def assert_on_every_rank(checks: dict) -> None:
+    """Assert `checks` (`{what: bool}`, this rank's outcomes of rank-local checks) on every rank
+    at once (a collective: all ranks call it with the same keys): a check that fails on one
+    rank fails every rank with an AssertionError naming it, so none is left waiting in the
+    next collective (a timeout, which is no assertion)."""
+    ok = torch.tensor([float(v) for v in checks.values()])
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    failed = [what for what, v in zip(checks, ok.tolist()) if v == 0.0]
+    mine = [what for what, v in checks.items() if not v]
+    assert not failed, f"failed on some rank: {failed} (on this rank: {mine})"
+
+
 def assert_state_same_on_all_ranks(state) -> None:
     """An `fp8fn.State`'s histories and scales are the same on every rank (a collective)."""
     assert same_on_all_ranks(state.amax_history), "amax histories differ across ranks"

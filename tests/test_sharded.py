@@ -31,6 +31,7 @@ RUNS = {
         "tp_sequence_parallel",
         "current_scaling_sharded",
         "sharded_margin_bias_and_rows",
+        "fsdp_rank_without_rows_steps",
     ],
     4: [
         "fsdp_step1_weight_cast_with_whole_amax",

@@ -948,6 +948,18 @@ MUTATIONS += [
         (("    if hp.numel() == 0:\n        return", "    if False:\n        return"),),
     ),
     Mutation(
+        "amax-of-empty-shard-nonzero",
+        "functional FSDP: a rank holding no rows of a weight observes a tiny nonzero amax, not 0 "
+        "(a zero weight's history then fills with it where one process's stays empty)",
+        "_numerics/fp8.py",
+        (
+            (
+                "return hp.new_zeros((), dtype=torch.float32)",
+                "return hp.new_full((), torch.finfo(torch.float32).tiny)",
+            ),
+        ),
+    ),
+    Mutation(
         "held-first-parameter",
         "a layer's held weight read as its module's first parameter (nn.MultiheadAttention's "
         "split k/v projections under FSDP2 run in high precision)",
