@@ -92,8 +92,9 @@ VALID_SCALES = Marks()
 VALID_KEYS = Marks()
 # Amax histories, with which of them hold an observation (`State.filled`'s tuple) and how many
 # updates read that from the values. Written by `update`; read by `known_filled`, which decides
-# whether a role casts with its stored scale alone. Not in the state: the same (`State.filled`,
-# in the structure, is trusted only through this mark).
+# whether a role casts with its stored scale alone, and by `update` (a history it made holds
+# finite amaxes >= 0: its check skipped). Not in the state: the same (`State.filled`, in the
+# structure, is trusted only through this mark).
 FILLED = Marks()
 
 # -- the user's loop across calls (warnings and advice; by identity) ------------------------------

@@ -6,6 +6,7 @@ The scale convention (`_numerics/fp8.py`): `fp8 = saturate(hp * scale)`, `scale 
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
@@ -138,20 +139,21 @@ def update(state: State, obs: State) -> State:
     if obs.amax_history is state.amax_history or known:
         raise ValueError(_NOT_AN_OBSERVATION)
     with torch.no_grad():  # state is data: no autograd history carried across steps
-        # Any other state (older history entries or a random key) is refused in the graph.
-        older = obs.amax_history[..., 1:].any()
+        # Any other state (older history entries or a random key) is refused in the graph, in
+        # one pass over the observation: a sum of magnitudes is 0 exactly when every entry is 0
+        # (no cancellation; NaN and inf make it NaN and inf).
+        older = obs.amax_history[..., 1:].abs().sum() != 0
         if obs.key is not None:
             older = older | obs.key.any()
         assert_in_graph(~older, _NOT_AN_OBSERVATION)
-        # A history holds amaxes >= 0 (`init`'s zeros, pushed observations): anything else was
-        # written in place and would set a scale from NaN (1) or from a negative amax.
-        assert_in_graph((history >= 0).all() & history.isfinite().all(), _NOT_A_HISTORY)
+        if not _made_by_update(history):
+            assert_in_graph(_holds_amaxes(history), _NOT_A_HISTORY)
         amax = obs.amax_history[..., 0]
-        push = (amax > 0) & torch.isfinite(amax)
-        rolled = torch.cat([amax.unsqueeze(-1), history[..., :-1]], dim=-1)
-        history = torch.where(push.unsqueeze(-1), rolled, history)
-        window = history if state.amax_compute == "max" else history[..., :1]
-        new_scale = scale_from_amax(window.amax(dim=-1), ROLE_FP8_MAX, state.margin)
+        push = (amax > 0) & (amax < math.inf)  # (NaN fails both)
+        history = _pushed(history, amax, push)
+        # The window's amax where pushed (elsewhere the scale stays).
+        peak = amax if state.amax_compute == "most_recent" else _max_of_amaxes(history)
+        new_scale = scale_from_amax(peak, ROLE_FP8_MAX, state.margin)
         scale = torch.where(push, new_scale, scale)
         key = None if state.key is None else advance_key(state.key)
     new = State(history, scale, *state.static, key=key, filled=_filled(state, history))
@@ -161,6 +163,56 @@ def update(state: State, obs: State) -> State:
             mark_key_valid(key)
         supersede(state, new)
     return new
+
+
+def _pushed(history: torch.Tensor, amax: torch.Tensor, push: torch.Tensor) -> torch.Tensor:
+    """`history` (float32 `(..., h)`) with `amax` (`(...)`) pushed to the front of each row
+    where `push` (bool `(...)`), its oldest entry dropped, and the other rows as they were: a
+    new contiguous tensor, written in one pass.
+
+    Eager, each row's entries 1.. are a window of `h - 1` consecutive entries of the flat
+    history, the row's own from its entry 0 where pushed and from its entry 1 where not (one
+    index per row into the overlapping windows), and entry 0 is `amax` or the row's own: two
+    kernels writing into one new tensor. Compiled, a shift and a select, which inductor fuses
+    into one kernel (dynamo breaks the graph at an `out=` view).
+    """
+    if torch.compiler.is_compiling():
+        rolled = torch.cat([amax.unsqueeze(-1), history[..., :-1]], dim=-1)
+        return torch.where(push.unsqueeze(-1), rolled, history)
+    h = history.shape[-1]
+    new = torch.empty(history.shape, dtype=history.dtype, device=history.device)
+    if not new.numel():  # no sites: no windows
+        return new
+    rows = new.view(-1, h)
+    start = torch.arange(0, new.numel(), h, device=history.device) + (~push).flatten()
+    windows = history.contiguous().view(-1).unfold(0, h - 1, 1)
+    torch.index_select(windows, 0, start, out=rows[:, 1:])
+    torch.where(push, amax, history[..., 0], out=new[..., 0])
+    return new
+
+
+def _max_of_amaxes(history: torch.Tensor) -> torch.Tensor:
+    """float32 `(...)`: the max of each row of `history` (`(..., h)`, finite amaxes >= 0), exact
+    where a row holds one > 0: positive floats order as their bits do as int32 (and -0 below
+    them), and an int32 reduction runs twice as fast as a float one on CPU (no NaN to keep)."""
+    return history.view(torch.int32).amax(dim=-1).view(torch.float32)
+
+
+def _made_by_update(history: torch.Tensor) -> bool:
+    """Whether `history` is known to be one that `update` made, unchanged since (its mark, no
+    host read; never while compiling): its values are then amaxes >= 0, finite (an input that
+    held them, and pushed amaxes that are > 0 and finite)."""
+    return not torch.compiler.is_compiling() and filled_mark(history)[0] is not None
+
+
+def _holds_amaxes(history: torch.Tensor) -> torch.Tensor:
+    """bool `()`: whether every entry of `history` is finite and >= 0, in one pass (`aminmax`
+    propagates NaN, which fails both comparisons). A history written in place otherwise would
+    set a scale from NaN (1) or from a negative amax."""
+    if not history.numel():
+        return torch.ones((), dtype=torch.bool, device=history.device)
+    low, high = torch.aminmax(history)
+    return (low >= 0) & (high < math.inf)
 
 
 # The updates of a state's line that read which histories are filled (one host read each):
@@ -179,7 +231,7 @@ def _filled(state: State, history: torch.Tensor) -> tuple[bool, ...] | None:
     if torch.compiler.is_compiling() or functorch_level() is not None:
         return state.filled
     known, reads = filled_mark(state.amax_history)
-    if known is not None and (all(known) or reads >= FILLED_READS):
+    if known is not None and (reads >= FILLED_READS or all(known)):
         filled = known
     else:
         filled, reads = (), reads + 1
