@@ -146,7 +146,10 @@ def update(state: State, obs: State) -> State:
         if obs.key is not None:
             older = older | obs.key.any()
         assert_in_graph(~older, _NOT_AN_OBSERVATION)
-        if not _made_by_update(history):
+        # A history `update` made (its mark: no host read, never while compiling) holds
+        # amaxes >= 0, finite (a valid input, pushed amaxes > 0 and finite); others are checked.
+        mark = (None, 0) if torch.compiler.is_compiling() else filled_mark(history)
+        if mark[0] is None:
             assert_in_graph(_holds_amaxes(history), _NOT_A_HISTORY)
         amax = obs.amax_history[..., 0]
         push = (amax > 0) & (amax < math.inf)  # (NaN fails both)
@@ -156,7 +159,7 @@ def update(state: State, obs: State) -> State:
         new_scale = scale_from_amax(peak, ROLE_FP8_MAX, state.margin)
         scale = torch.where(push, new_scale, scale)
         key = None if state.key is None else advance_key(state.key)
-    new = State(history, scale, *state.static, key=key, filled=_filled(state, history))
+    new = State(history, scale, *state.static, key=key, filled=_filled(state, history, mark))
     if not torch.compiler.is_compiling():
         mark_valid(scale)
         if key is not None:
@@ -184,7 +187,9 @@ def _pushed(history: torch.Tensor, amax: torch.Tensor, push: torch.Tensor) -> to
     if not new.numel():  # no sites: no windows
         return new
     rows = new.view(-1, h)
-    start = torch.arange(0, new.numel(), h, device=history.device) + (~push).flatten()
+    start = torch.add(
+        torch.arange(1, new.numel() + 1, h, device=history.device), push.flatten(), alpha=-1
+    )
     windows = history.contiguous().view(-1).unfold(0, h - 1, 1)
     torch.index_select(windows, 0, start, out=rows[:, 1:])
     torch.where(push, amax, history[..., 0], out=new[..., 0])
@@ -196,13 +201,6 @@ def _max_of_amaxes(history: torch.Tensor) -> torch.Tensor:
     where a row holds one > 0: positive floats order as their bits do as int32 (and -0 below
     them), and an int32 reduction runs twice as fast as a float one on CPU (no NaN to keep)."""
     return history.view(torch.int32).amax(dim=-1).view(torch.float32)
-
-
-def _made_by_update(history: torch.Tensor) -> bool:
-    """Whether `history` is known to be one that `update` made, unchanged since (its mark, no
-    host read; never while compiling): its values are then amaxes >= 0, finite (an input that
-    held them, and pushed amaxes that are > 0 and finite)."""
-    return not torch.compiler.is_compiling() and filled_mark(history)[0] is not None
 
 
 def _holds_amaxes(history: torch.Tensor) -> torch.Tensor:
@@ -221,16 +219,17 @@ def _holds_amaxes(history: torch.Tensor) -> torch.Tensor:
 FILLED_READS = 2
 
 
-def _filled(state: State, history: torch.Tensor) -> tuple[bool, ...] | None:
-    """`filled` of the state after `update` (`history`, its new histories), marked on `history`
-    (`known_filled` trusts the mark only). No host read once all are filled (update pushes
+def _filled(state: State, history: torch.Tensor, mark: tuple) -> tuple[bool, ...] | None:
+    """`filled` of the state after `update` (`history`, its new histories; `mark`, the
+    `filled_mark` of `state.amax_history`), marked on `history` (`known_filled` trusts the
+    mark only). No host read once all are filled (update pushes
     amaxes > 0 only: a filled history stays filled) or after the first `FILLED_READS` updates
     of a state's line; one before (warm-up), and for a state fp8fn did not mark (loaded,
     rebuilt, changed in place). Where values cannot be read (compiled, inside torch.func) the
     structure's, which the ops check against the values (`known_filled`)."""
     if torch.compiler.is_compiling() or functorch_level() is not None:
         return state.filled
-    known, reads = filled_mark(state.amax_history)
+    known, reads = mark
     if known is not None and (reads >= FILLED_READS or all(known)):
         filled = known
     else:
