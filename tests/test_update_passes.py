@@ -133,12 +133,16 @@ def test_update_refuses_a_history_it_did_not_make_holding_a_non_amax(value, entr
 
 
 @pytest.mark.parametrize("value", [1e-45, -1e-45, 3.0, -3.0, math.nan, math.inf, -math.inf])
-def test_update_refuses_an_observation_with_any_older_entry_not_zero(value):
-    """The smallest subnormal of either sign, NaN and inf among the older entries: a state, not
-    an observation. (-0 is zero: accepted, as 0.)"""
+@pytest.mark.parametrize("opposite", [False, True])
+def test_update_refuses_an_observation_with_any_older_entry_not_zero(value, opposite):
+    """The smallest subnormal of either sign, NaN and inf among the older entries, alone or
+    beside its opposite (a sum would cancel them): a state, not an observation. (-0 is zero:
+    accepted, as 0.)"""
     state, obs = _case(4)
     obs.amax_history[3, 2, 7] = value
+    if opposite:
+        obs.amax_history[0, 0, 1] = -value
     with pytest.raises(RuntimeError, match=r"^fp8fn\.update: expected `obs` an observation"):
         fp8fn.update(state, obs)
-    obs.amax_history[3, 2, 7] = -0.0
+    obs.amax_history[3, 2, 7] = obs.amax_history[0, 0, 1] = -0.0
     assert torch.equal(bits(fp8fn.update(state, obs).amax_history), bits(_model(state, obs)[0]))

@@ -199,16 +199,16 @@ MUTATIONS = [
         "update-pushes-nonfinite",
         "update pushes NaN and inf observations",
         "_core/update.py",
-        (("push = (amax > 0) & torch.isfinite(amax)", "push = amax != 0"),),
+        (("push = (amax > 0) & (amax < math.inf)", "push = amax != 0"),),
     ),
     Mutation(
         "roll-drops-newest",
         "history roll drops the newest entry instead of the oldest",
         "_core/update.py",
         (
-            (
-                "rolled = torch.cat([amax.unsqueeze(-1), history[..., :-1]], dim=-1)",
-                "rolled = torch.cat([amax.unsqueeze(-1), history[..., 1:]], dim=-1)",
+            (  # (eager: each pushed row's window starts at its entry 1, as an unpushed one's)
+                "push.flatten(), alpha=-1",
+                "push.flatten(), alpha=0",
             ),
         ),
     ),
@@ -218,8 +218,8 @@ MUTATIONS = [
         "_core/update.py",
         (
             (
-                'window = history if state.amax_compute == "max" else history[..., :1]',
-                "window = history",
+                'peak = amax if state.amax_compute == "most_recent" else _max_of_amaxes(history)',
+                "peak = _max_of_amaxes(history)",
             ),
         ),
     ),
@@ -229,8 +229,8 @@ MUTATIONS = [
         "_core/update.py",
         (
             (
-                "new_scale = scale_from_amax(window.amax(dim=-1), ROLE_FP8_MAX, state.margin)",
-                "new_scale = scale_from_amax(window.amax(dim=-1), ROLE_FP8_MAX, 0)",
+                "new_scale = scale_from_amax(peak, ROLE_FP8_MAX, state.margin)",
+                "new_scale = scale_from_amax(peak, ROLE_FP8_MAX, 0)",
             ),
         ),
     ),
@@ -242,8 +242,8 @@ MUTATIONS = [
             (
                 # (`scale_from_amax`'s form, fp8_max * 2**-margin / amax, gives the same float32
                 # bits in float32 as in float64: the documented form is the one that differs.)
-                "new_scale = scale_from_amax(window.amax(dim=-1), ROLE_FP8_MAX, state.margin)",
-                "new_scale = (torch.tensor(ROLE_FP8_MAX) / (window.amax(dim=-1) * "
+                "new_scale = scale_from_amax(peak, ROLE_FP8_MAX, state.margin)",
+                "new_scale = (torch.tensor(ROLE_FP8_MAX) / (peak * "
                 "2.0**state.margin)).clamp(2.0**-149, 3.4028234663852886e38)",
             ),
         ),
@@ -254,11 +254,28 @@ MUTATIONS = [
         "_core/update.py",
         (
             (
-                "new_scale = scale_from_amax(window.amax(dim=-1), ROLE_FP8_MAX, state.margin)",
-                "new_scale = (torch.tensor(ROLE_FP8_MAX) / window.amax(dim=-1) / "
+                "new_scale = scale_from_amax(peak, ROLE_FP8_MAX, state.margin)",
+                "new_scale = (torch.tensor(ROLE_FP8_MAX) / peak / "
                 "2.0**state.margin).clamp(2.0**-149, 3.4028234663852886e38)",
             ),
         ),
+    ),
+    Mutation(
+        "observation-check-cancels",
+        "update sums an observation's older entries with their signs (+x and -x cancel)",
+        "_core/update.py",
+        (
+            (
+                "older = obs.amax_history[..., 1:].abs().sum() != 0",
+                "older = obs.amax_history[..., 1:].sum() != 0",
+            ),
+        ),
+    ),
+    Mutation(
+        "history-check-skipped",
+        "update takes any history as amaxes >= 0 (its check skipped, not only for its own)",
+        "_core/update.py",
+        (("        if mark[0] is None:\n", "        if False:\n"),),
     ),
     Mutation(
         "stale-scale",
@@ -865,7 +882,7 @@ MUTATIONS += [
         "_core/update.py",
         (
             (
-                "if known is not None and (all(known) or reads >= FILLED_READS):",
+                "if known is not None and (reads >= FILLED_READS or all(known)):",
                 "if known is not None and all(known):",
             ),
         ),
