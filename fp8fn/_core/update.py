@@ -222,11 +222,11 @@ FILLED_READS = 2
 def _filled(state: State, history: torch.Tensor, mark: tuple) -> tuple[bool, ...] | None:
     """`filled` of the state after `update` (`history`, its new histories; `mark`, the
     `filled_mark` of `state.amax_history`), marked on `history` (`known_filled` trusts the
-    mark only). No host read once all are filled (update pushes
-    amaxes > 0 only: a filled history stays filled) or after the first `FILLED_READS` updates
-    of a state's line; one before (warm-up), and for a state fp8fn did not mark (loaded,
-    rebuilt, changed in place). Where values cannot be read (compiled, inside torch.func) the
-    structure's, which the ops check against the values (`known_filled`)."""
+    mark only). No host read once all are filled (update pushes amaxes > 0 only: a filled
+    history stays filled) or after the first `FILLED_READS` updates of a state's line; one
+    before (warm-up), and for a state fp8fn did not mark (loaded, rebuilt, changed in place).
+    Where values cannot be read (compiled, inside torch.func) the structure's, which the ops
+    check against the values (`known_filled`)."""
     if torch.compiler.is_compiling() or functorch_level() is not None:
         return state.filled
     known, reads = mark
