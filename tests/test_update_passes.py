@@ -56,7 +56,7 @@ def _case(n_sites: int, recipe=fp8fn.DelayedScaling(history_len=16), lead=(), se
 def _model(state: fp8fn.State, obs: fp8fn.State) -> tuple[torch.Tensor, torch.Tensor]:
     """The new histories and scales, row by row in Python floats (float64)."""
     histories, scales = state.amax_history.tolist(), state.scale.flatten().tolist()
-    rows = [row for row in _rows(histories)]
+    rows = list(_rows(histories))
     fp8_max = [FP8_MAX[r] for r in ROLES]
     new_rows, new_scales = [], []
     for i, (row, a) in enumerate(zip(rows, obs.amax_history[..., 0].flatten().tolist())):
