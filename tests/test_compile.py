@@ -20,7 +20,7 @@ from torch._inductor.utils import run_and_get_code
 import fp8fn
 import fp8fn._ops.linear
 from fp8fn._numerics.fp8 import amax, cast_to_fp8
-from fp8fn._ops.tensorwise import LOCAL, _after_gemm, _Fp8Linear
+from fp8fn._ops.tensorwise import LOCAL, Statics, _after_gemm, _Fp8Linear
 
 pytestmark = pytest.mark.slow  # torch.compile: tens of seconds a test on 2 cores
 RECIPES = pytest.mark.parametrize("recipe", [DELAYED, CURRENT], ids=["delayed", "current"])
@@ -234,8 +234,8 @@ def _func_setup():
         """The same forward math without the autograd.Function: what a dropped backward gives."""
         site = s[""]
         newest, stored = site.amax_history[:, 0], site.scale
-        args = (newest, stored, 0, "emulated", LOCAL, None, DELAYED.fast_accum, "linear")
-        out = _Fp8Linear.forward(x, p["weight"], p["bias"], *args)[0]
+        statics = Statics(0, "emulated", LOCAL, None, DELAYED.fast_accum, "linear")
+        out = _Fp8Linear.forward(x, p["weight"], p["bias"], newest, stored, statics)[0]
         return (out * c).sum()
 
     fs = {"apply": _func_loss(fn), "linear": via_linear}

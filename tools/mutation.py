@@ -406,8 +406,8 @@ MUTATIONS = [
         "_ops/tensorwise.py",
         (
             (
-                "return (*first_order_only(grads, x_amax, api=ctx.api), *statics)",
-                "return (*first_order_only(grads[:3], x_amax, api=ctx.api), grads[3], *statics)",
+                "return (*first_order_only(grads, x_amax, api=ctx.api), None, None)",
+                "return (*first_order_only(grads[:3], x_amax, api=ctx.api), grads[3], None, None)",
             ),
         ),
     ),
@@ -543,7 +543,7 @@ MUTATIONS += [
     Mutation(
         "amax-large-positive-only",
         "the large-tensor amax takes the max, not the larger magnitude of min and max",
-        "_numerics/fp8.py",
+        "_numerics/cpu_fast.py",
         (
             (
                 "return torch.maximum(high, low.neg()).abs().float()",

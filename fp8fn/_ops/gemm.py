@@ -21,6 +21,7 @@ from .._core.recipes import (
     NVFP4Scaling,
     RowwiseScaling,
 )
+from .._numerics.cpu_fast import fast_widen
 from .._numerics.fp8 import may_overwrite
 from .._torch_private import scaled_mm as torch_scaled_mm
 
@@ -66,24 +67,17 @@ def _widen(fp8: torch.Tensor) -> tuple[torch.Tensor, float]:
     """`(hp, factor)` with `fp8.float() == hp * factor` exactly; `hp` float32, fp8's shape.
 
     On CPU, `float8_e4m3fn.to(float32)` is slow (3.0 ms for 1024 x 1024 on one core, against
-    0.5 ms for these integer ops), so e4m3 goes through float16 bits instead. Its seven
-    magnitude bits placed at float16's bit 7 give the value times 2**-8 (float16's exponent bias
-    is 15, e4m3's 7; subnormals land on float16 subnormals), and magnitude 0x7F (NaN) gets
-    float16's all-ones exponent. Scaling by a power of two leaves the matmul's rounding as is.
-    Only on CPU and from 64K elements: other devices convert natively, inductor vectorizes the
-    plain conversion itself, and below that size the integer ops cost more.
+    0.5 ms for integer ops), so e4m3 goes through float16 bits instead, as one dispatched op
+    (`cpu_fast.fast_widen`: the values times 2**-8, so `factor` 256; scaling by a power of two
+    leaves the matmul's rounding as is). Only on CPU and from 64K elements: other devices
+    convert natively, inductor vectorizes the plain conversion itself, and below that size the
+    integer ops cost more.
     """
     small = fp8.numel() < 2**16  # below this the integer ops cost more than they save
     plain = fp8.dtype != torch.float8_e4m3fn or fp8.device.type != "cpu" or small
     if plain or torch.compiler.is_compiling():
         return fp8.float(), 1.0
-    # The byte sign-extended, times 128: the magnitude at bit 7, and bits 14 and 15 set for a
-    # negative one: clear bit 14 (-16385 is 0xBFFF). In place: every tensor here is ours.
-    half = fp8.view(torch.int8).to(torch.int16).mul_(128).bitwise_and_(-16385)
-    # Magnitude 0x7F (NaN), 0x3F80 here, is the only one that carries into bit 14 when 0x80 is
-    # added: that bit, shifted to bit 0, times 0x7C00 (float16's all-ones exponent).
-    nan = half.bitwise_and(0x3FFF).add_(0x80).bitwise_right_shift_(14).mul_(0x7C00)
-    return half.bitwise_or_(nan).view(torch.float16).float(), 256.0
+    return fast_widen(fp8), 256.0
 
 
 def _widen_stored(fp8: torch.Tensor) -> tuple[torch.Tensor, float]:

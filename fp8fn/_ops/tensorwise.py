@@ -13,6 +13,8 @@ Helpers first (placement, scales, casts), then the op, then its vmap rule.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from .._core.checks import no_autocast
@@ -79,6 +81,23 @@ class Local:
 
 
 LOCAL = Local()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Statics:
+    """The op's arguments that are not tensors, as one object (see `_Fp8LinearOp`).
+
+    Under torch.func each call of the op flattens its arguments as a tree three times and binds
+    them to `forward`'s signature once, at a cost per entry (a tuple of three bools is four
+    entries): as one object, not a tree node, they are one entry.
+    """
+
+    margin: int
+    backend: str
+    place: Local
+    filled: tuple[bool, bool, bool] | None
+    fast_accum: tuple[bool, bool, bool]
+    api: str
 
 
 def _whole(place: Local, amaxes, roles: tuple):
@@ -236,14 +255,16 @@ class _Fp8LinearOp(torch.autograd.Function):
     None for current scaling; `margin` an int; `backend` `fp8_mm`'s;
     `filled` the roles whose histories are known non-empty (three static bools), or None;
     `fast_accum` the recipe's (output, grad_input, grad_weight) `use_fast_accum`; `api` what the
-    user called, for errors. The gradient with respect to `newest` is the observation
-    `[x_amax, w_amax, g_amax]` of the local operands.
+    user called, for errors; these six as one `Statics`. The gradient with respect to `newest`
+    is the observation `[x_amax, w_amax, g_amax]` of the local operands.
     """
 
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x, weight, bias, newest, stored, margin, backend, place, filled, fast_accum, api):
+    def forward(x, weight, bias, newest, stored, statics):
+        margin, backend, place = statics.margin, statics.backend, statics.place
+        filled, fast_accum = statics.filled, statics.fast_accum
         x, w = place.operands(x, weight)
         x_fp8, w_fp8, x_inv, w_inv, x_amax, w_amax, x_keep, w_keep = _cast_operands(
             x, w, newest, stored, margin, backend, place, filled
@@ -260,10 +281,10 @@ class _Fp8LinearOp(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, weight, bias, newest, stored, margin, backend, place, filled, fast_accum, api = inputs
+        x, weight, bias, newest, stored, statics = inputs
         keep_for_backward(ctx, output, newest, stored)
-        ctx.margin, ctx.backend, ctx.place, ctx.filled = margin, backend, place, filled
-        ctx.fast_accum, ctx.api = fast_accum, api
+        ctx.margin, ctx.backend, ctx.place = statics.margin, statics.backend, statics.place
+        ctx.filled, ctx.fast_accum, ctx.api = statics.filled, statics.fast_accum, statics.api
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
 
     @staticmethod
@@ -302,8 +323,7 @@ class _Fp8LinearOp(torch.autograd.Function):
             grads[:3] = ctx.place.place_grads(grads[:3])
             if needs[3]:  # [x_amax, w_amax, g_amax], made here: at the backward's level
                 grads[3] = observed
-        statics = (None,) * 7  # stored, margin, backend, place, filled, fast_accum, api
-        return (*first_order_only(grads, x_amax, api=ctx.api), *statics)
+        return (*first_order_only(grads, x_amax, api=ctx.api), None, None)  # stored, statics
 
 
 class _Fp8Linear(_Fp8LinearOp):
@@ -320,29 +340,25 @@ class _Fp8Linear(_Fp8LinearOp):
 
     @staticmethod
     def vmap(info, in_dims, *inputs):
-        x, weight, bias, newest, stored, margin, backend, place, filled, fast_accum, api = inputs
-        if place.vmap_refusal is not None:
-            raise ValueError(place.vmap_refusal)
+        x, weight, bias, newest, stored, statics = inputs
+        if statics.place.vmap_refusal is not None:
+            raise ValueError(statics.place.vmap_refusal)
         args = (x, weight, bias, newest, stored)
         tracked = any(tracked_below(t) for t in args if t is not None)
         if tracked and all(d is None for d in in_dims[1:5]):
             xb = x.movedim(in_dims[0], 0)
             rows = xb.flatten(0, 1)
-            statics = (margin, backend, place, filled, fast_accum, api)
-            outs = _Fp8Linear.apply(rows, weight, bias, newest, stored, *statics)
+            outs = _Fp8Linear.apply(rows, weight, bias, newest, stored, statics)
             out, x_fp8, *rest = outs
             folded = (out.unflatten(0, xb.shape[:2]), x_fp8.unflatten(0, xb.shape[:2]))
             return (*folded, *rest), (0, 0) + (None,) * len(rest)
         if tracked and newest is not None and in_dims[3] is None:
             raise ValueError(
-                f"fp8fn.{api}: vmap over the weights with an unbatched scaling state: members "
-                "would share one state and autograd would sum their observations. Give each "
-                "member its own state (stack the states and vmap over them too)."
+                f"fp8fn.{statics.api}: vmap over the weights with an unbatched scaling state: "
+                "members would share one state and autograd would sum their observations. Give "
+                "each member its own state (stack the states and vmap over them too)."
             )
-        statics = (margin, backend, place, filled, fast_accum, api)
-        outs = torch.vmap(_Fp8LinearOp.apply, in_dims=(*in_dims[:5], *(None,) * len(statics)))(
-            *args, *statics
-        )
+        outs = torch.vmap(_Fp8LinearOp.apply, in_dims=(*in_dims[:5], None))(*args, statics)
         return outs, (0,) * len(outs)
 
 
@@ -389,6 +405,6 @@ def tensorwise_linear(
     flat = x.dim() == 2 or not place.takes_rows
     rows = x if flat else x.reshape(-1, x.shape[-1])  # (a reshape is a kernel call)
     with no_autocast(x):
-        args = (newest, stored, margin, backend, place, filled, fast_accum, api)
-        out = apply_function(_Fp8Linear, rows, weight, bias, *args)[0]
+        statics = Statics(margin, backend, place, filled, fast_accum, api)
+        out = apply_function(_Fp8Linear, rows, weight, bias, newest, stored, statics)[0]
     return out if flat else out.reshape(*x.shape[:-1], weight.shape[0])
