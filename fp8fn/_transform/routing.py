@@ -55,15 +55,7 @@ class Call(TorchFunctionMode):
             state is not None and torch.is_grad_enabled() and not torch.compiler.is_compiling()
         )
         self.passive = False  # a `checkpoint_fn` module's own pass is under way
-        # The state's rows, split once per call (the backward gathers all sites in one stack):
-        # `state.amax_history[..., 0]` `(n_sites, 3)`, and per site its newest amaxes, stored
-        # scales and `known_filled`. Here, not at the first site: a frame that torch.compile
-        # compiles apart would guard on whether they are split yet, and compile again for the
-        # other case (DeepSeek-V3's decoder layer, eager experts).
-        self._newest = self._rows = None
-        if state is not None:
-            self._newest = state.amax_history[..., 0]
-            self._rows = (self._newest.unbind(0), state.scale.unbind(0), known_filled(state))
+        self._rows = self._newest = None
         # `[input, weight, grad_output]` bools a site, whether its histories are empty: read to
         # the host once per sharded forward (`_parallel.dtensor`), None until then
         self.unobserved = None
@@ -142,6 +134,8 @@ class Call(TorchFunctionMode):
 
     def newest_rows(self):
         """`state.amax_history[..., 0]`, `(n_sites, 3)`, taken once per call."""
+        if self._newest is None:
+            self._newest = self.state.amax_history[..., 0]
         return self._newest
 
     def _layer_of(self, weight, bias, transposed):
@@ -174,6 +168,9 @@ class Call(TorchFunctionMode):
                     f"`fn.init`: site {name!r} is not in `state`. Call `fn.init` with inputs "
                     "that call it as often."
                 )
+            if self._rows is None:  # split once: the backward gathers all sites in one stack
+                filled = known_filled(self.state)
+                self._rows = (self.newest_rows().unbind(0), self.state.scale.unbind(0), filled)
             newest, stored, filled = self._rows[0][i], self._rows[1][i], self._rows[2]
             filled = None if filled is None else filled[3 * i : 3 * i + 3]
         check_operands(api, x, weight, bias)
