@@ -194,13 +194,15 @@ def _lm_loss(apply):
 
 
 # Each case traces a model 2 x 2 times (30-70 s on 2 cores): the CI tier runs one per kind of
-# model and experts form, both routes on the MoE the issue saw recompile (Qwen3-MoE); every
-# model x experts implementation x route (46 cases, ~35 min) with FP8FN_EXHAUSTIVE=1.
+# model and experts form, both routes on the MoE the issue saw recompile (Qwen3-MoE), and
+# GPT-OSS's eager loop (a frame called once per expert hit); every model x experts
+# implementation x route (46 cases, ~35 min) with FP8FN_EXHAUSTIVE=1.
 EVERY = os.environ.get("FP8FN_EXHAUSTIVE") == "1"
 CI_CASES = {
     ("qwen3_moe", "grouped_mm", "value_and_grad"),
     ("qwen3_moe", "grouped_mm", "autograd"),
     ("mixtral", "eager", "value_and_grad"),  # W[expert_idx]: graph breaks, 0-dim indices
+    ("gpt_oss", "eager", "autograd"),  # _apply_gate, compiled apart, called per expert
     ("mixtral", "batched_mm", "autograd"),  # W[ids] by bmm: one graph (no bincount)
     ("llama4", "bmm", "autograd"),
     ("llama", None, "value_and_grad"),

@@ -53,5 +53,6 @@ def _run(plan: Plan, tensors, args_kwargs, memo) -> Call:
     tensors = plan.slots.expand(tensors, "init")
     call = Call(plan, tensors, None, memo)
     with torch.no_grad(), plan.fsdp.scales(None), exclusive(plan.module), call:
-        swapped_call(plan.module, None, tensors, args, kwargs)
+        with call.tracked.marking():  # (entered after `call`: its marks cleared before)
+            swapped_call(plan.module, None, tensors, args, kwargs)
     return call

@@ -109,7 +109,7 @@ def recomputed(call, module, path, forward, args, kwargs):
             dict(start),
             recompute=True,
         )
-        with exclusive(call.plan.module), inner, _activated(inner):
+        with exclusive(call.plan.module), inner, inner.tracked.marking(), _activated(inner):
             held = {"m." + n: t for n, t in tensors.items()}
             out = swapped_call(holder, None, held, args, kwargs)
         end.update(inner.counts)

@@ -5,6 +5,8 @@ reach a GEMM, under its name."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
@@ -34,26 +36,34 @@ class Tracked:
 
     def __init__(self, plan, tensors, discovering: bool, held: dict):
         self.plan, self.held = plan, held
-        self._derived = ByIdentity()  # {tensor: [Derived]}
+        serial = id(plan)  # (the marks' names: one transform's never read as another's)
+        self._derived = ByIdentity(f"_fp8fn_derived_{serial}")  # {tensor: [Derived]}
         for entry in plan.experts:
             weight = entry.own(tensors)
-            self.track(weight, Derived(entry, weight))
+            self._derived.keep(weight, Derived(entry, weight))
         self.weights, self.touched = {}, set()
         self._names = None
         if discovering:  # every weight that may reach a GEMM, by identity
             given = {**dict(plan.module.named_parameters()), **tensors}
             self._names = {id(t): n for n, t in given.items() if is_lazy(t) or t.dim() >= 2}
         self._kept = []  # the copies `_names` knows by id
-        self.entries = ByIdentity()
+        self.entries = ByIdentity(f"_fp8fn_entries_{serial}")
         self._held_before = {}  # {id(layer): the weight it held before the call}, if sharded
         for layer in plan.layers:
             weight, bias = layer.own(tensors)
-            self.entries.add(weight, (layer, weight, bias))
+            self.entries.keep(weight, (layer, weight, bias))
             if not torch.compiler.is_compiling() and sharded_operands(weight):
                 self._held_before[id(layer)] = layer.held()
 
-    def track(self, tensor, derived):
-        self._derived.add(tensor, derived)
+    @contextlib.contextmanager
+    def marking(self):
+        """The call's span: the marks it leaves on the tensors it makes (`ByIdentity`) are
+        cleared when it ends."""
+        try:
+            yield
+        finally:
+            self._derived.clear()
+            self.entries.clear()
 
     def derived_of(self, t) -> Derived | None:
         """The `Derived` of an experts weight or a tensor made from one, else None."""
@@ -70,7 +80,7 @@ class Tracked:
         for entry in self.plan.experts:
             if module_parameters(entry.module).get(entry.attr) is t:
                 derived = Derived(entry, t)
-                self.track(t, derived)
+                self._derived.keep(t, derived)
                 return derived
         return None
 
@@ -80,10 +90,10 @@ class Tracked:
         derived = derive(func, args, kwargs, self.derived_of(args[0]), result)
         if isinstance(derived, list):
             for piece, d in zip(result, derived):
-                self.track(piece, d)
+                self._derived.mark(piece, d)
                 self.touched.add(d.entry.path)
         elif derived is not None:
-            self.track(result, derived)
+            self._derived.mark(result, derived)
             self.touched.add(derived.entry.path)
         return result
 
@@ -98,9 +108,9 @@ class Tracked:
         derived = self.derived_of(source)
         if derived is not None:
             copied = derived if derived.expert is not None else Derived(derived.entry, result)
-            self.track(result, copied)
+            self._derived.mark(result, copied)
         for layer, _, bias in self.given(source):
-            self.entries.add(result, (layer, result, bias))
+            self.entries.mark(result, (layer, result, bias))
         if self._names is not None:
             name = self._names.get(id(source))
             if name is None and view_base(source) is not None:
@@ -135,7 +145,7 @@ class Tracked:
         pieces = func(*args, **kwargs)
         if layer is not None:
             for piece in pieces:
-                self.entries.add(piece, (layer, piece, None))
+                self.entries.mark(piece, (layer, piece, None))
         return pieces
 
     def given(self, weight) -> list:

@@ -185,6 +185,7 @@ class Transformed:
             self.plan.fsdp.scales(state),
             exclusive(self.module),
             innermost_function_mode(call),
+            call.tracked.marking(),
             recomputing(call, self.plan.checkpointed_modules),
             kept,
         ):
