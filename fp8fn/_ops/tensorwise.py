@@ -166,6 +166,20 @@ def _weight_once(hp, fp8, stored):
     return copy, x_inv, w_inv, amax
 
 
+def _stored(fp8):
+    """`fp8` for a compiled GEMM whose operand also feeds a transposed copy (the other layout a
+    backward GEMM wants): a view of it with its own shape and strides (`as_strided`). Inductor
+    lowers an extern GEMM's operand that is not stored yet to a copy of it, the cast recomputed
+    from the high-precision tensor, and leaves the tensor itself unstored, so that the
+    transposed copy made later casts that tensor again (a second read of it, 2 or 4 bytes an
+    element). `as_strided` makes inductor store `fp8` where it is made: the GEMM reads those
+    bytes and the transposed copy loads them (1 byte an element). The same values; eager, `fp8`
+    itself (no op)."""
+    if not torch.compiler.is_compiling():
+        return fp8
+    return fp8.as_strided(fp8.shape, fp8.stride())
+
+
 def _role(newest, stored, filled, role: int):
     """`(newest, stored, filled)` of one role (0 input, 1 weight, 2 grad_output): float32 `()`
     views, or None for current scaling; whether its history is known non-empty."""
@@ -254,6 +268,8 @@ class _Fp8LinearOp(torch.autograd.Function):
         if both and w_amax is None:  # the stored scales: the transposed copy kept, W read once
             w_keep, x_inv, w_inv, w_amax = _weight_once(w, w_keep, stored)
         w_gemm, b_gemm = place.gemm_weight(w_fp8), place.gemm_bias(bias)
+        if backend == "scaled_mm":  # grad_weight's GEMM copies x_fp8 transposed: from its bytes
+            x_fp8 = _stored(x_fp8)
         out = _fp8_gemm(x_fp8, w_gemm, x_inv, w_inv, b_gemm, x.dtype, backend, fast_accum[0])
         x_amax, w_amax = _after_gemm(x_amax, x), _after_gemm(w_amax, w, both)
         return place.output(out), x_keep, w_keep, x_inv, w_inv, w_amax, x_amax
@@ -284,8 +300,10 @@ class _Fp8LinearOp(torch.autograd.Function):
                 g_fp8_t = g_fp8.t()
             if needs[0]:
                 w_fp8 = ctx.place.weight_again(w_fp8)
+                # (grad_weight's GEMM copies g_fp8 transposed: from its bytes)
+                g_gemm = _stored(g_fp8) if needs[1] and ctx.backend == "scaled_mm" else g_fp8
                 grads[0] = fp8_mm(
-                    g_fp8, w_fp8.t(), g_inv, w_inv, x_dtype, ctx.backend, ctx.fast_accum[1]
+                    g_gemm, w_fp8.t(), g_inv, w_inv, x_dtype, ctx.backend, ctx.fast_accum[1]
                 )
             if needs[1]:
                 grads[1] = fp8_mm(
