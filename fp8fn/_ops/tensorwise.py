@@ -167,15 +167,19 @@ def _weight_once(hp, fp8, stored):
 
 
 def _stored(fp8):
-    """`fp8` for a compiled GEMM whose operand also feeds a transposed copy (the other layout a
-    backward GEMM wants): a view of it with its own shape and strides (`as_strided`). Inductor
-    lowers an extern GEMM's operand that is not stored yet to a copy of it, the cast recomputed
-    from the high-precision tensor, and leaves the tensor itself unstored, so that the
-    transposed copy made later casts that tensor again (a second read of it, 2 or 4 bytes an
-    element). `as_strided` makes inductor store `fp8` where it is made: the GEMM reads those
-    bytes and the transposed copy loads them (1 byte an element). The same values; eager, `fp8`
-    itself (no op)."""
-    if not torch.compiler.is_compiling():
+    """`fp8` for a compiled GEMM on CPU whose operand also feeds a transposed copy (the layout a
+    backward GEMM wants): a view of it with its own shape and strides (`as_strided`).
+
+    Inductor lowers an extern GEMM's operand that is not stored yet to a copy of it (the cast
+    recomputed from the high-precision tensor) and leaves the tensor itself unstored, so the
+    transposed copy made later casts that tensor again, a loop of other ranges that inductor's
+    CPU scheduler does not fuse with the first: a second read of it (2 or 4 bytes an element).
+    `as_strided` makes inductor store `fp8` where it is made: the GEMM reads those bytes and
+    the transposed copy loads them (1 byte an element). The same values. On other devices,
+    and eager, `fp8` itself: inductor's Triton scheduler groups loops by their number of
+    elements, so it may make both layouts in one kernel from one read, which a stored operand
+    would prevent (not verified: no GPU has run it)."""
+    if not torch.compiler.is_compiling() or fp8.device.type != "cpu":
         return fp8
     return fp8.as_strided(fp8.shape, fp8.stride())
 
