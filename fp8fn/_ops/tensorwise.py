@@ -304,10 +304,8 @@ class _Fp8LinearOp(torch.autograd.Function):
                 g_fp8_t = g_fp8.t()
             if needs[0]:
                 w_fp8 = ctx.place.weight_again(w_fp8)
-                # (grad_weight's GEMM copies g_fp8 transposed: from its bytes)
-                g_gemm = _stored(g_fp8) if needs[1] and ctx.backend == "scaled_mm" else g_fp8
                 grads[0] = fp8_mm(
-                    g_gemm, w_fp8.t(), g_inv, w_inv, x_dtype, ctx.backend, ctx.fast_accum[1]
+                    g_fp8, w_fp8.t(), g_inv, w_inv, x_dtype, ctx.backend, ctx.fast_accum[1]
                 )
             if needs[1]:
                 grads[1] = fp8_mm(
