@@ -567,14 +567,16 @@ def test_compiled_transformer_backward_with_two_threads():
 
 def _kernels_reading_input(numel: int) -> int:
     """How many of the kernels inductor generated since `metrics.reset()` read a graph input
-    (`primals_*`: a forward input, or one the backward keeps) of `numel` elements."""
+    of `numel` elements: a forward input (`primals_*`) or a tensor the backward receives (one
+    the forward saved, named for the node that made it), not a buffer the same graph wrote
+    (`buf*`)."""
     from torch._inductor import metrics
     from torch._inductor.dependencies import MemoryDep
 
     return sum(
         any(
             isinstance(dep, MemoryDep)
-            and dep.name.startswith("primals")
+            and not dep.name.startswith("buf")
             and dep.get_numel() == numel
             for dep in node.read_writes.reads
         )
@@ -584,13 +586,15 @@ def _kernels_reading_input(numel: int) -> int:
 
 
 @pytest.mark.parametrize("plain", [False, True], ids=["parameter", "plain"])
-def test_compiled_middle_layer_reads_its_weight_once(plain, monkeypatch):
+def test_compiled_middle_layer_reads_x_and_w_once(plain, monkeypatch):
     # A middle layer (x needs its gradient) at steady state on the scaled_mm path: the compiled
     # step (forward and backward graphs) reads the bf16 weight in one kernel, which also writes
     # both float8 layouts and takes the amax, whether the weight is the module's Parameter
     # (which the partitioner would rather re-read in the backward than save the float8 copy)
-    # or a plain tensor; the step is eager's, bit for bit (output gradient, weight gradient,
-    # observations).
+    # or a plain tensor; x in one kernel (its cast and amax; grad_weight's transposed copy
+    # loads the float8 bytes, `_stored`: 2 kernels read x without it); the saved output, from
+    # which the loss's backward makes dY, in two (dY's flat and transposed casts); the step is
+    # eager's, bit for bit (output gradient, weight gradient, observations).
     from torch._inductor import metrics
 
     monkeypatch.setattr(torch._inductor.config, "force_disable_caches", True)  # count compiles
@@ -620,7 +624,8 @@ def test_compiled_middle_layer_reads_its_weight_once(plain, monkeypatch):
         eager = step(fn.apply)
         metrics.reset()
         compiled = step(torch.compile(fn.apply, fullgraph=True))
-        assert _kernels_reading_input(80 * 48) == 1
+        # the weight (80, 48), x (32, 48), the saved output (32, 80)
+        assert [_kernels_reading_input(n) for n in (80 * 48, 32 * 48, 32 * 80)] == [1, 1, 2]
     finally:
         torch._logging.set_logs()
     assert_bit_identical(compiled, eager)

@@ -185,6 +185,24 @@ def _weight_once(hp, fp8, stored):
     return copy, x_inv, w_inv, amax
 
 
+def _stored(fp8):
+    """`fp8` for a compiled GEMM on CPU whose operand also feeds a transposed copy (the layout a
+    backward GEMM wants): a view of it with its own shape and strides (`as_strided`).
+
+    Inductor lowers an extern GEMM's operand that is not stored yet to a copy of it (the cast
+    recomputed from the high-precision tensor) and leaves the tensor itself unstored, so the
+    transposed copy made later casts that tensor again, a loop of other ranges that inductor's
+    CPU scheduler does not fuse with the first: a second read of it (2 or 4 bytes an element).
+    `as_strided` makes inductor store `fp8` where it is made: the GEMM reads those bytes and
+    the transposed copy loads them (1 byte an element). The same values. On other devices,
+    and eager, `fp8` itself: inductor's Triton scheduler groups loops by their number of
+    elements, so it may make both layouts in one kernel from one read, which a stored operand
+    would prevent (not verified: no GPU has run it)."""
+    if not torch.compiler.is_compiling() or fp8.device.type != "cpu":
+        return fp8
+    return fp8.as_strided(fp8.shape, fp8.stride())
+
+
 def _role(newest, stored, filled, role: int):
     """`(newest, stored, filled)` of one role (0 input, 1 weight, 2 grad_output): float32 `()`
     views, or None for current scaling; whether its history is known non-empty."""
@@ -275,6 +293,8 @@ class _Fp8LinearOp(torch.autograd.Function):
         if both and w_amax is None:  # the stored scales: the transposed copy kept, W read once
             w_keep, x_inv, w_inv, w_amax = _weight_once(w, w_keep, stored)
         w_gemm, b_gemm = place.gemm_weight(w_fp8), place.gemm_bias(bias)
+        if backend == "scaled_mm":  # grad_weight's GEMM copies x_fp8 transposed: from its bytes
+            x_fp8 = _stored(x_fp8)
         out = _fp8_gemm(x_fp8, w_gemm, x_inv, w_inv, b_gemm, x.dtype, backend, fast_accum[0])
         x_amax, w_amax = _after_gemm(x_amax, x), _after_gemm(w_amax, w, both)
         return place.output(out), x_keep, w_keep, x_inv, w_inv, w_amax, x_amax
