@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch._dynamo.testing import CompileCounter
 
+import fp8fn
 from fp8fn._transform.identity import ByIdentity
 
 
@@ -92,3 +93,33 @@ def test_a_frame_called_once_per_made_tensor_compiles_once():
             assert torch.equal(gate(table, h), h * 2)
         table.clear()
     assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("form", ["experts unbind", "attention split"])
+def test_pieces_of_a_multi_output_op_are_marked_in_one_graph(form):
+    """dynamo refuses `setattr` on an output of a multi-output op (`unbind`, `split`): the
+    pieces of a tracked weight are marked as views of themselves while tracing, so the call
+    stays one graph (`fullgraph=True`) with the eager bits. (With the pieces marked as they
+    came, experts' `unbind` and nn.MultiheadAttention's packed `split`, for cross-attention,
+    broke the graph.)"""
+    from test_converted_layers import _Attention
+    from test_moe_models import _Experts
+
+    gen = torch.Generator().manual_seed(1)
+    if form == "experts unbind":
+        module, ends = _Experts("unbind_matmul"), [5, 5, 13, 20]
+        args, sites = (torch.randn(ends[-1], 32, generator=gen), ends), 4
+    else:
+        module = _Attention()
+        args = (torch.randn(3, 5, 16, generator=gen), torch.randn(3, 7, 16, generator=gen))
+        sites = 4
+    fn = fp8fn.transform(module, fp8fn.DelayedScaling())
+    state = fn.init(*args)
+    params = dict(module.named_parameters())
+    torch._dynamo.reset()
+    try:
+        got = torch.compile(fn.apply, fullgraph=True, backend="eager")(params, state, *args)
+    finally:
+        torch._dynamo.reset()
+    assert len(state.sites) == sites
+    assert torch.equal(got, fn.apply(params, state, *args))

@@ -8,6 +8,16 @@ import torch
 from .._torch_private import never_compiled_alone
 
 
+def markable(pieces: tuple) -> tuple:
+    """The pieces of a multi-output op (`split`, `chunk`, `unbind`) as tensors `mark` can
+    mark: while dynamo traces, each as a view of itself (dynamo refuses `setattr` on an
+    output of a multi-output op, and accepts it on a single-output view); eagerly, as they are.
+    Same values, same views of the same base."""
+    if not torch.compiler.is_compiling():
+        return pieces
+    return tuple(piece.view_as(piece) for piece in pieces)
+
+
 class ByIdentity:
     """Values kept per tensor, for one forward pass (`routing.Call`), of two kinds.
 

@@ -14,7 +14,7 @@ from torch.nn.parameter import is_lazy
 from .._parallel.dtensor import gathered_for_split, sharded_operands
 from .._torch_private import module_parameters, view_base
 from .experts import Derived, derive
-from .identity import ByIdentity
+from .identity import ByIdentity, markable
 
 
 class Tracked:
@@ -89,6 +89,7 @@ class Tracked:
         result = func(*args, **kwargs)
         derived = derive(func, args, kwargs, self.derived_of(args[0]), result)
         if isinstance(derived, list):
+            result = markable(result)
             for piece, d in zip(result, derived):
                 self._derived.mark(piece, d)
                 self.touched.add(d.entry.path)
@@ -144,6 +145,7 @@ class Tracked:
             args = (gathered_for_split(whole, held), *args[1:])
         pieces = func(*args, **kwargs)
         if layer is not None:
+            pieces = markable(pieces)
             for piece in pieces:
                 self.entries.mark(piece, (layer, piece, None))
         return pieces
