@@ -329,6 +329,11 @@ def _as_int32(x: torch.Tensor) -> torch.Tensor:
     return ((x ^ 0x80000000) - 0x80000000).to(torch.int32)
 
 
+def _int32(word: int) -> int:
+    """The low 32 bits of `word` as a signed 32-bit value."""
+    return ((word & MASK32) ^ 0x80000000) - 0x80000000
+
+
 def _check_key(key, api: str) -> None:
     if not isinstance(key, torch.Tensor) or key.dtype != torch.int64 or key.dim() != 0:
         got = (
@@ -371,12 +376,13 @@ def random_bits(
       `shape` int64 with values in `[0, 2**32)`, on `key`'s device.
     """
     _check_key(key, "fp8fn._numerics.nvfp4.random_bits")
-    lane_a = key.new_tensor(0x243F6A88)
-    lane_b = key.new_tensor(0x13198A2E)
-    for word in (key & MASK32, (key >> 32) & MASK32, site, role, stream):
-        word = word & MASK32
-        lane_a = mix32(lane_a ^ word)
-        lane_b = mix32(lane_b ^ word ^ 0x85A308D3)
+    # the two lanes side by side (`lane_b` absorbs each word salted): 1/3 the small ops
+    lanes = torch.tensor([0x243F6A88, 0x13198A2E], dtype=torch.int32, device=key.device)
+    salt = torch.tensor([0, 0x85A308D3 - 2**32], dtype=torch.int32, device=key.device)
+    for word in (key, key >> 32, site, role, stream):
+        word = _as_int32(word & MASK32) if isinstance(word, torch.Tensor) else _int32(word)
+        lanes = _mix32_wrapping(lanes ^ salt ^ word)
+    lane_a, lane_b = lanes[0], lanes[1]
     n = torch.Size(shape).numel()
     high = None  # the counters' high words' term, 0 below 2**32
     if index is None and n <= 2**31:  # the counters in int32
@@ -386,8 +392,8 @@ def random_bits(
             index = torch.arange(n, device=key.device).view(shape)
         x = _as_int32(index & MASK32)
         high = _as_int32(_mul32(index >> 32, 0x9E3779B9))
-    x = _mix32_wrapping(x ^ _as_int32(lane_a))  # (not in place: a vmapped key batches x)
-    x ^= _as_int32(lane_b)
+    x = _mix32_wrapping(x ^ lane_a)  # (not in place: a vmapped key batches x)
+    x ^= lane_b
     if high is not None:
         x ^= high
     return _mix32_wrapping(x).long() & MASK32
