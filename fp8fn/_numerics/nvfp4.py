@@ -83,16 +83,18 @@ def round_to_e2m1(y: torch.Tensor, random_bits: torch.Tensor | None = None) -> t
             f"fp8fn._numerics.nvfp4.round_to_e2m1: expected float32 `y`, got {y.dtype}."
         )
     a = y.abs().clamp_max_(6.0).nan_to_num_(0.0)  # (clamp_ has no vmap rule)
-    # the exponent field of 1, 2 or 4: the range's start (0 below 2, whose step is 0.5 too)
-    e = (a.view(torch.int32) & 0x7F800000).clamp_min_(0x3F800000).clamp_max_(0x40800000)
+    # the exponent field of 1, 2 or 4 (a <= 6): the range's start (0 below 2, whose step is 0.5)
+    e = (a.view(torch.int32) & 0x7F800000).clamp_min_(0x3F800000)
     t = a.mul_((0x7F800000 - e).view(torch.float32))  # * 1 / step: 2, 1 or 0.5
+    start = e.bitwise_right_shift_(22).sub_(254)  # 0, 2, 4: the code of the range's start
     if random_bits is None:  # 2**23 + t rounds t to an integer, ties to even
-        code = t.add_(2.0**23).view(torch.int32).add_(e >> 22).sub_(0x4B000000 + 254)
+        code = t.add_(2.0**23).view(torch.int32).sub_(0x4B000000).add_(start)
     else:  # frac(t) * 2**32 is exact in float32; r < it <=> r < its ceil
         lower = torch.floor(t)
         up = t.sub_(lower).mul_(2.0**32).ceil_().long() > random_bits
-        code = lower.int().add_(e >> 22).sub_(254) + up  # (bits may be batched, y not)
-    return code.bitwise_or_((y.view(torch.int32) >> 28) & 8).to(torch.uint8)
+        code = start.add_(lower.int()) + up  # (not in place: the bits may be batched, y not)
+    sign = y.view(torch.int32) >> 28
+    return code.bitwise_or_(sign.bitwise_and_(8)).to(torch.uint8)
 
 
 def e2m1_to_float32(codes: torch.Tensor) -> torch.Tensor:
