@@ -372,6 +372,22 @@ def test_round_to_e2m1_matches_a_float64_reference_at_the_edges():
     assert torch.equal(nv.round_to_e2m1(y, bits), _e2m1_reference(y, bits.tolist()))
 
 
+@SETTINGS
+@given(hp=matrices(multiple_of_16=False, infinities=True), tile_2d=st.booleans(), sr=st.booleans())
+def test_quantize_dequantize_is_dequantize_of_quantize(hp, tile_2d, sr):
+    """The round trip without codes is `dequantize_nvfp4(*quantize_nvfp4(...))` bit for bit,
+    RTNE and SR, blocks and tiles, partial blocks, inf and NaN (a NaN block stays NaN)."""
+    if sr:
+        hp = hp.clone()
+        hp.view(-1)[::7] = float("nan")
+    bits = nv.random_bits(nv.make_key(20), 0, 2, hp.shape) if sr else None
+    expected = nv.dequantize_nvfp4(*nv.quantize_nvfp4(hp, tile_2d=tile_2d, sr_bits=bits))
+    assert same(nv.quantize_dequantize_nvfp4(hp, tile_2d=tile_2d, sr_bits=bits), expected)
+    y = torch.cat([hp.flatten(), -hp.flatten(), torch.tensor([float("nan"), -float("nan")])])
+    values = nv.e2m1_to_float32(nv.round_to_e2m1(y))
+    assert same(nv.round_to_e2m1_values(y), values)
+
+
 def test_sr_leaves_representable_values_unchanged():
     gen = torch.Generator().manual_seed(4)
     codes = torch.randint(0, 16, (8, 64), generator=gen, dtype=torch.uint8)

@@ -57,6 +57,23 @@ class NVFP4(NamedTuple):
 # -- E2M1 ------------------------------------------------------------------------------------------
 
 
+def _e2m1_steps(y: torch.Tensor, random_bits: torch.Tensor | None):
+    """`(n, e, inv)`: `|y|` (float32, clamped to 6, NaN as 0) rounded to E2M1 in steps of its
+    range (`n` float32, integers 0 to 4), the exponent field of the range's start (`e` int32:
+    that of 1, 2 or 4), and `1 / step` (`inv` float32: 2, 1 or 0.5). See `round_to_e2m1`."""
+    a = y.abs().clamp_max_(6.0).nan_to_num_(0.0)  # (clamp_ has no vmap rule)
+    # the exponent field of 1, 2 or 4 (a <= 6): the range's start (0 below 2, whose step is 0.5)
+    e = (a.view(torch.int32) & 0x7F800000).clamp_min_(0x3F800000)
+    inv = (0x7F800000 - e).view(torch.float32)
+    t = a.mul_(inv)  # |y| / step, exact
+    if random_bits is None:  # 2**23 + t rounds t to an integer, ties to even
+        return t.add_(2.0**23).sub_(2.0**23), e, inv
+    # frac(t) * 2**32 is exact in float32; r < it <=> r < its ceil
+    lower = torch.floor(t)
+    up = t.sub_(lower).mul_(2.0**32).ceil_().long() > random_bits
+    return lower + up, e, inv  # (not in place: the bits may be batched, y not)
+
+
 def round_to_e2m1(y: torch.Tensor, random_bits: torch.Tensor | None = None) -> torch.Tensor:
     """E2M1 codes of `y`, saturated to +-6: round-to-nearest-even, or stochastic rounding.
 
@@ -68,7 +85,7 @@ def round_to_e2m1(y: torch.Tensor, random_bits: torch.Tensor | None = None) -> t
 
     Computed on the float32 bits, without selects (a few times faster on CPU than
     `torch.where` per range): the step is `2**(e - 1)` for the exponent `e` of `|y|` clamped
-    to [0, 2], the code is `2 * e + t` rounded (RTNE: adding `2**23`, whose ulp is 1).
+    below at 0, the code is `2 * e + t` rounded (RTNE: adding and taking `2**23`, ulp 1).
 
     Args:
       y: `(...)` float32, already scaled; `+-inf` saturates to +-6; NaN gives code 0 (with
@@ -78,23 +95,24 @@ def round_to_e2m1(y: torch.Tensor, random_bits: torch.Tensor | None = None) -> t
     Returns:
       `(...)` uint8 codes: bit 3 the sign, bits 0-2 the magnitude's index in the grid.
     """
-    if y.dtype != torch.float32:
-        raise TypeError(
-            f"fp8fn._numerics.nvfp4.round_to_e2m1: expected float32 `y`, got {y.dtype}."
-        )
-    a = y.abs().clamp_max_(6.0).nan_to_num_(0.0)  # (clamp_ has no vmap rule)
-    # the exponent field of 1, 2 or 4 (a <= 6): the range's start (0 below 2, whose step is 0.5)
-    e = (a.view(torch.int32) & 0x7F800000).clamp_min_(0x3F800000)
-    t = a.mul_((0x7F800000 - e).view(torch.float32))  # * 1 / step: 2, 1 or 0.5
+    _check_e2m1_input(y, "round_to_e2m1")
+    n, e, _ = _e2m1_steps(y, random_bits)
     start = e.bitwise_right_shift_(22).sub_(254)  # 0, 2, 4: the code of the range's start
-    if random_bits is None:  # 2**23 + t rounds t to an integer, ties to even
-        code = t.add_(2.0**23).view(torch.int32).sub_(0x4B000000).add_(start)
-    else:  # frac(t) * 2**32 is exact in float32; r < it <=> r < its ceil
-        lower = torch.floor(t)
-        up = t.sub_(lower).mul_(2.0**32).ceil_().long() > random_bits
-        code = start.add_(lower.int()) + up  # (not in place: the bits may be batched, y not)
     sign = y.view(torch.int32) >> 28
-    return code.bitwise_or_(sign.bitwise_and_(8)).to(torch.uint8)
+    return start.add_(n.int()).bitwise_or_(sign.bitwise_and_(8)).to(torch.uint8)
+
+
+def round_to_e2m1_values(y: torch.Tensor, random_bits: torch.Tensor | None = None) -> torch.Tensor:
+    """`e2m1_to_float32(round_to_e2m1(y, random_bits))`, bit for bit, without the codes:
+    `(...)` float32 E2M1 values with `y`'s sign (`-0.0` where a negative `y` rounds to 0)."""
+    _check_e2m1_input(y, "round_to_e2m1_values")
+    n, _, inv = _e2m1_steps(y, random_bits)
+    return n.div_(inv).copysign_(y)  # n * step: exact
+
+
+def _check_e2m1_input(y, api: str) -> None:
+    if y.dtype != torch.float32:  # (its bits are read as int32)
+        raise TypeError(f"fp8fn._numerics.nvfp4.{api}: expected float32 `y`, got {y.dtype}.")
 
 
 def e2m1_to_float32(codes: torch.Tensor) -> torch.Tensor:
@@ -202,6 +220,31 @@ def quantize_nvfp4(
       [6.0, -3.0, 0.5, 0.0]
     """
     _check_quantize_args(hp, tensor_scale, tile_2d, sr_bits)
+    scaled, block_scale, tensor_scale = _scaled(hp, tensor_scale, tile_2d)
+    return NVFP4(round_to_e2m1(scaled, _low_bits(sr_bits)), block_scale, tensor_scale)
+
+
+def quantize_dequantize_nvfp4(
+    hp: torch.Tensor,
+    tensor_scale: torch.Tensor | None = None,
+    *,
+    tile_2d: bool = False,
+    sr_bits: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`dequantize_nvfp4(*quantize_nvfp4(hp, ...))` in float32, bit for bit, without the codes
+    (what a GEMM operand that is not saved needs; a third faster on CPU).
+
+    Args and the quantization: as `quantize_nvfp4`. Returns `(..., k)` float32.
+    """
+    _check_quantize_args(hp, tensor_scale, tile_2d, sr_bits)
+    scaled, block_scale, tensor_scale = _scaled(hp, tensor_scale, tile_2d)
+    values = round_to_e2m1_values(scaled, _low_bits(sr_bits))
+    return _times_scales(values, block_scale, tensor_scale, torch.float32)
+
+
+def _scaled(hp, tensor_scale, tile_2d):
+    """`(scaled, block_scale, tensor_scale)` of `quantize_nvfp4`: `hp * encode` `(..., k)`
+    float32 (not yet clamped: the rounding clamps), and the two decode scales."""
     hp32 = hp.float()
     k = hp.shape[-1]
     blocks = pad_last(hp32, BLOCK).unflatten(-1, (-1, BLOCK))  # (..., m, kb, 16)
@@ -217,9 +260,20 @@ def quantize_nvfp4(
     # torchao's order of operations: amax / 6 first, then / tensor_scale, clamp, e4m3.
     block_scale = (amax / 6.0 / tensor_scale).clamp(2.0**-6, 448.0).to(E4M3)
     encode = (1.0 / tensor_scale) / block_scale.float()
-    scaled = (blocks * encode.unsqueeze(-1)).flatten(-2)[..., :k]  # round_to_e2m1 clamps
-    bits = None if sr_bits is None else sr_bits.long() & MASK32
-    return NVFP4(round_to_e2m1(scaled, bits), block_scale, tensor_scale)
+    return (blocks * encode.unsqueeze(-1)).flatten(-2)[..., :k], block_scale, tensor_scale
+
+
+def _low_bits(sr_bits):
+    """The low 32 bits of integer `sr_bits` as int64 in `[0, 2**32)`, or None."""
+    return None if sr_bits is None else sr_bits.long() & MASK32
+
+
+def _times_scales(values, block_scale, tensor_scale, dtype):
+    """`values` `(..., k)` float32 times `tensor_scale * block_scale` per block, in `dtype`."""
+    k = values.shape[-1]
+    scale = tensor_scale * block_scale.float()
+    blocks = pad_last(values, BLOCK).unflatten(-1, (-1, BLOCK))
+    return (blocks * scale.unsqueeze(-1)).flatten(-2)[..., :k].to(dtype)
 
 
 def dequantize_nvfp4(
@@ -242,10 +296,7 @@ def dequantize_nvfp4(
     Returns:
       `(..., k)` in `dtype`.
     """
-    k = codes.shape[-1]
-    values = pad_last(e2m1_to_float32(codes), BLOCK).unflatten(-1, (-1, BLOCK))
-    scale = tensor_scale * block_scale.float()
-    return (values * scale.unsqueeze(-1)).flatten(-2)[..., :k].to(dtype)
+    return _times_scales(e2m1_to_float32(codes), block_scale, tensor_scale, dtype)
 
 
 # -- random Hadamard transform -------------------------------------------------------------------
