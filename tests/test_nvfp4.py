@@ -327,6 +327,67 @@ def _scaled(hp, q):
     return (hp.float() * encode.repeat_interleave(16, -1)[..., : hp.shape[-1]]).clamp(-6, 6)
 
 
+def _e2m1_reference(y, bits=None):
+    """E2M1 codes of float32 `y` from the definition, in float64: |y| clamped to 6 (NaN: 0),
+    the nearest grid value with ties to the even code, or (`bits` `r`, Python ints) the
+    upper neighbour when `r < frac * 2**32`, `frac` the position between the neighbours."""
+    a = y.double().abs().clamp(max=6.0).nan_to_num(0.0)
+    lo = (GRID[None, :] <= a[:, None]).sum(1) - 1  # the largest grid index <= a
+    hi = torch.clamp(lo + (GRID[lo] < a).long(), max=7)
+    frac = ((a - GRID[lo]) / (GRID[hi] - GRID[lo]).clamp(min=0.5)).tolist()  # exact
+    up = []
+    for i, f in enumerate(frac):
+        if bits is None:  # nearest; a tie (f == 0.5) goes to the even index
+            up.append(f > 0.5 or (f == 0.5 and lo[i].item() % 2 == 1))
+        else:
+            up.append(bits[i] < f * 2**32)
+    code = lo + torch.tensor(up, dtype=torch.long)
+    return (code + 8 * torch.signbit(y).long()).to(torch.uint8)
+
+
+def test_round_to_e2m1_matches_a_float64_reference_at_the_edges():
+    """RTNE and SR against `_e2m1_reference`: every grid value, midpoint and their float32
+    neighbours, E2M1's subnormals (0.25, 0.5, 0.75), float32 subnormals, 6 and above, inf,
+    NaN of both signs, -0.0; SR with the bits just below, at and above `frac * 2**32`."""
+    grid = GRID.float()
+    mid = (grid[1:] + grid[:-1]) / 2
+    edges = torch.cat([grid, mid, torch.tensor([2.0**-149, 2.0**-126, 1e-30, 5.9, 6.5, 1e30])])
+    edges = torch.cat([edges, torch.nextafter(edges, edges + 1), torch.nextafter(edges, edges - 1)])
+    specials = torch.tensor([float("inf"), float("nan"), 0.0])
+    y = torch.cat([edges, -edges, specials, -specials])
+    assert torch.equal(nv.round_to_e2m1(y), _e2m1_reference(y))
+    # SR: for each value, bits at the threshold ceil(frac * 2**32) and one either side
+    a = y.double().abs().clamp(max=6.0).nan_to_num(0.0)
+    lo = (GRID[None, :] <= a[:, None]).sum(1) - 1
+    hi = torch.clamp(lo + (GRID[lo] < a).long(), max=7)
+    frac = ((a - GRID[lo]) / (GRID[hi] - GRID[lo]).clamp(min=0.5)).tolist()
+    for offset in (-1, 0, 1):
+        bits = [min(max(math.ceil(f * 2**32) + offset, 0), 2**32 - 1) for f in frac]
+        codes = nv.round_to_e2m1(y, torch.tensor(bits))
+        assert torch.equal(codes, _e2m1_reference(y, bits))
+    gen = torch.Generator().manual_seed(19)  # and random float32 bit patterns with random bits
+    y = torch.randint(-(2**31), 2**31, (20_000,), generator=gen).to(torch.int32).view(torch.float32)
+    bits = torch.randint(0, 2**32, y.shape, generator=gen)
+    assert torch.equal(nv.round_to_e2m1(y), _e2m1_reference(y))
+    assert torch.equal(nv.round_to_e2m1(y, bits), _e2m1_reference(y, bits.tolist()))
+
+
+@SETTINGS
+@given(hp=matrices(multiple_of_16=False, infinities=True), tile_2d=st.booleans(), sr=st.booleans())
+def test_quantize_dequantize_is_dequantize_of_quantize(hp, tile_2d, sr):
+    """The round trip without codes is `dequantize_nvfp4(*quantize_nvfp4(...))` bit for bit,
+    RTNE and SR, blocks and tiles, partial blocks, inf and NaN (a NaN block stays NaN)."""
+    if sr:
+        hp = hp.clone()
+        hp.view(-1)[::7] = float("nan")
+    bits = nv.random_bits(nv.make_key(20), 0, 2, hp.shape) if sr else None
+    expected = nv.dequantize_nvfp4(*nv.quantize_nvfp4(hp, tile_2d=tile_2d, sr_bits=bits))
+    assert same(nv.quantize_dequantize_nvfp4(hp, tile_2d=tile_2d, sr_bits=bits), expected)
+    y = torch.cat([hp.flatten(), -hp.flatten(), torch.tensor([float("nan"), -float("nan")])])
+    values = nv.e2m1_to_float32(nv.round_to_e2m1(y))
+    assert same(nv.round_to_e2m1_values(y), values)
+
+
 def test_sr_leaves_representable_values_unchanged():
     gen = torch.Generator().manual_seed(4)
     codes = torch.randint(0, 16, (8, 64), generator=gen, dtype=torch.uint8)
@@ -573,6 +634,39 @@ def test_mul32_and_mix32_are_exact_32_bit_arithmetic():
         assert nv._mul32(x, c).tolist() == [(v * c) % 2**32 for v in x.tolist()]
     mixed = nv.mix32(torch.arange(100_000))
     assert mixed.unique().numel() == 100_000 and mixed.max() < 2**32
+
+
+def _random_bits_reference(key, site, role, stream, counters):
+    """`random_bits` from its definition in Python ints (exact 32-bit arithmetic)."""
+
+    def mix(x):
+        x ^= x >> 16
+        x = x * 0x7FEB352D % 2**32
+        x ^= x >> 15
+        x = x * 0x846CA68B % 2**32
+        return x ^ (x >> 16)
+
+    lane_a, lane_b = 0x243F6A88, 0x13198A2E
+    for word in (key % 2**32, (key >> 32) % 2**32, site % 2**32, role % 2**32, stream):
+        lane_a, lane_b = mix(lane_a ^ word), mix(lane_b ^ word ^ 0x85A308D3)
+    out = []
+    for i in counters:
+        high = (i >> 32) % 2**32 * 0x9E3779B9 % 2**32
+        out.append(mix(mix(lane_a ^ (i % 2**32)) ^ lane_b ^ high))
+    return out
+
+
+@pytest.mark.parametrize("key", [0, 4073552104164651883, 2**63 - 1, -5])
+def test_random_bits_match_a_python_int_reference(key):
+    """The int32 wrap-around arithmetic gives the exact 32-bit hash: counters in order (odd
+    length, past the vector width), and given counters with high words, negative ones."""
+    k = torch.tensor(key)
+    bits = nv.random_bits(k, 2**32 + 7, -3, (5, 7), stream=6)
+    assert bits.flatten().tolist() == _random_bits_reference(key, 2**32 + 7, -3, 6, range(35))
+    counters = [0, 1, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**40 + 3, 2**63 - 1, -1, -(2**63)]
+    index = torch.tensor(counters)
+    bits = nv.random_bits(k, 5, 2, index.shape, index=index)
+    assert bits.tolist() == _random_bits_reference(key, 5, 2, 0, counters)
 
 
 def test_make_key():

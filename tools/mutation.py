@@ -734,7 +734,12 @@ MUTATIONS += [
         "nvfp4-bias-grad-quantized",
         "NVFP4: the bias gradient summed from the quantized output gradient (a fused dbias)",
         "_ops/nvfp4.py",
-        (("grad_b = g.sum(0).to(b_dtype)", "grad_b = _deq(quantize_nvfp4(g)).sum(0).to(b_dtype)"),),
+        (
+            (
+                "grad_b = g.sum(0).to(b_dtype)",
+                "grad_b = quantize_dequantize_nvfp4(g).sum(0).to(b_dtype)",
+            ),
+        ),
     ),
     Mutation(
         "fsdp-batched-scales-margin-dropped",

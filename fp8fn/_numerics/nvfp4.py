@@ -57,14 +57,35 @@ class NVFP4(NamedTuple):
 # -- E2M1 ------------------------------------------------------------------------------------------
 
 
+def _e2m1_steps(y: torch.Tensor, random_bits: torch.Tensor | None):
+    """`(n, e, inv)`: `|y|` (float32, clamped to 6, NaN as 0) rounded to E2M1 in steps of its
+    range (`n` float32, integers 0 to 4), the exponent field of the range's start (`e` int32:
+    that of 1, 2 or 4), and `1 / step` (`inv` float32: 2, 1 or 0.5). See `round_to_e2m1`."""
+    a = y.abs().clamp_max_(6.0).nan_to_num_(0.0)  # (clamp_ has no vmap rule)
+    # the exponent field of 1, 2 or 4 (a <= 6): the range's start (0 below 2, whose step is 0.5)
+    e = (a.view(torch.int32) & 0x7F800000).clamp_min_(0x3F800000)
+    inv = (0x7F800000 - e).view(torch.float32)
+    t = a.mul_(inv)  # |y| / step, exact
+    if random_bits is None:  # 2**23 + t rounds t to an integer, ties to even
+        return t.add_(2.0**23).sub_(2.0**23), e, inv
+    # frac(t) * 2**32 is exact in float32; r < it <=> r < its ceil
+    lower = torch.floor(t)
+    up = t.sub_(lower).mul_(2.0**32).ceil_().long() > random_bits
+    return lower + up, e, inv  # (not in place: the bits may be batched, y not)
+
+
 def round_to_e2m1(y: torch.Tensor, random_bits: torch.Tensor | None = None) -> torch.Tensor:
     """E2M1 codes of `y`, saturated to +-6: round-to-nearest-even, or stochastic rounding.
 
     The E2M1 grid is uniform within three ranges: step 0.5 on [0, 2), 1 on [2, 4), 2 on
-    [4, 6]. In grid steps above the range's start (exact in float32), the magnitude rounds to
-    nearest, ties to the even code (= even mantissa), or, given `random_bits` `r`, rounds up
-    when `r < frac * 2**32` (`frac` the fraction of a step): up with probability
-    `ceil(frac * 2**32) / 2**32`, so exactly representable values never move.
+    [4, 6]. In steps (`t = |y| / step`, exact in float32), the magnitude rounds to nearest,
+    ties to the even code (= even mantissa), or, given `random_bits` `r`, rounds up when
+    `r < frac(t) * 2**32`: up with probability `ceil(frac(t) * 2**32) / 2**32`, so exactly
+    representable values never move.
+
+    Computed on the float32 bits, without selects (a few times faster on CPU than
+    `torch.where` per range): the step is `2**(e - 1)` for the exponent `e` of `|y|` clamped
+    below at 0, the code is `2 * e + t` rounded (RTNE: adding and taking `2**23`, ulp 1).
 
     Args:
       y: `(...)` float32, already scaled; `+-inf` saturates to +-6; NaN gives code 0 (with
@@ -74,28 +95,35 @@ def round_to_e2m1(y: torch.Tensor, random_bits: torch.Tensor | None = None) -> t
     Returns:
       `(...)` uint8 codes: bit 3 the sign, bits 0-2 the magnitude's index in the grid.
     """
-    a = y.abs().clamp(max=6.0)
-    below2, below4 = a < 2.0, a < 4.0
-    start = torch.where(below2, 0.0, torch.where(below4, 4.0, 6.0))
-    steps = torch.where(below2, a * 2.0, torch.where(below4, a - 2.0, (a - 4.0) * 0.5))
-    if random_bits is None:
-        index = start + torch.round(steps)
-    else:
-        lower = torch.floor(steps)
-        up = (steps - lower).double() * 2.0**32 > random_bits.double()
-        index = start + lower + up
-    index = torch.where(torch.isnan(a), 0.0, index).to(torch.uint8)
-    return index | (torch.signbit(y).to(torch.uint8) << 3)
+    _check_e2m1_input(y, "round_to_e2m1")
+    n, e, _ = _e2m1_steps(y, random_bits)
+    start = e.bitwise_right_shift_(22).sub_(254)  # 0, 2, 4: the code of the range's start
+    sign = y.view(torch.int32) >> 28
+    return start.add_(n.int()).bitwise_or_(sign.bitwise_and_(8)).to(torch.uint8)
+
+
+def round_to_e2m1_values(y: torch.Tensor, random_bits: torch.Tensor | None = None) -> torch.Tensor:
+    """`e2m1_to_float32(round_to_e2m1(y, random_bits))`, bit for bit, without the codes:
+    `(...)` float32 E2M1 values with `y`'s sign (`-0.0` where a negative `y` rounds to 0)."""
+    _check_e2m1_input(y, "round_to_e2m1_values")
+    n, _, inv = _e2m1_steps(y, random_bits)
+    return n.div_(inv).copysign_(y)  # n * step: exact
+
+
+def _check_e2m1_input(y, api: str) -> None:
+    if y.dtype != torch.float32:  # (its bits are read as int32)
+        raise TypeError(f"fp8fn._numerics.nvfp4.{api}: expected float32 `y`, got {y.dtype}.")
 
 
 def e2m1_to_float32(codes: torch.Tensor) -> torch.Tensor:
     """The float32 values of E2M1 `codes` (`(...)` uint8 in [0, 16)); code 8 is -0.0.
 
-    Gathered from a table of the 16 values (a few times faster on CPU than arithmetic).
+    Gathered from a table of the 16 values (a few times faster on CPU than arithmetic; with
+    int32 indices, `index_select` is a few times faster than indexing with int64).
     """
     grid = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
     table = torch.tensor(grid + [-v for v in grid], dtype=torch.float32, device=codes.device)
-    return table[codes.long()]
+    return table.index_select(0, codes.int().reshape(-1)).reshape(codes.shape)
 
 
 def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
@@ -192,9 +220,32 @@ def quantize_nvfp4(
       [6.0, -3.0, 0.5, 0.0]
     """
     _check_quantize_args(hp, tensor_scale, tile_2d, sr_bits)
+    scaled, block_scale, tensor_scale = _scaled(hp, tensor_scale, tile_2d)
+    return NVFP4(round_to_e2m1(scaled, _low_bits(sr_bits)), block_scale, tensor_scale)
+
+
+def quantize_dequantize_nvfp4(
+    hp: torch.Tensor,
+    tensor_scale: torch.Tensor | None = None,
+    *,
+    tile_2d: bool = False,
+    sr_bits: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`dequantize_nvfp4(*quantize_nvfp4(hp, ...))` in float32, bit for bit, without the codes
+    (what a GEMM operand that is not saved needs; about a quarter less time on CPU).
+
+    Args and the quantization: as `quantize_nvfp4`. Returns `(..., k)` float32.
+    """
+    _check_quantize_args(hp, tensor_scale, tile_2d, sr_bits)
+    scaled, block_scale, tensor_scale = _scaled(hp, tensor_scale, tile_2d)
+    values = round_to_e2m1_values(scaled, _low_bits(sr_bits))
+    return _times_scales(values, block_scale, tensor_scale, torch.float32)
+
+
+def _scaled(hp, tensor_scale, tile_2d):
+    """`(scaled, block_scale, tensor_scale)` of `quantize_nvfp4`: `hp * encode` `(..., k)`
+    float32 (not yet clamped: the rounding clamps), and the two decode scales."""
     hp32 = hp.float()
-    if tensor_scale is None:
-        tensor_scale = tensor_scale_from_amax(hp32.abs().amax())
     k = hp.shape[-1]
     blocks = pad_last(hp32, BLOCK).unflatten(-1, (-1, BLOCK))  # (..., m, kb, 16)
     if tile_2d:
@@ -203,13 +254,26 @@ def quantize_nvfp4(
         tile_amax = tiles.abs().amax((-3, -1))  # (..., mb, kb)
         amax = tile_amax.repeat_interleave(BLOCK, dim=-2)[..., :m, :]
     else:
-        amax = blocks.abs().amax(-1)
+        tile_amax = amax = blocks.abs().amax(-1)
+    if tensor_scale is None:  # the amax of the blocks' amaxes: the tensor's
+        tensor_scale = tensor_scale_from_amax(tile_amax.amax())
     # torchao's order of operations: amax / 6 first, then / tensor_scale, clamp, e4m3.
     block_scale = (amax / 6.0 / tensor_scale).clamp(2.0**-6, 448.0).to(E4M3)
     encode = (1.0 / tensor_scale) / block_scale.float()
-    scaled = (blocks * encode.unsqueeze(-1)).clamp(-6.0, 6.0).flatten(-2)[..., :k]
-    bits = None if sr_bits is None else sr_bits.long() & MASK32
-    return NVFP4(round_to_e2m1(scaled, bits), block_scale, tensor_scale)
+    return (blocks * encode.unsqueeze(-1)).flatten(-2)[..., :k], block_scale, tensor_scale
+
+
+def _low_bits(sr_bits):
+    """The low 32 bits of integer `sr_bits` as int64 in `[0, 2**32)`, or None."""
+    return None if sr_bits is None else sr_bits.long() & MASK32
+
+
+def _times_scales(values, block_scale, tensor_scale, dtype):
+    """`values` `(..., k)` float32 times `tensor_scale * block_scale` per block, in `dtype`."""
+    k = values.shape[-1]
+    scale = tensor_scale * block_scale.float()
+    blocks = pad_last(values, BLOCK).unflatten(-1, (-1, BLOCK))
+    return (blocks * scale.unsqueeze(-1)).flatten(-2)[..., :k].to(dtype)
 
 
 def dequantize_nvfp4(
@@ -232,10 +296,7 @@ def dequantize_nvfp4(
     Returns:
       `(..., k)` in `dtype`.
     """
-    k = codes.shape[-1]
-    values = pad_last(e2m1_to_float32(codes), BLOCK).unflatten(-1, (-1, BLOCK))
-    scale = tensor_scale * block_scale.float()
-    return (values * scale.unsqueeze(-1)).flatten(-2)[..., :k].to(dtype)
+    return _times_scales(e2m1_to_float32(codes), block_scale, tensor_scale, dtype)
 
 
 # -- random Hadamard transform -------------------------------------------------------------------
@@ -267,17 +328,18 @@ def random_hadamard(x: torch.Tensor, signs: torch.Tensor, *, inverse: bool = Fal
             "Use hadamard_signs(key, site, role)."
         )
     dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    y = pad_last(x.to(dtype), BLOCK)
+    y = pad_last(x.to(dtype), BLOCK).contiguous()  # (a transposed operand: strided is slow)
     d = signs.to(dtype).repeat(y.shape[-1] // BLOCK)
-    if not inverse:
-        y = y * d
-    y = y.unflatten(-1, (-1, BLOCK))
-    for half in (1, 2, 4, 8):
-        pairs = y.unflatten(-1, (-1, 2, half))
+    src = y if inverse else y * d
+    dst = torch.empty_like(src)
+    for half in (1, 2, 4, 8):  # each stage written into the other buffer (in place: vmap-safe)
+        pairs, out = src.unflatten(-1, (-1, 2, half)), dst.unflatten(-1, (-1, 2, half))
         a, b = pairs[..., 0, :], pairs[..., 1, :]
-        y = torch.stack((a + b, a - b), dim=-2).flatten(-3)
-    y = y.flatten(-2) * 0.25
-    return y * d if inverse else y
+        out[..., 0, :].copy_(a).add_(b)
+        out[..., 1, :].copy_(a).sub_(b)
+        src, dst = dst, (torch.empty_like(src) if src is y else src)  # y may be `x`: kept
+    src = src.mul_(0.25)
+    return src * d if inverse else src
 
 
 # -- randomness as data: a counter-based generator --------------------------------------------
@@ -298,6 +360,31 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
     x = x ^ (x >> 15)
     x = _mul32(x, 0x846CA68B)
     return x ^ (x >> 16)
+
+
+def _mix32_wrapping(x: torch.Tensor) -> torch.Tensor:
+    """`mix32` of int32 `x` holding the 32 bits (two's complement), in place: the same bits.
+
+    Multiplies with int32 wrap-around (the low 32 bits of the product, as torch's CPU and
+    CUDA kernels and Triton compute it; tested against `mix32`) and shifts logically
+    (the arithmetic shift, masked): 4 bytes an element and a third of `mix32`'s passes.
+    """
+    x ^= (x >> 16) & 0xFFFF
+    x *= 0x7FEB352D
+    x ^= (x >> 15) & 0x1FFFF
+    x *= 0x846CA68B - 2**32  # as int32
+    x ^= (x >> 16) & 0xFFFF
+    return x
+
+
+def _as_int32(x: torch.Tensor) -> torch.Tensor:
+    """int64 `x` in `[0, 2**32)` as int32 holding the same 32 bits."""
+    return ((x ^ 0x80000000) - 0x80000000).to(torch.int32)
+
+
+def _int32(word: int) -> int:
+    """The low 32 bits of `word` as a signed 32-bit value."""
+    return ((word & MASK32) ^ 0x80000000) - 0x80000000
 
 
 def _check_key(key, api: str) -> None:
@@ -325,8 +412,9 @@ def random_bits(
 
     A counter-based generator: two 32-bit lanes absorb the key's halves, `site`, `role` and
     `stream` through `mix32`; element `i` (row-major index) gets two more rounds mixing `i`
-    with the lanes. Only int64 ops on values below 2**49 (no overflow), so the bits are the
-    same on every device, eagerly and under `torch.compile`.
+    with the lanes, in int32 with wrap-around (`_mix32_wrapping`: the bits of `mix32`'s exact
+    int64 arithmetic), so they are the same on every device, eagerly and under
+    `torch.compile`.
 
     Args:
       key: `()` int64 tensor (see `make_key`).
@@ -341,20 +429,27 @@ def random_bits(
       `shape` int64 with values in `[0, 2**32)`, on `key`'s device.
     """
     _check_key(key, "fp8fn._numerics.nvfp4.random_bits")
-    lane_a = key.new_tensor(0x243F6A88)
-    lane_b = key.new_tensor(0x13198A2E)
-    for word in (key & MASK32, (key >> 32) & MASK32, site, role, stream):
-        word = word & MASK32
-        lane_a = mix32(lane_a ^ word)
-        lane_b = mix32(lane_b ^ word ^ 0x85A308D3)
+    # the two lanes side by side (`lane_b` absorbs each word salted): 1/3 the small ops
+    lanes = torch.tensor([0x243F6A88, 0x13198A2E], dtype=torch.int32, device=key.device)
+    salt = torch.tensor([0, 0x85A308D3 - 2**32], dtype=torch.int32, device=key.device)
+    for word in (key, key >> 32, site, role, stream):
+        word = _as_int32(word & MASK32) if isinstance(word, torch.Tensor) else _int32(word)
+        lanes = _mix32_wrapping(lanes ^ salt ^ word)
+    lane_a, lane_b = lanes[0], lanes[1]
     n = torch.Size(shape).numel()
-    short = index is None and n <= 2**32  # given counters may lie anywhere: the full form
-    if index is None:
-        index = torch.arange(n, device=key.device).view(shape)
-    if short:  # the same bits, without the high word's terms (0 below 2**32)
-        return mix32(mix32(lane_a ^ index) ^ lane_b)
-    x = mix32(lane_a ^ (index & MASK32))
-    return mix32(x ^ lane_b ^ _mul32(index >> 32, 0x9E3779B9))
+    high = None  # the counters' high words' term, 0 below 2**32
+    if index is None and n <= 2**31:  # the counters in int32
+        x = torch.arange(n, dtype=torch.int32, device=key.device).view(shape)
+    else:  # given counters may lie anywhere: the full form
+        if index is None:
+            index = torch.arange(n, device=key.device).view(shape)
+        x = _as_int32(index & MASK32)
+        high = _as_int32(_mul32(index >> 32, 0x9E3779B9))
+    x = _mix32_wrapping(x ^ lane_a)  # (not in place: a vmapped key batches x)
+    x ^= lane_b
+    if high is not None:
+        x ^= high
+    return _mix32_wrapping(x).long() & MASK32
 
 
 def hadamard_signs(

@@ -40,6 +40,7 @@ from .._numerics.nvfp4 import (
     dequantize_nvfp4,
     hadamard_signs,
     pack_e2m1,
+    quantize_dequantize_nvfp4,
     quantize_nvfp4,
     random_bits,
     random_hadamard,
@@ -90,10 +91,6 @@ def _hadamard(t, key, site, recipe):
     return random_hadamard(t, hadamard_signs(key, site, DRAW_GRAD_WEIGHT))
 
 
-def _weight_for_output(weight, recipe) -> NVFP4:
-    return quantize_nvfp4(weight, tile_2d=recipe.weight_2d)
-
-
 def weight_for_grad_input(weight, recipe) -> NVFP4:
     """`weight` quantized along n: its 16 x 16 tiles (`(n, k)`, as the forward's), or
     `weight.T` `(k, n)` in blocks along n."""
@@ -107,24 +104,22 @@ def x_for_grad_weight(x, key, site, recipe) -> NVFP4:
     return quantize_nvfp4(_hadamard(x.t(), key, site, recipe))
 
 
-def _deq(q: NVFP4) -> torch.Tensor:
-    return dequantize_nvfp4(*q)
-
-
 # -- the three GEMMs (float32 results) -------------------------------------------------------------
 
 
 def output_gemm(x, weight, recipe) -> torch.Tensor:
     """`x` `(m, k)` times `weight` `(n, k)` transposed, both quantized along k: `(m, n)`."""
-    return torch.mm(_deq(quantize_nvfp4(x)), _deq(_weight_for_output(weight, recipe)).t())
+    w_values = quantize_dequantize_nvfp4(weight, tile_2d=recipe.weight_2d)
+    return torch.mm(quantize_dequantize_nvfp4(x), w_values.t())
 
 
 def grad_input_gemm(g, w_values, key, site, rank, recipe) -> torch.Tensor:
     """`g` float32 `(m, n)` quantized along n (stochastic rounding: draw `DRAW_GRAD_INPUT`)
     times the weight's `weight_for_grad_input` values `w_values` (float32 `(n, k)` tiles, or
     `(k, n)` blocks along n): `(m, k)`."""
-    g_q = quantize_nvfp4(g, sr_bits=_sr_bits(key, site, DRAW_GRAD_INPUT, g.shape, rank, recipe))
-    return torch.mm(_deq(g_q), w_values if recipe.weight_2d else w_values.t())
+    bits = _sr_bits(key, site, DRAW_GRAD_INPUT, g.shape, rank, recipe)
+    g_values = quantize_dequantize_nvfp4(g, sr_bits=bits)
+    return torch.mm(g_values, w_values if recipe.weight_2d else w_values.t())
 
 
 def grad_weight_gemm(g, x_values, key, site, rank, recipe) -> torch.Tensor:
@@ -133,7 +128,7 @@ def grad_weight_gemm(g, x_values, key, site, rank, recipe) -> torch.Tensor:
     transposed: `(n, k)`."""
     g_t = _hadamard(g.t(), key, site, recipe)  # (n, m) or (n, 16 * ceil(m / 16))
     bits = _sr_bits(key, site, DRAW_GRAD_WEIGHT, g_t.shape, rank, recipe)
-    return torch.mm(_deq(quantize_nvfp4(g_t, sr_bits=bits)), x_values.t())
+    return torch.mm(quantize_dequantize_nvfp4(g_t, sr_bits=bits), x_values.t())
 
 
 # -- the op ---------------------------------------------------------------------------------------
