@@ -104,14 +104,24 @@ def _compiles(model, batch, loss_of, route):
 
 
 def _plain_entries(model, batch, loss_of) -> dict:
-    """`_entries_per_frame()` of one step of `model` compiled without fp8fn (plain autograd)."""
+    """`_entries_per_frame()` after `STEPS` SGD steps of `model` compiled without fp8fn (plain
+    autograd, new parameter tensors every step). One step is not enough: a layer's frame that
+    torch compiles once at the first step may compile again at the second (DeepSeek-V3 with
+    eager experts: the decoder layer's frame, 1 entry after one step, 2 from the second on)."""
     torch._dynamo.reset()
-    params = {k: v.detach().clone().requires_grad_() for k, v in model.named_parameters()}
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
 
     def apply(p, _, *args, **kwargs):
         return torch.func.functional_call(model, p, args, kwargs)
 
-    torch.compile(loss_of(apply), backend=CompileCounter())(params, None, batch).backward()
+    step = torch.compile(loss_of(apply), backend=CompileCounter())
+    for _ in range(STEPS):
+        leaves = {k: v.clone().requires_grad_() for k, v in params.items()}
+        step(leaves, None, batch).backward()
+        params = {
+            k: v if leaves[k].grad is None else (v - 0.1 * leaves[k].grad).detach()
+            for k, v in params.items()
+        }
     entries = _entries_per_frame()
     torch._dynamo.reset()
     return entries
