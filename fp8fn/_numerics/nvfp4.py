@@ -365,8 +365,9 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
 def _mix32_wrapping(x: torch.Tensor) -> torch.Tensor:
     """`mix32` of int32 `x` holding the 32 bits (two's complement), in place: the same bits.
 
-    Multiplies with int32 wrap-around (the low 32 bits of the product, as torch's CPU and
-    CUDA kernels and Triton compute it; tested against `mix32`) and shifts logically
+    Multiplies with int32 wrap-around (the low 32 bits of the product, as torch's CPU kernels
+    and inductor's CPU code compute it, tested against `mix32`; CUDA and Triton are expected to
+    wrap alike, not verified: no GPU has run it) and shifts logically
     (the arithmetic shift, masked): 4 bytes an element and a third of `mix32`'s passes.
     """
     x ^= (x >> 16) & 0xFFFF
