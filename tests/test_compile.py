@@ -585,16 +585,29 @@ def _kernels_reading_input(numel: int) -> int:
     )
 
 
+def _kernels_writing(dtype: torch.dtype) -> int:
+    """How many of the kernels inductor generated since `metrics.reset()` write a buffer of
+    `dtype`."""
+    from torch._inductor import metrics
+
+    return sum(
+        any(buf.node.get_dtype() == dtype for buf in node.get_outputs())
+        for node, _ in metrics.nodes_num_elem
+        if not node.is_extern()
+    )
+
+
 @pytest.mark.parametrize("plain", [False, True], ids=["parameter", "plain"])
-def test_compiled_middle_layer_reads_x_and_w_once(plain, monkeypatch):
+def test_compiled_middle_layer_reads_x_w_and_dy_once(plain, monkeypatch):
     # A middle layer (x needs its gradient) at steady state on the scaled_mm path: the compiled
     # step (forward and backward graphs) reads the bf16 weight in one kernel, which also writes
     # both float8 layouts and takes the amax, whether the weight is the module's Parameter
     # (which the partitioner would rather re-read in the backward than save the float8 copy)
     # or a plain tensor; x in one kernel (its cast and amax; grad_weight's transposed copy
-    # loads the float8 bytes, `_stored`: 2 kernels read x without it); the saved output, from
-    # which the loss's backward makes dY, in two (dY's flat and transposed casts); the step is
-    # eager's, bit for bit (output gradient, weight gradient, observations).
+    # loads the float8 bytes, `_stored`: 2 kernels read x without it); the output gradient dY
+    # in one kernel, which writes both its e5m2 layouts and takes its amax by rows
+    # (`_both_layouts`: 2 kernels read dY and 2 write e5m2 without it); the step is eager's,
+    # bit for bit (output gradient, weight gradient, observations).
     from torch._inductor import metrics
 
     monkeypatch.setattr(torch._inductor.config, "force_disable_caches", True)  # count compiles
@@ -624,8 +637,50 @@ def test_compiled_middle_layer_reads_x_and_w_once(plain, monkeypatch):
         eager = step(fn.apply)
         metrics.reset()
         compiled = step(torch.compile(fn.apply, fullgraph=True))
-        # the weight (80, 48), x (32, 48), the saved output (32, 80)
-        assert [_kernels_reading_input(n) for n in (80 * 48, 32 * 48, 32 * 80)] == [1, 1, 2]
+        # the weight (80, 48), x (32, 48), dY (32, 80); dY's two e5m2 layouts: one kernel
+        assert [_kernels_reading_input(n) for n in (80 * 48, 32 * 48, 32 * 80)] == [1, 1, 1]
+        assert _kernels_writing(torch.float8_e5m2) == 1
+    finally:
+        torch._logging.set_logs()
+    assert_bit_identical(compiled, eager)
+
+
+def test_compiled_hidden_layer_reads_its_output_gradient_once(monkeypatch):
+    # A hidden layer (Linear, ReLU, Linear) at steady state on the scaled_mm path: one kernel
+    # reads what the layer's output gradient dY is made of (the next layer's grad_input and the
+    # saved output h, for the ReLU's mask), writes both e5m2 layouts of dY, takes its amax by
+    # rows and recomputes the next layer's transposed float8 input from h (without
+    # `_both_layouts`, 3 kernels write e5m2: the hidden dY's layouts in two). The step is
+    # eager's, bit for bit.
+    from torch._inductor import metrics
+
+    monkeypatch.setattr(torch._inductor.config, "force_disable_caches", True)
+    torch._logging.set_logs(inductor_metrics=True)
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(48, 80, bias=False), nn.ReLU(), nn.Linear(80, 16))
+        model = model.to(torch.bfloat16)
+        x = torch.randn(32, 48, dtype=torch.bfloat16)  # h: (32, 80), 2560 elements
+        fn = fp8fn.transform(model, fp8fn.DelayedScaling(backend="scaled_mm"))
+        params = dict(model.named_parameters())
+        state = fn.init(x)
+        observed = fp8fn.observe(state)
+        fn.apply(params, observed, x).float().square().mean().backward()
+        state = fp8fn.update(state, fp8fn.observations(observed))
+
+        def step(run):
+            for p in params.values():
+                p.grad = None
+            observed = fp8fn.observe(state)
+            run(params, observed, x).float().square().mean().backward()
+            return [p.grad for p in params.values()], fp8fn.observations(observed)
+
+        eager = step(fn.apply)
+        metrics.reset()
+        compiled = step(torch.compile(fn.apply, fullgraph=True))
+        # h: the kernel that makes the hidden layer's dY (ReLU mask), and the next layer's x
+        # amax, which the partitioner recomputes from h as a flat loop; e5m2: a kernel a layer
+        assert (_kernels_reading_input(32 * 80), _kernels_writing(torch.float8_e5m2)) == (2, 2)
     finally:
         torch._logging.set_logs()
     assert_bit_identical(compiled, eager)

@@ -203,6 +203,23 @@ def _stored(fp8):
     return fp8.as_strided(fp8.shape, fp8.stride())
 
 
+def _both_layouts(fp8):
+    """`(fp8, fp8_t)`: `fp8` `(m, n)` and its transpose `(n, m)`, for the backward's two GEMMs
+    (grad_input wants `fp8` row-major, grad_weight its transpose row-major).
+
+    Compiled on CPU, the transposed copy is stored (`_stored`) and `fp8` is its transpose: with
+    the output gradient's amax taken by rows (`_after_gemm`), inductor then makes both layouts
+    and the amax in one loop over the gradient's two dims, reading it once. As `(fp8, fp8.t())`
+    the GEMM's copy of `fp8` is a loop over its flat elements, which inductor's CPU scheduler
+    does not fuse with the transposed copy's (their sizes are `(m, n)` and `(n, m)`): the
+    gradient was read twice. The same values. Eager, and on other devices, `(fp8, fp8.t())`
+    (as `_stored`: not verified on a GPU)."""
+    if not torch.compiler.is_compiling() or fp8.device.type != "cpu":
+        return fp8, fp8.t()
+    fp8_t = _stored(fp8.t().contiguous())
+    return fp8_t.t(), fp8_t
+
+
 def _role(newest, stored, filled, role: int):
     """`(newest, stored, filled)` of one role (0 input, 1 weight, 2 grad_output): float32 `()`
     views, or None for current scaling; whether its history is known non-empty."""
@@ -239,7 +256,8 @@ def _cast_grad_output(grad_out, newest, stored, ctx, observe):
         return backward_cast(grad_out, gn, gs, ctx.margin, known, rowmajor, observe)
     if ctx.filled is not None and ctx.filled[2]:
         g_fp8 = cast_to_fp8(grad_out, stored[2], E5M2)
-        return g_fp8, g_fp8.t(), stored[2].reciprocal(), None
+        g_fp8, g_fp8_t = _both_layouts(g_fp8) if ctx.backend == "scaled_mm" else (g_fp8, g_fp8.t())
+        return g_fp8, g_fp8_t, stored[2].reciprocal(), None
     g_amax = amax(grad_out)
     whole = _whole(ctx.place, g_amax, (2,))
     g_fp8, g_inv = cast_grad_output(grad_out, whole, newest, stored, ctx.margin)
@@ -335,10 +353,11 @@ class _Fp8LinearOp(torch.autograd.Function):
             if needs[2]:
                 grads[2] = grad_out.float().sum(0).to(b_dtype)
             if needs[3] and observed is None:  # the stored scale: g's amax after the GEMMs
-                # (compiled, a scaled_mm backward that needs `g` only as `g_fp8_t` writes it
-                # from a loop over `g`'s two dims: see `_after_gemm`)
-                alone_t = not needs[0] and ctx.backend == "scaled_mm"
-                g_amax = _after_gemm(None, grad_out, alone_t and torch.compiler.is_compiling())
+                # (compiled, a scaled_mm backward writes `g_fp8_t` from a loop over `g`'s two
+                # dims, and on CPU `g_fp8` in it too: see `_after_gemm`, `_both_layouts`)
+                by_rows = not needs[0] or grad_out.device.type == "cpu"
+                by_rows = by_rows and ctx.backend == "scaled_mm" and torch.compiler.is_compiling()
+                g_amax = _after_gemm(None, grad_out, by_rows)
                 observed = observation(x_amax, w_amax, g_amax)
             grads[:3] = ctx.place.place_grads(grads[:3])
             if needs[3]:  # [x_amax, w_amax, g_amax], made here: at the backward's level
