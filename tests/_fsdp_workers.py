@@ -728,12 +728,21 @@ def fsdp2_split_attention(rank):
     fn = fp8fn.transform(model, RECIPE)
     state = fn.init(_shard(_batch(0), rank))
     assert list(state) == list(ref_state) and "attn.k_proj" in list(state)
+    _two_steps_like_one_process(rank, (model, fn, state), (ref, ref_fn, ref_state))
+
+
+def _two_steps_like_one_process(rank, sharded, one, observed=()):
+    """2 SGD steps of `sharded` `(model, fn, state)` on this rank's rows and of `one` (the same
+    on one process, all rows): the states bitwise equal after each step (and each site of
+    `observed` with a filled input history), the params within 1e-5 at the end."""
+    (model, fn, state), (ref, ref_fn, ref_state) = sharded, one
     ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     for step in range(2):
         ref_state = reference_step(ref, ref_fn, ref_state, _batch(step), ref_opt)
         state = rank_step(model, fn, state, _shard(_batch(step), rank), opt)
         assert_bit_identical(state, ref_state)
+        assert all(bool(state[s].input.amax_history[0] > 0) for s in observed)
     for name, p in model.named_parameters():
         want = dict(ref.named_parameters())[name]
         assert ((_full(p) - want).norm() / want.norm()).item() < 1e-5, name
@@ -785,16 +794,7 @@ def fsdp2_packed_cross_attention(rank):
     assert "self_attn.in_proj" in state and "self_attn.in_proj#1" not in state
     assert list(state) == list(ref_state) and set(slices) <= set(state)
     assert "float8 DelayedScaling" in fn.summary().split("qkv.in_proj_weight")[1].split("\n")[0]
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    for step in range(2):
-        ref_state = reference_step(ref, ref_fn, ref_state, _batch(step), ref_opt)
-        state = rank_step(model, fn, state, _shard(_batch(step), rank), opt)
-        assert_bit_identical(state, ref_state)
-        assert all(bool(state[s].input.amax_history[0] > 0) for s in slices)  # each observed
-    for name, p in model.named_parameters():
-        want = dict(ref.named_parameters())[name]
-        assert ((_full(p) - want).norm() / want.norm()).item() < 1e-5, name
+    _two_steps_like_one_process(rank, (model, fn, state), (ref, ref_fn, ref_state), slices)
 
 
 def fp8_all_gather_errors(rank):
