@@ -8,7 +8,7 @@ values copied in place into a state whose histories were all filled): the filled
 
 import pytest
 import torch
-from _helpers import CountHostReads, assert_bit_identical
+from _helpers import CountHostReads, CountOps, assert_bit_identical
 
 import fp8fn
 
@@ -179,3 +179,61 @@ def test_stacked_members_that_fill_at_different_steps():
     (_, obs), _ = ensemble(params, init, x)
     seen = obs.amax_history[..., 0] > 0
     assert not torch.equal(seen[0], seen[1])
+
+
+def _linear_step(route):
+    """`(params, state, x) -> ((grads, obs), loss)` of three chained `fp8fn.linear` calls (sites
+    a, b, c; GELUs between), on torch.func (`grad_and_value`) or plain autograd (`observe`,
+    `backward`)."""
+
+    def loss(params, state, x):
+        h = torch.nn.functional.gelu(
+            fp8fn.linear(x, params["a"], None, state["a"], DELAYED_MARGIN_2)
+        )
+        h = torch.nn.functional.gelu(
+            fp8fn.linear(h, params["b"], None, state["b"], DELAYED_MARGIN_2)
+        )
+        return (
+            (fp8fn.linear(h, params["c"], None, state["c"], DELAYED_MARGIN_2) - 1.0).square().mean()
+        )
+
+    if route == "func":
+        return torch.func.grad_and_value(loss, argnums=(0, 1))
+
+    def step(params, state, x):
+        leaves = {k: p.detach().requires_grad_() for k, p in params.items()}
+        observed = fp8fn.observe(state)
+        value = loss(leaves, observed, x)
+        value.backward()
+        return (
+            {k: p.grad for k, p in leaves.items()},
+            fp8fn.observations(observed),
+        ), value.detach()
+
+    return step
+
+
+@pytest.mark.parametrize("route", ["func", "autograd"])
+def test_functional_linear_knows_its_sites_filled_from_updates_mark(route):
+    """`fp8fn.linear` on `state[site]` of a state `update` made casts a role with the stored
+    scale alone where `update` marked its history filled (no current scale chosen in the graph),
+    bit for bit the loop where that is unknown or stale, also while the roles of the sites
+    around a zero-initialized middle weight fill late."""
+    fn, params, x = _mlp([2])
+    params = dict(zip("abc", params.values()))
+    init = fp8fn.init_state(DELAYED_MARGIN_2, list("abc"))
+    step = _linear_step(route)
+    _fills_late(_assert_same_steps(fn, params, x, step, init))
+    _, params, x = _mlp([])  # every history filled by step 1's observations
+    params = dict(zip("abc", params.values()))
+    with CountOps() as ops:
+        (_, obs), _ = step(params, init, x)
+    assert ops.ops["aten.gt"] == 6  # step 1: stored or current scale, chosen in the graph
+    state = fp8fn.update(init, obs)
+    assert all(state.filled)
+    with CountOps() as ops:
+        step(params, state, x)
+    assert ops.ops["aten.gt"] == 0  # the stored scales alone
+    with CountOps() as ops:  # the same values, unknown
+        step(params, state._replace(amax_history=state.amax_history.clone()), x)
+    assert ops.ops["aten.gt"] == 6

@@ -6,7 +6,7 @@ import torch
 
 from .._core.checks import check_operands, no_autocast, refuse_compile_under_func
 from .._core.recipes import RECIPES, DelayedScaling, NVFP4Scaling
-from .._core.state import check_scales, check_site_state, claim
+from .._core.state import check_scales, check_site_state, claim, filled_mark
 from .gemm import resolve_backend
 from .nvfp4 import check_nvfp4, check_random, nvfp4_linear
 from .rowwise_blockwise_mx import FINER, check_finer, finer_linear
@@ -84,6 +84,8 @@ def linear(x, weight, bias, site_state, recipe):
         check_scales("linear", site_state.scale, "site_state")
         claim(site_state.amax_history, "linear", "site_state", site_state._row)
         newest, stored = site_state.amax_history[:, 0], site_state.scale
+        filled = _site_filled(site_state)
+        return fp8_linear(x, weight, bias, newest, stored, recipe, filled=filled)
     elif isinstance(recipe, NVFP4Scaling):
         check_random("linear", site_state, recipe, x.device)
         return fp8_linear(x, weight, bias, None, None, recipe, random=site_state)
@@ -92,9 +94,20 @@ def linear(x, weight, bias, site_state, recipe):
             f"fp8fn.linear: {type(recipe).__name__} is stateless: expected `site_state` None, "
             f"got {type(site_state).__name__}."
         )
-    else:
-        newest = stored = None
-    return fp8_linear(x, weight, bias, newest, stored, recipe)
+    return fp8_linear(x, weight, bias, None, None, recipe)
+
+
+def _site_filled(site_state) -> tuple[bool, bool, bool] | None:
+    """Which of the site's three roles (input, weight, grad_output) hold an observation, where
+    `update` marked it of the values of the `State` the site's rows are views of (`State[site]`;
+    identity and version, no host read): those cast with the stored scale alone, one pass per
+    tensor. None (decided in the graph) for rows of no such state, and under torch.compile,
+    where `fn.apply`'s in-graph check (`known_filled`) is not made."""
+    if site_state._row is None or torch.compiler.is_compiling():
+        return None
+    history, i = site_state._row
+    filled = filled_mark(history)[0]
+    return None if not filled else filled[3 * i : 3 * i + 3]
 
 
 def fp8_linear(
