@@ -60,9 +60,12 @@ traced_functorch_level._dynamo_marked_constant = True
 def tracked_by_outer_differentiation(t: torch.Tensor) -> bool:
     """Whether a differentiation other than the one running now tracks `t`: plain autograd
     (`requires_grad`, with no torch.func transform running), or a torch.func level below the
-    current one (grad of grad, or a plain-autograd graph under torch.func)."""
+    current one (grad of grad, or a plain-autograd graph under torch.func). With no transform
+    running, the plain tensor under `t`'s wrappers: a torch.func transform's function that runs
+    after it returned (`torch.func.vjp`'s, whose backward sees the forward's saved tensors in
+    their dead wrappers, which still say `requires_grad`) is tracked only by plain autograd."""
     if _functorch.maybe_current_level() is None:
-        return t.requires_grad
+        return unwrapped(t).requires_grad
     while _functorch.is_functorch_wrapped_tensor(t):
         t = _functorch.get_unwrapped(t)
         if _functorch.is_gradtrackingtensor(t) or (

@@ -108,6 +108,32 @@ def test_grad_of_grad_is_refused_on_both_routes():
     (gx,) = torch.autograd.grad(_loss(xg, w, b, state, c), xg, create_graph=True)
     with pytest.raises(RuntimeError, match=r"^fp8fn\.linear: higher-order derivatives"):
         gx.square().sum().backward()  # a gradient penalty
+    # torch.func.vjp's function runs after vjp returned (its forward's saved tensors in dead
+    # wrappers): plain autograd around it differentiates x's gradient again; without it
+    # (x not requiring grad) the gradient is plain
+    state = _state()
+    _, vjp_fn = torch.func.vjp(lambda x: _loss(x, w, b, state, c), xg)
+    (gx,) = vjp_fn(torch.tensor(1.0))
+    with pytest.raises(RuntimeError, match=r"^fp8fn\.linear: higher-order derivatives"):
+        gx.square().sum().backward()
+    _, vjp_fn = torch.func.vjp(lambda x: _loss(x, w, b, state, c), x)
+    (gx,) = vjp_fn(torch.tensor(1.0))
+    assert not gx.requires_grad
+    assert torch.equal(gx, torch.func.grad(_loss)(x, w, b, state, c))
+
+
+def test_a_state_a_refused_second_derivative_closed_over_still_works():
+    """jacrev of jacrev over a loss that closes over the state: the refusal, then the same
+    state in a first-order vjp gives its gradient (the site's rows that the transform wrapped
+    are not kept on the state: torch raised "escaped?" from a wrapper of a finished level)."""
+    x, w, b, c = _data()
+    state = _state()
+    with pytest.raises(RuntimeError, match=r"^fp8fn\.linear: higher-order derivatives"):
+        torch.func.jacrev(torch.func.jacrev(lambda w: _loss(x, w, b, state, c)))(w)
+    _, vjp_fn = torch.func.vjp(lambda w: _loss(x, w, b, state, c), w)
+    assert torch.equal(
+        vjp_fn(torch.tensor(1.0))[0], torch.func.grad(_loss, 1)(x, w, b, _state(), c)
+    )
 
 
 def test_first_order_with_create_graph_is_unchanged():

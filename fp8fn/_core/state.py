@@ -240,8 +240,14 @@ class State:
                 hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
                 raise KeyError(f"fp8fn.State: no site {site!r} among its {len(self)} sites.{hint}")
             rows = (self.amax_history[..., i, :, :], self.scale[..., i, :])
-            view = self._views[site] = SiteState(*rows, *self.static[1:])
+            view = SiteState(*rows, *self.static[1:])
             object.__setattr__(view, "_row", (self.amax_history, i))
+            # (not kept where a torch.func transform wrapped the rows of a state it does not
+            # transform, e.g. one a loss closes over: the wrapper would outlive the transform)
+            if (unwrapped(rows[0]) is rows[0]) == (
+                unwrapped(self.amax_history) is self.amax_history
+            ):
+                self._views[site] = view
         return view
 
     def keys(self):
