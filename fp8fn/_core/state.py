@@ -243,8 +243,9 @@ class State:
             view = SiteState(*rows, *self.static[1:])
             object.__setattr__(view, "_row", (self.amax_history, i))
             # (not kept where a torch.func transform wrapped the rows of a state it does not
-            # transform, e.g. one a loss closes over: the wrapper would outlive the transform)
-            if (unwrapped(rows[0]) is rows[0]) == (
+            # transform, e.g. one a loss closes over: the wrapper would outlive the transform;
+            # compiled, no wrapper outlives the trace)
+            if torch.compiler.is_compiling() or (unwrapped(rows[0]) is rows[0]) == (
                 unwrapped(self.amax_history) is self.amax_history
             ):
                 self._views[site] = view
