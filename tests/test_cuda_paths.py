@@ -409,7 +409,7 @@ _GEMM_NAMES = {
     "grouped_mm",  # F.grouped_mm: the grouped backward's GEMMs on sm_90 and sm_100
 }
 # The calls that are not on the CUDA path: rowwise's unit-scale GEMM, the CPU's reference.
-_CPU_ONLY = {"_ops/rowwise_blockwise_mx.py:scaled_mm(a_fp8, b_fp8.t(), one, one, torch.float32)"}
+_CPU_ONLY = {"_ops/rowwise_blockwise_mx.py:scaled_mm(a_fp8, b_fp8, one, one, torch.float32)"}
 
 
 def _gemm_call_sites():

@@ -80,22 +80,34 @@ def _widen(fp8: torch.Tensor) -> tuple[torch.Tensor, float]:
     return fast_widen(fp8), 256.0
 
 
-def _widen_stored(fp8: torch.Tensor) -> tuple[torch.Tensor, float]:
-    """`_widen` in the order `fp8`'s storage has: a transposed view of a row-major `(m, k)` copy
-    is widened as that copy, then transposed (the same values, bit for bit). Widening the view
-    itself makes a transposed store, which inductor's CPU backend tiles (2-D, 16x16), and with
-    more than one thread a scatter-add fused into such a tile (an embedding's backward) gets a
-    wrong index: wrong gradients or heap corruption (tools/inductor_repro_embedding_tile.py,
-    pytorch/pytorch#191837). Only when compiling: eager makes no such kernel, and the two
-    transposes would be two more dispatched ops. The copy is widened flattened (a view of its
-    storage), so that it is not the forward's own widening of that copy: AOTAutograd would save
-    that float32 tensor for the backward (4x the bytes) instead of the float8 copy. (Through
-    float16 it would be the same values too, but inductor's CPU code converts float8 to float16
-    element by element, 8x slower than to float32; a bitcast to uint8 and back, inductor
-    removes.)"""
-    if torch.compiler.is_compiling() and fp8.dim() == 2 and fp8.t().is_contiguous():
+def _widen_stored(fp8: torch.Tensor, left: bool) -> tuple[torch.Tensor, float]:
+    """`_widen` of a float8 GEMM operand, `left` (`a` of `a @ b`) or right (`b`).
+
+    Compiled, a 2-D operand is widened in the order of its storage, then viewed as it is (the
+    same values, bit for bit), for two reasons:
+
+    * A transposed view widened as it is makes a transposed store, which inductor's CPU backend
+      tiles (2-D, 16x16), and with more than one thread a scatter-add fused into such a tile (an
+      embedding's backward) gets a wrong index: wrong gradients or heap corruption
+      (tools/inductor_repro_embedding_tile.py, pytorch/pytorch#191837). So a transposed view of a
+      row-major copy is widened as that copy, then transposed.
+    * No widening in the backward may be one of the forward's: AOTAutograd would save that
+      float32 tensor for the backward (4x the bytes) instead of the float8 copy. The forward's
+      GEMM is `x @ w.T`, the backward's `g @ w` and `g.T @ x`: a left operand is widened
+      flattened (a view of its storage), a right one that is row-major as it is, so `x` (left,
+      then right) and `w` (right: transposed, then row-major) are widened once each way.
+
+    Eager, `_widen` as it is (it keeps the layout; the views would be more dispatched ops).
+    (Through float16 it would be the same values too, but inductor's CPU code converts float8
+    to float16 element by element, 8x slower than to float32; a bitcast to uint8 and back,
+    inductor removes.)"""
+    if not torch.compiler.is_compiling() or fp8.dim() != 2:
+        return _widen(fp8)
+    if fp8.t().is_contiguous():
         stored = fp8.t()
         return stored.reshape(-1).float().view(stored.shape).t(), 1.0
+    if left and fp8.is_contiguous():
+        return fp8.reshape(-1).float().view(fp8.shape), 1.0
     return _widen(fp8)
 
 
@@ -111,8 +123,9 @@ class Widened(NamedTuple):
 
 
 def widen_operand(fp8: torch.Tensor) -> Widened:
-    """`fp8` widened as `fp8_mm`'s emulated matmul would widen it, for use in several GEMMs."""
-    return Widened(*_widen_stored(fp8))
+    """`fp8`, a left operand, widened as `fp8_mm`'s emulated matmul would widen it, for use in
+    several GEMMs."""
+    return Widened(*_widen_stored(fp8, left=True))
 
 
 def _pad16(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -123,40 +136,46 @@ def _pad16(t: torch.Tensor, dim: int) -> torch.Tensor:
     return F.pad(t.view(torch.uint8), pad).view(t.dtype)
 
 
+def _column_major(t: torch.Tensor) -> bool:
+    """`t.t().is_contiguous()` for a 2-D `t`, read from its strides (no dispatched view)."""
+    rows, cols = t.shape
+    return (rows <= 1 or t.stride(0) == 1) and (cols <= 1 or t.stride(1) == rows)
+
+
 def scaled_mm(
     a, b, scale_a, scale_b, out_dtype: torch.dtype, fast_accum: bool = False
 ) -> torch.Tensor:
-    """`(a @ b.T) * scale_a * scale_b` by torch's float8 GEMM, for any shapes and layouts.
+    """`(a @ b) * scale_a * scale_b` by torch's float8 GEMM, for any shapes and layouts.
 
     Args:
-      a: float8 `(m, k)`; b: float8 `(n, k)` (a linear layer's weight layout).
+      a: float8 `(m, k)`; b: float8 `(k, n)` (a linear layer's weight transposed).
       scale_a, scale_b: float32 dequantization scales: `()` and `()` (per tensor), or `(m, 1)`
-        and `(1, n)` (per row of `a` and of `b`: torch's row-wise scaled GEMM).
+        and `(1, n)` (per row of `a` and per column of `b`: torch's row-wise scaled GEMM).
       out_dtype: the result's dtype.
       fast_accum: the GEMM's `use_fast_accum` (the recipe's `fast_accum` for this GEMM).
 
     Returns:
-      `(m, n)` in `out_dtype`. (The GEMM wants `a` row-major, `b.T` column-major, and K and N
-    multiples of 16, M any: K and N are padded with zeros (a row scale of a padded row of `b`
-    with 1), operands made contiguous, the result sliced.)
+      `(m, n)` in `out_dtype`. (The GEMM wants `a` row-major, `b` column-major, and K and N
+    multiples of 16, M any: K and N are padded with zeros (a column scale of a padded column of
+    `b` with 1), operands copied to their layouts where they are not in them, the result
+    sliced.)
     """
-    n = b.shape[0]
+    n = b.shape[1]
     a = _pad16(a, 1).contiguous()
-    b = _pad16(_pad16(b, 0), 1).contiguous()
-    if scale_a.dim() == 2 and b.shape[0] != n:  # row-wise: padded rows of `b` scale by 1
-        scale_b = F.pad(scale_b, (0, b.shape[0] - n), value=1.0)
-    out = torch_scaled_mm(
-        a, b.t(), scale_a.contiguous(), scale_b.contiguous(), out_dtype, fast_accum
-    )
+    if b.shape[0] % 16 or n % 16 or not _column_major(b):
+        b = _pad16(_pad16(b.t(), 0), 1).contiguous().t()
+    if scale_a.dim() == 2 and b.shape[1] != n:  # row-wise: padded columns of `b` scale by 1
+        scale_b = F.pad(scale_b, (0, b.shape[1] - n), value=1.0)
+    out = torch_scaled_mm(a, b, scale_a.contiguous(), scale_b.contiguous(), out_dtype, fast_accum)
     return out if out.shape[1] == n else out[:, :n]
 
 
 def fp8_mm(a, b, inv_scale_a, inv_scale_b, out_dtype: torch.dtype, backend: str, fast_accum=False):
-    """`(a @ b.T) * inv_scale_a * inv_scale_b` for float8 operands, accumulated in float32.
+    """`(a @ b) * inv_scale_a * inv_scale_b` for float8 operands, accumulated in float32.
 
     Args:
       a: float8 `(m, k)`, any layout (or, emulated, a `Widened` one).
-      b: float8 `(n, k)`, any layout (a linear layer's weight layout; or a `Widened` one).
+      b: float8 `(k, n)`, any layout (a linear layer's weight transposed; or a `Widened` one).
       inv_scale_a, inv_scale_b: float32 `()` dequantization scales (`1 / scale`).
       out_dtype: dtype of the result.
       backend: `"emulated"`, `"scaled_mm"`, or `"triton"` (Triton casts: the matmul is
@@ -170,15 +189,13 @@ def fp8_mm(a, b, inv_scale_a, inv_scale_b, out_dtype: torch.dtype, backend: str,
         backend = matmul_backend(a.device)
     if backend == "scaled_mm":
         return scaled_mm(a, b, inv_scale_a, inv_scale_b, out_dtype, fast_accum)
-    # Each operand is widened in the layout it comes in: the backward widens transposed views
-    # of the saved float8 copies, which are not the forward's graph nodes, so when compiled
-    # AOTAutograd cannot save the forward's float32 widening (4x the bytes); compiled, a view
-    # is widened in its storage order (`_widen_stored`; traffic.py's bytes are unchanged).
+    # Each operand is widened in the layout it comes in (compiled: `_widen_stored`).
     (a_hp, a_factor), (b_hp, b_factor) = (
-        t if isinstance(t, Widened) else _widen_stored(t) for t in (a, b)
+        t if isinstance(t, Widened) else _widen_stored(t, left)
+        for t, left in ((a, True), (b, False))
     )
     inv = inv_scale_a * inv_scale_b
     if a_factor * b_factor != 1.0:  # powers of two: exact
         inv = inv * (a_factor * b_factor)
-    out = torch.mm(a_hp, b_hp.t())
+    out = torch.mm(a_hp, b_hp)
     return (out.mul_(inv) if may_overwrite(out) else out * inv).to(out_dtype)

@@ -13,8 +13,8 @@ eager code: compiled and eager give the same bits.
 * `weight_mm(g, x, g_inv, x_inv, offs, out_dtype, backend)`: `(E, N, K)`, expert `e`'s
   `g[rows].T @ x[rows]`; 0 for an expert with no row.
 
-Every product is `fp8_mm` of the operands as the loop over groups gave them (the same views:
-a transpose is taken inside, so the emulated matmul sees the layout it saw before).
+Every product is `fp8_mm` (`a @ b`) of views of the operands: a group's rows, `M(e).T`, their
+transposes, so the emulated matmul sees each operand in the layout it has.
 
 On CUDA sm_90 and sm_100 the backward takes instead the two GEMMs of one call each, with no
 host read (`grouped_on_device`):
@@ -64,7 +64,7 @@ def _rows_mm(
     out = torch.zeros(a.shape[0], n, dtype=out_dtype, device=a.device)
     for e, (s, t) in enumerate(bounds(offs)):
         if t > s:
-            m = b[e].t() if b_t else b[e]
+            m = b[e] if b_t else b[e].t()
             out[s:t] = fp8_mm(a[s:t], m, a_inv[e], b_inv[e], out_dtype, backend)
     return out
 
@@ -87,7 +87,7 @@ def _weight_mm(
     out = torch.zeros(offs.shape[0], g.shape[1], x.shape[1], dtype=out_dtype, device=g.device)
     for e, (s, t) in enumerate(bounds(offs)):
         if t > s:
-            out[e] = fp8_mm(g[s:t].t(), x[s:t].t(), g_inv[e], x_inv[e], out_dtype, backend)
+            out[e] = fp8_mm(g[s:t].t(), x[s:t], g_inv[e], x_inv[e], out_dtype, backend)
     return out
 
 

@@ -39,10 +39,10 @@ def _rowwise_mm(a_fp8, a_scale, b_fp8, b_scale, out_dtype, backend, fast_accum: 
     """
     if backend == "scaled_mm" and cuda_capability(a_fp8.device) is not None:
         inv_b = b_scale.reciprocal().expand(1, b_fp8.shape[1])
-        return scaled_mm(a_fp8, b_fp8.t(), a_scale.reciprocal(), inv_b, out_dtype, fast_accum)
+        return scaled_mm(a_fp8, b_fp8, a_scale.reciprocal(), inv_b, out_dtype, fast_accum)
     if backend == "scaled_mm":
         one = torch.ones((), dtype=torch.float32, device=a_fp8.device)
-        out = scaled_mm(a_fp8, b_fp8.t(), one, one, torch.float32)
+        out = scaled_mm(a_fp8, b_fp8, one, one, torch.float32)
         return (out * (a_scale.reciprocal() * b_scale.reciprocal())).to(out_dtype)
     a_hp, b_hp = q.dequantize_scaled(a_fp8, a_scale), q.dequantize_scaled(b_fp8, b_scale)
     return torch.mm(a_hp, b_hp).to(out_dtype)

@@ -243,9 +243,10 @@ def _cast_input(x, newest, stored, margin: int, backend: str, filled=None):
 
 def _cast_grad_output(grad_out, newest, stored, ctx, observe):
     """The backward's e5m2 cast: `(g_fp8, g_fp8_t, g_inv, observed)`, `g_fp8_t` its `(n, m)`
-    transpose: a view, or with the Triton casts before a float8 GEMM, a row-major copy the
-    kernel writes in the same pass (the GEMM wants row-major operands); `observed` the float32
-    `(3,)` `[*observe, g_amax]`, or None without `observe` (the forward's two amaxes) or,
+    transpose where it is made with the cast (the Triton casts; a compiled `scaled_mm`
+    backward: `_both_layouts`), else None (the caller takes the view where it needs it);
+    `observed` the float32 `(3,)` `[*observe, g_amax]`, or None without `observe` (the
+    forward's two amaxes) or,
     without Triton, where the cast took the stored scale (the caller makes it after the GEMMs:
     `_after_gemm`). The scale of a role split over ranks (`ctx.place.whole`) comes from the
     whole gradient's amax."""
@@ -255,14 +256,15 @@ def _cast_grad_output(grad_out, newest, stored, ctx, observe):
         rowmajor = scaled_mm_supported(grad_out.device)
         return backward_cast(grad_out, gn, gs, ctx.margin, known, rowmajor, observe)
     if ctx.filled is not None and ctx.filled[2]:
-        g_fp8 = cast_to_fp8(grad_out, stored[2], E5M2)
-        g_fp8, g_fp8_t = _both_layouts(g_fp8) if ctx.backend == "scaled_mm" else (g_fp8, g_fp8.t())
-        return g_fp8, g_fp8_t, stored[2].reciprocal(), None
+        g_scale = stored[2]
+        g_fp8 = cast_to_fp8(grad_out, g_scale, E5M2)
+        g_fp8, g_fp8_t = _both_layouts(g_fp8) if ctx.backend == "scaled_mm" else (g_fp8, None)
+        return g_fp8, g_fp8_t, g_scale.reciprocal(), None
     g_amax = amax(grad_out)
     whole = _whole(ctx.place, g_amax, (2,))
     g_fp8, g_inv = cast_grad_output(grad_out, whole, newest, stored, ctx.margin)
     observed = None if observe is None else observation(*observe, g_amax)
-    return g_fp8, g_fp8.t(), g_inv, observed
+    return g_fp8, None, g_inv, observed
 
 
 def _fp8_gemm(x_fp8, w_fp8, x_inv, w_inv, bias, out_dtype, backend: str, fast_accum: bool):
@@ -276,7 +278,7 @@ def _fp8_gemm(x_fp8, w_fp8, x_inv, w_inv, bias, out_dtype, backend: str, fast_ac
     Returns:
       `out = (x_fp8 @ w_fp8.T) * x_inv * w_inv (+ bias)`, `(m, n)` of `out_dtype`.
     """
-    out = fp8_mm(x_fp8, w_fp8, x_inv, w_inv, out_dtype, backend, fast_accum)
+    out = fp8_mm(x_fp8, w_fp8.t(), x_inv, w_inv, out_dtype, backend, fast_accum)
     if bias is not None:
         out = out + bias.to(out.dtype)
     return out
@@ -340,15 +342,15 @@ class _Fp8LinearOp(torch.autograd.Function):
             grads = [None] * 4
             if ctx.backend == "emulated" and needs[0] and needs[1]:  # g widened once for both
                 g_fp8 = widen_operand(g_fp8)
-                g_fp8_t = g_fp8.t()
             if needs[0]:
                 w_fp8 = ctx.place.weight_again(w_fp8)
                 grads[0] = fp8_mm(
-                    g_fp8, w_fp8.t(), g_inv, w_inv, x_dtype, ctx.backend, ctx.fast_accum[1]
+                    g_fp8, w_fp8, g_inv, w_inv, x_dtype, ctx.backend, ctx.fast_accum[1]
                 )
             if needs[1]:
+                g_fp8_t = g_fp8.t() if g_fp8_t is None else g_fp8_t
                 grads[1] = fp8_mm(
-                    g_fp8_t, x_fp8.t(), g_inv, x_inv, w_dtype, ctx.backend, ctx.fast_accum[2]
+                    g_fp8_t, x_fp8, g_inv, x_inv, w_dtype, ctx.backend, ctx.fast_accum[2]
                 )
             if needs[2]:
                 grads[2] = grad_out.float().sum(0).to(b_dtype)
