@@ -219,8 +219,17 @@ CI_CASES = {
 }
 
 
+# Known to compile more than `_twice` allows (docs/compile.md): Qwen2-MoE's MoE block, a frame
+# of its own, compiles once per layer with fp8fn (4 entries for 2 layers and 2 steps' graphs;
+# plain torch: 1), since a layer's sites are its rows of the state, chosen when dynamo traces.
+OVER_TWICE = {("qwen2_moe", "eager")}
+
+
 def _case(*key):
-    return [] if EVERY or key in CI_CASES else [pytest.mark.skip(reason="FP8FN_EXHAUSTIVE=1")]
+    marks = [] if EVERY or key in CI_CASES else [pytest.mark.skip(reason="FP8FN_EXHAUSTIVE=1")]
+    if key[:2] in OVER_TWICE:
+        marks.append(pytest.mark.xfail(strict=True, reason="compiles once per layer (issue 38)"))
+    return marks
 
 
 MOE = [
