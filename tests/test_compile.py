@@ -554,7 +554,7 @@ def test_compiled_transformer_backward_with_two_threads():
     case = "tests/test_compile.py::test_compile_apply_model_matches_eager[transformer-delayed]"
     env = {**os.environ, "FP8FN_TEST_THREADS": "2", "OMP_NUM_THREADS": "2"}
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", case],
+        [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", case],
         cwd=pathlib.Path(__file__).parents[1],
         env=env,
         capture_output=True,

@@ -1084,7 +1084,7 @@ def resolve_tests(tests: list) -> list[Path]:
 def run_tests(root: Path, tests: list, select: str | None, slow: bool, timeout: float):
     """Run pytest on the copy under `root`: (status, first failing test, its message, seconds)."""
     cmd = [sys.executable, "-m", "pytest", *map(str, tests)]
-    cmd += ["-x", "-q", "-p", "no:cacheprovider", "-p", "_fp8fn_mutation_check"]
+    cmd += ["-x", "-q", "-n", "0", "-p", "no:cacheprovider", "-p", "_fp8fn_mutation_check"]
     cmd += [f"--rootdir={REPO}", "--import-mode=importlib", "-W", "ignore"]
     if not slow:
         cmd += ["-m", "not slow"]
