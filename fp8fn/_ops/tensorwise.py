@@ -246,10 +246,9 @@ def _cast_grad_output(grad_out, newest, stored, ctx, observe):
     transpose where it is made with the cast (the Triton casts; a compiled `scaled_mm`
     backward: `_both_layouts`), else None (the caller takes the view where it needs it);
     `observed` the float32 `(3,)` `[*observe, g_amax]`, or None without `observe` (the
-    forward's two amaxes) or,
-    without Triton, where the cast took the stored scale (the caller makes it after the GEMMs:
-    `_after_gemm`). The scale of a role split over ranks (`ctx.place.whole`) comes from the
-    whole gradient's amax."""
+    forward's two amaxes) or, without Triton, where the cast took the stored scale (the caller
+    makes it after the GEMMs: `_after_gemm`). The scale of a role split over ranks
+    (`ctx.place.whole`) comes from the whole gradient's amax."""
     if ctx.backend == "triton":  # one op: the amax, the cast, its transpose, the observation
         gn, gs, known = _role(newest, stored, ctx.filled, 2)
         # (emulated matmuls take any layout; torch's float8 GEMM wants row-major operands)
