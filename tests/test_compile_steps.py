@@ -267,6 +267,9 @@ def test_a_transformers_moe_model_compiles_twice(arch, impl, route):
 def test_a_transformers_dense_model_compiles_twice(kind, route):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(tiny_hf_config(kind))
+    # No dropout (GPT-2's default is 0.1): compiled code draws other random numbers than eager,
+    # and each step is compared bit for bit.
+    no_dropout = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0) if kind == "gpt2" else {}
+    model = transformers.AutoModelForCausalLM.from_config(tiny_hf_config(kind, **no_dropout))
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
     _twice(*_compiles(model, ids, _lm_loss, route), lambda: _plain_entries(model, ids, _lm_loss))
