@@ -1,8 +1,8 @@
 """`ByIdentity` (fp8fn/_transform/identity.py): values kept per tensor and found by the very
-tensor. A tensor given to the call is found by `id` eagerly and by `is` while dynamo traces (a
-lookup by `id` would make dynamo guard on the ids: a recompile per step of new tensors); a
-tensor the call made carries its values in an attribute until the call ends (kept in the list,
-a frame called once per expert guarded on how many there were: a recompile per expert)."""
+tensor, which carries them in an attribute until the call ends. dynamo guards on that attribute
+of the tensor a frame receives, never on an id or on which tensor of a list it is: a lookup by
+`id` made a recompile per step of new tensors; one along a list, a compile per expert (a frame
+called once per made tensor) and per layer (a frame called once per layer's weight)."""
 
 import pytest
 import torch
@@ -12,61 +12,72 @@ import fp8fn
 from fp8fn._transform.identity import ByIdentity
 
 
-def test_values_are_those_of_the_very_tensor_in_the_order_added():
+def test_values_are_those_of_the_very_tensor_in_the_order_kept():
     table, a, b = ByIdentity("_test_marks"), torch.ones(2), torch.ones(2)
     table.keep(a, "first")
     table.keep(b, "other")
     table.keep(a, "second")
     made = a.view(2)
-    table.mark(made, "made")
-    table.mark(made, "again")
-    assert table.values(a) == ["first", "second"]
-    assert table.values(b) == ["other"]
-    assert table.values(made) == ["made", "again"]
-    assert table.values(a.view(2)) == []  # a view is another tensor
-    assert table.values(torch.ones(2)) == []
-    assert ByIdentity("_other_marks").values(made) == []  # (another transform's table)
+    table.keep(made, "made")
+    table.keep(made, "again")
+    assert table.values(a) == ("first", "second")
+    assert table.values(b) == ("other",)
+    assert table.values(made) == ("made", "again")
+    assert table.values(a.view(2)) == ()  # a view is another tensor
+    assert table.values(torch.ones(2)) == ()
+    assert ByIdentity("_other_marks").values(made) == ()  # (another transform's table)
 
 
-def test_clear_ends_the_marks_and_keeps_what_was_given():
+def test_clear_leaves_no_attribute_on_a_kept_tensor():
     table, given = ByIdentity("_test_marks"), torch.ones(2)
     table.keep(given, "given")
     made = [given.view(2) for _ in range(3)]
     for i, t in enumerate(made):
-        table.mark(t, i)
+        table.keep(t, i)
     table.clear()
-    assert [table.values(t) for t in made] == [[], [], []]
-    assert [t._test_marks for t in made] == [None, None, None]
-    assert table.values(given) == ["given"]
-    table.mark(made[0], "next")  # (a table goes on after `clear`)
-    assert table.values(made[0]) == ["next"]
+    assert [table.values(t) for t in (given, *made)] == [()] * 4
+    assert not any(hasattr(t, "_test_marks") for t in (given, *made))
+    table.keep(made[0], "next")  # (a table goes on after `clear`)
+    assert table.values(made[0]) == ("next",)
+
+
+def test_a_nested_table_hides_the_enclosing_values_until_it_clears():
+    """A `checkpoint_fn` recompute runs a call inside the forward's, on the same weights: its
+    own values, not the enclosing call's, until it ends."""
+    outer, inner, w = ByIdentity("_test_marks"), ByIdentity("_test_marks"), torch.ones(2)
+    outer.keep(w, "outer")
+    inner.hide(w)
+    inner.hide(w)  # (a weight shared by two layers: hidden once)
+    inner.keep(w, "inner")
+    assert outer.values(w) == inner.values(w) == ("inner",)
+    inner.clear()
+    assert outer.values(w) == ("outer",)
+    outer.clear()
+    assert not hasattr(w, "_test_marks")
 
 
 @pytest.mark.slow  # (dynamo: a few seconds)
-def test_a_table_added_to_while_dynamo_traces_is_searched_by_identity_after():
-    """A call run eagerly around frames that dynamo compiles (`apply` fallen back to eager)
-    adds in both ways: what a compiled frame kept or marked is found eagerly too, and new
-    tensors at each call compile once."""
+def test_a_frame_given_each_layers_weight_compiles_once():
+    """A frame the model calls once per layer (a decoder layer or an MoE block compiled apart
+    by a graph break) finds the layer's values through the weight it receives: one compile for
+    every layer, every step (new tensors each step), and the values of the right layer."""
     counter = CompileCounter()
 
     @torch.compile(backend=counter)
-    def make(table, x):
-        found = table.values(x)  # (before the table learns it was traced)
-        y, z = x * 2, x * 3
-        table.keep(y, "kept")
-        table.mark(z, "made")
-        return y, z, found
+    def block(table, w, x):
+        (row,) = table.values(w)
+        return x @ w + row
 
     for step in range(3):
-        table, x = ByIdentity("_test_marks"), torch.full((2,), float(step))
-        table.keep(x, "given")
-        y, z, found = make(table, x)
-        assert found == ["given"]
-        assert table.values(y) == ["kept"] and table.values(x) == ["given"]
-        assert table.values(z) == ["made"]
-        assert table.values(torch.full((2,), 2.0 * step)) == []
+        table = ByIdentity("_test_marks")
+        weights = [torch.randn(4, 4) for _ in range(5)]
+        rows = [torch.full((4,), float(i)) for i in range(5)]
+        for w, row in zip(weights, rows):
+            table.keep(w, row)
+        x = torch.randn(2, 4)
+        for w, row in zip(weights, rows):
+            assert torch.equal(block(table, w, x), x @ w + row)
         table.clear()
-        assert table.values(z) == []
     assert counter.frame_count == 1
 
 
@@ -88,7 +99,7 @@ def test_a_frame_called_once_per_made_tensor_compiles_once():
         table = ByIdentity("_test_marks")
         table.keep(weights, "experts")
         for e in hit:
-            table.mark(weights[e], e)
+            table.keep(weights[e], e)
             h = torch.randn(3, 4)
             assert torch.equal(gate(table, h), h * 2)
         table.clear()

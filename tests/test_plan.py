@@ -199,7 +199,7 @@ def test_no_module_outside_transformed_reads_a_private_attribute_of_transformed(
         "_weights",
         "_reported",
         "_held",
-        "_known_sites",
+        "_known",
     }
     package = pathlib.Path(fp8fn.__file__).parent
     found = []

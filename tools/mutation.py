@@ -336,7 +336,12 @@ MUTATIONS = [
         "live-model routing by weight identity only (no `holder_of` fallback: swapped-in "
         "weights run in high precision)",
         "_transform/routing.py",
-        (("return self.plan.holder_of(weight, transposed, self.held)", "return None"),),
+        (
+            (
+                "            layer = self.plan.holder_of(weight, transposed, self.held)",
+                "            layer = None",
+            ),
+        ),
     ),
     Mutation(
         "recompute-live-buffers",
@@ -766,14 +771,14 @@ MUTATIONS += [
         ),
     ),
     Mutation(
-        "identity-table-id-while-tracing",
-        "Call's identity tables looked up by `id` while dynamo traces (a guard on the ids: a "
-        "recompile per step of new tensors)",
-        "_transform/identity.py",
+        "visit-by-path",
+        "a layer's Visit looked up by its path, not reached through its weight (a frame the "
+        "model calls once per layer guards on the path: a compile per layer)",
+        "_transform/routing.py",
         (
             (
-                "        if self._ids is None or torch.compiler.is_compiling():",
-                "        if self._ids is None:",
+                "        visit = self._visit(layer.path) if visit is None else visit",
+                "        visit = self._visit(layer.path)",
             ),
         ),
     ),
@@ -909,8 +914,8 @@ MUTATIONS += [
         "_transform/tracking.py",
         (
             (
-                "        for layer, _, bias in self.given(source):",
-                "        for layer, _, bias in []:",
+                "        for layer, _, bias, visit in self.given(source):",
+                "        for layer, _, bias, visit in []:",
             ),
         ),
     ),

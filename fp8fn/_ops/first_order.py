@@ -28,6 +28,15 @@ def higher_order(api: str) -> str:
     )
 
 
+def kept_api(api: str) -> str:
+    """The `api` a float8 op keeps for its backward's refusal (`first_order_only`): `api`,
+    or "linear" while dynamo traces. A compiled backward is never differentiated again (torch
+    refuses first: "torch.compile with aot_autograd does not currently support double
+    backward"), and a layer's name kept there is a constant of the graph that dynamo guards
+    on: a frame the model calls once per layer would compile once per layer."""
+    return "linear" if torch.compiler.is_compiling() else api
+
+
 HIGHER_ORDER_EXPERTS = (
     "fp8fn.apply: higher-order derivatives through an experts weight's float8 GEMMs are not "
     "defined (the backward's casts have no scales of their own). Differentiate fp8fn once; "

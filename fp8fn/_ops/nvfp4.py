@@ -47,7 +47,7 @@ from .._numerics.nvfp4 import (
     unpack_e2m1,
 )
 from .._torch_private import never_compiled_alone
-from .first_order import first_order_only
+from .first_order import first_order_only, kept_api
 
 # The draws' indices (`random_bits`' `role` argument; not the state's roles, `input`, `weight`
 # and `grad_output`, which index its rows): the output gradient of the grad_input GEMM, and of
@@ -265,6 +265,13 @@ def nvfp4_linear(x, weight, bias, recipe: NVFP4Scaling, random, api: str = "line
         key = key.detach().to(torch.int64)
         site = keys.site_id(site)
     out, _ = _NVFP4Linear.apply(
-        x.reshape(-1, x.shape[-1]), weight, bias, key, recipe, site, keys.process_rank(), api
+        x.reshape(-1, x.shape[-1]),
+        weight,
+        bias,
+        key,
+        recipe,
+        site,
+        keys.process_rank(),
+        kept_api(api),
     )
     return out.reshape(*x.shape[:-1], weight.shape[0])

@@ -17,7 +17,7 @@ from .._core.device import cuda_capability
 from .._core.recipes import BlockwiseScaling, MXScaling, RowwiseScaling
 from .._numerics import fp8 as q
 from .._torch_private import never_compiled_alone
-from .first_order import first_order_only
+from .first_order import first_order_only, kept_api
 from .gemm import scaled_mm
 
 FINER = (RowwiseScaling, BlockwiseScaling, MXScaling)
@@ -279,5 +279,5 @@ def finer_linear(x, weight, bias, recipe, backend, api: str = "linear"):
       `(..., out_features)` in `x.dtype`.
     """
     rows = x.reshape(x.shape[:-1].numel(), x.shape[-1])  # (not -1: x may have no elements)
-    out = _FinerLinear.apply(rows, weight, bias, recipe, backend, api)
+    out = _FinerLinear.apply(rows, weight, bias, recipe, backend, kept_api(api))
     return out.reshape(*x.shape[:-1], weight.shape[0])

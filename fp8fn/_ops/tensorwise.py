@@ -23,7 +23,7 @@ from .._core.recipes import FAST_ACCUM
 from .._kernels.cast import backward_cast, forward_cast
 from .._numerics.fp8 import E4M3, E5M2, amax, cast_to_fp8
 from .._torch_private import apply_function, never_compiled_alone, tracked_below
-from .first_order import first_order_only
+from .first_order import first_order_only, kept_api
 from .gemm import fp8_mm, widen_operand
 from .roles import cast_grad_output, keep_for_backward, observation, scales_for
 
@@ -445,6 +445,6 @@ def tensorwise_linear(
     flat = x.dim() == 2 or not place.takes_rows
     rows = x if flat else x.reshape(-1, x.shape[-1])  # (a reshape is a kernel call)
     with no_autocast(x):
-        statics = Statics(margin, backend, place, filled, fast_accum, api)
+        statics = Statics(margin, backend, place, filled, fast_accum, kept_api(api))
         out = apply_function(_Fp8Linear, rows, weight, bias, newest, stored, statics)[0]
     return out if flat else out.reshape(*x.shape[:-1], weight.shape[0])

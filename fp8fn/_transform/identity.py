@@ -19,62 +19,59 @@ def markable(pieces: tuple) -> tuple:
 
 
 class ByIdentity:
-    """Values kept per tensor, for one forward pass (`routing.Call`), of two kinds.
+    """Values kept per tensor for one forward pass (`routing.Call`), found by the tensor itself.
 
-    * Tensors given to the call (`keep`: the weights, a fixed number per call). They are kept
-      alive with their values, so an `id` stays its tensor's for the table's life. Eager, one
-      is found by `id` (a dict: constant time per lookup); while dynamo traces, by comparing
-      with `is` along a list: a lookup by `id` would make dynamo guard on the ids, and a step
-      with new tensors (an optimizer's functional loop) would recompile. A table made or added
-      to while dynamo traces is searched with `is` from then on, also eagerly: a call that
-      torch.compile runs eagerly (a graph break it cannot resume) while compiling the frames it
-      calls adds to it in both ways.
-    * Tensors the call makes from those (`mark`: views, copies, an expert's matrix `W[e]`, as
-      many as the experts a step hits). Each carries its values in an attribute (`attr`),
-      cleared (set to None) by `clear` when the call ends, so none outlives it. dynamo guards on
-      the attribute of a tensor that a frame receives (absent, or the values it holds), never
-      on an id, nor on how many tensors were marked before: kept in the list, they made a frame
-      that transformers' eager experts loop calls once per expert (GPT-OSS's `_apply_gate`)
-      guard on the list's length, and recompile at every expert up to dynamo's limit.
+    Each tensor carries its values in an attribute (`attr`), set when a value is kept and
+    cleared by `clear` when the call ends, so none outlives it: the tensors given to the call
+    (the weights, before the model runs) and those the call makes from them (views, copies, an
+    expert's matrix `W[e]`, as many as the experts a step hits). dynamo guards on the attribute
+    of a tensor a frame receives (absent, or the values it holds), never on an id, nor on which
+    tensor of a list it is, nor on how many tensors were kept before: a frame that the model
+    calls once per layer (a decoder layer or an MoE block that a graph break compiles apart) or
+    once per expert (GPT-OSS's `_apply_gate`) finds its layer's values through the weight it
+    receives, with the same guards for every layer, and compiles once for all of them. A lookup
+    by `id`, or by `is` along a list, made such frames guard on the weight's identity: a compile
+    per layer (and per expert), up to dynamo's recompile limit.
 
     Args:
       attr: the attribute name of the marks: one per table and transform, so that a tensor
-        made by one transform's call is never read as another's.
+        marked by one transform's call is never read as another's.
     """
 
     def __init__(self, attr: str):
         self.attr = attr
-        self._items = []  # [(tensor, value)], in the order kept
-        self._ids = None if torch.compiler.is_compiling() else {}  # {id: [values]}
         self._marked = None  # (tensor, (tensor, ... None)): the marked tensors, newest first
+        self._hidden = []  # [(tensor, values)]: `hide`'s, restored by `clear`
 
     def keep(self, tensor: torch.Tensor, value) -> None:
-        """Keep `value` for `tensor`, a tensor given to the call (after any kept before)."""
-        self._items.append((tensor, value))
-        if self._ids is None:
-            return
-        if torch.compiler.is_compiling():
-            self._ids = None  # (this item is not in it: searched with `is` from now on)
-        else:
-            self._ids.setdefault(id(tensor), []).append(value)
-
-    def mark(self, tensor: torch.Tensor, value) -> None:
-        """Keep `value` for `tensor`, a tensor the call made (after any kept before)."""
+        """Keep `value` for `tensor` (after any kept before)."""
         setattr(tensor, self.attr, (*(getattr(tensor, self.attr, None) or ()), value))
         self._marked = (tensor, self._marked)
 
-    def values(self, tensor) -> list:
-        """The values kept for `tensor` (this very tensor), in the order added."""
-        marked = getattr(tensor, self.attr, None)
-        if marked:
-            return list(marked)
-        if self._ids is None or torch.compiler.is_compiling():
-            return [v for t, v in self._items if t is tensor]
-        return self._ids.get(id(tensor), [])
+    def hide(self, tensor: torch.Tensor) -> None:
+        """Hide the values an enclosing call kept for `tensor` (a `checkpoint_fn` recompute
+        runs inside the forward pass), until `clear`. Eager only (a recompute never compiles);
+        before any `keep` of this table."""
+        values = tensor.__dict__.pop(self.attr, None)
+        if values:
+            self._hidden.append((tensor, values))
+
+    def values(self, tensor) -> tuple:
+        """The values kept for `tensor` (this very tensor), in the order kept."""
+        return getattr(tensor, self.attr, None) or ()
 
     @never_compiled_alone  # (a frame of its own would guard on how many it clears)
     def clear(self) -> None:
-        """Clear the marks of the tensors marked so far (the call ends)."""
+        """Clear the marks kept so far (the call ends), and restore those hidden: removed
+        eagerly, so that no attribute stays on a tensor given to the call; set to None while
+        dynamo traces (it cannot trace `delattr`)."""
+        compiling = torch.compiler.is_compiling()
         while self._marked is not None:
             tensor, self._marked = self._marked
-            setattr(tensor, self.attr, None)
+            if compiling:
+                setattr(tensor, self.attr, None)
+            else:
+                tensor.__dict__.pop(self.attr, None)
+        for tensor, values in self._hidden:
+            setattr(tensor, self.attr, values)
+        self._hidden = []

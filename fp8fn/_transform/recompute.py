@@ -94,7 +94,7 @@ def recomputed(call, module, path, forward, args, kwargs):
     view included), from `call`'s counts."""
     prefix = path + "." if path else ""
     params, buffers, layout = call.plan.block_slots[id(module)].current()
-    start, end = dict(call.counts), {}
+    start, end = call.counts(), {}
     holder = Holder(module, forward)
 
     def run(buffers, params, state, args, kwargs):
@@ -108,11 +108,12 @@ def recomputed(call, module, path, forward, args, kwargs):
             call.stop_at,
             dict(start),
             recompute=True,
+            index=call.index,
         )
         with exclusive(call.plan.module), inner, inner.tracked.marking(), _activated(inner):
             held = {"m." + n: t for n, t in tensors.items()}
             out = swapped_call(holder, None, held, args, kwargs)
-        end.update(inner.counts)
+        end.update(inner.counts())
         return out
 
     call.passive = True
@@ -126,5 +127,5 @@ def recomputed(call, module, path, forward, args, kwargs):
         )
     finally:
         call.passive = False
-    call.counts.update(end)
+    call.resume(end)
     return out

@@ -17,11 +17,11 @@ def refuse_unrouted_grouped_mm(plan, call, torch_grouped) -> None:
     ran in high precision. (transformers' grouped_mm experts, compiled, call their own custom
     op, which dynamo hands over.) Under fullgraph the user sees this error at trace time;
     without it, when the frame runs."""
-    watched = call.tracked.touched & torch_grouped & plan.confirmed
+    watched, counts = call.tracked.touched & torch_grouped & plan.confirmed, call.counts()
     names = sorted(
         e.path
         for e in plan.experts
-        if e.path in watched and not any(call.counts.get(e.expert(i)) for i in range(e.experts))
+        if e.path in watched and not any(counts.get(e.expert(i)) for i in range(e.experts))
     )
     if names:
         message = (

@@ -40,15 +40,23 @@ class Call(TorchFunctionMode):
       state: the `State`, or None when discovering.
       held: the `Transformed`'s memo of the layers holding swapped-in weights (`holder_of`).
       stop_at: `Transformed.apply`'s code (the model's torch.utils.checkpoint is sought below).
-      counts: calls per layer path so far (a recompute starts from the forward's).
+      counts: `{path: calls}` so far (a recompute starts from the forward's `counts`).
       recompute: whether this pass is a recompute of a `checkpoint_fn` module.
+      index: `site_index(plan, state.sites)`, when the caller keeps it; else made here.
+
+    Each layer of the plan finds its `Visit` (its calls so far, and the rows of `state` its
+    sites take, split before the model runs) through its weight (`tracked.entries`), never by
+    its path: a frame the model calls once per layer (a decoder layer or an MoE block that a
+    graph break compiles apart) then traces the same code, with the same guards, for every
+    layer, and compiles once (`identity.ByIdentity`).
     """
 
-    def __init__(self, plan, tensors, state, held, stop_at=None, counts=None, recompute=False):
+    def __init__(
+        self, plan, tensors, state, held, stop_at=None, counts=None, recompute=False, index=None
+    ):
         super().__init__()
         self.plan, self.state, self.held, self.stop_at = plan, state, held, stop_at
         self.recompute = recompute
-        self.counts = {} if counts is None else counts
         self.sites = []
         # Watch for the model's own torch.utils.checkpoint (`refuse_torch_checkpoint`).
         self.watching = (
@@ -59,7 +67,11 @@ class Call(TorchFunctionMode):
         # `[input, weight, grad_output]` bools a site, whether its histories are empty: read to
         # the host once per sharded forward (`_parallel.dtensor`), None until then
         self.unobserved = None
-        self.tracked = Tracked(plan, tensors, state is None, held)  # (its `weights`, `touched`)
+        if state is not None and index is None:
+            index = site_index(plan, state.sites)
+        self.index = index
+        self.visits = self._layer_visits(counts or {})  # {path: Visit}
+        self.tracked = Tracked(plan, tensors, state is None, held, self.visits, recompute)
         self.torch_grouped = set()  # experts weights in torch._grouped_mm, while discovering
 
     @never_compiled_alone  # (dynamo traces it inside the frames it compiles)
@@ -84,7 +96,7 @@ class Call(TorchFunctionMode):
                 refuse_other_form(self._api(), func, args, kwargs, tracked.layer_given)
             else:
                 x, weight, bias, transposed, options = operands
-                layer = self._layer_of(weight, bias, transposed)
+                layer, visit = self._layer_of(weight, bias, transposed)
                 derived = None if layer is not None or transposed else tracked.derived_of(weight)
                 if derived is not None and isinstance(derived.expert, int) and weight.dim() == 2:
                     layer = derived.expert_layer()
@@ -98,7 +110,8 @@ class Call(TorchFunctionMode):
                         if derived is not None:
                             note_orientation(weight)
                         return func(*args, **kwargs)
-                    return self._linear(layer, x, weight.t() if transposed else weight, bias)
+                    weight = weight.t() if transposed else weight
+                    return self._linear(layer, visit, x, weight, bias)
         if func in GEMMS or any(func is op for op in self.plan.grouped_ops):
             gemm = read_gemm(func, args, kwargs, tracked.derived_of, self.plan.grouped_ops)
             if gemm is not None:
@@ -111,7 +124,7 @@ class Call(TorchFunctionMode):
                     note_orientation(gemm.weight)
                     return func(*args, **kwargs)
                 if single:
-                    return self._linear(single, gemm.x, gemm.weight, None)
+                    return self._linear(single, None, gemm.x, gemm.weight, None)
                 return grouped(self, gemm)
             if self.state is None:
                 for t in (*args, *kwargs.values()):
@@ -126,11 +139,22 @@ class Call(TorchFunctionMode):
     def count_experts(self, entry) -> int:
         """Counts a grouped call of all of `entry`'s experts; the k of its sites."""
         paths = [entry.expert(e) for e in range(entry.experts)]
-        k = max(self.counts.get(p, 0) for p in paths)
-        for p in paths:
-            self.counts[p] = k + 1
-            self.sites.append(site_name(p, k))
+        visits = [self._visit(p) for p in paths]
+        k = max(v.k for v in visits)
+        for v in visits:
+            v.k = k + 1
+        if self.state is None:
+            self.sites.extend(site_name(p, k) for p in paths)
         return k
+
+    def counts(self) -> dict:
+        """`{path: calls}` so far, of the paths called."""
+        return {p: v.k for p, v in self.visits.items() if v.k}
+
+    def resume(self, counts: dict) -> None:
+        """Count on from `counts` (`{path: calls}`: after a recompute, its own)."""
+        for path, k in counts.items():
+            self._visit(path).k = k
 
     def newest_rows(self):
         """`state.amax_history[..., 0]`, `(n_sites, 3)`, taken once per call."""
@@ -138,44 +162,119 @@ class Call(TorchFunctionMode):
             self._newest = self.state.amax_history[..., 0]
         return self._newest
 
-    def _layer_of(self, weight, bias, transposed):
-        """The layer whose weight `weight` is, or None for any other linear call.
+    def _split(self) -> tuple:
+        """`(newest, stored, filled)`: `newest_rows()` and `state.scale` split into the sites'
+        float32 `(3,)` rows (once per call: the backward gathers all sites in one stack), and
+        `known_filled(state)`."""
+        if self._rows is None:
+            filled = known_filled(self.state)
+            self._rows = (self.newest_rows().unbind(0), self.state.scale.unbind(0), filled)
+        return self._rows
 
-        Layers sharing a weight are told apart by their bias.
-        """
+    def _layer_visits(self, counts: dict) -> dict:
+        """`{path: Visit}`: one per layer of the plan with the rows of its sites (`()` while
+        discovering, or for a layer without state), from the calls `counts` (`{path: k}`)."""
+        visits = {p: Visit(k, None, f"apply: layer {p!r}") for p, k in counts.items()}
+        if self.state is None:
+            return visits
+        index = self.index
+        newest, stored, filled = self._split() if any(r for r, _ in index.values()) else (None,) * 3
+        for layer in self.plan.layers:
+            at, api = index[layer.path]
+            rows = tuple(
+                (newest[i], stored[i], None if filled is None else filled[3 * i : 3 * i + 3])
+                for i in at
+            )
+            visits[layer.path] = Visit(counts.get(layer.path, 0), rows, api)
+        return visits
+
+    def _visit(self, path: str) -> Visit:
+        """The `Visit` of `path` (made on its first call: an expert's matrix `path[e]`)."""
+        visit = self.visits.get(path)
+        if visit is None:
+            visit = self.visits[path] = Visit(0, None, f"apply: layer {path!r}")
+        return visit
+
+    def _layer_of(self, weight, bias, transposed) -> tuple:
+        """`(layer, its Visit)` when `weight` is a layer's weight, `(None, None)` for any other
+        linear call. Layers sharing a weight are told apart by their bias."""
         matches = [e for e in self.tracked.given(weight) if e[0].transposed == transposed]
         if not matches:
-            return self.plan.holder_of(weight, transposed, self.held)
-        return next((e[0] for e in matches if e[2] is bias), matches[0][0])
+            layer = self.plan.holder_of(weight, transposed, self.held)
+            return layer, None if layer is None else self.visits.get(layer.path)
+        layer, _, _, visit = next((e for e in matches if e[2] is bias), matches[0])
+        return layer, visit
 
     def _count(self, layer) -> str:
         """The site name of this call of `layer`; counts the call."""
-        k = self.counts.get(layer.path, 0)
-        self.counts[layer.path] = k + 1
+        visit = self._visit(layer.path)
+        k, visit.k = visit.k, visit.k + 1
         name = site_name(layer.path, k)
-        self.sites.append(name)
+        if self.state is None:
+            self.sites.append(name)
         return name
 
-    def _linear(self, layer, x, weight, bias):
-        name = self._count(layer)
-        api = f"apply: layer {layer.path!r}"
+    def _linear(self, layer, visit, x, weight, bias):
+        """`fp8fn.linear` of this call of `layer` (`visit` its `Visit`, or None: an expert's
+        matrix, whose sites are found by name)."""
+        visit = self._visit(layer.path) if visit is None else visit
+        k = visit.k
+        visit.k = k + 1
+        api = visit.api
         newest = stored = filled = None
         if isinstance(layer.recipe, DelayedScaling):
-            i = self.state._positions().get(name)
-            if i is None:
-                raise ValueError(
-                    f"fp8fn.apply: layer {layer.path!r} was called more often than in "
-                    f"`fn.init`: site {name!r} is not in `state`. Call `fn.init` with inputs "
-                    "that call it as often."
-                )
-            if self._rows is None:  # split once: the backward gathers all sites in one stack
-                filled = known_filled(self.state)
-                self._rows = (self.newest_rows().unbind(0), self.state.scale.unbind(0), filled)
-            newest, stored, filled = self._rows[0][i], self._rows[1][i], self._rows[2]
-            filled = None if filled is None else filled[3 * i : 3 * i + 3]
+            if visit.rows is not None and k < len(visit.rows):
+                newest, stored, filled = visit.rows[k]
+            else:
+                newest, stored, filled = self._site_rows(layer.path, k)
         check_operands(api, x, weight, bias)
         check_dtypes(api, x, weight, bias)  # the module's rules
         if sharded_operands(x, weight):  # functional FSDP, tensor parallel
+            name = site_name(layer.path, k)
             return sharded_linear(self, layer, name, x, weight, bias, newest, stored)
-        random = (self.state.key, name) if isinstance(layer.recipe, NVFP4Scaling) else None
+        random = None
+        if isinstance(layer.recipe, NVFP4Scaling):
+            random = (self.state.key, site_name(layer.path, k))
         return fp8_linear(x, weight, bias, newest, stored, layer.recipe, random, filled, api)
+
+    def _site_rows(self, path: str, k: int) -> tuple:
+        """`(newest, stored, filled)` of the site `site_name(path, k)` (see `_split`)."""
+        name = site_name(path, k)
+        i = self.state._positions().get(name)
+        if i is None:
+            raise ValueError(
+                f"fp8fn.apply: layer {path!r} was called more often than in `fn.init`: site "
+                f"{name!r} is not in `state`. Call `fn.init` with inputs that call it as often."
+            )
+        newest, stored, filled = self._split()
+        return newest[i], stored[i], None if filled is None else filled[3 * i : 3 * i + 3]
+
+
+class Visit:
+    """A layer's calls in one forward pass (`Call`).
+
+    Attributes:
+      k: its calls so far: the next call's site is `site_name(path, k)`.
+      rows: for a layer of the plan, `(newest, stored, filled)` of each of its sites in
+        `state`, in call order (`Call._split`); `()` for a layer without state; None for an
+        expert's matrix (its rows found by name).
+      api: what errors name the call: `apply: layer 'path'` (never read but to raise: a
+        frame compiled for one layer's calls guards on what it reads).
+    """
+
+    def __init__(self, k: int, rows: tuple | None, api: str):
+        self.k, self.rows, self.api = k, rows, api
+
+
+def site_index(plan, sites: tuple) -> dict:
+    """`{path: (rows, api)}` for each layer of `plan`: the rows its sites hold among `sites` (a
+    `State`'s), in call order, and the name errors give its calls."""
+    at = {s: i for i, s in enumerate(sites)}
+    index = {}
+    for layer in plan.layers:
+        rows, k = [], 0
+        while (i := at.get(site_name(layer.path, k))) is not None:
+            rows.append(i)
+            k += 1
+        index[layer.path] = (tuple(rows), f"apply: layer {layer.path!r}")
+    return index

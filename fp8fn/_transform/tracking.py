@@ -25,21 +25,31 @@ class Tracked:
       tensors: `{name: tensor}` given to the call (as in `functional_call`).
       discovering: whether the call is `fn.init`'s (then every weight is noted by name).
       held: the `Transformed`'s memo of the layers holding swapped-in weights (`holder_of`).
+      visits: `{layer path: visit}`, the `Call`'s (`routing.Visit`); empty while discovering.
+      nested: whether the call runs inside another of the same transform (a `checkpoint_fn`
+        recompute in the forward pass), whose marks on the weights it hides while it runs.
 
     Attributes:
-      entries: `{weight: [(layer, weight, bias)]}` by identity: what each layer runs with
-        (copies and pieces added).
+      entries: `{weight: [(layer, weight, bias, visit)]}` by identity: what each layer runs
+        with (copies and pieces added), and its `visits` entry (None while discovering).
       weights: while discovering, `{name: op or None}`: which weights' GEMMs run in float8
         (None) or in high precision through `op`, for `fn.summary()`.
       touched: the experts weights viewed, indexed or transposed in this call.
     """
 
-    def __init__(self, plan, tensors, discovering: bool, held: dict):
-        self.plan, self.held = plan, held
+    def __init__(self, plan, tensors, discovering: bool, held: dict, visits: dict, nested: bool):
+        self.plan, self.held, self.visits = plan, held, visits
         serial = id(plan)  # (the marks' names: one transform's never read as another's)
         self._derived = ByIdentity(f"_fp8fn_derived_{serial}")  # {tensor: [Derived]}
-        for entry in plan.experts:
-            weight = entry.own(tensors)
+        self.entries = ByIdentity(f"_fp8fn_entries_{serial}")
+        experts = [(entry, entry.own(tensors)) for entry in plan.experts]
+        layers = [(layer, *layer.own(tensors)) for layer in plan.layers]
+        if nested:  # (the enclosing call's marks on these weights: hidden until the end)
+            for _, weight in experts:
+                self._derived.hide(weight)
+            for _, weight, _ in layers:
+                self.entries.hide(weight)
+        for entry, weight in experts:
             self._derived.keep(weight, Derived(entry, weight))
         self.weights, self.touched = {}, set()
         self._names = None
@@ -47,11 +57,9 @@ class Tracked:
             given = {**dict(plan.module.named_parameters()), **tensors}
             self._names = {id(t): n for n, t in given.items() if is_lazy(t) or t.dim() >= 2}
         self._kept = []  # the copies `_names` knows by id
-        self.entries = ByIdentity(f"_fp8fn_entries_{serial}")
         self._held_before = {}  # {id(layer): the weight it held before the call}, if sharded
-        for layer in plan.layers:
-            weight, bias = layer.own(tensors)
-            self.entries.keep(weight, (layer, weight, bias))
+        for layer, weight, bias in layers:
+            self.entries.keep(weight, (layer, weight, bias, visits.get(layer.path)))
             if not torch.compiler.is_compiling() and sharded_operands(weight):
                 self._held_before[id(layer)] = layer.held()
 
@@ -91,10 +99,10 @@ class Tracked:
         if isinstance(derived, list):
             result = markable(result)
             for piece, d in zip(result, derived):
-                self._derived.mark(piece, d)
+                self._derived.keep(piece, d)
                 self.touched.add(d.entry.path)
         elif derived is not None:
-            self._derived.mark(result, derived)
+            self._derived.keep(result, derived)
             self.touched.add(derived.entry.path)
         return result
 
@@ -109,9 +117,9 @@ class Tracked:
         derived = self.derived_of(source)
         if derived is not None:
             copied = derived if derived.expert is not None else Derived(derived.entry, result)
-            self._derived.mark(result, copied)
-        for layer, _, bias in self.given(source):
-            self.entries.mark(result, (layer, result, bias))
+            self._derived.keep(result, copied)
+        for layer, _, bias, visit in self.given(source):
+            self.entries.keep(result, (layer, result, bias, visit))
         if self._names is not None:
             name = self._names.get(id(source))
             if name is None and view_base(source) is not None:
@@ -137,9 +145,10 @@ class Tracked:
         """`weight.split(...)` or `.chunk(...)`: the pieces of a layer's weight are that
         layer's weights too (nn.MultiheadAttention's packed in_proj, for cross-attention)."""
         whole = args[0]
-        layer = self.layer_given(whole)
+        layer, _, _, visit = next(iter(self.given(whole)), (None,) * 4)
         if layer is None and isinstance(whole, nn.Parameter):  # swapped in (FSDP2)
             layer = self.plan.holder_of(whole, False, self.held)
+            visit = None if layer is None else self.visits.get(layer.path)
         if layer is not None and self._held_before:  # sharded operands (never compiled)
             held = self._held_before.get(id(layer))
             args = (gathered_for_split(whole, held), *args[1:])
@@ -147,11 +156,11 @@ class Tracked:
         if layer is not None:
             pieces = markable(pieces)
             for piece in pieces:
-                self.entries.mark(piece, (layer, piece, None))
+                self.entries.keep(piece, (layer, piece, None, visit))
         return pieces
 
     def given(self, weight) -> list:
-        """The entries `(layer, weight, bias)` whose weight `weight` is."""
+        """The entries `(layer, weight, bias, visit)` whose weight `weight` is."""
         return self.entries.values(weight)
 
     def layer_given(self, weight):

@@ -29,7 +29,7 @@ from .expert_parallel import refuse_compile as refuse_expert_parallel_compile
 from .plan import initial_state, read_module
 from .recompute import recomputing
 from .refusals import refuse_unrouted_grouped_mm
-from .routing import Call
+from .routing import Call, site_index
 from .swap import exclusive, swapped_call
 
 
@@ -75,7 +75,7 @@ class Transformed:
         self.layers, self.recipes = list(plan.recipes), dict(plan.recipes)
         self.checkpointed = list(plan.checkpointed)
         self._held = {}  # {id(weight): (weakref, layer)}: weights swapped into layers (FSDP2)
-        self._known_sites = None  # the `state.sites` last checked by `apply`
+        self._known = None  # (the `state.sites` last checked by `apply`, their `site_index`)
 
     def _current_plan(self):
         """`plan`, read again first when the module's structure changed since it was read (a
@@ -199,18 +199,19 @@ class Transformed:
         kept)`, the tensors to swap in, the routing `Call`, and the context manager of the
         gathered buffers (`gather_params`). Raises what `apply` raises for `state`'s sites and
         for a state already used in the gradient being recorded."""
-        plan = self.plan
-        if state.sites is not self._known_sites:
+        plan, known = self.plan, self._known
+        if known is None or state.sites is not known[0]:
             check_sites(plan, state)
+            known = (state.sites, site_index(plan, state.sites))
             if not torch.compiler.is_compiling():  # no attribute write for dynamo to guard on
-                self._known_sites = state.sites
+                self._known = known
         claim_for_apply(state)
         params = plan.fsdp.without_params(params)
         tensors, kept = params, contextlib.nullcontext()
         if params and sharded_operands(next(iter(params.values()))):  # the first tells
             tensors, kept = gather_params(plan, params, state)
         tensors = plan.slots.expand(tensors)
-        call = Call(plan, tensors, state, self._held, type(self).apply.__code__)
+        call = Call(plan, tensors, state, self._held, type(self).apply.__code__, index=known[1])
         if plan.checkpointed_modules:
             refuse_compile()  # before the `with`: dynamo then runs this frame eagerly
         if plan.expert_parallel:
