@@ -20,6 +20,9 @@ import torch.nn.functional as F
 import torch.utils._python_dispatch
 import torch.utils.checkpoint
 import torch.utils.hooks
+from torch._functorch import autograd_function as _autograd_function
+from torch._functorch import pyfunctorch as _pyfunctorch
+from torch._functorch import utils as _functorch_utils
 from torch.utils import _pytree
 
 # -- torch.utils._pytree ---------------------------------------------------------------------
@@ -102,23 +105,57 @@ def assert_in_graph(condition: torch.Tensor, message: str) -> None:
 
 
 _FUNCTION_BASE_APPLY = torch._C._FunctionBase.__dict__["apply"]  # autograd's C entry
+# torch.func's single-level autograd.Function of an fp8fn Function at a grad transform's level
+# and grad mode: `{(cls, level, grad mode): class}`, at most a few (levels of nesting x two
+# modes x fp8fn's Functions). Written and read by `apply_function` (torch makes a new class per
+# call). Not in the state: a cache of classes that depend on nothing else. (Here, not in
+# `_core/registries.py`: this module is the layer below `_core`.)
+SINGLE_LEVEL_FUNCTIONS: dict = {}
 
 
 def apply_function(cls, *args):
     """`cls.apply(*args)`, for an autograd.Function `cls` with `setup_context` whose `forward`
-    takes exactly `args`, positionally: without the `inspect.signature(forward).bind(...)` that
-    `Function.apply` runs on every call (to fill defaults and keywords, of which there are none
-    here; ~100 us a call on a loaded CPU, against ~20 us for the rest). What `Function.apply`
-    does after binding: outside torch.func's transforms, autograd's C entry on `args` with dead
-    functorch wrappers unwrapped; inside them, functorch's `custom_function_call` (whose
-    innermost call binds once more). Under torch.compile, `cls.apply` itself (what dynamo
-    traces)."""
+    takes exactly `args`, positionally: without the per-call work `Function.apply` and
+    torch.func add around autograd's C entry (~30% of a small linear under torch.func).
+
+    * Outside torch.func's transforms: the C entry on `args` with dead functorch wrappers
+      unwrapped, without the `inspect.signature(forward).bind(...)` that `Function.apply` runs
+      on every call (to fill defaults and keywords, of which there are none here).
+    * Under `torch.func.grad`/`vjp` (the innermost transform a Grad one): what torch.func's
+      `custom_function_call` does there (`custom_function_call_grad`: unwrap dead wrappers,
+      apply a single-level Function that unwraps, runs `cls` one level down and wraps), with
+      that single-level Function generated once per `(cls, level, grad mode)`, the only things
+      it depends on, instead of a new class on every call. One level down, torch's own route
+      runs (`custom_function_call`), and, below every transform, `cls.apply`: this function
+      again (`Function`), without the binding.
+    * Under other transforms (vmap, jvp): `custom_function_call`.
+    * Under torch.compile: `cls.apply` itself (what dynamo traces).
+    """
     if torch.compiler.is_compiling():
         return cls.apply(*args)
     if not torch._C._are_functorch_transforms_active():
-        unwrap = torch._functorch.utils.unwrap_dead_wrappers
-        return _FUNCTION_BASE_APPLY.__get__(None, cls)(*unwrap(args))
-    return torch._functorch.autograd_function.custom_function_call(cls, *args)
+        return _FUNCTION_BASE_APPLY.__get__(None, cls)(*_functorch_utils.unwrap_dead_wrappers(args))
+    interpreter = _pyfunctorch.retrieve_current_functorch_interpreter()
+    if interpreter.key() != _functorch.TransformType.Grad:
+        return _autograd_function.custom_function_call(cls, *args)
+    key = (cls, interpreter.level(), interpreter.prev_grad_mode())
+    generated = SINGLE_LEVEL_FUNCTIONS.get(key)
+    if generated is None:
+        generated = _autograd_function.generate_single_level_function(interpreter, cls)
+        SINGLE_LEVEL_FUNCTIONS[key] = generated
+    args = [_functorch.unwrap_if_dead(a) if isinstance(a, torch.Tensor) else a for a in args]
+    with _autograd_function.enable_single_level_autograd_function():
+        return _FUNCTION_BASE_APPLY.__get__(None, generated)(*args)
+
+
+class Function(torch.autograd.Function):
+    """An autograd.Function whose `apply` is `apply_function`: `forward` takes its arguments
+    positionally (no keywords, no defaults), with `setup_context`. dynamo traces `apply` as
+    torch's own (its autograd.Function support takes over `cls.apply`)."""
+
+    @classmethod
+    def apply(cls, *args):
+        return apply_function(cls, *args)
 
 
 def tracked_below(t: torch.Tensor) -> bool:

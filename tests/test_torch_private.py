@@ -757,8 +757,10 @@ def test_fsdp_gradient_divisions_are_the_factor_and_size_of_the_groups_holding_t
     assert private.fsdp_gradient_divisions(model, held, ("weight", "bias")) == [(4.0, 1)]
 
 
-class _Scale(torch.autograd.Function):
-    """`x * k`, backward `g * k`: a Function with `setup_context`, for `apply_function`."""
+class _Scale(private.Function):
+    """`x * k`, backward `g * k`: a `private.Function` (its `apply` is `apply_function`)."""
+
+    generate_vmap_rule = True
 
     @staticmethod
     def forward(x, k):
@@ -773,23 +775,61 @@ class _Scale(torch.autograd.Function):
         return g * ctx.k, None
 
 
-def test_apply_function_is_function_apply_without_binding_the_signature(monkeypatch):
-    # Plain autograd (the Function's own backward node) and under torch.func.grad (the
-    # functorch route): the same values and gradients as `apply`, and no call of
-    # `inspect.signature` (what `Function.apply` binds with). (Compiled, it is `apply`: the
-    # compiled steps of test_compile.py run through it.)
+class _TorchScale(torch.autograd.Function):
+    """`_Scale` as torch runs it (`Function.apply`), the reference."""
+
+    generate_vmap_rule = True
+    forward, setup_context, backward = _Scale.forward, _Scale.setup_context, _Scale.backward
+
+
+def test_apply_function_is_function_apply_without_its_per_call_work(monkeypatch):
+    """Plain autograd (the Function's own backward node), torch.func.grad (one level and
+    nested, with grad mode on and off around it), vmap around grad: the values and gradients
+    of torch's `Function.apply`, without one call of `inspect.signature` (what `Function.apply`
+    binds with; but in torch's vmap rule) and with torch.func's single-level Function of the
+    innermost transform generated once per level and grad mode, not per call. (Compiled, it
+    is `apply`: the compiled steps of test_compile.py run through it.)"""
     x = torch.tensor([1.0, -2.0, 3.0], requires_grad=True)
-    y = private.apply_function(_Scale, x, 3.0)
+    y = _Scale.apply(x, 3.0)
     assert type(y.grad_fn).__name__ == "_ScaleBackward"
     y.sum().backward()
     assert x.grad.tolist() == [3.0, 3.0, 3.0]
-    grad = torch.func.grad(lambda t: private.apply_function(_Scale, t, 5.0).sum())(x.detach())
-    assert grad.tolist() == [5.0, 5.0, 5.0]
+    generated = []
+    make = private._autograd_function.generate_single_level_function
+    monkeypatch.setattr(
+        private._autograd_function,
+        "generate_single_level_function",
+        lambda *a: generated.append(a[0].level()) or make(*a),
+    )
+    monkeypatch.setattr(private, "SINGLE_LEVEL_FUNCTIONS", {})
 
     def refuse(*args, **kwargs):
         raise AssertionError("inspect.signature called")
 
-    monkeypatch.setattr(private.inspect, "signature", refuse)
-    assert private.apply_function(_Scale, x, 2.0).tolist() == [2.0, -4.0, 6.0]
+    def cases(op):  # (each a function of t, its expected value)
+        once = torch.func.grad(lambda t: (op.apply(t, 5.0) * op.apply(t, 2.0)).sum())
+        twice = torch.func.grad(lambda t: once(t).sum())  # d/dt of 20 t: 20
+        return [
+            (lambda t: op.apply(t, 2.0), [2.0, -4.0, 6.0]),
+            (once, [20.0, -40.0, 60.0]),
+            (once, [20.0, -40.0, 60.0]),  # (the single-level Functions made: reused)
+            (twice, [20.0, 20.0, 20.0]),
+            (torch.no_grad()(once), [20.0, -40.0, 60.0]),  # (another grad mode below)
+            (torch.vmap(once), [20.0, -40.0, 60.0]),  # (torch's vmap rule: it binds)
+        ]
+
+    want = [f(x.detach()) for f, _ in cases(_TorchScale)]
+    generated.clear()  # (torch's own route generates one per call)
+    with monkeypatch.context() as patched:
+        patched.setattr(private.inspect, "signature", refuse)
+        got = [f(x.detach()) for f, _ in cases(_Scale)[:-1]]
+    got.append(cases(_Scale)[-1][0](x.detach()))
+    assert [g.tolist() for g in got] == [w.tolist() for w in want]
+    assert [g.tolist() for g in got] == [v for _, v in cases(_Scale)]
+    # `once`: one, at level 1, for both calls and both runs; `twice`: one at level 2, then two
+    # at level 1 (below the innermost transform torch's own route runs: one per call); under
+    # no_grad: one (another grad mode); vmap around grad: none (level 2, grad mode on: known)
+    assert generated == [1, 2, 1, 1, 1]
     with pytest.raises(AssertionError, match="inspect.signature called"):
-        _Scale.apply(x, 2.0)  # (the module is torch's `inspect`: Function.apply binds)
+        monkeypatch.setattr(private.inspect, "signature", refuse)
+        _TorchScale.apply(x, 2.0)  # (the module is torch's `inspect`: Function.apply binds)

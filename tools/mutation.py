@@ -130,7 +130,7 @@ MUTATIONS = [
         "vmap-no-fold",
         "the op's vmap rule does not fold the batch (the generated per-member rule)",
         "_ops/tensorwise.py",
-        (("apply_function(_Fp8Linear, rows", "apply_function(_Fp8LinearOp, rows"),),
+        (("out = _Fp8Linear.apply(rows", "out = _Fp8LinearOp.apply(rows"),),
     ),
     Mutation(
         "grad-output-observes-weight",

@@ -1,6 +1,8 @@
 """Everything fp8fn keeps outside the state, in one place: the marks, the registries and the
 context variables (the two process-wide switches stay beside the code that rebinds them:
-`_core/device.py`, `_kernels/triton_jit.py`). Each entry below says what it holds, who writes
+`_core/device.py`, `_kernels/triton_jit.py`; and the cache of torch.func's classes,
+`SINGLE_LEVEL_FUNCTIONS`, beside the code that makes them in `_torch_private.py`, the layer
+below this one). Each entry below says what it holds, who writes
 it, who reads it, and why it cannot be in the state; docs/semantics.md has the same table and
 `tests/test_registries.py` checks that no module defines one elsewhere.
 

@@ -50,7 +50,7 @@ import torch
 
 from .._core.checks import HP_DTYPES
 from .._numerics.fp8 import E4M3, E5M2, FP8_DTYPES, check_margin
-from .._torch_private import apply_function
+from .._torch_private import Function
 
 
 def _kernels():
@@ -197,7 +197,7 @@ def _observed(observe) -> dict:
     return {"input_amax": input_amax, "weight_amax": weight_amax}
 
 
-class TritonCast(torch.autograd.Function):
+class TritonCast(Function):
     """A Triton cast as a constant to autograd: `delayed_cast` when `stored` is given, else
     `current_cast`; returns their outputs. (An autograd.Function, so that torch.func transforms
     run the custom op below their levels, e.g. in fp8fn's backward.)"""
@@ -238,9 +238,7 @@ def forward_cast(hp, newest, stored, margin: int, filled: bool, transposed: bool
       itself, or when `transposed` the transpose of the `(k, m)` row-major copy written in the
       same pass (so the backward's `keep.t()` is contiguous and no GEMM copies it).
     """
-    out = apply_function(
-        TritonCast, hp, newest, stored, margin, E4M3, transposed, filled, None, None
-    )
+    out = TritonCast.apply(hp, newest, stored, margin, E4M3, transposed, filled, None, None)
     fp8, inverse, amax = out[0], out[-2], out[-1]
     return fp8, inverse, amax, out[1].t() if transposed else fp8
 
@@ -261,8 +259,6 @@ def backward_cast(grad, newest, stored, margin: int, filled: bool, transposed: b
       None without `observe`.
     """
     before = (None, None) if observe is None else observe
-    out = apply_function(
-        TritonCast, grad, newest, stored, margin, E5M2, transposed, filled, *before
-    )
+    out = TritonCast.apply(grad, newest, stored, margin, E5M2, transposed, filled, *before)
     fp8, inverse, observed = out[0], out[-2], out[-1]
     return fp8, out[1] if transposed else fp8.t(), inverse, None if observe is None else observed

@@ -22,7 +22,7 @@ from .._core.device import scaled_mm_supported
 from .._core.recipes import FAST_ACCUM
 from .._kernels.cast import backward_cast, forward_cast
 from .._numerics.fp8 import E4M3, E5M2, amax, cast_to_fp8
-from .._torch_private import apply_function, never_compiled_alone, tracked_below
+from .._torch_private import Function, never_compiled_alone, tracked_below
 from .first_order import first_order_only, kept_api
 from .gemm import fp8_mm, widen_operand
 from .roles import cast_grad_output, keep_for_backward, observation, scales_for
@@ -283,7 +283,7 @@ def _fp8_gemm(x_fp8, w_fp8, x_inv, w_inv, bias, out_dtype, backend: str, fast_ac
     return out
 
 
-class _Fp8LinearOp(torch.autograd.Function):
+class _Fp8LinearOp(Function):
     """y = x @ weight.T + bias with float8 operands, placed by `place` (a `Local`).
 
     Locally, x `(m, k)`, weight `(n, k)`, bias `(n,)` or None; a sharded placement takes its
@@ -446,5 +446,5 @@ def tensorwise_linear(
     rows = x if flat else x.reshape(-1, x.shape[-1])  # (a reshape is a kernel call)
     with no_autocast(x):
         statics = Statics(margin, backend, place, filled, fast_accum, kept_api(api))
-        out = apply_function(_Fp8Linear, rows, weight, bias, newest, stored, statics)[0]
+        out = _Fp8Linear.apply(rows, weight, bias, newest, stored, statics)[0]
     return out if flat else out.reshape(*x.shape[:-1], weight.shape[0])

@@ -65,8 +65,8 @@ class Tracked:
 
     @contextlib.contextmanager
     def marking(self):
-        """The call's span: the marks it leaves on the tensors it makes (`ByIdentity`) are
-        cleared when it ends."""
+        """The call's span: the marks it leaves on the tensors it is given and makes
+        (`ByIdentity`) are cleared when it ends."""
         try:
             yield
         finally:
