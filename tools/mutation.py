@@ -55,6 +55,8 @@ DEFAULT_TESTS = [
     "tests/test_discovery.py",
     "tests/test_state_trees.py",
     "tests/test_never_silent.py",
+    "tests/test_weight_copies.py",
+    "tests/test_compile_steps.py",  # (slow: with --slow)
 ]
 QUICK_TESTS = ["tests/test_reference.py"]
 QUICK_DESELECT = ["compiled", "transformer"]  # tests left out by --quick (-k "not ...")
