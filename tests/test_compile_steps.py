@@ -70,13 +70,13 @@ def _entries_per_frame() -> dict:
     return entries
 
 
-def _compiles(model, batch, loss_of, route):
+def _compiles(model, batch, loss_of, route, recipe=None):
     """Dynamo's compiled frames after each of `STEPS` SGD steps from `fn.init`, new parameter
     tensors every step (as an optimizer's functional loop makes them); each step's loss,
     gradients and observations are checked bit for bit against the same route uncompiled.
     Returns `(frames after each step, {frame: compiled entries})`."""
     torch._dynamo.reset()
-    fn = fp8fn.transform(model, fp8fn.DelayedScaling())
+    fn = fp8fn.transform(model, recipe or fp8fn.DelayedScaling())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the routers' high-precision GEMMs
         state = fn.init(batch)
@@ -215,14 +215,17 @@ class _Block(nn.Module):
         return x + self.fc2(h) + F.linear(h.flip(-1), self.fc2.weight.clone())
 
 
+@pytest.mark.parametrize("recipe", ["delayed", "nvfp4"])
 @pytest.mark.parametrize("route", list(ROUTES))
-def test_a_frame_called_once_per_layer_compiles_once_for_all_layers(route):
+def test_a_frame_called_once_per_layer_compiles_once_for_all_layers(route, recipe):
     """fp8fn 0.4 found a layer's sites by its path, chosen while dynamo traced: a frame the
     model calls once per layer compiled once per layer (Qwen2-MoE's MoE block: its shared
     expert), and a model of more than 4 such layers hit dynamo's recompile limit (8) and ran
     the rest eagerly. Each layer now finds its rows through the weight the frame receives:
     6 blocks, 4 steps, the warm-up and the steady state, each block frame compiled twice (plain
-    torch: once), every step's numbers the uncompiled route's bit for bit (`_compiles`)."""
+    torch: once), every step's numbers the uncompiled route's bit for bit (`_compiles`). NVFP4
+    layers (no history: one graph) draw with their site's id carried the same way (by its name,
+    once per layer: 6 entries)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 16), *[_Block() for _ in range(6)])  # (the blocks'
     # inputs all need their gradient: for plain torch too, one compile of the block frame)
@@ -230,9 +233,10 @@ def test_a_frame_called_once_per_layer_compiles_once_for_all_layers(route):
     def loss_of(apply):
         return lambda p, s, x: apply(p, s, x).square().mean()
 
-    frames, entries = _compiles(model, torch.randn(8, 16), loss_of, route)
+    chosen = {"delayed": fp8fn.DelayedScaling(), "nvfp4": fp8fn.NVFP4Scaling()}[recipe]
+    frames, entries = _compiles(model, torch.randn(8, 16), loss_of, route, chosen)
     blocks = {k: n for k, n in entries.items() if "resume_in_forward" in k}
-    assert list(blocks.values()) == [2], entries
+    assert list(blocks.values()) == [2 if recipe == "delayed" else 1], entries
     assert frames[1:] == [frames[1]] * (STEPS - 1), frames
 
 

@@ -554,6 +554,11 @@ def test_site_ids_are_stable_and_distinct():
     names = [f"blocks.{i}.{m}" for i in range(64) for m in ("qkv", "proj", "fc1", "fc2")]
     names += [f"{n}#{k}" for n in names[:8] for k in range(1, 4)]
     assert len({fp8keys.site_id(n) for n in names}) == len(names)
+    # Continued from a prefix's id (int or int64 tensor): the whole name's (`fn.apply`'s k-th
+    # call of an NVFP4 layer, `path#k`, from its first site's id).
+    for start in (fp8keys.site_id("fc"), torch.tensor(fp8keys.site_id("fc"))):
+        for k in (1, 2, 13):
+            assert int(fp8keys.site_id(f"#{k}", start)) == fp8keys.site_id(f"fc#{k}")
 
 
 def test_ranks_fold_into_rounding_bits_but_share_hadamard_signs(monkeypatch):

@@ -25,13 +25,15 @@ from .registries import VALID_KEYS
 KEY_BITS = 52  # keys are integers in [0, 2**52): float64 holds each, and each plus one, exactly
 
 
-def site_id(name: str) -> int:
+def site_id(name: str, start=0x811C9DC5):
     """A stable 32-bit id of the site name `name` (FNV-1a over its characters' code points).
 
     The same in every process and run (Python's `hash` of a str is salted per process), and
-    plain integer arithmetic on a constant, which torch.compile folds away.
+    plain integer arithmetic on a constant, which torch.compile folds away. `start`: the id of
+    a prefix of the name (an int, or an int64 `()` tensor: then the id is one too), so that
+    `site_id(b, site_id(a)) == site_id(a + b)`.
     """
-    h = 0x811C9DC5
+    h = start
     for ch in name:
         h = ((h ^ ord(ch)) * 0x01000193) & MASK32
     return h

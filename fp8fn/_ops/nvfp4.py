@@ -253,7 +253,8 @@ def nvfp4_linear(x, weight, bias, recipe: NVFP4Scaling, random, api: str = "line
       bias: `(out_features,)` or None.
       recipe: the `NVFP4Scaling`.
       random: `(key, site)`: `key` float64 `()` holding an integer in `[0, 2**52)`, `site`
-        the site's name; or None for a recipe without randomness.
+        the site's name, or its `keys.site_id` as an int64 `()` tensor (`fn.apply`: the same
+        graph for every layer under torch.compile); or None for a recipe without randomness.
       api: what the user called, for errors (`fp8fn.{api}:`, e.g. a second derivative).
 
     Returns:
@@ -263,7 +264,7 @@ def nvfp4_linear(x, weight, bias, recipe: NVFP4Scaling, random, api: str = "line
     if key is not None:
         keys.check_key("apply", key)  # once per key tensor (fp8fn.linear's is checked already)
         key = key.detach().to(torch.int64)
-        site = keys.site_id(site)
+        site = keys.site_id(site) if isinstance(site, str) else site
     out, _ = _NVFP4Linear.apply(
         x.reshape(-1, x.shape[-1]),
         weight,

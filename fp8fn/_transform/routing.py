@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from .._core.checks import check_dtypes, check_operands
+from .._core.keys import site_id
 from .._core.recipes import DelayedScaling, NVFP4Scaling
 from .._core.state import known_filled, site_name
 from .._ops.linear import fp8_linear
@@ -178,14 +179,14 @@ class Call(TorchFunctionMode):
         if self.state is None:
             return visits
         index = self.index
-        newest, stored, filled = self._split() if any(r for r, _ in index.values()) else (None,) * 3
+        newest, stored, filled = self._split() if any(v[0] for v in index.values()) else (None,) * 3
         for layer in self.plan.layers:
-            at, api = index[layer.path]
+            at, api, site = index[layer.path]
             rows = tuple(
                 (newest[i], stored[i], None if filled is None else filled[3 * i : 3 * i + 3])
                 for i in at
             )
-            visits[layer.path] = Visit(counts.get(layer.path, 0), rows, api)
+            visits[layer.path] = Visit(counts.get(layer.path, 0), rows, api, site)
         return visits
 
     def _visit(self, path: str) -> Visit:
@@ -233,8 +234,12 @@ class Call(TorchFunctionMode):
             name = site_name(layer.path, k)
             return sharded_linear(self, layer, name, x, weight, bias, newest, stored)
         random = None
-        if isinstance(layer.recipe, NVFP4Scaling):
-            random = (self.state.key, site_name(layer.path, k))
+        if isinstance(layer.recipe, NVFP4Scaling):  # (by id where known: no name to guard on)
+            if visit.site is None:
+                site = site_name(layer.path, k)
+            else:
+                site = site_id(f"#{k}", visit.site) if k else visit.site
+            random = (self.state.key, site)
         return fp8_linear(x, weight, bias, newest, stored, layer.recipe, random, filled, api)
 
     def _site_rows(self, path: str, k: int) -> tuple:
@@ -260,15 +265,18 @@ class Visit:
         expert's matrix (its rows found by name).
       api: what errors name the call: `apply: layer 'path'` (never read but to raise: a
         frame compiled for one layer's calls guards on what it reads).
+      site: for an NVFP4 layer of the plan, `keys.site_id` of its first site, an int64 `()`
+        tensor (its random draws'; a later call's: `site_id("#k", site)`), else None.
     """
 
-    def __init__(self, k: int, rows: tuple | None, api: str):
-        self.k, self.rows, self.api = k, rows, api
+    def __init__(self, k: int, rows: tuple | None, api: str, site=None):
+        self.k, self.rows, self.api, self.site = k, rows, api, site
 
 
 def site_index(plan, sites: tuple) -> dict:
-    """`{path: (rows, api)}` for each layer of `plan`: the rows its sites hold among `sites` (a
-    `State`'s), in call order, and the name errors give its calls."""
+    """`{path: (rows, api, site)}` for each layer of `plan`: the rows its sites hold among
+    `sites` (a `State`'s), in call order, the name errors give its calls, and for an NVFP4
+    layer its first site's `keys.site_id` (an int64 `()` tensor on the CPU; else None)."""
     at = {s: i for i, s in enumerate(sites)}
     index = {}
     for layer in plan.layers:
@@ -276,5 +284,8 @@ def site_index(plan, sites: tuple) -> dict:
         while (i := at.get(site_name(layer.path, k))) is not None:
             rows.append(i)
             k += 1
-        index[layer.path] = (tuple(rows), f"apply: layer {layer.path!r}")
+        site = None
+        if isinstance(layer.recipe, NVFP4Scaling):
+            site = torch.tensor(site_id(site_name(layer.path, 0)), dtype=torch.int64)
+        index[layer.path] = (tuple(rows), f"apply: layer {layer.path!r}", site)
     return index
