@@ -134,3 +134,21 @@ def test_pieces_of_a_multi_output_op_are_marked_in_one_graph(form):
         torch._dynamo.reset()
     assert len(state.sites) == sites
     assert torch.equal(got, fn.apply(params, state, *args))
+
+
+def test_apply_leaves_no_attribute_on_the_tensors_it_is_given():
+    """The weights given to `apply` (and the module's own, used where `params` leaves one out)
+    carry their layer's values during the call only: none is left after it, nor after a call
+    that raised."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    fn = fp8fn.transform(model, fp8fn.DelayedScaling())
+    x = torch.randn(4, 8)
+    state = fn.init(x)
+    params = {k: v.detach().clone().requires_grad_() for k, v in model.named_parameters()}
+    del params["2.weight"]  # (the module's own)
+    fn.apply(params, state, x).sum().backward()
+    with pytest.raises(ValueError, match="fp8fn.apply"):
+        fn.apply(params, state, x[:, :5])  # (raises inside the model)
+    tensors = [*params.values(), *model.parameters()]
+    assert not [a for t in tensors for a in vars(t) if a.startswith("_fp8fn")]
