@@ -233,6 +233,17 @@ def saved_tensor_hooks_active() -> bool:
     return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
 
 
+def under_compile(module) -> bool:
+    """Whether torch.compile runs this code (tracing it, or running it eagerly between the
+    graphs of a compiled function, whose callees it compiles), or compiled a submodule of
+    `module` on its own (`nn.Module.compile`)."""
+    if torch.compiler.is_compiling():
+        return True
+    if torch._C._dynamo.eval_frame.get_eval_frame_callback() not in (None, False):
+        return True
+    return any(getattr(m, "_compiled_call_impl", None) is not None for m in module.modules())
+
+
 _TORCH_CHECKPOINT = inspect.unwrap(torch.utils.checkpoint.checkpoint).__code__
 
 

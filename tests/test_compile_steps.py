@@ -240,6 +240,96 @@ def test_a_frame_called_once_per_layer_compiles_once_for_all_layers(route, recip
     assert frames[1:] == [frames[1]] * (STEPS - 1), frames
 
 
+@pytest.mark.parametrize("route", list(ROUTES))
+def test_a_model_whose_blocks_are_compiled_one_by_one_compiles_each_twice(route):
+    """torchtitan's pattern: each decoder layer compiled on its own (`layer.compile()`), the
+    step eager. fp8fn 0.5's first cut broke every such frame's graph at every op (the routing's
+    check for the model's own torch.utils.checkpoint read autograd's saved-tensor hooks, which
+    dynamo cannot trace: 0 graphs), and would have compiled it once per layer. Now the layer's
+    frame compiles twice for all 6 layers (warm-up, steady state; plain torch: once), and every
+    step is the uncompiled one's, bit for bit."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = tiny_hf_config("llama", num_hidden_layers=6, use_cache=False)
+    model, ids = transformers.LlamaForCausalLM(config), torch.randint(0, 64, (2, 16))
+    fn = fp8fn.transform(model, fp8fn.DelayedScaling())
+    state, step = fn.init(ids), ROUTES[route](fn, _lm_loss, None)
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+
+    def steps():
+        out, s, p = [], state, params
+        for _ in range(STEPS):
+            loss, grads, obs = step(p, s, ids)
+            out.append((loss, grads, obs.amax_history))
+            s = fp8fn.update(s, obs)
+            p = {k: (v - 0.1 * grads[k]).detach() for k, v in p.items()}
+        return out
+
+    want = steps()
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    try:
+        for layer in model.model.layers:
+            layer.compile(backend=counter)
+        got = steps()
+        entries = _entries_per_frame()
+    finally:
+        for layer in model.model.layers:
+            layer._compiled_call_impl = None
+        torch._dynamo.reset()
+    for (loss, grads, history), (want_loss, want_grads, want_history) in zip(got, want):
+        assert torch.equal(loss, want_loss) and torch.equal(history, want_history)
+        assert all(torch.equal(g, want_grads[k]) for k, g in grads.items())
+    assert counter.frame_count == 2 and list(entries.values()) == [2], entries
+
+
+class _TorchCheckpointed(nn.Module):
+    """A Linear, then two blocks that run their Linear in the model's own
+    torch.utils.checkpoint."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Linear(16, 16)
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
+
+    def forward(self, x):
+        x = self.stem(x)
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(
+                lambda t, b=block: torch.relu(b(t)), x, use_reentrant=False
+            )
+        return x
+
+
+@pytest.mark.parametrize("how", ["apply", "apply, fullgraph", "blocks one by one"])
+def test_the_models_own_torch_checkpoint_under_compile_is_refused(how):
+    """dynamo traces a torch.utils.checkpoint body without fp8fn's routing (torch 2.13): 0.5's
+    first cut ran the checkpointed layers in float32 there, silently (their observations
+    zeros, their weights' gradients those of float32). `fn.init` sees a float8 layer inside
+    the model's checkpoint; under torch.compile `apply` then refuses, eagerly as before."""
+    torch.manual_seed(0)
+    model, x = _TorchCheckpointed(), torch.randn(4, 16)
+    fn = fp8fn.transform(model, fp8fn.DelayedScaling())
+    state = fn.init(x)
+    params = {k: v.detach().clone().requires_grad_() for k, v in model.named_parameters()}
+    torch._dynamo.reset()
+    try:
+        if how == "blocks one by one":
+            for block in model.blocks:
+                block.compile(backend="aot_eager")
+            apply = fn.apply
+        else:
+            apply = torch.compile(fn.apply, backend="aot_eager", fullgraph="fullgraph" in how)
+        with pytest.raises(RuntimeError, match=r"^fp8fn.apply: the model runs torch.utils.chec"):
+            apply(params, fp8fn.observe(state), x).sum().backward()
+    finally:
+        for block in model.blocks:
+            block._compiled_call_impl = None
+        torch._dynamo.reset()
+    with pytest.raises(RuntimeError, match=r"^fp8fn.apply: the model runs torch.utils.chec"):
+        fn.apply(params, fp8fn.observe(state), x)  # (eagerly: refused as before)
+
+
 def _lm_loss(apply):
     return lambda p, s, ids: apply(p, s, ids, labels=ids).loss
 

@@ -773,6 +773,13 @@ MUTATIONS += [
         ),
     ),
     Mutation(
+        "compiled-torch-checkpoint-not-refused",
+        "the model's own torch.utils.checkpoint not refused under torch.compile (its body traced "
+        "without fp8fn: float32, unobserved, silently)",
+        "_transform/transformed.py",
+        (("        if self._torch_checkpointed:", "        if False:"),),
+    ),
+    Mutation(
         "visit-by-path",
         "a layer's Visit looked up by its path, not reached through its weight (a frame the "
         "model calls once per layer guards on the path: a compile per layer)",

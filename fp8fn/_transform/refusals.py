@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from .._torch_errors import USE_CHECKPOINT_FN
-from .._torch_private import inside_torch_checkpoint, refuse_fullgraph_trace
+from .._torch_private import inside_torch_checkpoint, refuse_fullgraph_trace, under_compile
 from .forms import op_name
 
 
@@ -55,6 +55,22 @@ def refuse_other_form(api: str, func, args, kwargs, layer_given) -> None:
         if layer is not None:
             what = f"passes its weight to {op_name(func)} in a form fp8fn does not convert"
             refuse_call(api, layer, what)
+
+
+def refuse_compiled_torch_checkpoint(module) -> None:
+    """Raise under torch.compile (`under_compile`) for a model that `fn.init` saw run a float8
+    GEMM inside its own torch.utils.checkpoint: dynamo traces a checkpointed body without
+    fp8fn's routing, so it would run in high precision, unobserved (its sites' observations
+    zeros), and its gradients differ, silently. (Eagerly, `refuse_torch_checkpoint` raises.)"""
+    if under_compile(module):
+        message = (
+            "fp8fn.apply: the model runs torch.utils.checkpoint (fn.init saw a float8 layer "
+            "inside it), and torch.compile traces a checkpointed part without fp8fn: it would "
+            f"run in high precision and go unobserved, silently. {USE_CHECKPOINT_FN}"
+        )
+        if torch.compiler.is_compiling():
+            refuse_fullgraph_trace(message)
+        raise RuntimeError(message)
 
 
 def refuse_torch_checkpoint(stop_at) -> None:

@@ -13,7 +13,12 @@ from .._core.recipes import DelayedScaling, NVFP4Scaling
 from .._core.state import known_filled, site_name
 from .._ops.linear import fp8_linear
 from .._parallel.dtensor import sharded_linear, sharded_operands
-from .._torch_private import attention_forward, never_compiled_alone, saved_tensor_hooks_active
+from .._torch_private import (
+    attention_forward,
+    inside_torch_checkpoint,
+    never_compiled_alone,
+    saved_tensor_hooks_active,
+)
 from .expert_calls import grouped, note_orientation
 from .experts import COPIES, DERIVING, GEMMS, GROUPED_MM, read_gemm
 from .forms import LINEARS, SPLITS, linear_operands, one_tensor_each, op_name
@@ -74,13 +79,18 @@ class Call(TorchFunctionMode):
         self.visits = self._layer_visits(counts or {})  # {path: Visit}
         self.tracked = Tracked(plan, tensors, state is None, held, self.visits, recompute)
         self.torch_grouped = set()  # experts weights in torch._grouped_mm, while discovering
+        self.torch_checkpointed = False  # a float8 GEMM ran in torch.utils.checkpoint (init)
 
     @never_compiled_alone  # (dynamo traces it inside the frames it compiles)
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs, tracked = kwargs or {}, self.tracked
         if self.passive:
             return func(*args, **kwargs)
-        if self.watching and (not torch.is_grad_enabled() or saved_tensor_hooks_active()):
+        if (
+            self.watching
+            and not torch.compiler.is_compiling()  # (a frame compiled inside an eager call)
+            and (not torch.is_grad_enabled() or saved_tensor_hooks_active())
+        ):
             refuse_torch_checkpoint(self.stop_at)
         if func is F.multi_head_attention_forward:
             with self:  # its own linear calls come back here (see `attention_forward`)
@@ -107,6 +117,7 @@ class Call(TorchFunctionMode):
                         refuse_call(self._api(), layer, f"calls torch.addmm with {shown}")
                     if self.state is None:
                         self._count(layer)
+                        self.torch_checkpointed |= inside_torch_checkpoint(None)
                         tracked.note(weight, None)
                         if derived is not None:
                             note_orientation(weight)
@@ -119,6 +130,7 @@ class Call(TorchFunctionMode):
                 single = None if gemm.expert is None else gemm.derived.expert_layer()
                 if self.state is None:
                     self._count(single) if single else self.count_experts(gemm.derived.entry)
+                    self.torch_checkpointed |= inside_torch_checkpoint(None)
                     if func in GROUPED_MM:
                         self.torch_grouped.add(gemm.derived.entry.path)
                     tracked.note(gemm.derived.source, None)

@@ -28,7 +28,7 @@ from .discovery import discover
 from .expert_parallel import refuse_compile as refuse_expert_parallel_compile
 from .plan import initial_state, read_module
 from .recompute import recomputing
-from .refusals import refuse_unrouted_grouped_mm
+from .refusals import refuse_compiled_torch_checkpoint, refuse_unrouted_grouped_mm
 from .routing import Call, site_index
 from .swap import exclusive, swapped_call
 
@@ -65,6 +65,7 @@ class Transformed:
         self._torch_grouped = frozenset()  # the experts weights `init` saw in torch._grouped_mm
         self._weights = None  # {weight name: None (float8) or the op}, from `init`
         self._reported = False  # the high-precision GEMMs were reported (once)
+        self._torch_checkpointed = False  # `init` saw a float8 GEMM in torch.utils.checkpoint
         self._read(frozenset())
 
     def _read(self, confirmed: frozenset):
@@ -134,6 +135,7 @@ class Transformed:
         plan = self.plan
         confirmed = {e.path for e in plan.experts if self._weights.get(e.path, "") is None}
         self._torch_grouped |= call.torch_grouped
+        self._torch_checkpointed = call.torch_checkpointed
         if not confirmed <= plan.confirmed:
             self._read(plan.confirmed | confirmed)
         self.plan.fsdp.refuse_unused(self.plan.confirmed)
@@ -212,6 +214,8 @@ class Transformed:
             tensors, kept = gather_params(plan, params, state)
         tensors = plan.slots.expand(tensors)
         call = Call(plan, tensors, state, self._held, type(self).apply.__code__, index=known[1])
+        if self._torch_checkpointed:
+            refuse_compiled_torch_checkpoint(plan.module)
         if plan.checkpointed_modules:
             refuse_compile()  # before the `with`: dynamo then runs this frame eagerly
         if plan.expert_parallel:
