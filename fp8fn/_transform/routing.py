@@ -190,14 +190,9 @@ class Call(TorchFunctionMode):
         visits = {p: Visit(k, None, f"apply: layer {p!r}") for p, k in counts.items()}
         if self.state is None:
             return visits
-        index = self.index
-        newest, stored, filled = self._split() if any(v[0] for v in index.values()) else (None,) * 3
         for layer in self.plan.layers:
-            at, api, site = index[layer.path]
-            rows = tuple(
-                (newest[i], stored[i], None if filled is None else filled[3 * i : 3 * i + 3])
-                for i in at
-            )
+            at, api, site = self.index[layer.path]
+            rows = tuple(self._row(i) for i in at)
             visits[layer.path] = Visit(counts.get(layer.path, 0), rows, api, site)
         return visits
 
@@ -263,6 +258,10 @@ class Call(TorchFunctionMode):
                 f"fp8fn.apply: layer {path!r} was called more often than in `fn.init`: site "
                 f"{name!r} is not in `state`. Call `fn.init` with inputs that call it as often."
             )
+        return self._row(i)
+
+    def _row(self, i: int) -> tuple:
+        """`(newest, stored, filled)` of the site in row `i` (see `_split`)."""
         newest, stored, filled = self._split()
         return newest[i], stored[i], None if filled is None else filled[3 * i : 3 * i + 3]
 
